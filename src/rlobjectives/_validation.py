@@ -1,0 +1,217 @@
+"""Input coercion and boundary validation shared by every public function.
+
+Everything here runs once per call, on shapes, dtypes and Python scalars only: no tensor values
+are inspected (no host syncs), so the functions that use these helpers stay traceable by
+``torch.compile``. Every error names the argument, what was expected and what was received.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+__all__ = [
+    "ArrayLike",
+    "Scalar",
+    "as_float_tensor",
+    "as_mask",
+    "as_tensor",
+    "check_same_device",
+    "check_shape",
+    "compute_dtype",
+    "expand_per_sequence",
+    "validate_choice",
+    "validate_scalar",
+]
+
+ArrayLike = Any  # torch.Tensor | numpy.ndarray | nested lists/tuples of numbers/bools
+Scalar = float | int | torch.Tensor
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+    return type(value).__name__
+
+
+def _nested_shape(value: object, name: str, path: str = "") -> tuple[int, ...]:
+    """Shape of a nested list/tuple of numbers; raises for ragged or non-numeric data."""
+    if isinstance(value, (list, tuple)):
+        if len(value) == 0:
+            return (0,)
+        shapes = [_nested_shape(item, name, f"{path}[{i}]") for i, item in enumerate(value)]
+        first = shapes[0]
+        for i, shape in enumerate(shapes):
+            if shape != first:
+                raise ValueError(
+                    f"{name} is a ragged nested list: {name}{path}[0] has shape {first} but "
+                    f"{name}{path}[{i}] has shape {shape}; expected a rectangular array"
+                )
+        return (len(value), *first)
+    if isinstance(value, (bool, numbers.Real)) and not isinstance(value, (str, bytes)):
+        return ()
+    raise TypeError(
+        f"{name} must contain only numbers or bools, got {type(value).__name__} "
+        f"({value!r}) at {name}{path}"
+    )
+
+
+def as_tensor(value: ArrayLike, name: str, device: torch.device | None = None) -> torch.Tensor:
+    """Coerce ``value`` to a tensor without copying tensors and without modifying the input.
+
+    Tensors are returned as they are (their device is checked separately); NumPy arrays and
+    nested lists/tuples of numbers or bools are converted on ``device`` (CPU when ``None``).
+
+    Raises:
+        TypeError: for non-numeric data (strings, objects, complex numbers) or unsupported types.
+        ValueError: for ragged nested lists.
+    """
+    if isinstance(value, torch.Tensor):
+        if value.is_complex():
+            raise TypeError(f"{name} must be a real tensor, got dtype {value.dtype}")
+        return value
+    if isinstance(value, (list, tuple)):
+        _nested_shape(value, name)
+        try:
+            return torch.tensor(value, device=device)
+        except (TypeError, ValueError, RuntimeError) as error:  # pragma: no cover - defensive
+            raise TypeError(f"{name} could not be converted to a tensor: {error}") from None
+    if isinstance(value, (bool, numbers.Real)) and not isinstance(value, (str, bytes)):
+        return torch.tensor(value, device=device)
+    module = type(value).__module__
+    if module == "numpy" or hasattr(value, "__array__"):
+        import numpy as np
+
+        array = np.asarray(value)
+        if array.dtype.kind not in "biuf":
+            raise TypeError(
+                f"{name} must be a numeric or bool array, got NumPy dtype {array.dtype}"
+            )
+        return torch.as_tensor(array.copy(), device=device)
+    raise TypeError(
+        f"{name} must be a torch.Tensor, a NumPy array or a nested list of numbers, "
+        f"got {_describe(value)}"
+    )
+
+
+def as_float_tensor(
+    value: ArrayLike, name: str, device: torch.device | None = None
+) -> torch.Tensor:
+    """Like :func:`as_tensor`, but integer/bool data becomes the default float dtype."""
+    tensor = as_tensor(value, name, device)
+    if not tensor.is_floating_point():
+        tensor = tensor.to(torch.get_default_dtype())
+    return tensor
+
+
+def as_mask(value: ArrayLike, name: str, device: torch.device | None = None) -> torch.Tensor:
+    """Coerce a mask to bool: any nonzero entry (True, 1, 0.5, ...) selects the token."""
+    tensor = as_tensor(value, name, device)
+    if tensor.dtype != torch.bool:
+        tensor = tensor != 0
+    return tensor
+
+
+def as_batch_matrix(tensor: torch.Tensor, name: str) -> torch.Tensor:
+    """Check a ``(B, T)`` argument; a plain empty list (shape ``(0,)``) becomes ``(0, 0)``."""
+    if tensor.ndim == 1 and tensor.numel() == 0:
+        return tensor.reshape(0, 0)
+    if tensor.ndim != 2:
+        raise ValueError(
+            f"{name} must have shape (B, T) (2 dimensions), got shape {tuple(tensor.shape)} "
+            f"({tensor.ndim} dimensions)"
+        )
+    return tensor
+
+
+def check_shape(tensor: torch.Tensor, name: str, expected: Sequence[int], reference: str) -> None:
+    """Raise ``ValueError`` unless ``tensor.shape == expected`` (the shape of ``reference``)."""
+    if tuple(tensor.shape) != tuple(expected):
+        raise ValueError(
+            f"{name} must have the same shape as {reference} {tuple(expected)}, "
+            f"got shape {tuple(tensor.shape)}"
+        )
+
+
+def check_same_device(tensors: dict[str, torch.Tensor]) -> torch.device:
+    """Raise ``ValueError`` if the tensors are not all on one device; return that device."""
+    items = list(tensors.items())
+    first_name, first = items[0]
+    for name, tensor in items[1:]:
+        if tensor.device != first.device:
+            raise ValueError(
+                f"{name} must be on the same device as {first_name} ({first.device}), "
+                f"got device {tensor.device}"
+            )
+    return first.device
+
+
+def expand_per_sequence(
+    values: torch.Tensor, name: str, batch_shape: tuple[int, int], reference: str
+) -> torch.Tensor:
+    """Accept ``(B,)``, ``(B, 1)`` or ``(B, T)`` per-sequence/per-token values.
+
+    Returns ``(B, 1)`` for per-sequence values (broadcast over tokens) and ``(B, T)`` as is.
+    """
+    batch, tokens = batch_shape
+    if values.ndim == 1 and values.shape[0] == batch:
+        return values.unsqueeze(-1)
+    if values.ndim == 2 and values.shape[0] == batch and values.shape[1] in (1, tokens):
+        return values
+    raise ValueError(
+        f"{name} must have shape (B,), (B, 1) or (B, T) with (B, T) = {batch_shape} from "
+        f"{reference}, got shape {tuple(values.shape)}"
+    )
+
+
+def validate_scalar(
+    value: Scalar,
+    name: str,
+    *,
+    minimum: float | None = 0.0,
+    strict: bool = False,
+    allow_tensor: bool = True,
+) -> float | torch.Tensor:
+    """Validate a hyperparameter: a real Python number or a 0-d real tensor, finite, >= minimum.
+
+    A 0-d tensor is returned as a tensor (so it can be traced); its value is checked on the host
+    except while ``torch.compile`` traces, where inspecting it would break the graph.
+    """
+    if isinstance(value, torch.Tensor):
+        if not allow_tensor or value.ndim != 0 or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(
+                f"{name} must be a real number or a 0-d real tensor, got {_describe(value)}"
+            )
+        if torch.compiler.is_compiling():
+            return value
+        number = float(value.detach().cpu())
+    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {_describe(value)} ({value!r})")
+    else:
+        number = float(value)
+    if not math.isfinite(number):
+        raise ValueError(f"{name} must be finite, got {number}")
+    if minimum is not None and (number <= minimum if strict else number < minimum):
+        relation = ">" if strict else ">="
+        raise ValueError(f"{name} must be {relation} {minimum}, got {number}")
+    return value if isinstance(value, torch.Tensor) else number
+
+
+def validate_choice(value: object, name: str, choices: Sequence[str]) -> str:
+    """Raise ``ValueError`` unless ``value`` is one of ``choices``."""
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
+    return value
+
+
+def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
+    """The internal computation dtype: float32, or float64 if any floating input is float64."""
+    dtype = torch.float32
+    for tensor in tensors:
+        if tensor.is_floating_point():
+            dtype = torch.promote_types(dtype, tensor.dtype)
+    return dtype

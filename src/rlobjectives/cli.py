@@ -1,0 +1,160 @@
+"""Command line: ``rlobjectives <command>`` (also ``python -m rlobjectives``).
+
+``grpo-surrogate`` and ``kl-rewards`` read one JSON object whose keys are the parameter names of
+:func:`rlobjectives.grpo_clipped_surrogate` / :func:`rlobjectives.kl_penalized_rewards` from a
+file argument or standard input and print the outputs as JSON. Every user error prints one line
+on standard error and exits with status 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import json
+import math
+import struct
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any, NoReturn
+
+import torch
+
+from ._policy import grpo_clipped_surrogate
+from ._rewards import kl_penalized_rewards
+
+__all__ = ["main"]
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64}
+_FUNCTIONS: dict[str, Callable[..., dict[str, torch.Tensor]]] = {
+    "grpo-surrogate": grpo_clipped_surrogate,
+    "kl-rewards": kl_penalized_rewards,
+}
+# Parameters that hold tensors (converted with the chosen dtype); the rest are scalars.
+_MASKS = {"token_mask", "response_mask"}
+
+
+class _UsageError(Exception):
+    """A user error: reported as one line on stderr, exit status 2."""
+
+
+class _ArgumentParser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise _UsageError(message)
+
+
+def _shortest(number: float, dtype: torch.dtype) -> float:
+    """The shortest decimal that rounds back to ``number`` in ``dtype`` (15 digits for float64).
+
+    float64 results are printed with 15 significant digits so that ``-0.7999999999999999``
+    reads ``-0.8``; float32 results with the fewest digits that identify the float32 value.
+    """
+    if dtype != torch.float32:
+        return float(f"{number:.15g}")
+    target = struct.pack("<f", number)
+    for digits in range(6, 10):
+        candidate = float(f"{number:.{digits}g}")
+        if struct.pack("<f", candidate) == target:
+            return candidate
+    return number
+
+
+def _to_json(value: torch.Tensor) -> Any:
+    data = value.detach().to(torch.float64).cpu().tolist()
+
+    def clean(item: Any) -> Any:
+        if isinstance(item, list):
+            return [clean(x) for x in item]
+        if math.isnan(item):
+            return None
+        if math.isinf(item):
+            return "Infinity" if item > 0 else "-Infinity"
+        return _shortest(item, value.dtype)
+
+    return clean(data)
+
+
+def _read_json(path: str | None) -> dict[str, Any]:
+    try:
+        if path is None or path == "-":
+            text = sys.stdin.read()
+        else:
+            with open(path, encoding="utf-8") as handle:
+                text = handle.read()
+    except OSError as error:
+        raise _UsageError(f"cannot read input {path!r}: {error.strerror}") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as error:
+        raise _UsageError(
+            f"malformed JSON input: {error.msg} at line {error.lineno} column {error.colno}"
+        ) from None
+    if not isinstance(data, dict):
+        raise _UsageError(f"the JSON input must be an object, got {type(data).__name__}")
+    return data
+
+
+def _run_function(command: str, data: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    function = _FUNCTIONS[command]
+    parameters = list(inspect.signature(function).parameters)
+    missing = [name for name in parameters if name not in data]
+    unknown = sorted(set(data) - set(parameters))
+    if unknown:
+        raise _UsageError(f"unknown key(s) {unknown}; expected the keys {parameters}")
+    if missing:
+        raise _UsageError(f"missing key(s) {missing}; expected the keys {parameters}")
+    arguments: dict[str, Any] = {}
+    for name in parameters:
+        value = data[name]
+        if isinstance(value, list) and name not in _MASKS:
+            try:
+                value = torch.tensor(value, dtype=dtype)
+            except (TypeError, ValueError, RuntimeError):
+                pass  # let the function raise its own, named, error
+        elif isinstance(value, (int, float)) and not isinstance(value, bool) and name not in _MASKS:
+            value = float(value)
+        arguments[name] = value
+    try:
+        outputs = function(**arguments)
+    except (TypeError, ValueError) as error:
+        raise _UsageError(f"invalid input: {error}") from None
+    return {key: _to_json(tensor) for key, tensor in outputs.items()}
+
+
+def _build_parser() -> _ArgumentParser:
+    parser = _ArgumentParser(
+        prog="rlobjectives",
+        description="RL post-training objectives for language models.",
+    )
+    commands = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
+    for command, function in _FUNCTIONS.items():
+        summary = (function.__doc__ or "").strip().splitlines()[0]
+        keys = ", ".join(inspect.signature(function).parameters)
+        sub = commands.add_parser(
+            command,
+            help=summary,
+            description=f"{summary} Reads one JSON object with the keys: {keys}.",
+        )
+        sub.add_argument(
+            "input", nargs="?", default=None, help="JSON file (default: standard input, or '-')"
+        )
+        sub.add_argument(
+            "--dtype",
+            choices=sorted(_DTYPES),
+            default="float64",
+            help="computation dtype (default: float64)",
+        )
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command line; returns the exit status (0 success, 2 user error)."""
+    parser = _build_parser()
+    try:
+        arguments = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        data = _read_json(arguments.input)
+        outputs = _run_function(arguments.command, data, _DTYPES[arguments.dtype])
+    except _UsageError as error:
+        print(f"rlobjectives: error: {error}", file=sys.stderr)
+        return 2
+    print(json.dumps(outputs))
+    return 0
