@@ -31,8 +31,23 @@ def masked_fill_zero(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
-def masked_sum(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Sum of ``values`` over the selected entries (all dims when ``dim`` is None)."""
+def masked_sum(values: torch.Tensor, mask: torch.Tensor, *, dim: int | None = None) -> torch.Tensor:
+    r"""Sum of ``values`` over the selected entries: :math:`\sum M \odot x` via ``torch.where``.
+
+    Args:
+        values: any shape, e.g. ``(B, T)``.
+        mask: bool, the shape of ``values``; True selects the entry.
+        dim: the dimension to reduce, or None for all.
+
+    Returns:
+        A scalar (``dim=None``) or ``values`` reduced over ``dim`` (e.g. ``(B,)``). NaN/inf at
+        unselected entries reaches neither the sum nor its gradient.
+
+    Examples:
+        >>> import torch
+        >>> masked_sum(torch.tensor([[1.0, float("nan")]]), torch.tensor([[True, False]]))
+        tensor(1.)
+    """
     selected = masked_fill_zero(values, mask)
     return selected.sum() if dim is None else selected.sum(dim=dim)
 
@@ -48,10 +63,29 @@ def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor | float) -> t
     return numerator / max(float(denominator), 1.0)
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Mean of ``values`` over the selected entries; 0 where nothing is selected."""
+def masked_mean(
+    values: torch.Tensor, mask: torch.Tensor, *, dim: int | None = None
+) -> torch.Tensor:
+    r"""Mean of ``values`` over the selected entries; 0 (not NaN) where nothing is selected.
+
+    .. math:: \frac{\sum M \odot x}{\max(1, \sum M)}
+
+    Args:
+        values: any shape, e.g. ``(B, T)``.
+        mask: bool, the shape of ``values``; True selects the entry.
+        dim: the dimension to reduce, or None for all.
+
+    Returns:
+        A scalar (``dim=None``) or ``values`` reduced over ``dim`` (e.g. ``(B,)``).
+
+    Examples:
+        >>> import torch
+        >>> masked_mean(torch.tensor([[1.0, 3.0], [5.0, 7.0]]),
+        ...             torch.tensor([[True, True], [False, False]]), dim=-1)
+        tensor([2., 0.])
+    """
     count = mask.sum() if dim is None else mask.sum(dim=dim)
-    return safe_divide(masked_sum(values, mask, dim), count)
+    return safe_divide(masked_sum(values, mask, dim=dim), count)
 
 
 def _explicit_normalizer(
