@@ -59,7 +59,8 @@ GRPO_CASES = [
     (
         dict(advantages=torch.ones(3)),
         ValueError,
-        r"advantages must have shape \(B,\), \(B, 1\) or \(B, T\) with \(B, T\) = \(2, 3\).*got shape \(3,\)",
+        r"advantages must have shape \(B,\), \(B, 1\) or \(B, T\) with \(B, T\) = \(2, 3\)"
+        r".*got shape \(3,\)",
     ),
     (
         dict(advantages=torch.ones(2, 2)),
@@ -85,7 +86,8 @@ GRPO_CASES = [
     (
         dict(new_log_probs=[[0.0, "a", 1.0], [0, 0, 0]]),
         TypeError,
-        r"new_log_probs must contain only numbers or bools, got str \('a'\) at new_log_probs\[0\]\[1\]",
+        r"new_log_probs must contain only numbers or bools, got str \('a'\) "
+        r"at new_log_probs\[0\]\[1\]",
     ),
     (
         dict(new_log_probs=[[0.0, 1.0, 2.0], [0.0, 1.0]]),
@@ -126,7 +128,8 @@ KL_CASES = [
     (
         dict(reference_log_probs=torch.zeros(2, 2)),
         ValueError,
-        r"reference_log_probs must have the same shape as policy_log_probs \(2, 3\), got shape \(2, 2\)",
+        r"reference_log_probs must have the same shape as policy_log_probs \(2, 3\), "
+        r"got shape \(2, 2\)",
     ),
     (
         dict(response_mask=torch.ones(2)),
