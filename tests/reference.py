@@ -6,6 +6,8 @@ Python list-of-lists bool mask. Nothing here imports the library.
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 Tensor = torch.Tensor
@@ -44,7 +46,7 @@ def surrogate_token(
         high = clip_low if clip_high is None else clip_high
         clipped = torch.clamp(ratio, 1 - clip_low, 1 + high)
         s = torch.minimum(ratio * advantage, clipped * advantage)
-    if dual_clip is not None and float(advantage) < 0:
+    if dual_clip is not None and float(advantage.detach()) < 0:
         s = torch.maximum(s, dual_clip * advantage)
     return s
 
@@ -174,7 +176,7 @@ def grpo_clipped_surrogate(
             s = torch.minimum(r * a, torch.clamp(r, 1 - clip_epsilon, 1 + clip_epsilon) * a)
             seq.append(s)
             all_s.append(s)
-            if float(r) < 1 - clip_epsilon or float(r) > 1 + clip_epsilon:
+            if float(r.detach()) < 1 - clip_epsilon or float(r.detach()) > 1 + clip_epsilon:
                 clipped += 1
         per_sequence.append(sum(seq, zero) / len(seq) if seq else zero)
     count = len(all_s)
@@ -211,3 +213,498 @@ def kl_penalized_rewards(
         "penalized_rewards": torch.stack(penalized) if penalized else empty,
         "sampled_divergences": torch.stack(divergences) if divergences else empty,
     }
+
+
+def policy_loss_diagnostics(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float | None = 0.2,
+    clip_high: float | None = None,
+    dual_clip: float | None = None,
+    ratio_level: str = "token",
+    log_ratio_bound: float | None = 20.0,
+    diagnostics_normalizer: float | None = None,
+) -> dict[str, float]:
+    """Reference of rlobjectives.policy_loss(...).diagnostics, as Python floats (one token loop).
+
+    Every diagnostic is a sum over selected tokens divided by the selected-token count (or
+    ``diagnostics_normalizer``); 0 when the denominator is 0. ``log_ratio`` at a token is the
+    token's own ``log_probs - old_log_probs`` (sequence mode: the mean over the sequence's
+    selected tokens) for the clip counts, the bound and the ratio; k1 and k3 always use the
+    token's own log-ratio (k3 with it clamped to the bound, 20 when the bound is None).
+    """
+    m = _as_list_mask(mask)
+    lp = log_probs.detach().tolist()
+    old = old_log_probs.detach().tolist()
+    totals = dict.fromkeys(
+        (
+            "clipped_fraction",
+            "clip_fraction_low",
+            "clip_fraction_high",
+            "dual_clip_fraction",
+            "log_ratio_bound_fraction",
+            "ratio_mean",
+            "approx_kl_k1",
+            "approx_kl_k3",
+        ),
+        0.0,
+    )
+    count = 0
+    for i, row in enumerate(m):
+        selected = [t for t, keep in enumerate(row) if keep]
+        if selected:
+            sequence_delta = sum(lp[i][t] - old[i][t] for t in selected) / len(selected)
+        for t in selected:
+            count += 1
+            delta = lp[i][t] - old[i][t]
+            ratio_delta = sequence_delta if ratio_level == "sequence" else delta
+            a = float(_advantage(advantages, i, t))
+            if log_ratio_bound is not None:
+                if abs(ratio_delta) > log_ratio_bound:
+                    totals["log_ratio_bound_fraction"] += 1
+                ratio_delta = min(max(ratio_delta, -log_ratio_bound), log_ratio_bound)
+            r = math.exp(ratio_delta)
+            totals["ratio_mean"] += r
+            surrogate = r * a
+            if clip_low is not None:
+                high = clip_low if clip_high is None else clip_high
+                below, above = r < 1 - clip_low, r > 1 + high
+                totals["clipped_fraction"] += below or above
+                totals["clip_fraction_low"] += below and a < 0
+                totals["clip_fraction_high"] += above and a > 0
+                surrogate = min(r * a, min(max(r, 1 - clip_low), 1 + high) * a)
+            if dual_clip is not None and a < 0 and surrogate < dual_clip * a:
+                totals["dual_clip_fraction"] += 1
+            bound = 20.0 if log_ratio_bound is None else log_ratio_bound
+            kl_delta = min(max(delta, -bound), bound)
+            totals["approx_kl_k1"] += -delta
+            totals["approx_kl_k3"] += math.expm1(kl_delta) - kl_delta
+    denominator = count if diagnostics_normalizer is None else diagnostics_normalizer
+    return {k: (v / denominator if denominator else 0.0) for k, v in totals.items()}
+
+
+def global_normalizers(masks: list[Tensor]) -> tuple[int, int, int]:
+    """Reference of rlobjectives.distributed.global_normalizers in one process (plain loops).
+
+    Returns (selected tokens, sequences with at least one selected token, sequences) over all
+    the micro-batch masks; with W ranks, the counts of all ranks' masks together.
+    """
+    tokens = nonempty = sequences = 0
+    for mask in masks:
+        for row in _as_list_mask(mask):
+            selected = sum(1 for keep in row if keep)
+            tokens += selected
+            nonempty += 1 if selected > 0 else 0
+            sequences += 1
+    return tokens, nonempty, sequences
+
+
+# --- log-probabilities, entropy, full-vocabulary KL, causal-LM alignment (issue 7) -------------
+
+
+def _rows(values: Tensor) -> tuple[Tensor, tuple[int, ...]]:
+    """(B, T, V) or (N, V) -> ((N, V), batch shape)."""
+    return values.reshape(-1, values.shape[-1]), tuple(values.shape[:-1])
+
+
+def _row_keep(mask: Tensor | None, n: int) -> list[bool]:
+    if mask is None:
+        return [True] * n
+    return [bool(v) for v in mask.reshape(-1).tolist()]
+
+
+def token_log_probs(
+    logits: Tensor, tokens: Tensor, mask: Tensor | None = None, temperature: float = 1.0
+) -> Tensor:
+    """Reference of rlobjectives.token_log_probs: log_softmax(row / tau)[token], 0 if masked."""
+    rows, shape = _rows(logits)
+    flat_tokens = tokens.reshape(-1).tolist()
+    out = []
+    for n, keep in enumerate(_row_keep(mask, rows.shape[0])):
+        if keep:
+            out.append(torch.log_softmax(rows[n].double() / temperature, -1)[flat_tokens[n]])
+        else:
+            out.append(torch.zeros((), dtype=torch.float64))
+    return torch.stack(out).reshape(shape) if out else torch.zeros(shape, dtype=torch.float64)
+
+
+def token_entropy(logits: Tensor, mask: Tensor | None = None, temperature: float = 1.0) -> Tensor:
+    """Reference of rlobjectives.token_entropy: -sum_v p log p per row, 0 if masked."""
+    rows, shape = _rows(logits)
+    out = []
+    for n, keep in enumerate(_row_keep(mask, rows.shape[0])):
+        if keep:
+            log_p = torch.log_softmax(rows[n].double() / temperature, -1)
+            terms = [log_p[v].exp() * log_p[v] for v in range(len(log_p))]
+            out.append(-sum(terms, torch.zeros((), dtype=torch.float64)))
+        else:
+            out.append(torch.zeros((), dtype=torch.float64))
+    return torch.stack(out).reshape(shape) if out else torch.zeros(shape, dtype=torch.float64)
+
+
+def full_vocab_kl(
+    logits: Tensor, ref_logits: Tensor, mask: Tensor | None = None, temperature: float = 1.0
+) -> Tensor:
+    """Reference of rlobjectives.full_vocab_kl: sum_v p_v (log p_v - log q_v) per row."""
+    rows, shape = _rows(logits)
+    ref_rows, _ = _rows(ref_logits)
+    out = []
+    for n, keep in enumerate(_row_keep(mask, rows.shape[0])):
+        if keep:
+            log_p = torch.log_softmax(rows[n].double() / temperature, -1)
+            log_q = torch.log_softmax(ref_rows[n].double() / temperature, -1)
+            terms = [log_p[v].exp() * (log_p[v] - log_q[v]) for v in range(len(log_p))]
+            out.append(sum(terms, torch.zeros((), dtype=torch.float64)))
+        else:
+            out.append(torch.zeros((), dtype=torch.float64))
+    return torch.stack(out).reshape(shape) if out else torch.zeros(shape, dtype=torch.float64)
+
+
+def response_log_probs(
+    logits: Tensor,
+    input_ids: Tensor,
+    prompt_lengths: list[int],
+    attention_mask: Tensor,
+    response_length: int,
+) -> tuple[Tensor, list[list[bool]]]:
+    """Reference of rlobjectives.response_log_probs: loop over rows and response positions.
+
+    Row b's real tokens are the contiguous run of ones in attention_mask[b], starting at f; the
+    response is positions j in [f + P_b, f + n_b); token j is predicted by logits[b, j - 1].
+    """
+    out: list[Tensor] = []
+    mask: list[list[bool]] = []
+    zero = torch.zeros((), dtype=torch.float64)
+    for b, row in enumerate(_as_list_mask(attention_mask)):
+        attended = [j for j, keep in enumerate(row) if keep]
+        first, count = (attended[0], len(attended)) if attended else (0, 0)
+        row_mask = []
+        for t in range(response_length):
+            j = first + prompt_lengths[b] + t
+            if j < first + count:
+                log_p = torch.log_softmax(logits[b, j - 1].double(), -1)
+                out.append(log_p[int(input_ids[b, j])])
+                row_mask.append(True)
+            else:
+                out.append(zero)
+                row_mask.append(False)
+        mask.append(row_mask)
+    return torch.stack(out).reshape(len(mask), response_length), mask
+
+
+# --- KL estimators, KL placements and advantages (rlobjectives._kl, rlobjectives._advantages) ---
+
+
+def _matrix(entries: dict[tuple[int, int], Tensor], shape: tuple[int, int]) -> Tensor:
+    """A (B, T) float64 tensor with ``entries`` at their positions and 0 elsewhere (autograd ok)."""
+    batch, tokens = shape
+    zero = torch.zeros((), dtype=torch.float64)
+    if batch == 0 or tokens == 0:
+        return torch.zeros(shape, dtype=torch.float64)
+    rows = [torch.stack([entries.get((i, t), zero) for t in range(tokens)]) for i in range(batch)]
+    return torch.stack(rows)
+
+
+def kl_token(
+    log_prob: Tensor,
+    ref_log_prob: Tensor,
+    *,
+    estimator: str,
+    straight_through: bool,
+    log_ratio_bound: float | None,
+) -> Tensor:
+    """One token's KL estimate: k1 = d, k2 = d^2/2, k3 = exp(-d) + d - 1 (d clamped first)."""
+    d = log_prob - ref_log_prob
+    if log_ratio_bound is not None:
+        d = torch.clamp(d, -log_ratio_bound, log_ratio_bound)
+    k2 = d * d / 2
+    if estimator == "k1":
+        k = d
+    elif estimator == "k2":
+        k = k2
+    else:
+        k = torch.exp(-d) + d - 1
+    if straight_through:
+        k = k.detach() + k2 - k2.detach()
+    return k
+
+
+def kl_estimate(
+    log_probs: Tensor,
+    ref_log_probs: Tensor,
+    mask: Tensor,
+    *,
+    estimator: str = "k3",
+    straight_through: bool = False,
+    log_ratio_bound: float | None = 20.0,
+) -> Tensor:
+    """Reference of rlobjectives.kl_estimate: (B, T), zeros at unselected tokens."""
+    m = _as_list_mask(mask)
+    entries = {
+        (i, t): kl_token(
+            log_probs[i, t],
+            ref_log_probs[i, t],
+            estimator=estimator,
+            straight_through=straight_through,
+            log_ratio_bound=log_ratio_bound,
+        )
+        for i, row in enumerate(m)
+        for t, keep in enumerate(row)
+        if keep
+    }
+    return _matrix(entries, tuple(mask.shape))  # type: ignore[arg-type]
+
+
+def kl_loss(
+    log_probs: Tensor,
+    ref_log_probs: Tensor,
+    mask: Tensor,
+    *,
+    estimator: str = "k3",
+    straight_through: bool = False,
+    reduction: str = "token_mean",
+    normalizer: float | None = None,
+    max_response_length: int | None = None,
+    log_ratio_bound: float | None = 20.0,
+) -> Tensor:
+    """Reference of rlobjectives.kl_loss: the per-token estimates reduced by reduce_losses."""
+    m = _as_list_mask(mask)
+    losses = {
+        (i, t): kl_token(
+            log_probs[i, t],
+            ref_log_probs[i, t],
+            estimator=estimator,
+            straight_through=straight_through,
+            log_ratio_bound=log_ratio_bound,
+        )
+        for i, row in enumerate(m)
+        for t, keep in enumerate(row)
+        if keep
+    }
+    return reduce_losses(
+        losses,
+        tuple(mask.shape),  # type: ignore[arg-type]
+        reduction=reduction,
+        normalizer=normalizer,
+        max_response_length=max_response_length,
+    )
+
+
+def kl_penalized_token_rewards(
+    log_probs: Tensor,
+    ref_log_probs: Tensor,
+    scores: Tensor,
+    mask: Tensor,
+    *,
+    kl_coef: float,
+    estimator: str = "k1",
+    log_ratio_bound: float | None = None,
+) -> Tensor:
+    """Reference of rlobjectives.kl_penalized_token_rewards: -kl_coef*k, score at last token."""
+    m = _as_list_mask(mask)
+    entries: dict[tuple[int, int], Tensor] = {}
+    for i, row in enumerate(m):
+        selected = [t for t, keep in enumerate(row) if keep]
+        for t in selected:
+            k = kl_token(
+                log_probs[i, t],
+                ref_log_probs[i, t],
+                estimator=estimator,
+                straight_through=False,
+                log_ratio_bound=log_ratio_bound,
+            )
+            entries[(i, t)] = -kl_coef * k
+        if selected:
+            last = selected[-1]
+            entries[(i, last)] = entries[(i, last)] + scores.reshape(-1)[i]
+    return _matrix(entries, tuple(mask.shape))  # type: ignore[arg-type]
+
+
+def group_relative_advantages(
+    rewards: Tensor, group_size: int, *, scale: str = "std", eps: float = 1e-6
+) -> Tensor:
+    """Reference of rlobjectives.group_relative_advantages (unbiased std; std := 0 for G = 1)."""
+    out: list[Tensor] = []
+    for start in range(0, rewards.shape[0], group_size):
+        group = [rewards[start + j] for j in range(group_size)]
+        mean = sum(group, torch.zeros((), dtype=torch.float64)) / group_size
+        if group_size > 1:
+            variance = sum((r - mean) ** 2 for r in group) / (group_size - 1)
+            std = torch.sqrt(variance)
+        else:
+            std = torch.zeros((), dtype=torch.float64)
+        for r in group:
+            if scale == "none":
+                out.append(r - mean)
+            elif float(std.detach()) + eps > 0:
+                out.append((r - mean) / (std + eps))
+            else:
+                out.append(torch.zeros((), dtype=torch.float64))
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def rloo_advantages(rewards: Tensor, group_size: int) -> Tensor:
+    """Reference of rlobjectives.rloo_advantages: r_i - mean of the other rewards of the group."""
+    out: list[Tensor] = []
+    for start in range(0, rewards.shape[0], group_size):
+        group = [rewards[start + j] for j in range(group_size)]
+        for j, r in enumerate(group):
+            others = [group[k] for k in range(group_size) if k != j]
+            out.append(r - sum(others, torch.zeros((), dtype=torch.float64)) / (group_size - 1))
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def reinforce_plus_plus_advantages(
+    rewards: Tensor,
+    mask: Tensor,
+    *,
+    token_rewards: Tensor | None = None,
+    gamma: float = 1.0,
+    group_size: int | None = None,
+    eps: float = 1e-8,
+) -> Tensor:
+    """Reference of rlobjectives.reinforce_plus_plus_advantages (loops over selected tokens)."""
+    m = _as_list_mask(mask)
+    zero = torch.zeros((), dtype=torch.float64)
+    scores = [rewards.reshape(-1)[i] for i in range(len(m))]
+    if group_size is not None:
+        baselined = []
+        for i, score in enumerate(scores):
+            start = (i // group_size) * group_size
+            group = scores[start : start + group_size]
+            baselined.append(score - sum(group, zero) / group_size)
+        scores = baselined
+    returns: dict[tuple[int, int], Tensor] = {}
+    for i, row in enumerate(m):
+        selected = [t for t, keep in enumerate(row) if keep]
+        running = zero
+        for k in reversed(range(len(selected))):
+            t = selected[k]
+            reward = token_rewards[i, t] if token_rewards is not None else zero
+            if k == len(selected) - 1:
+                reward = reward + scores[i]
+            running = reward + gamma * running
+            returns[(i, t)] = running
+    count = len(returns)
+    if count == 0:
+        return torch.zeros(tuple(mask.shape), dtype=torch.float64)
+    mean = sum(returns.values(), zero) / count
+    variance = sum(((g - mean) ** 2 for g in returns.values()), zero) / count
+    std = torch.sqrt(variance)
+    entries = {key: (g - mean) / (std + eps) for key, g in returns.items()}
+    return _matrix(entries, tuple(mask.shape))  # type: ignore[arg-type]
+
+
+def gae(
+    rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float
+) -> tuple[Tensor, Tensor]:
+    """Reference of rlobjectives.gae: (advantages, returns) over each row's selected tokens."""
+    m = _as_list_mask(mask)
+    zero = torch.zeros((), dtype=torch.float64)
+    advantages: dict[tuple[int, int], Tensor] = {}
+    returns: dict[tuple[int, int], Tensor] = {}
+    for i, row in enumerate(m):
+        selected = [t for t, keep in enumerate(row) if keep]
+        next_advantage = zero
+        for k in reversed(range(len(selected))):
+            t = selected[k]
+            next_value = values[i, selected[k + 1]] if k + 1 < len(selected) else zero
+            delta = rewards[i, t] + gamma * next_value - values[i, t]
+            next_advantage = delta + gamma * lam * next_advantage
+            advantages[(i, t)] = next_advantage
+            returns[(i, t)] = next_advantage + values[i, t]
+    shape = tuple(mask.shape)
+    return _matrix(advantages, shape), _matrix(returns, shape)  # type: ignore[arg-type]
+
+
+# --- log-probabilities and the fused policy loss from hidden states (issue 7, _from_hidden) ----
+
+
+def token_log_probs_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    mask: Tensor | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Reference of rlobjectives.token_log_probs_from_hidden: (log_probs, entropy), (B, T) each.
+
+    Token by token: logits = hidden[i, t] @ weight.T (+ bias), all in float64, then
+    log_softmax(logits / temperature) at the token and -sum_v p log p; 0 where mask is False.
+    """
+    batch, steps = tokens.shape
+    keep = _row_keep(mask, batch * steps)
+    zero = torch.zeros((), dtype=torch.float64)
+    log_probs: list[Tensor] = []
+    entropies: list[Tensor] = []
+    for i in range(batch):
+        for t in range(steps):
+            if not keep[i * steps + t]:
+                log_probs.append(zero)
+                entropies.append(zero)
+                continue
+            logits = weight.double() @ hidden[i, t].double()  # (V,)
+            if bias is not None:
+                logits = logits + bias.double()
+            log_p = torch.log_softmax(logits / temperature, -1)  # (V,)
+            log_probs.append(log_p[int(tokens[i, t])])
+            entropies.append(-sum((log_p[v].exp() * log_p[v] for v in range(len(log_p))), zero))
+    if not log_probs:
+        empty = torch.zeros((batch, steps), dtype=torch.float64)
+        return empty, empty
+    return (
+        torch.stack(log_probs).reshape(batch, steps),
+        torch.stack(entropies).reshape(batch, steps),
+    )
+
+
+def fused_policy_loss_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    reduction: str = "token_mean",
+    normalizer: float | None = None,
+    max_response_length: int | None = None,
+    ref_log_probs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    kl_straight_through: bool = False,
+    **options: object,
+) -> Tensor:
+    """Reference of rlobjectives.fused_policy_loss_from_hidden(...).loss: the unfused composition.
+
+    log_probs from the loop above, then policy_loss(...) + kl_coef * kl_loss(...) with the same
+    reduction, normalizer and log-ratio bound.
+    """
+    log_probs, _ = token_log_probs_from_hidden(
+        hidden, weight, tokens, bias=bias, temperature=temperature, mask=mask
+    )
+    reduce = {
+        "reduction": reduction,
+        "normalizer": normalizer,
+        "max_response_length": max_response_length,
+    }
+    loss = policy_loss(log_probs, old_log_probs, advantages, mask, **reduce, **options)
+    if ref_log_probs is not None and kl_coef > 0:
+        bound = options.get("log_ratio_bound", 20.0)
+        loss = loss + kl_coef * kl_loss(
+            log_probs,
+            ref_log_probs,
+            mask,
+            estimator=kl_estimator,
+            straight_through=kl_straight_through,
+            log_ratio_bound=bound,  # type: ignore[arg-type]
+            **reduce,  # type: ignore[arg-type]
+        )
+    return loss

@@ -10,7 +10,16 @@ from typing import Literal, get_args
 
 import torch
 
-from ._validation import Scalar, validate_choice, validate_scalar
+from ._validation import (
+    Scalar,
+    as_batch_matrix,
+    as_float_tensor,
+    as_mask,
+    check_same_device,
+    check_shape,
+    validate_choice,
+    validate_scalar,
+)
 
 __all__ = [
     "REDUCTIONS",
@@ -129,9 +138,28 @@ def aggregate(
         max_response_length: the Dr. GRPO constant :math:`C`; ``None`` uses ``T``.
 
     Returns:
-        A scalar tensor, or ``(B, T)`` for ``"none"``.
+        A scalar tensor, or ``(B, T)`` for ``"none"``, with the dtype of ``values`` (float16 and
+        bfloat16 values are reduced in float32 and rounded once).
+
+    Raises:
+        ValueError: if ``values`` is not ``(B, T)``, ``mask`` has another shape or device,
+            ``reduction`` is unknown, or ``normalizer``/``max_response_length`` is not positive.
+        TypeError: on non-numeric inputs.
     """
     validate_choice(reduction, "reduction", REDUCTIONS)
+    values = as_batch_matrix(as_float_tensor(values, "values"), "values")
+    mask = as_batch_matrix(as_mask(mask, "mask", values.device), "mask")
+    check_same_device({"values": values, "mask": mask})
+    check_shape(mask, "mask", tuple(values.shape), "values")
+    if values.dtype in (torch.float16, torch.bfloat16):
+        # Reduce in float32 and round once to the half-precision output dtype.
+        return aggregate(
+            values.float(),
+            mask,
+            reduction=reduction,
+            normalizer=normalizer,
+            max_response_length=max_response_length,
+        ).to(values.dtype)
     if reduction == "none":
         return masked_fill_zero(values, mask)
     dtype, device = values.dtype, values.device
@@ -163,4 +191,5 @@ def aggregate(
     total = masked_sum(values, mask)
     if normalizer is None:
         return total / (max(values.shape[0], 1) * max(constant, 1.0))
-    return total / (_explicit_normalizer(normalizer, dtype, device) * constant)
+    # max(C, 1): an empty token axis (T = 0, C defaulting to T) gives 0, not 0/0.
+    return total / (_explicit_normalizer(normalizer, dtype, device) * max(constant, 1.0))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from ._kl import _kl_terms
 from ._masking import masked_sum, safe_divide
 from ._validation import (
     ArrayLike,
@@ -94,7 +95,16 @@ def kl_penalized_rewards(
     coefficient = validate_scalar(beta, "beta", minimum=0.0)
 
     dtype = compute_dtype(policy, reference, rewards_t)
-    log_ratio = policy.to(dtype) - reference.to(dtype)  # (B, T)
+    # The k1 estimate per token, unclamped, through the one KL implementation (rlobjectives._kl).
+    log_ratio = _kl_terms(
+        policy,
+        reference,
+        mask,
+        estimator="k1",
+        straight_through=False,
+        log_ratio_bound=None,
+        dtype=dtype,
+    )  # (B, T), zeros at unselected tokens
     divergences = masked_sum(log_ratio, mask, dim=-1)  # (B,)
     penalized = rewards_t.to(dtype) - coefficient * divergences  # (B,)
     objective = safe_divide(penalized.sum(), batch)  # ()

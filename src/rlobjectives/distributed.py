@@ -1,0 +1,382 @@
+r"""Global normalisers for exact losses under data parallelism and gradient accumulation.
+
+An optimizer step usually sees its batch in pieces: ``W`` data-parallel ranks, each running
+``M`` micro-batches (gradient accumulation). A loss whose denominator is computed per piece
+(each micro-batch divides by its own token count, or by ``M``) weights tokens differently
+depending on how the batch was cut, so long and short responses get different weights and
+gradients shrink or grow with the split. The cure is to count once, before the micro-batch
+loop, over every micro-batch of the step and every rank, and to pass that count as the
+``normalizer`` of every micro-batch loss: the micro-batch losses are then *additive*, and their
+sum over micro-batches and ranks is the full-batch loss.
+
+.. math::
+
+    \mathcal{L}_{\text{full}} = \sum_{r=1}^{W} \sum_{m=1}^{M}
+        \frac{\sum_{(i, t) \in \text{piece}_{rm}} M_{it} L_{it}}{N_{\text{global}}}
+
+Data-parallel wrappers (``DistributedDataParallel``, FSDP with its default settings) *average*
+gradients over the ``W`` ranks, so each rank must multiply its loss by ``W``
+(:func:`data_parallel_loss_scale`) to obtain the gradient of the sum. The full recipe, with
+the reasoning and the bugs it avoids, is in ``docs/distributed.md``.
+
+Example (one optimizer step on one rank)::
+
+    counts = global_normalizers([mb.mask for mb in micro_batches], group=dp_group)
+    normalizer = normalizer_for_reduction(counts, reduction="token_mean")
+    scale = data_parallel_loss_scale(group=dp_group)
+    diagnostics = []
+    for k, mb in enumerate(micro_batches):
+        with model.no_sync() if k < len(micro_batches) - 1 else contextlib.nullcontext():
+            out = policy_loss(..., reduction="token_mean", normalizer=normalizer,
+                              diagnostics_normalizer=normalizer)
+            (out.loss * scale).backward()
+        diagnostics.append(out.diagnostics)
+    optimizer.step()
+    step_diagnostics = sum_diagnostics(diagnostics, group=dp_group)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple, TypeVar, cast
+
+import torch
+import torch.distributed as dist
+
+from ._masking import REDUCTIONS
+from ._validation import ArrayLike, as_batch_matrix, as_mask, validate_choice
+
+__all__ = [
+    "Normalizers",
+    "data_parallel_loss_scale",
+    "global_normalizers",
+    "normalizer_for_reduction",
+    "sum_diagnostics",
+]
+
+_DiagnosticsT = TypeVar("_DiagnosticsT", bound=tuple[torch.Tensor, ...])
+
+
+class Normalizers(NamedTuple):
+    r"""Selected-token and sequence counts of one optimizer step, over all micro-batches and ranks.
+
+    All three are 0-d ``int64`` tensors on the device the counts were reduced on; they are
+    exact integer counts (no rounding, whatever the batch size) and identical on every rank.
+
+    Attributes:
+        tokens: :math:`N = \sum_{it} M_{it}`, the number of selected tokens: the
+            ``normalizer`` of ``reduction="token_mean"`` and the ``diagnostics_normalizer`` of
+            :func:`rlobjectives.policy_loss` (via :func:`normalizer_for_reduction`, which
+            raises a zero count to 1).
+        sequences_nonempty: :math:`S = \\#\\{i : \sum_t M_{it} > 0\\}`, the number of sequences
+            with at least one selected token: the ``normalizer`` of ``"sequence_mean"``.
+        sequences: :math:`B`, the number of sequences (rows), empty ones included: the
+            ``normalizer`` of ``"sequence_sum_normalized"`` (Dr. GRPO).
+    """
+
+    tokens: torch.Tensor
+    sequences_nonempty: torch.Tensor
+    sequences: torch.Tensor
+
+
+def _process_group_active(group: dist.ProcessGroup | None) -> bool:
+    """Whether collectives must run: True when a process group is initialised."""
+    if not (dist.is_available() and dist.is_initialized()):
+        if group is not None:
+            raise ValueError(
+                "group was given but no torch.distributed process group is initialised; "
+                "call torch.distributed.init_process_group first, or pass group=None for the "
+                "single-process case"
+            )
+        return False
+    return True
+
+
+def _as_mask_list(masks: Sequence[ArrayLike] | torch.Tensor) -> list[torch.Tensor]:
+    """One ``(B, T)`` bool mask per micro-batch; a single tensor is one micro-batch."""
+    if isinstance(masks, torch.Tensor):
+        items: list[object] = [masks]
+    elif isinstance(masks, (list, tuple)):
+        items = list(masks)
+    else:
+        raise TypeError(
+            "masks must be a (B, T) torch.Tensor or a list/tuple of (B, T) masks (one per "
+            f"micro-batch), got {type(masks).__name__}"
+        )
+    tensors: list[torch.Tensor] = []
+    for index, item in enumerate(items):
+        name = f"masks[{index}]"
+        device = tensors[0].device if tensors else None
+        tensors.append(as_batch_matrix(as_mask(item, name, device), name))
+    for index, tensor in enumerate(tensors[1:], start=1):
+        if tensor.device != tensors[0].device:
+            raise ValueError(
+                f"masks[{index}] must be on the same device as masks[0] ({tensors[0].device}), "
+                f"got device {tensor.device}"
+            )
+    return tensors
+
+
+def global_normalizers(
+    masks: Sequence[ArrayLike] | torch.Tensor,
+    *,
+    group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
+) -> Normalizers:
+    r"""Count selected tokens and sequences over all micro-batches of a step and all ranks.
+
+    Call it once per optimizer step, before the micro-batch loop, with the masks of *every*
+    micro-batch this rank will process in the step. With :math:`M^{(r, m)}` the mask of
+    micro-batch :math:`m` on rank :math:`r`:
+
+    .. math::
+
+        N = \sum_{r, m} \sum_{it} M^{(r, m)}_{it}, \qquad
+        S = \sum_{r, m} \#\{i : \textstyle\sum_t M^{(r, m)}_{it} > 0\}, \qquad
+        B = \sum_{r, m} B^{(r, m)}.
+
+    The local counts are stacked into one ``int64`` 3-vector and summed over the ranks with a
+    single ``all_reduce(SUM)`` on ``group`` (the default group when None). Without an
+    initialised process group the local counts are returned (the single-process case), so the
+    same training code runs with and without ``torch.distributed``. Every rank of the group must
+    call this function (it is a collective), even a rank without micro-batches (pass ``[]``).
+
+    Micro-batches may have different padded lengths :math:`T`; only the masks are read (no
+    log-probabilities), so NaN/inf in padded values cannot reach the counts.
+
+    Args:
+        masks: one ``(B, T)`` mask (bool or numeric, nonzero selects the token) per micro-batch
+            of this rank for the step, as a list/tuple; or a single ``(B, T)`` mask (one
+            micro-batch). Shapes may differ between micro-batches.
+        group: the data-parallel process group to sum over (None: the default group). With
+            tensor/pipeline parallelism pass the data-parallel group only: ranks that see the
+            same tokens must not count them twice.
+        device: where to count and reduce; None uses the device of the first mask (CPU if
+            there is none). With the NCCL backend this must be the rank's CUDA device.
+
+    Returns:
+        :class:`Normalizers` ``(tokens, sequences_nonempty, sequences)``: 0-d ``int64``
+        tensors, identical on every rank.
+
+    Raises:
+        TypeError: if ``masks`` is neither a tensor nor a list/tuple, or holds non-numeric data.
+        ValueError: if a mask is not 2-D, masks are on different devices, or ``group`` is given
+            without an initialised process group.
+
+    References:
+        Global token normalisation over the optimizer-step window: Yu et al. 2025, DAPO,
+        arXiv:2503.14476 Eq. 8 (token-level loss); the per-micro-batch alternative is the bug
+        class of huggingface/trl #3021, #3231 and verl-project/verl #5625, #7321.
+
+    Examples:
+        >>> import torch
+        >>> counts = global_normalizers([torch.tensor([[1, 1, 0], [0, 0, 0]]),
+        ...                              torch.tensor([[1, 0], [1, 1], [1, 0]])])
+        >>> [int(count) for count in counts]
+        [6, 4, 5]
+
+    .. versionadded:: 0.1.0
+    """
+    tensors = _as_mask_list(masks)
+    active = _process_group_active(group)
+    if device is not None:
+        target = torch.device(device)
+    elif tensors:
+        target = tensors[0].device
+    else:
+        target = torch.device("cpu")
+    with torch.no_grad():
+        counts = torch.zeros(3, dtype=torch.int64, device=target)  # (3,)
+        for mask in tensors:
+            mask = mask.to(target)
+            tokens_per_sequence = mask.sum(dim=-1)  # (B,)
+            local = torch.stack(
+                [
+                    tokens_per_sequence.sum(),
+                    (tokens_per_sequence > 0).sum(),
+                    torch.tensor(mask.shape[0], dtype=torch.int64, device=target),
+                ]
+            )  # (3,)
+            counts = counts + local
+        if active:
+            dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
+    return Normalizers(tokens=counts[0], sequences_nonempty=counts[1], sequences=counts[2])
+
+
+def normalizer_for_reduction(normalizers: Normalizers, *, reduction: str) -> torch.Tensor:
+    r"""The ``normalizer`` to pass to a loss for ``reduction``, from the global counts.
+
+    - ``"token_mean"``: ``normalizers.tokens`` (:math:`N`).
+    - ``"sequence_mean"``: ``normalizers.sequences_nonempty`` (:math:`S`).
+    - ``"sequence_sum_normalized"``: ``normalizers.sequences`` (:math:`B`); also pass the same
+      explicit ``max_response_length`` :math:`C` to every micro-batch (the default, the padded
+      length :math:`T` of each micro-batch, differs between micro-batches).
+
+    A count of zero (nothing selected anywhere in the step) is raised to 1: every numerator is
+    then 0 and the loss is 0, as in the full-batch reductions (0/0 gives 0), instead of an
+    error for a non-positive ``normalizer``.
+
+    Args:
+        normalizers: the result of :func:`global_normalizers`.
+        reduction: ``"token_mean"``, ``"sequence_mean"`` or ``"sequence_sum_normalized"``.
+
+    Returns:
+        A 0-d ``int64`` tensor :math:`\max(\text{count}, 1)`, on the device of ``normalizers``.
+
+    Raises:
+        ValueError: for an unknown reduction, or ``"none"`` (which takes no normalizer).
+        TypeError: if ``normalizers`` is not a :class:`Normalizers`.
+
+    Examples:
+        >>> import torch
+        >>> counts = global_normalizers(torch.tensor([[1, 1, 0], [0, 0, 0]]))
+        >>> int(normalizer_for_reduction(counts, reduction="sequence_sum_normalized"))
+        2
+
+    .. versionadded:: 0.1.0
+    """
+    if not isinstance(normalizers, Normalizers):
+        raise TypeError(
+            "normalizers must be the Normalizers returned by global_normalizers, got "
+            f"{type(normalizers).__name__}"
+        )
+    validate_choice(reduction, "reduction", REDUCTIONS)
+    if reduction == "none":
+        raise ValueError(
+            "reduction='none' takes no normalizer (it returns the (B, T) per-token values); "
+            "expected one of ['token_mean', 'sequence_mean', 'sequence_sum_normalized']"
+        )
+    count = {
+        "token_mean": normalizers.tokens,
+        "sequence_mean": normalizers.sequences_nonempty,
+        "sequence_sum_normalized": normalizers.sequences,
+    }[reduction]
+    return count.clamp(min=1)
+
+
+def data_parallel_loss_scale(*, group: dist.ProcessGroup | None = None) -> int:
+    r"""The factor :math:`W` each rank multiplies its loss by when gradients are averaged.
+
+    ``DistributedDataParallel`` and FSDP (both ``FullyShardedDataParallel`` and
+    ``fully_shard`` with their default settings) divide the summed gradient by the number of
+    data-parallel ranks :math:`W`. With a global ``normalizer`` each rank's loss is already its
+    share of the full-batch loss, so the averaged gradient would be :math:`1/W` of the
+    full-batch gradient; multiplying every rank's loss by :math:`W` undoes the average:
+
+    .. math::
+
+        \frac{1}{W} \sum_{r=1}^{W} \nabla (W \mathcal{L}_r)
+        = \nabla \sum_{r=1}^{W} \mathcal{L}_r = \nabla \mathcal{L}_{\text{full}}.
+
+    Do not multiply when the gradients are summed rather than averaged (for example a manual
+    ``all_reduce(SUM)`` of the gradients, or FSDP with a gradient divide factor of 1).
+
+    Args:
+        group: the data-parallel process group the wrapper averages over (None: the default
+            group).
+
+    Returns:
+        ``torch.distributed.get_world_size(group)``, or 1 without an initialised process group.
+
+    Raises:
+        ValueError: if ``group`` is given without an initialised process group.
+
+    Examples:
+        >>> data_parallel_loss_scale()  # no process group: single process
+        1
+
+    .. versionadded:: 0.1.0
+    """
+    if not _process_group_active(group):
+        return 1
+    return int(dist.get_world_size(group))
+
+
+def sum_diagnostics(
+    diagnostics: Sequence[_DiagnosticsT] | _DiagnosticsT,
+    *,
+    group: dist.ProcessGroup | None = None,
+) -> _DiagnosticsT:
+    r"""Sum additive diagnostics over this rank's micro-batches and over all ranks.
+
+    Diagnostics computed with a global ``diagnostics_normalizer`` (for example
+    :class:`rlobjectives.PolicyLossDiagnostics` with ``diagnostics_normalizer`` the global
+    selected-token count ``normalizer_for_reduction(normalizers, reduction="token_mean")``)
+    are additive like the losses: the sum over
+    micro-batches and ranks is the full-batch value (clip fractions, ratio mean, approximate KL).
+    The fields are summed over the micro-batches locally, then over the ranks with one
+    ``all_reduce(SUM)`` of the stacked fields; without an initialised process group only the
+    local sum is taken.
+
+    .. math::
+
+        d_{\text{full}} = \sum_{r, m} d^{(r, m)}, \qquad
+        d^{(r, m)} = \frac{\sum_{(i,t) \in \text{piece}_{rm}} c_{it}}{N_{\text{global}}}
+
+    Args:
+        diagnostics: one NamedTuple of 0-d tensors (for example a ``PolicyLossDiagnostics``) or
+            a list/tuple of them, one per micro-batch of this rank, all of the same type.
+        group: the data-parallel process group (None: the default group).
+
+    Returns:
+        A NamedTuple of the same type whose fields are the 0-d sums, each in its original dtype,
+        identical on every rank.
+
+    Raises:
+        ValueError: if the sequence is empty, mixes types, a field is not a 0-d floating
+            tensor, or ``group`` is given without an initialised process group.
+
+    Examples:
+        >>> import torch
+        >>> from rlobjectives import policy_loss
+        >>> mask = torch.ones(1, 2, dtype=torch.bool)
+        >>> halves = [policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), mask,
+        ...                       diagnostics_normalizer=4).diagnostics for _ in range(2)]
+        >>> float(sum_diagnostics(halves).ratio_mean)  # (2 + 2) / 4
+        1.0
+
+    .. versionadded:: 0.1.0
+    """
+    items: list[_DiagnosticsT]
+    if isinstance(diagnostics, list) or (
+        isinstance(diagnostics, tuple) and not hasattr(diagnostics, "_fields")
+    ):
+        items = list(cast("Sequence[_DiagnosticsT]", diagnostics))
+    else:
+        items = [cast("_DiagnosticsT", diagnostics)]
+    if not items:
+        raise ValueError("diagnostics must hold at least one NamedTuple of 0-d tensors, got []")
+    kind = type(items[0])
+    if not hasattr(items[0], "_fields"):
+        raise ValueError(
+            f"diagnostics must be NamedTuples of 0-d tensors, got {kind.__name__} at index 0"
+        )
+    for index, item in enumerate(items):
+        if type(item) is not kind:
+            raise ValueError(
+                f"diagnostics[{index}] must be a {kind.__name__} like diagnostics[0], got "
+                f"{type(item).__name__}"
+            )
+        for field, value in zip(item._fields, item, strict=True):  # type: ignore[attr-defined]
+            if (
+                not isinstance(value, torch.Tensor)
+                or value.ndim != 0
+                or not value.is_floating_point()
+            ):
+                raise ValueError(
+                    f"diagnostics[{index}].{field} must be a 0-d floating tensor, got "
+                    f"{type(value).__name__}"
+                    + (f" of shape {tuple(value.shape)}" if isinstance(value, torch.Tensor) else "")
+                )
+    active = _process_group_active(group)
+    first = items[0]
+    dtype = first[0].dtype
+    for value in first:
+        dtype = torch.promote_types(dtype, value.dtype)
+    with torch.no_grad():
+        stacked = torch.stack([torch.stack([v.detach().to(dtype) for v in item]) for item in items])
+        totals = stacked.sum(dim=0)  # (fields,)
+        if active:
+            dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
+    values = [totals[k].to(first[k].dtype) for k in range(len(first))]
+    return kind(*values)
