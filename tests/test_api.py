@@ -31,7 +31,7 @@ def test_every_public_symbol_is_documented(name: str) -> None:
     assert doc, f"{name} has no docstring"
     if inspect.isfunction(obj):
         assert "Args:" in doc and "Returns:" in doc, f"{name} docstring lacks Args/Returns"
-        assert any(shape in doc for shape in ("(B", "(N", "(V", "scalar", "()")), name
+        assert any(s in doc for s in ("(B", "(N", "(V", "scalar", "()", "0-d")), name
 
 
 @pytest.mark.parametrize("name", PUBLIC)
