@@ -10,7 +10,7 @@ if [ ! -x "$VENV/bin/python" ]; then
 fi
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --disable-pip-version-check -c requirements/constraints.txt torch==2.13.0
-"$PY" -m pip install -q --disable-pip-version-check -c requirements/constraints.txt -e ".[test,demo]"
+"$PY" -m pip install -q --disable-pip-version-check -c requirements/constraints.txt -e ".[test,demo,examples]"
 echo "== ruff"
 "$PY" -m ruff check src tests benchmarks examples
 "$PY" -m ruff format --check src tests benchmarks examples

@@ -143,14 +143,21 @@ def _build_parser() -> _ArgumentParser:
             default="float64",
             help="computation dtype (default: float64)",
         )
+    # Parsed by rlobjectives.demo itself (main forwards the arguments): listed here for --help.
+    commands.add_parser("demo", help="GRPO post-training demo on CPU (rlobjectives demo --help)")
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (0 success, 2 user error)."""
     parser = _build_parser()
+    argument_list = list(sys.argv[1:] if argv is None else argv)
+    if argument_list[:1] == ["demo"]:
+        from .demo import main as demo_main  # imports tqdm/matplotlib only when a run starts
+
+        return demo_main(argument_list[1:])
     try:
-        arguments = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+        arguments = parser.parse_args(argument_list)
         data = _read_json(arguments.input)
         outputs = _run_function(arguments.command, data, _DTYPES[arguments.dtype])
     except _UsageError as error:
