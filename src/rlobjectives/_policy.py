@@ -10,6 +10,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from ._fused import ClippedSurrogateFunction, SurrogateSpec
 from ._masking import REDUCTIONS, aggregate, masked_fill_zero, masked_mean, safe_divide
 from ._validation import (
     ArrayLike,
@@ -288,6 +289,12 @@ def policy_loss(
       every token in the stop-gradient form :math:`\log s_{it} = \ell_{it} - sg(\ell_{it}) +
       sg(\log s_i)`, whose gradient equals the paper's (GSPO-token, Eq. 13-14).
 
+    When only ``log_probs`` requires grad (the training call), the loss runs through a fused
+    ``torch.autograd.Function`` (``rlobjectives._fused``): one forward pass computes the loss,
+    the diagnostics and the gradient coefficient, and backward keeps one float ``(B, T)``
+    tensor plus the mask. It supports first-order gradients only; when ``old_log_probs``,
+    ``advantages`` or a tensor hyperparameter also requires grad, plain autograd is used.
+
     Args:
         log_probs: current-policy log-probabilities of the sampled tokens, ``(B, T)``.
         old_log_probs: behaviour-policy log-probabilities, ``(B, T)``.
@@ -334,6 +341,44 @@ def policy_loss(
 
     .. versionadded:: 0.1.0
     """
+    return _policy_loss(
+        log_probs,
+        old_log_probs,
+        advantages,
+        mask,
+        clip_low=clip_low,
+        clip_high=clip_high,
+        dual_clip=dual_clip,
+        ratio_level=ratio_level,
+        log_ratio_bound=log_ratio_bound,
+        reduction=reduction,
+        normalizer=normalizer,
+        max_response_length=max_response_length,
+        diagnostics_normalizer=diagnostics_normalizer,
+        return_per_token=return_per_token,
+        fused=True,
+    )
+
+
+def _policy_loss(
+    log_probs: ArrayLike,
+    old_log_probs: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
+    *,
+    clip_low: Scalar | None = 0.2,
+    clip_high: Scalar | None = None,
+    dual_clip: Scalar | None = None,
+    ratio_level: str = "token",
+    log_ratio_bound: Scalar | None = 20.0,
+    reduction: str = "token_mean",
+    normalizer: Scalar | None = None,
+    max_response_length: int | None = None,
+    diagnostics_normalizer: Scalar | None = None,
+    return_per_token: bool = False,
+    fused: bool = True,
+) -> PolicyLossOutput:
+    """:func:`policy_loss` with a choice of path: fused (default) or pure autograd (tests)."""
     inputs = _prepare_policy_inputs(
         log_probs,
         old_log_probs,
@@ -349,6 +394,20 @@ def policy_loss(
         log_ratio_bound=log_ratio_bound,
         reduction=reduction,
     )
+    if diagnostics_normalizer is not None:
+        diagnostics_normalizer = validate_scalar(
+            diagnostics_normalizer, "diagnostics_normalizer", minimum=0.0, strict=True
+        )
+    if fused and _fused_applicable(inputs, options, normalizer, diagnostics_normalizer):
+        return _fused_policy_loss(
+            inputs,
+            options,
+            reduction=reduction,
+            normalizer=normalizer,
+            max_response_length=max_response_length,
+            diagnostics_normalizer=diagnostics_normalizer,
+            return_per_token=return_per_token,
+        )
     terms = _policy_loss_terms(
         inputs, diagnostics_normalizer=diagnostics_normalizer, **options._asdict()
     )
@@ -399,6 +458,104 @@ def _validate_policy_options(
         bound = validate_scalar(log_ratio_bound, "log_ratio_bound", minimum=0.0, strict=True)
     return _PolicyOptions(
         clip_low=low, clip_high=high, dual_clip=dual, ratio_level=ratio_level, log_ratio_bound=bound
+    )
+
+
+def _policy_loss_autograd(*args: ArrayLike, **kwargs: object) -> PolicyLossOutput:
+    """:func:`policy_loss` through the pure-autograd path (the fused path's test reference)."""
+    return _policy_loss(*args, **kwargs, fused=False)  # type: ignore[arg-type]
+
+
+def _fused_applicable(
+    inputs: _PolicyInputs,
+    options: _PolicyOptions,
+    *scalars: Scalar | None,
+) -> bool:
+    """Whether the fused function applies: it differentiates ``log_probs`` only.
+
+    Anything else that requires grad (old log-probs, advantages, a tensor hyperparameter) takes
+    the autograd path.
+    """
+    others = [inputs.old_log_probs, inputs.advantages, *options, *scalars]
+    return not any(isinstance(t, torch.Tensor) and t.requires_grad for t in others)
+
+
+def _fused_policy_loss(
+    inputs: _PolicyInputs,
+    options: _PolicyOptions,
+    *,
+    reduction: str,
+    normalizer: Scalar | None,
+    max_response_length: int | None,
+    diagnostics_normalizer: Scalar | None,
+    return_per_token: bool,
+) -> PolicyLossOutput:
+    """:func:`policy_loss` through :class:`~rlobjectives._fused.ClippedSurrogateFunction`."""
+    spec = _surrogate_spec(
+        inputs,
+        options,
+        reduction="none" if return_per_token else reduction,
+        normalizer=normalizer,
+        max_response_length=max_response_length,
+        diagnostics_normalizer=diagnostics_normalizer,
+    )
+    loss, _, diagnostics = ClippedSurrogateFunction.apply(  # type: ignore[no-untyped-call]
+        inputs.log_probs, inputs.old_log_probs, inputs.advantages, inputs.mask, spec
+    )
+    per_token = None
+    if return_per_token:
+        per_token = loss  # (B, T), zeros at unselected tokens
+        loss = aggregate(
+            per_token,
+            inputs.mask,
+            reduction=reduction,
+            normalizer=normalizer,
+            max_response_length=max_response_length,
+        )
+        per_token = per_token.to(inputs.output_dtype)
+    return PolicyLossOutput(
+        loss=loss.to(inputs.output_dtype),
+        per_token_loss=per_token,
+        diagnostics=PolicyLossDiagnostics(*diagnostics.unbind()),
+    )
+
+
+def _surrogate_spec(
+    inputs: _PolicyInputs,
+    options: _PolicyOptions,
+    *,
+    reduction: str,
+    normalizer: Scalar | None,
+    max_response_length: int | None,
+    diagnostics_normalizer: Scalar | None,
+) -> SurrogateSpec:
+    """Validate the reduction arguments (as :func:`aggregate` does) into a fused-call spec."""
+    if normalizer is not None:
+        normalizer = validate_scalar(normalizer, "normalizer", minimum=0.0, strict=True)
+    constant = float(inputs.log_probs.shape[-1])
+    if max_response_length is not None:
+        constant = float(
+            validate_scalar(
+                max_response_length,
+                "max_response_length",
+                minimum=0,
+                strict=True,
+                allow_tensor=False,
+            )
+        )
+    bound = options.log_ratio_bound
+    return SurrogateSpec(
+        clip_low=options.clip_low,
+        clip_high=options.clip_high,
+        dual_clip=options.dual_clip,
+        ratio_level=options.ratio_level,
+        log_ratio_bound=bound,
+        diagnostic_bound=_DIAGNOSTIC_LOG_RATIO_BOUND if bound is None else bound,
+        reduction=reduction,
+        normalizer=normalizer,
+        max_response_length=constant,
+        diagnostics_normalizer=diagnostics_normalizer,
+        dtype=inputs.dtype,
     )
 
 
@@ -457,20 +614,57 @@ def grpo_clipped_surrogate(
         ("new_log_probs", "old_log_probs", "advantages", "token_mask"),
     )
     epsilon = validate_scalar(clip_epsilon, "clip_epsilon", minimum=0.0)
-    terms = _policy_loss_terms(
-        inputs,
-        clip_low=epsilon,
-        clip_high=None,
-        dual_clip=None,
-        ratio_level="token",
-        log_ratio_bound=60.0,
-        diagnostics_normalizer=None,
+    return _grpo_surrogate_terms(inputs, epsilon, fused=True)
+
+
+def _grpo_clipped_surrogate_autograd(
+    new_log_probs: ArrayLike,
+    old_log_probs: ArrayLike,
+    advantages: ArrayLike,
+    token_mask: ArrayLike,
+    clip_epsilon: Scalar,
+) -> dict[str, torch.Tensor]:
+    """:func:`grpo_clipped_surrogate` through the autograd path (the fused path's reference)."""
+    inputs = _prepare_policy_inputs(
+        new_log_probs,
+        old_log_probs,
+        advantages,
+        token_mask,
+        ("new_log_probs", "old_log_probs", "advantages", "token_mask"),
     )
-    loss = aggregate(terms.per_token_loss, inputs.mask, reduction="token_mean")
-    per_sequence = masked_mean(-terms.per_token_loss, inputs.mask, dim=-1)  # (B,)
+    epsilon = validate_scalar(clip_epsilon, "clip_epsilon", minimum=0.0)
+    return _grpo_surrogate_terms(inputs, epsilon, fused=False)
+
+
+def _grpo_surrogate_terms(
+    inputs: _PolicyInputs, epsilon: float | torch.Tensor, *, fused: bool
+) -> dict[str, torch.Tensor]:
+    """The seed GRPO outputs: ``policy_loss`` with ``clip_low=epsilon``, bound 60, token mean."""
+    options = _PolicyOptions(
+        clip_low=epsilon, clip_high=None, dual_clip=None, ratio_level="token", log_ratio_bound=60.0
+    )
     output_dtype = inputs.output_dtype
+    if fused and _fused_applicable(inputs, options):
+        spec = _surrogate_spec(
+            inputs,
+            options,
+            reduction="token_mean",
+            normalizer=None,
+            max_response_length=None,
+            diagnostics_normalizer=None,
+        )
+        loss, row_sums, diagnostics = ClippedSurrogateFunction.apply(  # type: ignore[no-untyped-call]
+            inputs.log_probs, inputs.old_log_probs, inputs.advantages, inputs.mask, spec
+        )
+        per_sequence = safe_divide(row_sums, torch.count_nonzero(inputs.mask, dim=-1))  # (B,)
+        clipped_fraction = diagnostics[0]
+    else:
+        terms = _policy_loss_terms(inputs, diagnostics_normalizer=None, **options._asdict())
+        loss = aggregate(terms.per_token_loss, inputs.mask, reduction="token_mean")
+        per_sequence = masked_mean(-terms.per_token_loss, inputs.mask, dim=-1)  # (B,)
+        clipped_fraction = terms.diagnostics.clipped_fraction
     return {
         "loss": loss.to(output_dtype),
         "per_sequence_surrogate": per_sequence.to(output_dtype),
-        "clipped_fraction": terms.diagnostics.clipped_fraction.to(output_dtype),
+        "clipped_fraction": clipped_fraction.to(output_dtype),
     }

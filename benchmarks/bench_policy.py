@@ -1,0 +1,96 @@
+"""Policy-loss benchmarks: ``policy_loss`` / ``grpo_clipped_surrogate`` vs the eager reference.
+
+Shapes (full run): B=64 T=4096 and B=8 T=16384, float32 and bfloat16, prefix masks with about 70%
+of the tokens selected, per-sequence advantages, log-ratios with a 0.3 standard deviation (so
+that a sizeable fraction of tokens is clipped). Backward with respect to ``log_probs``.
+
+Variants: the eager trainer-style reference (``tests/eager_reference.py``), the same compiled,
+our fused path (``policy_loss`` and the seed ``grpo_clipped_surrogate``), our pure-autograd path
+(``_policy_loss_autograd``, what the fused path replaced) and our fused path compiled.
+Floor: one copy of the bytes a single pass must move: ``log_probs`` and ``old_log_probs`` (input
+dtype), the mask (1 byte) read, the gradient (input dtype) written.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import eager_reference as eager
+import harness
+import rlobjectives
+from rlobjectives import _policy
+
+Inputs = harness.Inputs
+
+
+def _make(batch: int, tokens: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+    def make_inputs(device: torch.device) -> Inputs:
+        generator = torch.Generator().manual_seed(0)
+        old_log_probs = -torch.rand(batch, tokens, generator=generator) * 3
+        log_probs = old_log_probs + 0.3 * torch.randn(batch, tokens, generator=generator)
+        lengths = torch.randint(int(0.4 * tokens), tokens + 1, (batch, 1), generator=generator)
+        mask = torch.arange(tokens).unsqueeze(0) < lengths  # prefix masks, ~70% selected
+        advantages = torch.randn(batch, 1, generator=generator)
+        tensors = {
+            "log_probs": log_probs.to(dtype),
+            "old_log_probs": old_log_probs.to(dtype),
+            "advantages": advantages,
+            "mask": mask,
+        }
+        return {name: tensor.to(device) for name, tensor in tensors.items()}
+
+    return make_inputs
+
+
+def _reference(x: Inputs) -> torch.Tensor:
+    return eager.policy_loss(x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"])
+
+
+def _ours(x: Inputs) -> torch.Tensor:
+    return rlobjectives.policy_loss(
+        x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"]
+    ).loss
+
+
+def _ours_autograd(x: Inputs) -> torch.Tensor:
+    return _policy._policy_loss_autograd(
+        x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"]
+    ).loss
+
+
+def _ours_seed(x: Inputs) -> torch.Tensor:
+    return rlobjectives.grpo_clipped_surrogate(
+        x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"], 0.2
+    )["loss"]
+
+
+def cases(*, quick: bool, device: str) -> list[harness.Case]:
+    shapes = [(16, 1024)] if quick else [(64, 4096), (8, 16384)]
+    dtypes = [torch.float32] if quick else [torch.float32, torch.bfloat16]
+    result: list[harness.Case] = []
+    for batch, tokens in shapes:
+        for dtype in dtypes:
+            element = torch.finfo(dtype).bits // 8
+            forward_bytes = batch * tokens * (2 * element + 1)
+            variants = [
+                harness.Variant("eager reference", _reference, role="reference"),
+                harness.Variant("ours", _ours),
+                harness.Variant("ours grpo_clipped_surrogate", _ours_seed),
+                harness.Variant("ours autograd (unfused)", _ours_autograd),
+                harness.Variant("eager reference", _reference, compile=True),
+                harness.Variant("ours", _ours, compile=True),
+            ]
+            result.append(
+                harness.Case(
+                    operation="policy_loss",
+                    shape=f"B={batch} T={tokens}",
+                    dtype=dtype,
+                    make_inputs=_make(batch, tokens, dtype),
+                    grad_inputs=("log_probs",),
+                    variants=tuple(variants),
+                    floor=harness.CopyFloor(
+                        forward_bytes, forward_bytes + batch * tokens * element
+                    ),
+                )
+            )
+    return result
