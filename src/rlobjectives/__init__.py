@@ -6,6 +6,30 @@ H hidden size. Masks have the shape of the log-probabilities and True/nonzero se
 
 from importlib.metadata import PackageNotFoundError, version
 
+from ._advantages import (
+    GAEOutput,
+    gae,
+    group_relative_advantages,
+    reinforce_plus_plus_advantages,
+    rloo_advantages,
+)
+from ._from_hidden import (
+    FusedPolicyLossOutput,
+    TokenLogProbsOutput,
+    fused_policy_loss_from_hidden,
+    token_log_probs_from_hidden,
+)
+from ._kl import BiasedGradientWarning, kl_estimate, kl_loss, kl_penalized_token_rewards
+from ._logprobs import (
+    ResponseAlignment,
+    ResponseLogProbs,
+    full_vocab_kl,
+    full_vocab_kl_loss,
+    response_alignment,
+    response_log_probs,
+    token_entropy,
+    token_log_probs,
+)
 from ._masking import Reduction, aggregate, masked_mean, masked_sum
 from ._policy import (
     PolicyLossDiagnostics,
@@ -14,6 +38,13 @@ from ._policy import (
     policy_loss,
 )
 from ._rewards import kl_penalized_rewards
+from .distributed import (
+    Normalizers,
+    data_parallel_loss_scale,
+    global_normalizers,
+    normalizer_for_reduction,
+    sum_diagnostics,
+)
 
 try:
     __version__ = version("rlobjectives")
@@ -21,14 +52,40 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
+    "BiasedGradientWarning",
+    "FusedPolicyLossOutput",
+    "GAEOutput",
+    "Normalizers",
     "PolicyLossDiagnostics",
     "PolicyLossOutput",
     "Reduction",
+    "ResponseAlignment",
+    "ResponseLogProbs",
+    "TokenLogProbsOutput",
     "__version__",
     "aggregate",
+    "data_parallel_loss_scale",
+    "full_vocab_kl",
+    "full_vocab_kl_loss",
+    "fused_policy_loss_from_hidden",
+    "gae",
+    "global_normalizers",
+    "group_relative_advantages",
     "grpo_clipped_surrogate",
+    "kl_estimate",
+    "kl_loss",
     "kl_penalized_rewards",
+    "kl_penalized_token_rewards",
     "masked_mean",
     "masked_sum",
+    "normalizer_for_reduction",
     "policy_loss",
+    "reinforce_plus_plus_advantages",
+    "response_alignment",
+    "response_log_probs",
+    "rloo_advantages",
+    "sum_diagnostics",
+    "token_entropy",
+    "token_log_probs",
+    "token_log_probs_from_hidden",
 ]
