@@ -158,6 +158,25 @@ class _KLInputs:
         check_shape(self.ref_log_probs, "ref_log_probs", self.log_probs.shape, "log_probs")
         check_shape(self.mask, "mask", self.log_probs.shape, "log_probs")
 
+    def terms(
+        self,
+        *,
+        estimator: str,
+        straight_through: bool,
+        log_ratio_bound: float | torch.Tensor | None,
+        dtype: torch.dtype | None = None,
+    ) -> torch.Tensor:
+        """:func:`_kl_terms` of these inputs, in ``dtype`` (default: their computation dtype)."""
+        return _kl_terms(
+            self.log_probs,
+            self.ref_log_probs,
+            self.mask,
+            estimator=estimator,
+            straight_through=straight_through,
+            log_ratio_bound=log_ratio_bound,
+            dtype=compute_dtype(self.log_probs, self.ref_log_probs) if dtype is None else dtype,
+        )  # (B, T)
+
 
 def _validate_kl_options(
     estimator: str, straight_through: bool, log_ratio_bound: Scalar | None
@@ -230,14 +249,8 @@ def kl_estimate(
     """
     inputs = _KLInputs(log_probs, ref_log_probs, mask)
     bound = _validate_kl_options(estimator, straight_through, log_ratio_bound)
-    terms = _kl_terms(
-        inputs.log_probs,
-        inputs.ref_log_probs,
-        inputs.mask,
-        estimator=estimator,
-        straight_through=straight_through,
-        log_ratio_bound=bound,
-        dtype=compute_dtype(inputs.log_probs, inputs.ref_log_probs),
+    terms = inputs.terms(
+        estimator=estimator, straight_through=straight_through, log_ratio_bound=bound
     )  # (B, T)
     return terms.to(inputs.log_probs.dtype)
 
@@ -331,14 +344,8 @@ def kl_loss(
             'KL(ref || pi), not KL(pi || ref)); use straight_through=True (verl "k3+") or '
             'estimator="k2" for the unbiased gradient'
         )
-    terms = _kl_terms(
-        inputs.log_probs,
-        inputs.ref_log_probs,
-        inputs.mask,
-        estimator=estimator,
-        straight_through=straight_through,
-        log_ratio_bound=bound,
-        dtype=compute_dtype(inputs.log_probs, inputs.ref_log_probs),
+    terms = inputs.terms(
+        estimator=estimator, straight_through=straight_through, log_ratio_bound=bound
     )  # (B, T)
     loss = aggregate(
         terms,
@@ -453,14 +460,8 @@ def kl_penalized_token_rewards(
             "summed KL penalty wherever the bound fires"
         )
     dtype = compute_dtype(inputs.log_probs, inputs.ref_log_probs, scores_t)
-    kl = _kl_terms(
-        inputs.log_probs,
-        inputs.ref_log_probs,
-        inputs.mask,
-        estimator=estimator,
-        straight_through=False,
-        log_ratio_bound=bound,
-        dtype=dtype,
+    kl = inputs.terms(
+        estimator=estimator, straight_through=False, log_ratio_bound=bound, dtype=dtype
     )  # (B, T)
     if isinstance(coefficient, torch.Tensor):
         coefficient = coefficient.to(dtype=dtype, device=kl.device)
