@@ -140,7 +140,11 @@ def policy_loss(
     max_response_length: int | None = None,
     **options: object,
 ) -> Tensor:
-    """Reference of rlobjectives.policy_loss(...).loss: reduce(-s)."""
+    """Reference of rlobjectives.policy_loss(...).loss: reduce(-s).
+
+    ``old_log_probs`` and ``advantages`` are constants of the loss (detached).
+    """
+    old_log_probs, advantages = old_log_probs.detach(), advantages.detach()
     surrogates = per_token_surrogates(log_probs, old_log_probs, advantages, mask, **options)  # type: ignore[arg-type]
     losses = {key: -value for key, value in surrogates.items()}
     return reduce_losses(

@@ -486,7 +486,9 @@ def test_gae_errors() -> None:
         gae(zeros, zeros, mask, gamma=0.9, lam=-0.1)
     with pytest.raises(ValueError, match=r"lam must be finite, got nan"):
         gae(zeros, zeros, mask, gamma=0.9, lam=float("nan"))
-    with pytest.raises(TypeError, match=r"gamma must be a real number or a 0-d real tensor"):
+    with pytest.raises(
+        TypeError, match=r"gamma must be a real number \(a Python number, not a tensor\)"
+    ):
         gae(zeros, zeros, mask, gamma=torch.tensor(0.9), lam=0.9)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"values must have the same shape as rewards \(2, 3\)"):
         gae(zeros, torch.zeros(2, 4), mask, gamma=0.9, lam=0.9)

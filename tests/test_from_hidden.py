@@ -18,14 +18,14 @@ from hypothesis import strategies as st
 import reference
 import rlobjectives
 from rlobjectives import kl_loss, policy_loss
-from rlobjectives._from_hidden import (
+from rlobjectives._kl import BiasedGradientWarning
+from rlobjectives._lm_head import (
     FusedPolicyLossOutput,
     TokenLogProbsOutput,
     default_chunk_size,
     fused_policy_loss_from_hidden,
     token_log_probs_from_hidden,
 )
-from rlobjectives._kl import BiasedGradientWarning
 from tolerances import assert_close
 
 REDUCTIONS = ["token_mean", "sequence_mean", "sequence_sum_normalized", "none"]

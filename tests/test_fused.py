@@ -25,7 +25,8 @@ import eager_reference
 import reference
 from rlobjectives import grpo_clipped_surrogate, kl_penalized_rewards, policy_loss
 from rlobjectives._fused import ClippedSurrogateFunction
-from rlobjectives._policy import _grpo_clipped_surrogate_autograd, _policy_loss_autograd
+from rlobjectives._policy import _policy_loss_autograd
+from rlobjectives._specified import _grpo_clipped_surrogate_autograd
 from tolerances import assert_close
 
 F64 = torch.float64
@@ -40,7 +41,7 @@ OPTION_SETS: list[dict[str, Any]] = [
     {"clip_low": 0.2, "log_ratio_bound": None},
     {"clip_low": 0.2, "log_ratio_bound": 0.3},  # the log-ratio bound fires often
     {"clip_low": 0.0, "clip_high": 0.0},  # degenerate band [1, 1]
-    {"clip_low": 1.5},  # 1 - clip_low < 0: the low edge never binds
+    {"clip_low": 0.95},  # 1 - clip_low = 0.05: the low edge (almost) never binds
     {"ratio_level": "sequence", "clip_low": 3e-4, "clip_high": 4e-4},
     {"ratio_level": "sequence", "clip_low": 0.2, "dual_clip": 2.0},
     {"ratio_level": "sequence", "clip_low": None, "log_ratio_bound": None},
@@ -499,17 +500,23 @@ def test_double_backward_raises() -> None:
         grad.square().sum().backward()
 
 
-def test_other_inputs_requiring_grad_take_the_autograd_path() -> None:
+def test_constant_inputs_get_no_gradient_and_learnable_clip_takes_autograd() -> None:
+    # old_log_probs and advantages are constants of the loss on every path (issue 10): an
+    # undetached critic or behaviour policy never receives policy gradient.
     log_probs, old, advantages, mask = make_batch(3, 4, seed=3, dtype=torch.float32)
     old_leaf = old.clone().requires_grad_(True)
     advantages_leaf = advantages.clone().requires_grad_(True)
-    out = policy_loss(log_probs, old_leaf, advantages_leaf, mask)
-    assert "ClippedSurrogate" not in type(out.loss.grad_fn).__name__
-    grads = torch.autograd.grad(out.loss, [old_leaf, advantages_leaf])
-    assert all(torch.isfinite(g).all() and g.abs().sum() > 0 for g in grads)
+    leaf = log_probs.clone().requires_grad_(True)
+    out = policy_loss(leaf, old_leaf, advantages_leaf, mask)
+    assert "ClippedSurrogate" in type(out.loss.grad_fn).__name__
+    grads = torch.autograd.grad(out.loss, [leaf, old_leaf, advantages_leaf], allow_unused=True)
+    assert grads[0] is not None and grads[1] is None and grads[2] is None
+    # a learnable (requires-grad) hyperparameter is differentiated by the autograd specification
     clip = torch.tensor(0.2, requires_grad=True)
     out = policy_loss(log_probs.clone().requires_grad_(True), old, advantages, mask, clip_low=clip)
     assert "ClippedSurrogate" not in type(out.loss.grad_fn).__name__
+    (clip_grad,) = torch.autograd.grad(out.loss, [clip])
+    assert torch.isfinite(clip_grad)
 
 
 def test_inputs_not_mutated() -> None:

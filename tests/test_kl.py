@@ -594,7 +594,7 @@ def test_errors() -> None:
         kl_loss(zeros, zeros, mask, estimator="k2", reduction="mean")
     with pytest.raises(ValueError, match=r"normalizer must be > 0.0, got -1.0"):
         kl_loss(zeros, zeros, mask, estimator="k2", normalizer=-1.0)
-    with pytest.raises(ValueError, match=r"scores must have shape \(B,\) or \(B, 1\) with B = 2"):
+    with pytest.raises(ValueError, match=r"scores must have shape \(B,\) = \(2,\) or \(B, 1\)"):
         kl_penalized_token_rewards(zeros, zeros, [1.0, 2.0, 3.0], mask, kl_coef=0.1)
     with pytest.raises(ValueError, match=r"kl_coef must be >= 0.0, got -0.1"):
         kl_penalized_token_rewards(zeros, zeros, [1.0, 2.0], mask, kl_coef=-0.1)

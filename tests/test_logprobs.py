@@ -12,14 +12,12 @@ from hypothesis import strategies as st
 
 import reference
 from rlobjectives import token_entropy, token_log_probs
-from rlobjectives._logprobs import (
-    DEFAULT_CHUNK_ELEMENTS,
+from rlobjectives._chunking import DEFAULT_CHUNK_ELEMENTS, resolve_chunk_size, row_chunks
+from rlobjectives._logits_autograd import (
     chunk_entropy,
     chunk_entropy_grad,
     chunk_token_log_probs,
     chunk_token_log_probs_grad,
-    resolve_chunk_size,
-    row_chunks,
 )
 from tolerances import assert_close, tolerance
 

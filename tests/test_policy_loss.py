@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import reference
 from rlobjectives import grpo_clipped_surrogate, policy_loss
+from rlobjectives._policy import _policy_loss_autograd
 from tolerances import assert_close
 
 F64 = torch.float64
@@ -76,12 +77,12 @@ def leaves(batch: Batch, dtype: torch.dtype | None = None) -> list[torch.Tensor]
 
 
 def run_library(batch: Batch, **kwargs: Any) -> tuple[Any, list[torch.Tensor]]:
-    """Output and gradients of policy_loss, through both of its paths.
+    """Output and gradients of policy_loss, with and without grad on the constant inputs.
 
-    (a) Only ``log_probs`` requires grad (the usual training call, which may take the fused
-    path); (b) every input requires grad (the autograd path, which also differentiates
-    ``old_log_probs`` and ``advantages``). The two must agree; the result is (a)'s output with
-    (a)'s ``log_probs`` gradient and (b)'s other gradients.
+    (a) Only ``log_probs`` requires grad (the usual training call); (b) every input requires
+    grad: ``old_log_probs`` and ``advantages`` are constants of the loss, so (b) must give the
+    same result and zero gradient for them. The result is (a)'s output with (a)'s ``log_probs``
+    gradient and (b)'s other gradients (zeros).
     """
     log_probs = batch.log_probs.detach().clone().requires_grad_(True)
     out = policy_loss(log_probs, batch.old_log_probs, batch.advantages, batch.mask, **kwargs)
@@ -89,6 +90,7 @@ def run_library(batch: Batch, **kwargs: Any) -> tuple[Any, list[torch.Tensor]]:
     inputs = leaves(batch)
     all_grad = policy_loss(*inputs, batch.mask, **kwargs)
     grads = grads_of(all_grad.loss, inputs)
+    assert all(not torch.any(g) for g in grads[1:]), "old_log_probs/advantages are constants"
     dtype = batch.log_probs.dtype
     assert_close(out.loss, all_grad.loss, dtype)
     assert_close(log_probs_grad, grads[0], dtype)
@@ -281,10 +283,13 @@ def test_gradcheck_token_level(options: dict[str, Any], reduction: str) -> None:
     assert _distance_to_kinks(batch, edges) > 1e-3  # so finite differences never straddle a kink
     mask = batch.mask
 
-    def loss(lp: torch.Tensor, old: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-        return policy_loss(lp, old, adv, mask, reduction=reduction, **options).loss
+    old, advantages = batch.old_log_probs, batch.advantages
 
-    assert torch.autograd.gradcheck(loss, tuple(leaves(batch)))
+    def loss(lp: torch.Tensor) -> torch.Tensor:
+        # the autograd specification (the fused path is gradchecked below)
+        return _policy_loss_autograd(lp, old, advantages, mask, reduction=reduction, **options).loss
+
+    assert torch.autograd.gradcheck(loss, (leaves(batch)[0],))
 
 
 @pytest.mark.parametrize(
@@ -312,18 +317,31 @@ def test_gradcheck_log_probs_only(options: dict[str, Any]) -> None:
 @pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean"])
 def test_gradcheck_sequence_level(reduction: str) -> None:
     # With per-sequence advantages every token of sequence i weighs the same, so the stop-gradient
-    # token form has the true gradient of exp(mean_t log_ratio) A_i w.r.t. log_probs and A.
-    # (old_log_probs gets no gradient in the stop-gradient form, so it is held constant here.)
+    # token form has the true gradient of exp(mean_t log_ratio) A_i w.r.t. log_probs
+    # (old_log_probs and advantages are constants of the loss).
     batch = make_batch(4, 5, seed=8, spread=0.15)
-    old, mask = batch.old_log_probs, batch.mask
+    old, advantages, mask = batch.old_log_probs, batch.advantages, batch.mask
 
-    def loss(lp: torch.Tensor, adv: torch.Tensor) -> torch.Tensor:
-        return policy_loss(
-            lp, old, adv, mask, ratio_level="sequence", clip_low=0.05, reduction=reduction
+    def loss(lp: torch.Tensor) -> torch.Tensor:
+        return _policy_loss_autograd(
+            lp, old, advantages, mask, ratio_level="sequence", clip_low=0.05, reduction=reduction
         ).loss
 
-    inputs = (leaves(batch)[0], leaves(batch)[2])
-    assert torch.autograd.gradcheck(loss, inputs)
+    assert torch.autograd.gradcheck(loss, (leaves(batch)[0],))
+    assert torch.autograd.gradcheck(
+        lambda lp: (
+            policy_loss(
+                lp,
+                old,
+                advantages,
+                mask,
+                ratio_level="sequence",
+                clip_low=0.05,
+                reduction=reduction,
+            ).loss
+        ),
+        (leaves(batch)[0],),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -470,7 +488,7 @@ def test_gspo_gradient_equals_paper_formula(seed: int, clip_low: float | None) -
     # sequence_mean. Unclipped region: clip_low None, or ratios within [0.5, 1.5] (spread 0.05).
     batch = make_batch(5, 6, seed, spread=0.05)
     log_probs = batch.log_probs.clone().requires_grad_(True)
-    advantages = batch.advantages.clone().requires_grad_(True)
+    advantages = batch.advantages
     out = policy_loss(
         log_probs,
         batch.old_log_probs,
@@ -481,10 +499,10 @@ def test_gspo_gradient_equals_paper_formula(seed: int, clip_low: float | None) -
         reduction="sequence_mean",
         return_per_token=True,
     )
-    grads = torch.autograd.grad(out.loss, [log_probs, advantages])
+    grads = torch.autograd.grad(out.loss, [log_probs])
 
     paper_log_probs = batch.log_probs.clone().requires_grad_(True)
-    paper_advantages = batch.advantages.clone().requires_grad_(True)
+    paper_advantages = batch.advantages  # a constant of the loss
     objective = torch.zeros((), dtype=F64)
     sequence_ratios = []
     non_empty = 0
@@ -499,10 +517,9 @@ def test_gspo_gradient_equals_paper_formula(seed: int, clip_low: float | None) -
         sequence_ratios.append(ratio.detach())
         objective = objective + ratio * paper_advantages[i]
     paper_loss = -objective / max(non_empty, 1)
-    expected = grads_of(paper_loss, [paper_log_probs, paper_advantages])
+    expected = grads_of(paper_loss, [paper_log_probs])
     assert_close(out.loss, paper_loss.detach())
     assert_close(grads[0], expected[0])
-    assert_close(grads[1], expected[1])
     # the value at every selected token is -s_i A_i with the sequence ratio s_i
     per_token_expected = torch.where(
         batch.mask,
@@ -1057,9 +1074,9 @@ ERROR_CASES: list[tuple[dict[str, Any], type[Exception], str]] = [
         r"max_response_length must be > 0",
     ),
     (
-        {"reduction": "sequence_sum_normalized", "max_response_length": torch.tensor(5)},
-        TypeError,
-        r"max_response_length must be a real number",
+        {"reduction": "sequence_sum_normalized", "max_response_length": 2.5},
+        ValueError,
+        r"max_response_length must be > 0 and a whole number",
     ),
     ({"diagnostics_normalizer": -1}, ValueError, r"diagnostics_normalizer must be > 0"),
     ({"diagnostics_normalizer": "a"}, TypeError, r"diagnostics_normalizer must be a real"),

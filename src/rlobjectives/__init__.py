@@ -13,31 +13,25 @@ from ._advantages import (
     reinforce_plus_plus_advantages,
     rloo_advantages,
 )
-from ._from_hidden import (
+from ._alignment import (
+    ResponseAlignment,
+    ResponseLogProbs,
+    response_alignment,
+    response_log_probs,
+)
+from ._kl import BiasedGradientWarning, kl_estimate, kl_loss, kl_penalized_token_rewards
+from ._lm_head import (
     FusedPolicyLossOutput,
     TokenLogProbsOutput,
     fused_policy_loss_from_hidden,
     token_log_probs_from_hidden,
 )
-from ._kl import BiasedGradientWarning, kl_estimate, kl_loss, kl_penalized_token_rewards
-from ._logprobs import (
-    ResponseAlignment,
-    ResponseLogProbs,
-    full_vocab_kl,
-    full_vocab_kl_loss,
-    response_alignment,
-    response_log_probs,
-    token_entropy,
-    token_log_probs,
-)
-from ._masking import Reduction, aggregate, masked_mean, masked_sum
-from ._policy import (
-    PolicyLossDiagnostics,
-    PolicyLossOutput,
-    grpo_clipped_surrogate,
-    policy_loss,
-)
-from ._rewards import kl_penalized_rewards
+from ._logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, token_log_probs
+from ._masking import masked_mean, masked_sum
+from ._policy import policy_loss
+from ._policy_args import PolicyLossDiagnostics, PolicyLossOutput
+from ._reduction import Reduction, aggregate
+from ._specified import grpo_clipped_surrogate, kl_penalized_rewards
 from .distributed import (
     Normalizers,
     data_parallel_loss_scale,

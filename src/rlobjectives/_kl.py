@@ -40,35 +40,47 @@ References:
 from __future__ import annotations
 
 import warnings
-from typing import Literal
+from collections.abc import Callable
+from typing import Literal, get_args
 
 import torch
 
-from ._masking import REDUCTIONS, aggregate, masked_fill_zero
+from ._masking import clamp, masked_fill_zero
+from ._reduction import Reduction, reduce, validate_reduction
 from ._validation import (
     ArrayLike,
     Scalar,
     as_batch_matrix,
     as_float_tensor,
     as_mask,
+    as_per_sequence,
     check_same_device,
     check_shape,
     compute_dtype,
+    validate_bool,
     validate_choice,
     validate_scalar,
 )
 
 __all__ = [
     "ESTIMATORS",
+    "ESTIMATOR_FUNCTIONS",
+    "ESTIMATOR_GRADIENTS",
     "BiasedGradientWarning",
     "Estimator",
     "kl_estimate",
+    "kl_gradient",
     "kl_loss",
     "kl_penalized_token_rewards",
+    "kl_terms",
+    "last_selected",
+    "validate_kl_options",
+    "warn_biased",
+    "warn_biased_kl_loss",
 ]
 
 Estimator = Literal["k1", "k2", "k3"]
-ESTIMATORS: tuple[str, ...] = ("k1", "k2", "k3")
+ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 
 
 class BiasedGradientWarning(UserWarning):
@@ -89,25 +101,46 @@ class BiasedGradientWarning(UserWarning):
     """
 
 
-def _warn_biased(message: str) -> None:
+def warn_biased(message: str, *, stacklevel: int = 3) -> None:
     """Emit :class:`BiasedGradientWarning` at the caller's caller (not while compiling).
 
     ``torch.compile`` cannot trace ``warnings.warn`` (it would break a ``fullgraph`` graph), so the
     warning is raised by eager calls only; the condition depends on Python arguments alone.
     """
     if not torch.compiler.is_compiling():
-        warnings.warn(message, BiasedGradientWarning, stacklevel=3)
+        warnings.warn(message, BiasedGradientWarning, stacklevel=stacklevel)
 
 
-def _clamp_symmetric(values: torch.Tensor, bound: float | torch.Tensor) -> torch.Tensor:
-    """``values.clamp(-bound, bound)`` for a Python number or a 0-d tensor bound."""
-    if isinstance(bound, torch.Tensor):
-        bound_t = bound.to(dtype=values.dtype, device=values.device)
-        return torch.clamp(values, -bound_t, bound_t)
-    return values.clamp(-bound, bound)
+def _k1(log_ratio: torch.Tensor) -> torch.Tensor:
+    return log_ratio
 
 
-def _kl_terms(
+def _k2(log_ratio: torch.Tensor) -> torch.Tensor:
+    return 0.5 * log_ratio.square()
+
+
+def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
+    # exp(-d) + d - 1 with expm1 (no cancellation for small d); the clamp only removes rounding
+    # below 0 (k3 >= 0 exactly in real arithmetic).
+    return (torch.expm1(-log_ratio) + log_ratio).clamp(min=0.0)
+
+
+#: One function per estimator: the per-token estimate from the log-ratio d.
+ESTIMATOR_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "k1": _k1,
+    "k2": _k2,
+    "k3": _k3,
+}
+
+#: Their derivatives with respect to d (used by the fused hidden-state path): 1, d, 1 - e^{-d}.
+ESTIMATOR_GRADIENTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "k1": torch.ones_like,
+    "k2": lambda log_ratio: log_ratio,
+    "k3": lambda log_ratio: -torch.expm1(-log_ratio),
+}
+
+
+def kl_terms(
     log_probs: torch.Tensor,
     ref_log_probs: torch.Tensor,
     mask: torch.Tensor,
@@ -119,27 +152,44 @@ def _kl_terms(
 ) -> torch.Tensor:
     """Per-token KL estimate ``(B, T)`` in ``dtype``, exact zeros at unselected tokens.
 
-    The single implementation of the estimator math (used by the public functions here and by the
-    seed :func:`rlobjectives.kl_penalized_rewards`). Inputs are validated by the caller.
+    The single implementation of the estimator math (used by the public functions here, by the
+    seed :func:`rlobjectives.kl_penalized_rewards` and by the hidden-state path). Inputs are
+    validated by the caller.
     """
     # Select before any arithmetic: NaN/inf at unselected positions reaches no value or gradient.
     log_ratio = masked_fill_zero(log_probs.to(dtype), mask) - masked_fill_zero(
         ref_log_probs.to(dtype), mask
     )  # (B, T)
     if log_ratio_bound is not None:
-        log_ratio = _clamp_symmetric(log_ratio, log_ratio_bound)  # (B, T)
-    if estimator == "k1":
-        estimate = log_ratio
-    elif estimator == "k2":
-        estimate = 0.5 * log_ratio.square()
-    else:
-        # k3 = exp(-d) + d - 1, written with expm1 to avoid cancellation for small d; the clamp
-        # only removes rounding below 0 (k3 >= 0 exactly in real arithmetic).
-        estimate = (torch.expm1(-log_ratio) + log_ratio).clamp(min=0.0)
+        log_ratio = clamp(log_ratio, -log_ratio_bound, log_ratio_bound)  # (B, T)
+    estimate = ESTIMATOR_FUNCTIONS[estimator](log_ratio)
     if straight_through and estimator != "k2":
-        k2 = 0.5 * log_ratio.square()  # (B, T)
+        k2 = _k2(log_ratio)  # (B, T)
         estimate = estimate.detach() + (k2 - k2.detach())
     return masked_fill_zero(estimate, mask)
+
+
+def kl_gradient(
+    log_ratio: torch.Tensor,
+    *,
+    estimator: str,
+    straight_through: bool,
+    log_ratio_bound: float | torch.Tensor | None,
+) -> torch.Tensor:
+    """``d k / d log_probs`` per token, in closed form, for a selected, unbounded log-ratio.
+
+    Zero where the bound fires (``torch.clamp`` passes the gradient on the closed interval), as
+    autograd of :func:`kl_terms` gives it (up to the ``k3`` rounding clamp at ``d`` ~ 0, where
+    both are ~0).
+    """
+    bounded = log_ratio
+    if log_ratio_bound is not None:
+        bounded = clamp(log_ratio, -log_ratio_bound, log_ratio_bound)
+    gradient = bounded if straight_through else ESTIMATOR_GRADIENTS[estimator](bounded)
+    if log_ratio_bound is not None:
+        inside = log_ratio.abs() <= torch.as_tensor(log_ratio_bound, dtype=log_ratio.dtype)
+        gradient = torch.where(inside, gradient, torch.zeros_like(gradient))
+    return gradient
 
 
 class _KLInputs:
@@ -166,8 +216,8 @@ class _KLInputs:
         log_ratio_bound: float | torch.Tensor | None,
         dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
-        """:func:`_kl_terms` of these inputs, in ``dtype`` (default: their computation dtype)."""
-        return _kl_terms(
+        """:func:`kl_terms` of these inputs, in ``dtype`` (default: their computation dtype)."""
+        return kl_terms(
             self.log_probs,
             self.ref_log_probs,
             self.mask,
@@ -178,15 +228,12 @@ class _KLInputs:
         )  # (B, T)
 
 
-def _validate_kl_options(
+def validate_kl_options(
     estimator: str, straight_through: bool, log_ratio_bound: Scalar | None
 ) -> float | torch.Tensor | None:
+    """Validate the estimator options; return the validated log-ratio bound (or None)."""
     validate_choice(estimator, "estimator", ESTIMATORS)
-    if not isinstance(straight_through, bool):
-        raise TypeError(
-            f"straight_through must be a bool, got {type(straight_through).__name__} "
-            f"({straight_through!r})"
-        )
+    validate_bool(straight_through, "straight_through")
     if log_ratio_bound is None:
         return None
     return validate_scalar(log_ratio_bound, "log_ratio_bound", minimum=0.0, strict=True)
@@ -248,7 +295,7 @@ def kl_estimate(
     .. versionadded:: 0.1.0
     """
     inputs = _KLInputs(log_probs, ref_log_probs, mask)
-    bound = _validate_kl_options(estimator, straight_through, log_ratio_bound)
+    bound = validate_kl_options(estimator, straight_through, log_ratio_bound)
     terms = inputs.terms(
         estimator=estimator, straight_through=straight_through, log_ratio_bound=bound
     )  # (B, T)
@@ -262,9 +309,9 @@ def kl_loss(
     *,
     estimator: Estimator = "k3",
     straight_through: bool = False,
-    reduction: str = "token_mean",
+    reduction: Reduction = "token_mean",
     normalizer: Scalar | None = None,
-    max_response_length: int | None = None,
+    max_response_length: Scalar | None = None,
     log_ratio_bound: Scalar | None = 20.0,
 ) -> torch.Tensor:
     r"""KL(pi || ref) as a loss term: :func:`kl_estimate` reduced with ``reduction``.
@@ -330,31 +377,38 @@ def kl_loss(
     .. versionadded:: 0.1.0
     """
     inputs = _KLInputs(log_probs, ref_log_probs, mask)
-    bound = _validate_kl_options(estimator, straight_through, log_ratio_bound)
-    validate_choice(reduction, "reduction", REDUCTIONS)
-    if not straight_through and estimator == "k1":
-        _warn_biased(
-            'kl_loss(estimator="k1") has zero expected gradient on-policy (E[grad log pi] = 0); '
-            'use estimator="k2", or straight_through=True, or k1 as a reward penalty '
-            "(kl_penalized_token_rewards)"
-        )
-    elif not straight_through and estimator == "k3":
-        _warn_biased(
-            'kl_loss(estimator="k3") has a biased gradient (its expectation is the gradient of '
-            'KL(ref || pi), not KL(pi || ref)); use straight_through=True (verl "k3+") or '
-            'estimator="k2" for the unbiased gradient'
-        )
+    bound = validate_kl_options(estimator, straight_through, log_ratio_bound)
+    spec = validate_reduction(
+        reduction,
+        normalizer=normalizer,
+        max_response_length=max_response_length,
+        tokens=inputs.log_probs.shape[-1],
+    )
+    warn_biased_kl_loss(estimator, straight_through, "kl_loss")
     terms = inputs.terms(
         estimator=estimator, straight_through=straight_through, log_ratio_bound=bound
     )  # (B, T)
-    loss = aggregate(
-        terms,
-        inputs.mask,
-        reduction=reduction,
-        normalizer=normalizer,
-        max_response_length=max_response_length,
-    )
-    return loss.to(inputs.log_probs.dtype)
+    return reduce(terms, inputs.mask, spec).to(inputs.log_probs.dtype)
+
+
+def warn_biased_kl_loss(estimator: str, straight_through: bool, caller: str) -> None:
+    """Warn when the KL estimate used as a loss term has a biased or zero expected gradient."""
+    if straight_through or estimator not in _BIASED_AS_LOSS:
+        return
+    warn_biased(f'{caller}(estimator="{estimator}") ' + _BIASED_AS_LOSS[estimator], stacklevel=4)
+
+
+_BIASED_AS_LOSS = {
+    "k1": (
+        'has zero expected gradient on-policy (E[grad log pi] = 0); use estimator="k2", or '
+        "straight_through=True, or k1 as a reward penalty (kl_penalized_token_rewards)"
+    ),
+    "k3": (
+        "has a biased gradient (its expectation is the gradient of KL(ref || pi), not "
+        'KL(pi || ref)); use straight_through=True (verl "k3+") or estimator="k2" for the '
+        "unbiased gradient"
+    ),
+}
 
 
 def last_selected(mask: torch.Tensor) -> torch.Tensor:
@@ -438,24 +492,17 @@ def kl_penalized_token_rewards(
     inputs = _KLInputs(log_probs, ref_log_probs, mask)
     scores_t = as_float_tensor(scores, "scores", inputs.log_probs.device)
     check_same_device({"log_probs": inputs.log_probs, "scores": scores_t})
-    batch = inputs.log_probs.shape[0]
-    if scores_t.ndim == 2 and scores_t.shape[1] == 1:
-        scores_t = scores_t.squeeze(-1)
-    if scores_t.ndim != 1 or scores_t.shape[0] != batch:
-        raise ValueError(
-            f"scores must have shape (B,) or (B, 1) with B = {batch} (one score per sequence of "
-            f"log_probs), got shape {tuple(scores_t.shape)}"
-        )
+    scores_t = as_per_sequence(scores_t, "scores", inputs.log_probs.shape[0], "log_probs")
     coefficient = validate_scalar(kl_coef, "kl_coef", minimum=0.0)
-    bound = _validate_kl_options(estimator, False, log_ratio_bound)
+    bound = validate_kl_options(estimator, False, log_ratio_bound)
     if estimator != "k1":
-        _warn_biased(
+        warn_biased(
             f'kl_penalized_token_rewards(estimator="{estimator}"): as a (detached) reward the '
             f"{estimator} penalty gives a biased policy gradient of KL(pi || ref); k1 is the "
             "unbiased reward penalty (use k2 or k3 with straight_through=True in kl_loss instead)"
         )
     elif bound is not None:
-        _warn_biased(
+        warn_biased(
             "kl_penalized_token_rewards: clamping the k1 log-ratio (log_ratio_bound) biases the "
             "summed KL penalty wherever the bound fires"
         )

@@ -1,38 +1,32 @@
-"""Masked reductions: the one place where per-token values become scalars.
+"""Masked selection and masked sums/means: the primitives every objective builds on.
 
 Masking is always ``torch.where`` (never a multiplication), so NaN/inf at unselected positions
-reaches neither the result nor the gradient. Empty selections give 0, never 0/0.
+reaches neither the result nor the gradient. Empty selections give 0, never 0/0. Half-precision
+values are accumulated in float32 and rounded once.
+
+:func:`clamp` takes its bounds as Python numbers or 0-d tensors (hyperparameters may be either).
+
+The public :func:`masked_sum` / :func:`masked_mean` validate their arguments; the library's own
+code calls the unchecked :func:`sum_selected` / :func:`mean_selected` on validated tensors.
 """
 
 from __future__ import annotations
 
-from typing import Literal, get_args
-
 import torch
 
-from ._validation import (
-    Scalar,
-    as_batch_matrix,
-    as_float_tensor,
-    as_mask,
-    check_same_device,
-    check_shape,
-    validate_choice,
-    validate_scalar,
-)
+from ._validation import ArrayLike, as_float_tensor, as_mask, check_same_device, check_shape
 
 __all__ = [
-    "REDUCTIONS",
-    "Reduction",
-    "aggregate",
+    "clamp",
     "masked_fill_zero",
     "masked_mean",
     "masked_sum",
+    "mean_selected",
     "safe_divide",
+    "sum_selected",
 ]
 
-Reduction = Literal["token_mean", "sequence_mean", "sequence_sum_normalized", "none"]
-REDUCTIONS: tuple[str, ...] = get_args(Reduction)
+_HALF = (torch.float16, torch.bfloat16)
 
 
 def masked_fill_zero(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -40,52 +34,105 @@ def masked_fill_zero(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
 
 
-def masked_sum(values: torch.Tensor, mask: torch.Tensor, *, dim: int | None = None) -> torch.Tensor:
-    r"""Sum of ``values`` over the selected entries: :math:`\sum M \odot x` via ``torch.where``.
-
-    Args:
-        values: any shape, e.g. ``(B, T)``.
-        mask: bool, the shape of ``values``; True selects the entry.
-        dim: the dimension to reduce, or None for all.
-
-    Returns:
-        A scalar (``dim=None``) or ``values`` reduced over ``dim`` (e.g. ``(B,)``). NaN/inf at
-        unselected entries reaches neither the sum nor its gradient.
-
-    Examples:
-        >>> import torch
-        >>> masked_sum(torch.tensor([[1.0, float("nan")]]), torch.tensor([[True, False]]))
-        tensor(1.)
-    """
-    selected = masked_fill_zero(values, mask)
-    return selected.sum() if dim is None else selected.sum(dim=dim)
+def clamp(
+    values: torch.Tensor, low: float | torch.Tensor, high: float | torch.Tensor
+) -> torch.Tensor:
+    """``values.clamp(low, high)`` for Python-number or 0-d-tensor bounds (inclusive)."""
+    if isinstance(low, torch.Tensor) or isinstance(high, torch.Tensor):
+        low_t = torch.as_tensor(low, dtype=values.dtype, device=values.device)
+        high_t = torch.as_tensor(high, dtype=values.dtype, device=values.device)
+        return torch.clamp(values, low_t, high_t)
+    return values.clamp(low, high)
 
 
 def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor | float) -> torch.Tensor:
-    """``numerator / max(denominator, 1)``-style division for counts: 0/0 gives 0.
+    """``numerator / max(denominator, 1)`` for counts: 0/0 gives 0.
 
     ``denominator`` is a count (>= 0); counts below 1 are raised to 1, which turns the empty
-    case 0/0 into 0 and leaves every nonzero count unchanged.
+    case 0/0 into 0 and leaves every nonzero count unchanged. Never use it for a user-given
+    normaliser, which is honoured exactly (see :mod:`rlobjectives._reduction`).
     """
     if isinstance(denominator, torch.Tensor):
         return numerator / denominator.to(numerator.dtype).clamp(min=1)
     return numerator / max(float(denominator), 1.0)
 
 
-def masked_mean(
-    values: torch.Tensor, mask: torch.Tensor, *, dim: int | None = None
-) -> torch.Tensor:
+def sum_selected(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Unchecked :func:`masked_sum` in the dtype of ``values`` (``mask`` bool, same shape)."""
+    selected = masked_fill_zero(values, mask)
+    return selected.sum() if dim is None else selected.sum(dim=dim)
+
+
+def mean_selected(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """Unchecked :func:`masked_mean` in the dtype of ``values`` (``mask`` bool, same shape)."""
+    count = mask.sum() if dim is None else mask.sum(dim=dim)
+    return safe_divide(sum_selected(values, mask, dim), count)
+
+
+def _prepare(
+    values: ArrayLike, mask: ArrayLike, dim: int | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate ``(values, mask, dim)``: same shape and device, ``dim`` an int in range."""
+    values_t = as_float_tensor(values, "values")
+    mask_t = as_mask(mask, "mask", values_t.device)
+    check_same_device({"values": values_t, "mask": mask_t})
+    check_shape(mask_t, "mask", tuple(values_t.shape), "values")
+    if dim is not None:
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"dim must be an int or None, got {type(dim).__name__} ({dim!r})")
+        if not -max(values_t.ndim, 1) <= dim < max(values_t.ndim, 1):
+            raise ValueError(
+                f"dim must be in [-{values_t.ndim}, {values_t.ndim}) for values of shape "
+                f"{tuple(values_t.shape)}, got {dim}"
+            )
+    return values_t, mask_t
+
+
+def masked_sum(values: ArrayLike, mask: ArrayLike, *, dim: int | None = None) -> torch.Tensor:
+    r"""Sum of ``values`` over the selected entries: :math:`\sum M \odot x` via ``torch.where``.
+
+    Args:
+        values: any shape, e.g. ``(B, T)``; tensors, NumPy arrays or nested lists.
+        mask: the shape of ``values`` (no broadcasting), bool or numeric; nonzero selects.
+        dim: the dimension to reduce, or None for all.
+
+    Returns:
+        A scalar (``dim=None``) or ``values`` reduced over ``dim`` (e.g. ``(B,)``), in the dtype
+        of ``values`` (float16/bfloat16 are accumulated in float32 and rounded once). NaN/inf at
+        unselected entries reaches neither the sum nor its gradient.
+
+    Raises:
+        ValueError: if ``mask`` has another shape or device, or ``dim`` is out of range.
+        TypeError: on non-numeric inputs or a non-int ``dim``.
+
+    Examples:
+        >>> import torch
+        >>> masked_sum(torch.tensor([[1.0, float("nan")]]), torch.tensor([[True, False]]))
+        tensor(1.)
+    """
+    values_t, mask_t = _prepare(values, mask, dim)
+    if values_t.dtype in _HALF:
+        return sum_selected(values_t.float(), mask_t, dim).to(values_t.dtype)
+    return sum_selected(values_t, mask_t, dim)
+
+
+def masked_mean(values: ArrayLike, mask: ArrayLike, *, dim: int | None = None) -> torch.Tensor:
     r"""Mean of ``values`` over the selected entries; 0 (not NaN) where nothing is selected.
 
     .. math:: \frac{\sum M \odot x}{\max(1, \sum M)}
 
     Args:
-        values: any shape, e.g. ``(B, T)``.
-        mask: bool, the shape of ``values``; True selects the entry.
+        values: any shape, e.g. ``(B, T)``; tensors, NumPy arrays or nested lists.
+        mask: the shape of ``values`` (no broadcasting), bool or numeric; nonzero selects.
         dim: the dimension to reduce, or None for all.
 
     Returns:
-        A scalar (``dim=None``) or ``values`` reduced over ``dim`` (e.g. ``(B,)``).
+        A scalar (``dim=None``) or ``values`` reduced over ``dim`` (e.g. ``(B,)``), in the dtype
+        of ``values`` (float16/bfloat16 are accumulated in float32 and rounded once).
+
+    Raises:
+        ValueError: if ``mask`` has another shape or device, or ``dim`` is out of range.
+        TypeError: on non-numeric inputs or a non-int ``dim``.
 
     Examples:
         >>> import torch
@@ -93,103 +140,7 @@ def masked_mean(
         ...             torch.tensor([[True, True], [False, False]]), dim=-1)
         tensor([2., 0.])
     """
-    count = mask.sum() if dim is None else mask.sum(dim=dim)
-    return safe_divide(masked_sum(values, mask, dim=dim), count)
-
-
-def _explicit_normalizer(
-    normalizer: Scalar, dtype: torch.dtype, device: torch.device
-) -> torch.Tensor:
-    value = validate_scalar(normalizer, "normalizer", minimum=0.0, strict=True)
-    return torch.as_tensor(value, dtype=dtype, device=device)
-
-
-def aggregate(
-    values: torch.Tensor,
-    mask: torch.Tensor,
-    *,
-    reduction: str = "token_mean",
-    normalizer: Scalar | None = None,
-    max_response_length: int | None = None,
-) -> torch.Tensor:
-    r"""Reduce per-token values ``(B, T)`` to the loss under one of the named reductions.
-
-    With :math:`M` the mask, :math:`n_i = \sum_t M_{it}` and :math:`L` the per-token values:
-
-    - ``"token_mean"``: :math:`\sum_{it} M_{it} L_{it} / N`, with :math:`N = \sum_{it} M_{it}`
-      or the given ``normalizer`` (global selected-token count). DAPO / BNPO and the seed GRPO loss.
-    - ``"sequence_mean"``: :math:`\sum_i \big(\sum_t M_{it} L_{it} / n_i\big) / S`, with :math:`S`
-      the number of sequences with at least one selected token, or the given ``normalizer``
-      (global count of such sequences). Original GRPO (mean of per-sequence token means).
-    - ``"sequence_sum_normalized"``: :math:`\sum_{it} M_{it} L_{it} / (S \cdot C)` with
-      :math:`S = B` or the given ``normalizer`` (global sequence count) and the constant
-      :math:`C` = ``max_response_length`` (default ``T``). Dr. GRPO.
-    - ``"none"``: :math:`M \odot L` as a ``(B, T)`` tensor (zeros at unselected tokens).
-
-    With an explicit ``normalizer`` the result is additive over micro-batches: summing the losses
-    of the micro-batches of an optimizer step gives the full-batch loss.
-
-    Args:
-        values: per-token values, ``(B, T)``.
-        mask: bool ``(B, T)``; True selects the token.
-        reduction: one of ``"token_mean"``, ``"sequence_mean"``, ``"sequence_sum_normalized"``,
-            ``"none"``.
-        normalizer: optional positive denominator (number or 0-d tensor), see above.
-        max_response_length: the Dr. GRPO constant :math:`C`; ``None`` uses ``T``.
-
-    Returns:
-        A scalar tensor, or ``(B, T)`` for ``"none"``, with the dtype of ``values`` (float16 and
-        bfloat16 values are reduced in float32 and rounded once).
-
-    Raises:
-        ValueError: if ``values`` is not ``(B, T)``, ``mask`` has another shape or device,
-            ``reduction`` is unknown, or ``normalizer``/``max_response_length`` is not positive.
-        TypeError: on non-numeric inputs.
-    """
-    validate_choice(reduction, "reduction", REDUCTIONS)
-    values = as_batch_matrix(as_float_tensor(values, "values"), "values")
-    mask = as_batch_matrix(as_mask(mask, "mask", values.device), "mask")
-    check_same_device({"values": values, "mask": mask})
-    check_shape(mask, "mask", tuple(values.shape), "values")
-    if values.dtype in (torch.float16, torch.bfloat16):
-        # Reduce in float32 and round once to the half-precision output dtype.
-        return aggregate(
-            values.float(),
-            mask,
-            reduction=reduction,
-            normalizer=normalizer,
-            max_response_length=max_response_length,
-        ).to(values.dtype)
-    if reduction == "none":
-        return masked_fill_zero(values, mask)
-    dtype, device = values.dtype, values.device
-    if reduction == "token_mean":
-        total = masked_sum(values, mask)
-        if normalizer is None:
-            return safe_divide(total, mask.sum())
-        return total / _explicit_normalizer(normalizer, dtype, device)
-    if reduction == "sequence_mean":
-        tokens_per_sequence = mask.sum(dim=-1)  # (B,)
-        sequence_means = safe_divide(masked_sum(values, mask, dim=-1), tokens_per_sequence)  # (B,)
-        total = sequence_means.sum()
-        if normalizer is None:
-            return safe_divide(total, (tokens_per_sequence > 0).sum())
-        return total / _explicit_normalizer(normalizer, dtype, device)
-    # sequence_sum_normalized
-    if max_response_length is None:
-        constant = float(values.shape[-1])
-    else:
-        constant = float(
-            validate_scalar(
-                max_response_length,
-                "max_response_length",
-                minimum=0,
-                strict=True,
-                allow_tensor=False,
-            )
-        )
-    total = masked_sum(values, mask)
-    if normalizer is None:
-        return total / (max(values.shape[0], 1) * max(constant, 1.0))
-    # max(C, 1): an empty token axis (T = 0, C defaulting to T) gives 0, not 0/0.
-    return total / (_explicit_normalizer(normalizer, dtype, device) * max(constant, 1.0))
+    values_t, mask_t = _prepare(values, mask, dim)
+    if values_t.dtype in _HALF:
+        return mean_selected(values_t.float(), mask_t, dim).to(values_t.dtype)
+    return mean_selected(values_t, mask_t, dim)

@@ -17,14 +17,20 @@ import torch
 __all__ = [
     "ArrayLike",
     "Scalar",
+    "as_batch_matrix",
     "as_float_tensor",
     "as_mask",
+    "as_per_sequence",
     "as_tensor",
+    "as_token_ids",
     "check_same_device",
     "check_shape",
     "compute_dtype",
+    "describe",
     "expand_per_sequence",
+    "validate_bool",
     "validate_choice",
+    "validate_length",
     "validate_scalar",
 ]
 
@@ -32,7 +38,8 @@ ArrayLike = Any  # torch.Tensor | numpy.ndarray | nested lists/tuples of numbers
 Scalar = float | int | torch.Tensor
 
 
-def _describe(value: object) -> str:
+def describe(value: object) -> str:
+    """A short description of an argument for error messages (shape/dtype/device of tensors)."""
     if isinstance(value, torch.Tensor):
         return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
     return type(value).__name__
@@ -94,7 +101,7 @@ def as_tensor(value: ArrayLike, name: str, device: torch.device | None = None) -
         return torch.as_tensor(array.copy(), device=device)
     raise TypeError(
         f"{name} must be a torch.Tensor, a NumPy array or a nested list of numbers, "
-        f"got {_describe(value)}"
+        f"got {describe(value)}"
     )
 
 
@@ -128,6 +135,14 @@ def as_batch_matrix(tensor: torch.Tensor, name: str) -> torch.Tensor:
     return tensor
 
 
+def as_token_ids(value: ArrayLike, name: str, device: torch.device | None) -> torch.Tensor:
+    """Coerce integer ids (token ids, lengths, indices); floating and bool data is a TypeError."""
+    tensor = as_tensor(value, name, device)
+    if tensor.is_floating_point() or tensor.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got dtype {tensor.dtype}")
+    return tensor
+
+
 def check_shape(tensor: torch.Tensor, name: str, expected: Sequence[int], reference: str) -> None:
     """Raise ``ValueError`` unless ``tensor.shape == expected`` (the shape of ``reference``)."""
     if tuple(tensor.shape) != tuple(expected):
@@ -138,7 +153,10 @@ def check_shape(tensor: torch.Tensor, name: str, expected: Sequence[int], refere
 
 
 def check_same_device(tensors: dict[str, torch.Tensor]) -> torch.device:
-    """Raise ``ValueError`` if the tensors are not all on one device; return that device."""
+    """Raise ``ValueError`` if the tensors are not all on one device; return that device.
+
+    The first entry is the reference: the message names the first argument that differs.
+    """
     items = list(tensors.items())
     first_name, first = items[0]
     for name, tensor in items[1:]:
@@ -168,37 +186,92 @@ def expand_per_sequence(
     )
 
 
+def as_per_sequence(values: torch.Tensor, name: str, batch: int, reference: str) -> torch.Tensor:
+    """Accept ``(B,)`` or ``(B, 1)`` per-sequence values (rewards, scores); return ``(B,)``."""
+    if values.ndim == 2 and values.shape[1] == 1:
+        values = values.squeeze(-1)
+    if values.ndim != 1 or values.shape[0] != batch:
+        raise ValueError(
+            f"{name} must have shape (B,) = ({batch},) or (B, 1) (one value per sequence of "
+            f"{reference}), got shape {tuple(values.shape)}"
+        )
+    return values
+
+
+def _scalar_value(value: Scalar, name: str, allow_tensor: bool) -> float | None:
+    """The value of a scalar hyperparameter as a float (None while ``torch.compile`` traces)."""
+    if isinstance(value, torch.Tensor):
+        if not allow_tensor:
+            raise TypeError(
+                f"{name} must be a real number (a Python number, not a tensor), "
+                f"got {describe(value)}"
+            )
+        if value.ndim != 0 or value.is_complex() or value.dtype == torch.bool:
+            raise TypeError(
+                f"{name} must be a real number or a 0-d real tensor (not bool), "
+                f"got {describe(value)}"
+            )
+        if torch.compiler.is_compiling():
+            return None
+        return float(value.detach().cpu())
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be a real number, got {describe(value)} ({value!r})")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{name} must be finite, got an integer too large for a float") from None
+
+
 def validate_scalar(
     value: Scalar,
     name: str,
     *,
     minimum: float | None = 0.0,
     strict: bool = False,
+    maximum: float | None = None,
     allow_tensor: bool = True,
 ) -> float | torch.Tensor:
-    """Validate a hyperparameter: a real Python number or a 0-d real tensor, finite, >= minimum.
+    """Validate a hyperparameter: a real Python number or a 0-d real tensor, finite, in range.
 
-    A 0-d tensor is returned as a tensor (so it can be traced); its value is checked on the host
-    except while ``torch.compile`` traces, where inspecting it would break the graph.
+    ``minimum`` is inclusive unless ``strict``; ``maximum`` is exclusive. A 0-d tensor is
+    returned as a tensor (so it can be traced); its value is checked on the host except while
+    ``torch.compile`` traces, where inspecting it would break the graph.
     """
-    if isinstance(value, torch.Tensor):
-        if not allow_tensor or value.ndim != 0 or value.is_complex() or value.dtype == torch.bool:
-            raise TypeError(
-                f"{name} must be a real number or a 0-d real tensor, got {_describe(value)}"
-            )
-        if torch.compiler.is_compiling():
-            return value
-        number = float(value.detach().cpu())
-    elif isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"{name} must be a real number, got {_describe(value)} ({value!r})")
-    else:
-        number = float(value)
+    number = _scalar_value(value, name, allow_tensor)
+    if number is None:
+        return value
     if not math.isfinite(number):
         raise ValueError(f"{name} must be finite, got {number}")
     if minimum is not None and (number <= minimum if strict else number < minimum):
         relation = ">" if strict else ">="
         raise ValueError(f"{name} must be {relation} {minimum}, got {number}")
+    if maximum is not None and number >= maximum:
+        raise ValueError(f"{name} must be < {maximum}, got {number}")
     return value if isinstance(value, torch.Tensor) else number
+
+
+def validate_length(value: Scalar, name: str) -> int | torch.Tensor:
+    """Validate a positive integer length: an int (or integral float) or a 0-d tensor holding one.
+
+    Fractional values raise ``ValueError`` (a length such as Dr. GRPO's ``max_response_length``
+    is a token count); a 0-d tensor is returned as is (checked except under compile).
+    """
+    number = _scalar_value(value, name, True)
+    if number is None:
+        assert isinstance(value, torch.Tensor)  # only a tensor is left unread (under compile)
+        return value
+    if not (math.isfinite(number) and number >= 1 and number == int(number)):
+        raise ValueError(f"{name} must be > 0 and a whole number (a token count), got {number!r}")
+    if isinstance(value, torch.Tensor):
+        return value
+    return int(number)
+
+
+def validate_bool(value: object, name: str) -> bool:
+    """Raise ``TypeError`` unless ``value`` is a Python bool."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{name} must be a bool, got {type(value).__name__} ({value!r})")
+    return value
 
 
 def validate_choice(value: object, name: str, choices: Sequence[str]) -> str:

@@ -19,8 +19,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from ._policy import grpo_clipped_surrogate
-from ._rewards import kl_penalized_rewards
+from ._specified import grpo_clipped_surrogate, kl_penalized_rewards
 
 __all__ = ["main"]
 

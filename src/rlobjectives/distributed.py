@@ -43,7 +43,7 @@ from typing import NamedTuple, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from ._masking import REDUCTIONS
+from ._reduction import REDUCTIONS
 from ._validation import ArrayLike, as_batch_matrix, as_mask, validate_choice
 
 __all__ = [

@@ -44,7 +44,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from .. import group_relative_advantages, kl_penalized_rewards, policy_loss
+from .. import Reduction, group_relative_advantages, kl_penalized_rewards, policy_loss
 from .. import response_log_probs as library_response_log_probs
 from ..distributed import (
     data_parallel_loss_scale,
@@ -100,7 +100,7 @@ class DemoConfig:
     beta: float = 0.02
     clip_low: float = 0.2
     clip_high: float | None = None
-    reduction: str = "token_mean"
+    reduction: Reduction = "token_mean"
     max_grad_norm: float = 1.0
     eval_every: int = 10
     eval_size: int = 500

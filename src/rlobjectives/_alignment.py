@@ -1,0 +1,295 @@
+"""Causal-LM alignment: which logits row predicts each response token (the one-token shift).
+
+For a causal LM the logits (or the final hidden state) at position ``j`` predict the token at
+``j + 1``. :func:`response_alignment` locates the response tokens of a padded batch and the rows
+that predict them; :func:`response_log_probs` gathers the response-token log-probabilities from
+full-sequence logits with that shift.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ._chunking import resolve_chunk_size
+from ._logits import _as_logits, _validate_temperature
+from ._logits_autograd import TokenLogProbsFunction
+from ._masking import masked_fill_zero
+from ._validation import (
+    ArrayLike,
+    as_batch_matrix,
+    as_mask,
+    as_token_ids,
+    check_same_device,
+    check_shape,
+    compute_dtype,
+)
+
+__all__ = [
+    "ResponseAlignment",
+    "ResponseLogProbs",
+    "response_alignment",
+    "response_log_probs",
+]
+
+
+class ResponseAlignment(NamedTuple):
+    """Where each response token of a causal-LM batch sits, and which row predicts it.
+
+    Attributes:
+        positions: ``(B, R)`` int64: index ``j - 1`` of the logits/hidden row (in the ``L``
+            axis) that predicts response token ``t`` at absolute position ``j``; a valid index
+            (not meaningful) where ``mask`` is False.
+        tokens: ``(B, R)`` int64: the response token ``input_ids[b, j]``; 0 where ``mask`` is
+            False.
+        mask: ``(B, R)`` bool: True for real response tokens.
+    """
+
+    positions: torch.Tensor
+    tokens: torch.Tensor
+    mask: torch.Tensor
+
+
+class ResponseLogProbs(NamedTuple):
+    """Result of :func:`response_log_probs`.
+
+    Attributes:
+        log_probs: ``(B, R)`` float32 log-probabilities of the response tokens, 0 where
+            ``mask`` is False.
+        mask: ``(B, R)`` bool response mask, ready for :func:`rlobjectives.policy_loss`.
+    """
+
+    log_probs: torch.Tensor
+    mask: torch.Tensor
+
+
+def _check_layout(
+    attention_mask: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    lengths: torch.Tensor,
+    start: torch.Tensor,
+    end: torch.Tensor,
+    response_length: int,
+) -> None:
+    """Host-side check of the padding layout (one synchronisation; skipped under compile)."""
+    # Each row's attended tokens must be one contiguous run: at most one 0 -> 1 transition.
+    padded = torch.nn.functional.pad(attention_mask.to(torch.int8), (1, 0))  # (B, L + 1)
+    run_starts = (padded[:, 1:] > padded[:, :-1]).sum(-1)  # (B,)
+    checks = torch.stack(
+        [
+            (run_starts > 1).any(),
+            (prompt_lengths < 1).any(),
+            (prompt_lengths > lengths).any(),
+            ((end - start) > response_length).any(),
+        ]
+    ).tolist()
+    if checks[0]:
+        raise ValueError(
+            "attention_mask must mark each sequence as one contiguous run of ones (right "
+            "padding, left padding, or left-padded prompt + right-padded response); got a row "
+            "with more than one run (packed sequences are not supported)"
+        )
+    if checks[1]:
+        raise ValueError(
+            "prompt_lengths must be >= 1 for every sequence (the first token has no logits "
+            f"predicting it), got {prompt_lengths.tolist()}"
+        )
+    if checks[2]:
+        raise ValueError(
+            "prompt_lengths must be <= the number of attended tokens of each sequence "
+            f"{lengths.tolist()}, got {prompt_lengths.tolist()}"
+        )
+    if checks[3]:
+        raise ValueError(
+            f"response_length={response_length} is shorter than the longest response "
+            f"{int((end - start).max())}; pass a larger response_length"
+        )
+
+
+def response_alignment(
+    input_ids: ArrayLike,
+    prompt_lengths: ArrayLike,
+    attention_mask: ArrayLike,
+    *,
+    response_length: int | None = None,
+    check_layout: bool = True,
+) -> ResponseAlignment:
+    r"""Locate the response tokens of a causal-LM batch and the rows that predict them.
+
+    For a causal LM the logits (or final hidden state) at position :math:`j` predict the token
+    at position :math:`j + 1`. With :math:`f_b` the first attended position of row :math:`b`,
+    :math:`n_b = \sum_j \text{attention\_mask}_{bj}` and :math:`P_b` the prompt length, the
+    response occupies positions :math:`j \in [f_b + P_b,\ f_b + n_b)` and response token
+    :math:`t` (:math:`j = f_b + P_b + t`) is predicted by row :math:`j - 1`:
+
+    .. math::
+
+        \log \pi(y_{bt}) = \log\mathrm{softmax}(\text{logits}_{b, j-1})[\text{input\_ids}_{bj}].
+
+    Supported layouts (each row's ones in ``attention_mask`` form one contiguous run):
+    right padding (``[prompt, response, pad]``), left padding (``[pad, prompt, response]``),
+    and the verl/TRL layout of left-padded prompts concatenated with right-padded responses
+    (``[pad, prompt, response, pad]``). Packed rows (several runs) are rejected.
+
+    Use the result with logits via :func:`response_log_probs`, or with hidden states by
+    gathering the predicting rows first (cheap: ``(B, R, H)``)::
+
+        rows = hidden.gather(1, alignment.positions.unsqueeze(-1).expand(-1, -1, H))
+        log_probs = token_log_probs_from_hidden(rows, weight, alignment.tokens)
+        log_probs = torch.where(alignment.mask, log_probs, 0.0)
+
+    Args:
+        input_ids: ``(B, L)`` integer token ids of the full sequences.
+        prompt_lengths: ``(B,)`` integer number of prompt tokens of each row (excluding
+            padding), each in ``[1, n_b]``.
+        attention_mask: ``(B, L)`` bool or numeric, nonzero = real token.
+        response_length: R, the number of response columns of the result (a static int >= 1);
+            None uses ``L - 1`` (always enough; trailing columns may be fully masked). Pass the
+            generation length to get a tight ``(B, R)``.
+        check_layout: check the layout rules above on the host (one device synchronisation,
+            skipped while ``torch.compile`` traces). Disable in a hot loop once the data
+            pipeline is trusted.
+
+    Returns:
+        :class:`ResponseAlignment` ``(positions, tokens, mask)``, each ``(B, R)``.
+
+    Raises:
+        ValueError: on wrong ranks, mismatched shapes or devices, ``response_length < 1``, and
+            (with ``check_layout``) a non-contiguous attention mask, a prompt length outside
+            ``[1, n_b]`` or a response longer than ``response_length``.
+        TypeError: on non-integer ``input_ids`` or ``prompt_lengths``.
+
+    References:
+        The next-token factorisation of causal language models, Radford et al. 2018 (GPT)
+        Eq. 1; response-only log-probabilities as used by PPO-RLHF, Ouyang et al. 2022,
+        arXiv:2203.02155 Eq. 2.
+
+    Examples:
+        >>> import torch
+        >>> ids = torch.tensor([[5, 6, 7, 0], [5, 6, 7, 8]])
+        >>> a = response_alignment(ids, [2, 1], ids != 0, response_length=3)
+        >>> a.positions.tolist(), a.tokens.tolist(), a.mask.tolist()
+        ([[1, 0, 0], [0, 1, 2]], [[7, 0, 0], [6, 7, 8]], [[True, False, False], [True, True, True]])
+
+    .. versionadded:: 0.1.0
+    """
+    ids = as_batch_matrix(as_token_ids(input_ids, "input_ids", None), "input_ids")
+    device = ids.device
+    attention = as_batch_matrix(as_mask(attention_mask, "attention_mask", device), "attention_mask")
+    prompts = as_token_ids(prompt_lengths, "prompt_lengths", device)
+    check_same_device({"input_ids": ids, "attention_mask": attention, "prompt_lengths": prompts})
+    batch, length = ids.shape
+    if length < 1:
+        raise ValueError(f"input_ids must have at least one position, got shape {(batch, length)}")
+    check_shape(attention, "attention_mask", (batch, length), "input_ids")
+    if prompts.ndim != 1 or prompts.shape[0] != batch:
+        raise ValueError(
+            f"prompt_lengths must have shape (B,) = ({batch},) from input_ids, got shape "
+            f"{tuple(prompts.shape)}"
+        )
+    if response_length is None:
+        response_length = max(length - 1, 1)
+    elif isinstance(response_length, bool) or not isinstance(response_length, int):
+        raise TypeError(
+            f"response_length must be an int or None, got {type(response_length).__name__}"
+        )
+    elif response_length < 1:
+        raise ValueError(f"response_length must be >= 1, got {response_length}")
+    prompts = prompts.to(torch.int64)
+    lengths = attention.sum(-1)  # (B,) n_b
+    first = attention.to(torch.int8).argmax(-1)  # (B,) f_b (0 for an empty row)
+    start = first + prompts  # (B,) absolute position of the first response token
+    end = first + lengths  # (B,) one past the last attended position
+    if check_layout and not torch.compiler.is_compiling():
+        _check_layout(attention, prompts, lengths, start, end, response_length)
+    offsets = torch.arange(response_length, device=device)  # (R,)
+    absolute = start.unsqueeze(-1) + offsets  # (B, R) positions j
+    mask = (absolute < end.unsqueeze(-1)) & (absolute >= 1)  # (B, R)
+    absolute = torch.where(mask, absolute, 1).clamp(max=length - 1)  # (B, R)
+    tokens = masked_fill_zero(ids.gather(1, absolute).to(torch.int64), mask)  # (B, R)
+    positions = (absolute - 1).clamp(min=0)  # (B, R) rows predicting the response tokens
+    return ResponseAlignment(positions=positions, tokens=tokens, mask=mask)
+
+
+def response_log_probs(
+    logits: ArrayLike,
+    input_ids: ArrayLike,
+    prompt_lengths: ArrayLike,
+    attention_mask: ArrayLike,
+    *,
+    response_length: int | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    check_layout: bool = True,
+) -> ResponseLogProbs:
+    r"""Response-token log-probabilities from full-sequence causal-LM logits, shift included.
+
+    .. math::
+
+        \text{log\_probs}_{bt} = \log\mathrm{softmax}(\text{logits}_{b, j-1} / \tau)
+        [\text{input\_ids}_{bj}], \qquad j = f_b + P_b + t,
+
+    for the response tokens located by :func:`response_alignment` (see it for the supported
+    padding layouts); 0 elsewhere. The log-softmax runs through :func:`token_log_probs` on the
+    full ``(B, L, V)`` logits with non-predicting rows masked out, so no ``(B, R, V)`` copy is
+    gathered and the memory stays O(chunk_size * V) besides the logits and their gradient.
+
+    Args:
+        logits: ``(B, L, V)`` logits of the full sequences (position ``j`` predicts ``j + 1``).
+        input_ids: ``(B, L)`` integer token ids.
+        prompt_lengths: ``(B,)`` integer prompt lengths (without padding), each >= 1.
+        attention_mask: ``(B, L)`` bool or numeric, nonzero = real token.
+        response_length: R (static int), or None for ``L - 1``; see :func:`response_alignment`.
+        temperature: :math:`\tau > 0` (the sampling temperature).
+        chunk_size: rows per chunk, or None for ``max(1, 2**23 // V)``.
+        check_layout: validate the layout on the host (see :func:`response_alignment`).
+
+    Returns:
+        :class:`ResponseLogProbs` ``(log_probs, mask)``: ``(B, R)`` float32 log-probabilities
+        (float64 for float64 logits) and the ``(B, R)`` bool response mask.
+
+    Raises:
+        ValueError: on shapes that do not match ``(B, L, V)`` / ``(B, L)``, and as
+            :func:`response_alignment` and :func:`token_log_probs`.
+        TypeError: as :func:`response_alignment` and :func:`token_log_probs`.
+
+    References:
+        Radford et al. 2018 (GPT) Eq. 1; Ouyang et al. 2022, arXiv:2203.02155 Eq. 2.
+
+    Examples:
+        >>> import torch
+        >>> logits = torch.zeros(1, 3, 4)  # uniform next-token distributions
+        >>> out = response_log_probs(logits, [[1, 2, 3]], [1], [[1, 1, 1]], response_length=2)
+        >>> out.log_probs, out.mask
+        (tensor([[-1.3863, -1.3863]]), tensor([[True, True]]))
+
+    .. versionadded:: 0.1.0
+    """
+    logits_t = _as_logits(logits, "logits")
+    if logits_t.ndim != 3:
+        raise ValueError(f"logits must have shape (B, L, V), got shape {tuple(logits_t.shape)}")
+    ids = as_batch_matrix(as_token_ids(input_ids, "input_ids", logits_t.device), "input_ids")
+    check_same_device({"logits": logits_t, "input_ids": ids})
+    check_shape(ids, "input_ids", tuple(logits_t.shape[:2]), "logits without V")
+    alignment = response_alignment(
+        ids,
+        prompt_lengths,
+        attention_mask,
+        response_length=response_length,
+        check_layout=check_layout,
+    )
+    batch, length = ids.shape
+    # Row k of the logits predicts input_ids[:, k + 1]; only rows that predict a response token
+    # are computed. Rows selected: scatter the response mask onto the predicting rows.
+    rows = torch.zeros((batch, length), dtype=torch.int64, device=ids.device)  # (B, L)
+    rows = rows.scatter_add(1, alignment.positions, alignment.mask.to(torch.int64)) > 0
+    targets = torch.nn.functional.pad(ids[:, 1:].to(torch.int64), (0, 1))  # (B, L)
+    tau = _validate_temperature(temperature)
+    chunk = resolve_chunk_size(chunk_size, row_width=logits_t.shape[-1])
+    targets = torch.where(rows, targets, 0)  # (B, L)
+    full: torch.Tensor = TokenLogProbsFunction.apply(  # type: ignore[no-untyped-call]
+        logits_t, targets, rows, True, tau, chunk, compute_dtype(logits_t)
+    )  # (B, L)
+    log_probs = masked_fill_zero(full.gather(1, alignment.positions), alignment.mask)  # (B, R)
+    return ResponseLogProbs(log_probs=log_probs, mask=alignment.mask)

@@ -1,0 +1,479 @@
+r"""Chunked autograd Functions over logits: sampled-token log-probs, entropy, full-vocabulary KL.
+
+Each Function reads the logits one block of rows at a time (:mod:`rlobjectives._chunking`),
+upcasts that block to float32 (float64 for float64 logits) and keeps only per-row statistics
+between the passes; the backward recomputes each block's softmax and writes the exact gradient
+into a tensor of the logits' own dtype. The extra memory is O(chunk * V) in both passes.
+
+The per-block math is in plain functions (``chunk_*`` and ``chunk_*_grad``) that take already
+scaled, upcast-on-the-fly logits ``x = logits / temperature`` of shape ``(C, V)``; the Functions
+only wire them to the chunk driver.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any
+
+import torch
+
+from ._chunking import Block, block_rows, flat_rows, run_blocks
+from ._masking import masked_fill_zero
+
+__all__ = [
+    "EntropyFunction",
+    "FullVocabKLFunction",
+    "TokenLogProbsFunction",
+    "chunk_entropy",
+    "chunk_entropy_grad",
+    "chunk_kl",
+    "chunk_token_log_probs",
+    "chunk_token_log_probs_grad",
+    "finite_log_probs_",
+    "xlogy_terms",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Per-block math on (C, V) logits already divided by the temperature
+# ---------------------------------------------------------------------------------------------
+
+
+def xlogy_terms(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``probs * values`` with 0 wherever ``probs == 0`` (so 0 * -inf = 0 for -inf logits).
+
+    NaN probabilities (NaN logits in a selected row) still propagate.
+    """
+    return torch.where(
+        probs == 0, torch.zeros((), dtype=probs.dtype, device=probs.device), probs * values
+    )
+
+
+def finite_log_probs_(log_probs: torch.Tensor) -> torch.Tensor:
+    """Clamp ``-inf`` log-probabilities to the most negative finite value, in place.
+
+    Then ``p * log p = 0 * finite = 0`` for ``-inf`` logits; NaN still propagates.
+    """
+    return log_probs.clamp_(min=torch.finfo(log_probs.dtype).min)
+
+
+def chunk_token_log_probs(
+    logits: torch.Tensor, tokens: torch.Tensor, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    r"""Log-softmax at the sampled tokens of one chunk: :math:`x_{n,y_n} - \log\sum_v e^{x_{nv}}`.
+
+    Args:
+        logits: ``(C, V)`` logits of the chunk, already divided by the temperature.
+        tokens: ``(C,)`` int64 token ids in ``[0, V)``.
+        dtype: computation and result dtype (float32, or float64).
+
+    Returns:
+        ``(C,)`` log-probabilities in ``dtype`` (differentiable).
+    """
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=dtype)  # (C, V)
+    return log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def chunk_token_log_probs_grad(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    r"""Gradient of :func:`chunk_token_log_probs` w.r.t. its logits: ``(onehot - p) g``.
+
+    .. math::
+
+        \frac{\partial}{\partial x_{nv}} \sum_n g_n \log p_{n y_n}
+        = g_n (\mathbb{1}[v = y_n] - p_{nv}).
+
+    Args:
+        logits: ``(C, V)`` as passed to :func:`chunk_token_log_probs` (not modified).
+        tokens: ``(C,)`` int64.
+        grad: ``(C,)`` upstream gradient of the log-probs, in ``dtype``.
+        dtype: computation and result dtype.
+
+    Returns:
+        ``(C, V)`` gradient in ``dtype`` (a new tensor; not differentiable).
+    """
+    grad_logits = torch.softmax(logits, dim=-1, dtype=dtype)  # (C, V) p
+    grad_logits.mul_((-grad).unsqueeze(-1))  # (C, V) -g p
+    return grad_logits.scatter_add_(-1, tokens.unsqueeze(-1), grad.unsqueeze(-1))
+
+
+def chunk_entropy(logits: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    r"""Entropy of the softmax of one chunk: :math:`-\sum_v p_v \log p_v` (0 log 0 = 0).
+
+    Args:
+        logits: ``(C, V)`` logits already divided by the temperature.
+        dtype: computation and result dtype.
+
+    Returns:
+        ``(C,)`` entropies in ``dtype`` (not differentiable: in-place ops).
+    """
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=dtype)  # (C, V)
+    probs = torch.exp(log_probs)  # (C, V)
+    entropy: torch.Tensor = -torch.linalg.vecdot(probs, finite_log_probs_(log_probs))  # (C,)
+    return entropy
+
+
+def chunk_entropy_grad(
+    logits: torch.Tensor,
+    entropy: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    r"""Gradient of :func:`chunk_entropy` w.r.t. its logits (not differentiable).
+
+    .. math::
+
+        \frac{\partial H_n}{\partial x_{nv}} = -p_{nv} (\log p_{nv} + H_n).
+
+    Args:
+        logits: ``(C, V)`` (not modified).
+        entropy: ``(C,)`` from :func:`chunk_entropy`.
+        grad: ``(C,)`` upstream gradient of the entropy, in ``dtype``.
+        dtype: computation and result dtype.
+
+    Returns:
+        ``(C, V)`` gradient in ``dtype`` (a new tensor).
+    """
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=dtype)  # (C, V)
+    probs = torch.exp(log_probs)  # (C, V)
+    finite_log_probs_(log_probs).add_(entropy.unsqueeze(-1))  # (C, V) log p + H
+    return probs.mul_(log_probs).mul_((-grad).unsqueeze(-1))
+
+
+def chunk_kl(chunk: torch.Tensor, ref_chunk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """KL(p || q) per row of one chunk, ``(C,)``."""
+    log_p = torch.log_softmax(chunk, dim=-1, dtype=dtype)  # (C, V)
+    log_q = torch.log_softmax(ref_chunk, dim=-1, dtype=dtype)  # (C, V)
+    probs = torch.exp(log_p)  # (C, V)
+    return xlogy_terms(probs, log_p.sub_(log_q)).sum(-1)  # (C,)
+
+
+def chunk_kl_grads(
+    chunk: torch.Tensor,
+    ref_chunk: torch.Tensor,
+    kl: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+    need_logits: bool,
+    need_ref: bool,
+) -> list[torch.Tensor]:
+    r"""Gradients of :func:`chunk_kl`: :math:`p_v(\log p_v - \log q_v - KL)` and :math:`q_v - p_v`.
+
+    Returns the ``(C, V)`` gradients that are needed, logits first, each scaled by ``grad``.
+    """
+    log_p = torch.log_softmax(chunk, dim=-1, dtype=dtype)  # (C, V)
+    log_q = torch.log_softmax(ref_chunk, dim=-1, dtype=dtype)  # (C, V)
+    probs = torch.exp(log_p)  # (C, V)
+    upstream = grad.unsqueeze(-1)  # (C, 1)
+    grads = []
+    if need_logits:
+        # dKL/dx_v = p_v (log p_v - log q_v - KL)
+        difference = log_p.sub(log_q).sub_(kl.unsqueeze(-1))  # (C, V)
+        grads.append(xlogy_terms(probs, difference).mul_(upstream))
+    if need_ref:
+        grads.append(log_q.exp_().sub_(probs).mul_(upstream))  # dKL/dy_v = q_v - p_v
+    return grads
+
+
+# ---------------------------------------------------------------------------------------------
+# Block loading and the row layout of a chunked call
+# ---------------------------------------------------------------------------------------------
+
+
+def load_block(
+    logits: torch.Tensor,
+    block: Block,
+    active: torch.Tensor | None,
+    temperature: float,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The ``(C, V)`` rows of ``block``, divided by ``temperature`` (then in ``dtype``).
+
+    With ``active`` (``(C,)`` bool), inactive rows are replaced by zeros with ``torch.where`` on
+    the input dtype, before any arithmetic, so NaN/inf there reaches no ``exp``. At temperature
+    1 the block keeps the input dtype (the upcast is fused into the softmax of the chunk math).
+    The result may alias ``logits``: never modify it in place.
+    """
+    chunk = logits[block]  # (C, V)
+    if active is not None:
+        zero = torch.zeros((), dtype=chunk.dtype, device=chunk.device)
+        chunk = torch.where(active.unsqueeze(-1), chunk, zero)
+    if temperature != 1.0:
+        chunk = chunk.to(dtype) / temperature
+    return chunk
+
+
+def backward_rows(active: torch.Tensor, grad: torch.Tensor) -> torch.Tensor:
+    """Rows whose gradient is computed: selected rows with a nonzero upstream gradient.
+
+    Rows with a zero upstream gradient get an exact zero (instead of ``0 * NaN``), so non-finite
+    logits in rows that the caller masks downstream with ``torch.where`` poison nothing.
+    """
+    return active & (grad != 0)
+
+
+def row_layout(
+    logits: torch.Tensor, chunk_size: int, *per_row: torch.Tensor
+) -> tuple[torch.Tensor, list[Block], list[torch.Tensor]]:
+    """``(rows, blocks, per_row)``: the logits as ``(N, V)`` when that is a view, else as given.
+
+    ``per_row`` tensors have the leading shape of ``logits``; they are flattened alongside.
+    """
+    flat = flat_rows(logits)
+    if flat is None:  # a strided (B, T, V) view: blocks stay within one row b
+        return logits, block_rows(logits.shape[:-1], chunk_size, flat=False), list(per_row)
+    blocks = block_rows((flat.shape[0],), chunk_size, flat=True)
+    return flat, blocks, [tensor.reshape(-1) for tensor in per_row]
+
+
+def _empty_rows(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return torch.zeros(rows.shape[:-1], dtype=dtype, device=rows.device)
+
+
+# ---------------------------------------------------------------------------------------------
+# Autograd Functions: logits of any layout (N, V) / (B, T, V), per-row active mask
+# ---------------------------------------------------------------------------------------------
+
+
+def _log_probs_step(
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    active: torch.Tensor,
+    masked: bool,
+    temperature: float,
+    dtype: torch.dtype,
+    block: Block,
+) -> list[torch.Tensor]:
+    selected = active[block] if masked else None  # (C,)
+    chunk = load_block(rows, block, selected, temperature, dtype)  # (C, V)
+    log_probs = chunk_token_log_probs(chunk, tokens[block], dtype=dtype)  # (C,)
+    return [log_probs if selected is None else masked_fill_zero(log_probs, selected)]
+
+
+def _log_probs_grad_step(
+    rows: torch.Tensor,
+    tokens: torch.Tensor,
+    active: torch.Tensor,
+    grad: torch.Tensor,
+    temperature: float,
+    dtype: torch.dtype,
+    block: Block,
+) -> list[torch.Tensor]:
+    upstream = grad[block].to(dtype)  # (C,)
+    selected = backward_rows(active[block], upstream)  # (C,)
+    chunk = load_block(rows, block, selected, temperature, dtype)  # (C, V)
+    chunk_grad = chunk_token_log_probs_grad(
+        chunk, tokens[block], masked_fill_zero(upstream, selected), dtype=dtype
+    )  # (C, V)
+    return [chunk_grad.div_(temperature) if temperature != 1.0 else chunk_grad]
+
+
+class TokenLogProbsFunction(torch.autograd.Function):
+    """``log_softmax(logits / tau)[tokens]`` per row, chunked; recompute in backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        logits: torch.Tensor,  # (N, V) or (B, T, V)
+        tokens: torch.Tensor,  # leading shape of logits, int64, 0 at inactive rows
+        active: torch.Tensor,  # leading shape, bool
+        masked: bool,  # False: every row is active (no row selection in the forward pass)
+        temperature: float,
+        chunk_size: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        rows, blocks, (tokens_r, active_r) = row_layout(logits, chunk_size, tokens, active)
+        log_probs = _empty_rows(rows, dtype)  # (N,) or (B, T)
+        step = partial(_log_probs_step, rows, tokens_r, active_r, masked, temperature, dtype)
+        run_blocks(blocks, step, [log_probs])
+        ctx.save_for_backward(logits, tokens, active)
+        ctx.options = (temperature, chunk_size, dtype)
+        return log_probs.reshape(logits.shape[:-1])
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, tokens, active = ctx.saved_tensors
+        temperature, chunk_size, dtype = ctx.options
+        rows, blocks, (tokens_r, active_r, grad_r) = row_layout(
+            logits, chunk_size, tokens, active, grad
+        )
+        grad_rows = torch.empty(rows.shape, dtype=logits.dtype, device=logits.device)
+        step = partial(_log_probs_grad_step, rows, tokens_r, active_r, grad_r, temperature, dtype)
+        run_blocks(blocks, step, [grad_rows])
+        return grad_rows.reshape(logits.shape), None, None, None, None, None, None
+
+
+def _entropy_step(
+    rows: torch.Tensor,
+    active: torch.Tensor,
+    masked: bool,
+    temperature: float,
+    dtype: torch.dtype,
+    block: Block,
+) -> list[torch.Tensor]:
+    selected = active[block] if masked else None  # (C,)
+    chunk = load_block(rows, block, selected, temperature, dtype)  # (C, V)
+    return [chunk_entropy(chunk, dtype=dtype)]  # (C,), log V at inactive rows
+
+
+def _entropy_grad_step(
+    rows: torch.Tensor,
+    active: torch.Tensor,
+    entropy: torch.Tensor,
+    grad: torch.Tensor,
+    temperature: float,
+    dtype: torch.dtype,
+    block: Block,
+) -> list[torch.Tensor]:
+    upstream = grad[block].to(dtype)  # (C,)
+    selected = backward_rows(active[block], upstream)  # (C,)
+    chunk = load_block(rows, block, selected, temperature, dtype)  # (C, V)
+    chunk_grad = chunk_entropy_grad(
+        chunk,
+        masked_fill_zero(entropy[block], selected),
+        masked_fill_zero(upstream, selected),
+        dtype=dtype,
+    )  # (C, V)
+    return [chunk_grad.div_(temperature) if temperature != 1.0 else chunk_grad]
+
+
+class EntropyFunction(torch.autograd.Function):
+    """Entropy of ``softmax(logits / tau)`` per row, chunked; recompute in backward."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        logits: torch.Tensor,  # (N, V) or (B, T, V)
+        active: torch.Tensor,  # leading shape, bool
+        masked: bool,
+        temperature: float,
+        chunk_size: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        rows, blocks, (active_r,) = row_layout(logits, chunk_size, active)
+        entropy = _empty_rows(rows, dtype)
+        run_blocks(
+            blocks, partial(_entropy_step, rows, active_r, masked, temperature, dtype), [entropy]
+        )
+        entropy = entropy.reshape(active.shape)
+        ctx.save_for_backward(logits, active, entropy)
+        ctx.options = (temperature, chunk_size, dtype)
+        return masked_fill_zero(entropy, active) if masked else entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, active, entropy = ctx.saved_tensors
+        temperature, chunk_size, dtype = ctx.options
+        rows, blocks, (active_r, entropy_r, grad_r) = row_layout(
+            logits, chunk_size, active, entropy, grad
+        )
+        grad_rows = torch.empty(rows.shape, dtype=logits.dtype, device=logits.device)
+        step = partial(_entropy_grad_step, rows, active_r, entropy_r, grad_r, temperature, dtype)
+        run_blocks(blocks, step, [grad_rows])
+        return grad_rows.reshape(logits.shape), None, None, None, None, None
+
+
+def _kl_step(
+    rows: torch.Tensor,
+    ref_rows: torch.Tensor,
+    active: torch.Tensor,
+    masked: bool,
+    temperature: float,
+    dtype: torch.dtype,
+    block: Block,
+) -> list[torch.Tensor]:
+    selected = active[block] if masked else None  # (C,)
+    chunk = load_block(rows, block, selected, temperature, dtype)  # (C, V)
+    ref_chunk = load_block(ref_rows, block, selected, temperature, dtype)  # (C, V)
+    kl = chunk_kl(chunk, ref_chunk, dtype)  # (C,)
+    return [kl if selected is None else masked_fill_zero(kl, selected)]
+
+
+def _kl_grad_step(
+    rows: torch.Tensor,
+    ref_rows: torch.Tensor,
+    active: torch.Tensor,
+    kl: torch.Tensor,
+    grad: torch.Tensor,
+    needs: tuple[bool, bool],
+    temperature: float,
+    dtype: torch.dtype,
+    block: Block,
+) -> list[torch.Tensor]:
+    upstream = grad[block].to(dtype)  # (C,)
+    selected = backward_rows(active[block], upstream)  # (C,)
+    chunk = load_block(rows, block, selected, temperature, dtype)  # (C, V)
+    ref_chunk = load_block(ref_rows, block, selected, temperature, dtype)  # (C, V)
+    grads = chunk_kl_grads(
+        chunk,
+        ref_chunk,
+        masked_fill_zero(kl[block], selected),
+        masked_fill_zero(upstream, selected),
+        dtype=dtype,
+        need_logits=needs[0],
+        need_ref=needs[1],
+    )
+    return [g.div_(temperature) for g in grads] if temperature != 1.0 else grads
+
+
+class FullVocabKLFunction(torch.autograd.Function):
+    """Exact ``KL(softmax(x / tau) || softmax(y / tau))`` per row, chunked."""
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        logits: torch.Tensor,  # (N, V) or (B, T, V)
+        ref_logits: torch.Tensor,  # same shape
+        active: torch.Tensor,  # leading shape, bool
+        masked: bool,
+        temperature: float,
+        chunk_size: int,
+        dtype: torch.dtype,
+    ) -> torch.Tensor:
+        rows, blocks, (active_r,) = row_layout(logits, chunk_size, active)
+        ref_rows, _, _ = row_layout(ref_logits, chunk_size)
+        if ref_rows.ndim != rows.ndim:  # one is a flat view, the other strided: index alike
+            rows, ref_rows = logits, ref_logits
+            blocks = block_rows(logits.shape[:-1], chunk_size, flat=False)
+            active_r = active
+        kl = _empty_rows(rows, dtype)
+        step = partial(_kl_step, rows, ref_rows, active_r, masked, temperature, dtype)
+        run_blocks(blocks, step, [kl])
+        kl = kl.reshape(active.shape)
+        ctx.save_for_backward(logits, ref_logits, active, kl)
+        ctx.options = (temperature, chunk_size, dtype)
+        return kl
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        logits, ref_logits, active, kl = ctx.saved_tensors
+        temperature, chunk_size, dtype = ctx.options
+        needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
+        rows, blocks, (active_r, kl_r, grad_r) = row_layout(logits, chunk_size, active, kl, grad)
+        ref_rows, _, _ = row_layout(ref_logits, chunk_size)
+        if ref_rows.ndim != rows.ndim:
+            rows, ref_rows, active_r, kl_r, grad_r = logits, ref_logits, active, kl, grad
+            blocks = block_rows(logits.shape[:-1], chunk_size, flat=False)
+        outputs = [
+            torch.empty(rows.shape, dtype=source.dtype, device=source.device)
+            for source, need in zip((logits, ref_logits), needs, strict=True)
+            if need
+        ]
+        step = partial(
+            _kl_grad_step, rows, ref_rows, active_r, kl_r, grad_r, needs, temperature, dtype
+        )
+        run_blocks(blocks, step, outputs)
+        grads = iter(out.reshape(logits.shape) for out in outputs)
+        grad_logits = next(grads) if needs[0] else None
+        grad_ref = next(grads) if needs[1] else None
+        return grad_logits, grad_ref, None, None, None, None, None
