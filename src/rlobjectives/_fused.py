@@ -54,6 +54,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ._bits import Bits, count_bits, less_, magnitude_, mask_bits, select, select_, sign_bits
+from ._layout import Layout
 from ._masking import clamp
 from ._policy_args import SurrogateOptions
 from ._reduction import ReductionSpec, reduce_rows, row_weights, token_gradient_weights
@@ -69,6 +70,7 @@ class FusedSpec(NamedTuple):
     reduction: ReductionSpec
     diagnostics_normalizer: float | torch.Tensor | None
     dtype: torch.dtype  # computation dtype: float32 or float64
+    layout: Layout  # which tokens form which sequence
 
 
 def _as_tensor(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -103,8 +105,8 @@ def _log_ratio_stage(
         return _LogRatioStage(log_ratio, approx_kl_k1, approx_kl_k3)
     # GSPO: value log s_i (mean selected log-ratio of the row) at every selected token, gradient
     # 1 w.r.t. log_probs (the stop-gradient form); (x - x) keeps NaN/inf of x.
-    per_row = counts.clamp(min=1).to(dtype).unsqueeze(-1)  # (B, 1)
-    sequence_log_ratio = log_ratio.sum(dim=-1, keepdim=True) / per_row  # (B, 1)
+    per_row = counts.clamp(min=1).to(dtype)  # (S,)
+    sequence_log_ratio = spec.layout.expand(spec.layout.row_sums(log_ratio) / per_row)  # (B, 1)
     selected = select(log_probs.to(dtype), keep)  # (B, T)
     token_log_ratio = select_(selected.sub_(selected).add_(sequence_log_ratio), keep)
     return _LogRatioStage(token_log_ratio, approx_kl_k1, approx_kl_k3)
@@ -216,7 +218,7 @@ def _surrogate_values(
 
 class _Reduced(NamedTuple):
     loss: torch.Tensor  # () or (B, T) for "none"
-    row_weights: torch.Tensor  # (B, 1) d loss / d s_it, negated
+    row_weights: torch.Tensor  # (B, 1) or (1, N): d loss / d s_it per token, negated
 
 
 def _reduce_stage(
@@ -226,24 +228,24 @@ def _reduce_stage(
     selection: torch.Tensor,
     spec: FusedSpec,
 ) -> _Reduced:
-    """The loss ``-reduce(s)`` and its per-row weight, from :mod:`rlobjectives._reduction`."""
-    batch = surrogate.shape[0]
+    """The loss ``-reduce(s)`` and its per-token weight, from :mod:`rlobjectives._reduction`."""
     if spec.reduction.reduction == "none":  # -s, +0.0 at unselected positions (s is +-0)
-        ones = torch.ones((batch, 1), dtype=spec.dtype, device=surrogate.device)
+        ones = torch.ones((1, 1), dtype=spec.dtype, device=surrogate.device)
         return _Reduced(select_(surrogate.neg_(), selection), -ones)
-    weights = row_weights(counts, spec.reduction, dtype=spec.dtype, batch=batch)
+    rows = spec.layout.num_sequences
+    weights = row_weights(counts, spec.reduction, dtype=spec.dtype, batch=rows)
     loss = -reduce_rows(row_sums, weights)
-    return _Reduced(loss, -token_gradient_weights(weights, batch, spec.dtype))
+    return _Reduced(loss, -token_gradient_weights(weights, spec.layout, spec.dtype))
 
 
 class FusedForward(NamedTuple):
     """Result of :func:`fused_forward`."""
 
     loss: torch.Tensor  # () or (B, T) for reduction "none", computation dtype
-    row_sums: torch.Tensor  # (B,) sum_t s_it over selected tokens
+    row_sums: torch.Tensor  # (S,) sum_t s_it over each sequence's selected tokens
     diagnostics: torch.Tensor  # (8,) see PolicyLossDiagnostics (field order)
     coefficient: torch.Tensor  # (B, T) d s_it / d log_probs_it, zero at unselected tokens
-    row_weights: torch.Tensor  # (B, 1) d loss / d s_it
+    row_weights: torch.Tensor  # (B, 1) or (1, N): d loss / d s_it
 
 
 def fused_forward(
@@ -261,7 +263,7 @@ def fused_forward(
     dtype = spec.dtype
     bits = Bits(dtype, log_probs.device)
     keep = mask_bits(mask, dtype)  # (B, T) all ones where selected; becomes the gradient gate
-    counts = -keep.sum(dim=-1, dtype=keep.dtype)  # (B,) selected tokens per sequence
+    counts = spec.layout.row_counts(mask)  # (S,) selected tokens per sequence
     # (B, 1) or (B, T); never selected itself: every product with it is selected afterwards.
     advantages = advantages.to(dtype)
     stage = _log_ratio_stage(log_probs, old_log_probs, keep, counts, spec)
@@ -276,7 +278,7 @@ def fused_forward(
     ratio_sum = torch.sub(ratio, 1.0, out=keep.view(dtype)).sum() + count.to(dtype)
     selection = keep.copy_(mask).neg_()  # (B, T) all ones where selected
     surrogate = _surrogate_values(ratio, advantages, selection, spec)
-    row_sums = surrogate.sum(dim=-1)  # (B,)
+    row_sums = spec.layout.row_sums(surrogate)  # (S,)
     reduced = _reduce_stage(surrogate, row_sums, counts, selection, spec)
     counted = _Counts(count, bound_fired, clip_counts, dual_count)
     diagnostics = _diagnostics(counted, (ratio_sum, *kl_sums), spec)
@@ -329,7 +331,8 @@ class ClippedSurrogateFunction(torch.autograd.Function):
         spec: FusedSpec,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out = fused_forward(log_probs, old_log_probs, advantages, mask, spec)
-        ctx.save_for_backward(out.coefficient, mask, out.row_weights)
+        ids = spec.layout.sequence_ids
+        ctx.save_for_backward(out.coefficient, mask, out.row_weights, ids)
         ctx.per_token = spec.reduction.reduction == "none"
         ctx.input_dtype = log_probs.dtype
         ctx.mark_non_differentiable(out.diagnostics)
@@ -342,11 +345,12 @@ class ClippedSurrogateFunction(torch.autograd.Function):
         grad_row_sums: torch.Tensor,
         grad_diagnostics: torch.Tensor,
     ) -> tuple[torch.Tensor | None, None, None, None, None]:
-        coefficient, mask, row_weights = ctx.saved_tensors
+        coefficient, mask, row_weights, sequence_ids = ctx.saved_tensors
         differentiable = torch.is_grad_enabled()  # backward(create_graph=True)
         with torch.no_grad():
-            # (B, T) for reduction "none", else (B, 1)
-            scale = grad_loss * row_weights + grad_row_sums.unsqueeze(-1)
+            # (B, T) for reduction "none", else (B, 1) / (1, N)
+            per_sequence = Layout(grad_row_sums.shape[0], sequence_ids).expand(grad_row_sums)
+            scale = grad_loss * row_weights + per_sequence
             grad = coefficient * scale  # (B, T)
             if ctx.per_token:
                 grad = select(grad, mask_bits(mask, coefficient.dtype))

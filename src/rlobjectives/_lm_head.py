@@ -22,6 +22,7 @@ import torch
 from ._chunking import Block, resolve_chunk_size
 from ._fused import FusedSpec, fused_forward
 from ._kl import ESTIMATORS, Estimator, kl_gradient, kl_terms, warn_biased_kl_loss
+from ._layout import padded
 from ._lm_head_chunks import FusedLinearLoss, Head, LogProbsFromHidden, default_chunk_size
 from ._masking import masked_fill_zero
 from ._policy import run_autograd, run_fused, validate_policy_call
@@ -479,7 +480,7 @@ def _loss_value(
             log_ratio_bound=call.options.log_ratio_bound,
             dtype=inputs.dtype,
         )
-        kl_loss = reduce(terms.to(log_probs.dtype), inputs.mask, call.reduction)
+        kl_loss = reduce(terms.to(log_probs.dtype), inputs.mask, call.reduction, call.layout)
     loss = out.loss + kl.coef * kl_loss if kl is not None and kl.coef > 0 else out.loss
     return loss, out.loss.detach(), kl_loss.detach(), out.diagnostics
 
@@ -527,7 +528,7 @@ def _token_coefficients(spec: _Coefficients, log_probs: torch.Tensor, block: Blo
         spec.old_log_probs[rows].unsqueeze(0),
         spec.advantages[rows].unsqueeze(0),
         mask.unsqueeze(0),
-        FusedSpec(spec.options, none, None, spec.dtype),
+        FusedSpec(spec.options, none, None, spec.dtype, padded(1)),
     )
     coefficient = -forward.coefficient.squeeze(0)  # d(-s)/d log_probs, (n,)
     if spec.kl is not None and spec.ref_log_probs is not None and spec.kl.coef > 0:
@@ -547,8 +548,10 @@ def _fused_loss(
 ) -> FusedPolicyLossOutput:
     """Gradients formed in the forward chunk loop; the value from the composition."""
     inputs, dtype = call.inputs, call.inputs.dtype
-    weights = row_weights(inputs.mask.sum(-1), call.reduction, dtype=dtype, batch=batch_shape[0])
-    token_weights = token_gradient_weights(weights, batch_shape[0], dtype).expand(batch_shape)
+    layout = call.layout
+    counts = layout.row_counts(inputs.mask)  # (S,)
+    weights = row_weights(counts, call.reduction, dtype=dtype, batch=layout.num_sequences)
+    token_weights = token_gradient_weights(weights, layout, dtype).expand(batch_shape)
     coefficients = _Coefficients(
         old_log_probs=inputs.old_log_probs.to(dtype).reshape(-1),
         advantages=inputs.advantages.to(dtype).expand(batch_shape).reshape(-1),

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ._fused import ClippedSurrogateFunction, FusedSpec
+from ._layout import padded
 from ._policy_args import (
     PolicyCall,
     PolicyLossDiagnostics,
@@ -171,9 +172,9 @@ def validate_policy_call(
         max_response_length=max_response_length,
         tokens=inputs.log_probs.shape[-1],
     )
-    return PolicyCall(
-        inputs, options, spec, validate_diagnostics_normalizer(diagnostics_normalizer)
-    )
+    diagnostics = validate_diagnostics_normalizer(diagnostics_normalizer)
+    layout = padded(inputs.log_probs.shape[0])
+    return PolicyCall(inputs, options, spec, diagnostics, layout)
 
 
 def fused_applicable(call: PolicyCall) -> bool:
@@ -192,14 +193,16 @@ def run_fused(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutput:
     reduction = call.reduction
     if return_per_token:  # the per-token loss is the "none" reduction; reduce it afterwards
         reduction = reduction._replace(reduction="none")
-    spec = FusedSpec(call.options, reduction, call.diagnostics_normalizer, inputs.dtype)
+    spec = FusedSpec(
+        call.options, reduction, call.diagnostics_normalizer, inputs.dtype, call.layout
+    )
     loss, _, diagnostics = ClippedSurrogateFunction.apply(  # type: ignore[no-untyped-call]
         inputs.log_probs, inputs.old_log_probs, inputs.advantages, inputs.mask, spec
     )
     per_token = None
     if return_per_token:
         per_token = loss  # (B, T), zeros at unselected tokens
-        loss = reduce(per_token, inputs.mask, call.reduction)
+        loss = reduce(per_token, inputs.mask, call.reduction, call.layout)
         per_token = per_token.to(inputs.output_dtype)
     return PolicyLossOutput(
         loss=loss.to(inputs.output_dtype),
@@ -211,8 +214,8 @@ def run_fused(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutput:
 def run_autograd(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutput:
     """:func:`policy_loss` through the autograd specification (:mod:`rlobjectives._surrogate`)."""
     inputs = call.inputs
-    terms = policy_terms(inputs, call.options, call.diagnostics_normalizer)
-    loss = reduce(terms.per_token_loss, inputs.mask, call.reduction)
+    terms = policy_terms(inputs, call.options, call.diagnostics_normalizer, call.layout)
+    loss = reduce(terms.per_token_loss, inputs.mask, call.reduction, call.layout)
     per_token = terms.per_token_loss.to(inputs.output_dtype) if return_per_token else None
     return PolicyLossOutput(
         loss=loss.to(inputs.output_dtype), per_token_loss=per_token, diagnostics=terms.diagnostics

@@ -12,6 +12,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
+from ._layout import Layout
 from ._reduction import ReductionSpec, validate_normalizer
 from ._validation import (
     ArrayLike,
@@ -29,12 +30,14 @@ from ._validation import (
 
 __all__ = [
     "RATIO_LEVELS",
+    "PolicyCall",
     "PolicyInputs",
     "PolicyLossDiagnostics",
     "PolicyLossOutput",
     "RatioLevel",
     "SurrogateOptions",
     "prepare_policy_inputs",
+    "validate_diagnostics_normalizer",
     "validate_surrogate_options",
 ]
 
@@ -121,6 +124,7 @@ class PolicyCall(NamedTuple):
     options: SurrogateOptions
     reduction: ReductionSpec
     diagnostics_normalizer: float | torch.Tensor | None
+    layout: Layout  # which tokens form which sequence
 
 
 def prepare_policy_inputs(

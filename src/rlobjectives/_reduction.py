@@ -28,6 +28,7 @@ from typing import Literal, NamedTuple, get_args
 
 import torch
 
+from ._layout import Layout, padded
 from ._masking import masked_fill_zero
 from ._validation import (
     ArrayLike,
@@ -134,12 +135,16 @@ def row_weights(
     return RowWeights(None, normalizer)
 
 
-def token_gradient_weights(weights: RowWeights, batch: int, dtype: torch.dtype) -> torch.Tensor:
-    """``(B, 1)`` derivative of the reduced loss with respect to each row's per-token values."""
-    ones = torch.ones((batch, 1), dtype=dtype, device=weights.denominator.device)
+def token_gradient_weights(weights: RowWeights, layout: Layout, dtype: torch.dtype) -> torch.Tensor:
+    """Derivative of the reduced loss w.r.t. each per-token value, broadcastable to the tokens.
+
+    ``(B, 1)`` for the padded layout, ``(1, N)`` for a packed one.
+    """
+    rows = layout.num_sequences
+    ones = torch.ones(rows, dtype=dtype, device=weights.denominator.device)
     if weights.divisor is not None:
-        ones = ones / weights.divisor.unsqueeze(-1)
-    return ones / weights.denominator
+        ones = ones / weights.divisor
+    return layout.expand(ones / weights.denominator)
 
 
 def reduce_rows(row_sums: torch.Tensor, weights: RowWeights) -> torch.Tensor:
@@ -149,15 +154,22 @@ def reduce_rows(row_sums: torch.Tensor, weights: RowWeights) -> torch.Tensor:
     return row_sums.sum() / weights.denominator
 
 
-def reduce(values: torch.Tensor, mask: torch.Tensor, spec: ReductionSpec) -> torch.Tensor:
-    """Unchecked :func:`aggregate` of ``(B, T)`` values in their own dtype."""
+def reduce(
+    values: torch.Tensor, mask: torch.Tensor, spec: ReductionSpec, layout: Layout | None = None
+) -> torch.Tensor:
+    """Unchecked :func:`aggregate` of per-token values in their own dtype.
+
+    ``layout`` maps tokens to sequences (default: padded ``(B, T)``, one sequence per row).
+    """
+    layout = padded(values.shape[0]) if layout is None else layout
     selected = masked_fill_zero(values, mask)  # (B, T)
     if spec.reduction == "none":
         return selected
-    weights = row_weights(mask.sum(dim=-1), spec, dtype=values.dtype, batch=values.shape[0])
+    counts = layout.row_counts(mask)  # (S,)
+    weights = row_weights(counts, spec, dtype=values.dtype, batch=layout.num_sequences)
     if weights.divisor is None:
         return selected.sum() / weights.denominator
-    return reduce_rows(selected.sum(dim=-1), weights)
+    return reduce_rows(layout.row_sums(selected), weights)
 
 
 def aggregate(

@@ -11,6 +11,7 @@ import torch
 
 from ._fused import ClippedSurrogateFunction, FusedSpec
 from ._kl import kl_terms
+from ._layout import padded
 from ._masking import safe_divide, sum_selected
 from ._policy_args import PolicyInputs, SurrogateOptions, prepare_policy_inputs
 from ._reduction import ReductionSpec, reduce
@@ -128,22 +129,23 @@ def _grpo_outputs(
 ) -> dict[str, torch.Tensor]:
     """The seed outputs: token-mean loss, per-sequence means, out-of-band fraction."""
     spec = ReductionSpec("token_mean", None, float(max(inputs.log_probs.shape[-1], 1)))
+    layout = padded(inputs.log_probs.shape[0])
     learnable_epsilon = (
         isinstance(options.clip_low, torch.Tensor) and options.clip_low.requires_grad
     )
     if fused and not learnable_epsilon:
-        fused_spec = FusedSpec(options, spec, None, inputs.dtype)
+        fused_spec = FusedSpec(options, spec, None, inputs.dtype, layout)
         loss, row_sums, diagnostics = ClippedSurrogateFunction.apply(  # type: ignore[no-untyped-call]
             inputs.log_probs, inputs.old_log_probs, inputs.advantages, inputs.mask, fused_spec
         )
-        per_sequence = safe_divide(row_sums, torch.count_nonzero(inputs.mask, dim=-1))  # (B,)
+        per_sequence = safe_divide(row_sums, layout.row_counts(inputs.mask))  # (S,)
         clipped_fraction = diagnostics[0]
     else:
-        terms = policy_terms(inputs, options, None)
-        loss = reduce(terms.per_token_loss, inputs.mask, spec)
+        terms = policy_terms(inputs, options, None, layout)
+        loss = reduce(terms.per_token_loss, inputs.mask, spec, layout)
         per_sequence = safe_divide(
-            sum_selected(-terms.per_token_loss, inputs.mask, -1), inputs.mask.sum(-1)
-        )  # (B,)
+            layout.row_sums(-terms.per_token_loss), layout.row_counts(inputs.mask)
+        )  # (S,)
         clipped_fraction = terms.diagnostics.clipped_fraction
     output_dtype = inputs.output_dtype
     return {

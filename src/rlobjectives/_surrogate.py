@@ -21,7 +21,8 @@ from typing import NamedTuple
 
 import torch
 
-from ._masking import clamp, masked_fill_zero, mean_selected
+from ._layout import Layout
+from ._masking import clamp, masked_fill_zero
 from ._policy_args import PolicyInputs, PolicyLossDiagnostics, SurrogateOptions
 
 __all__ = [
@@ -47,7 +48,7 @@ class LogRatios(NamedTuple):
     advantages: torch.Tensor  # A, 0 at unselected tokens
 
 
-def token_log_ratios(inputs: PolicyInputs, options: SurrogateOptions) -> LogRatios:
+def token_log_ratios(inputs: PolicyInputs, options: SurrogateOptions, layout: Layout) -> LogRatios:
     """Step 1: select, form the (GSPO) log-ratio, bound it and exponentiate."""
     dtype, mask = inputs.dtype, inputs.mask
     # Select before any arithmetic: unselected positions become exact zeros (log-ratio 0, ratio 1,
@@ -63,7 +64,9 @@ def token_log_ratios(inputs: PolicyInputs, options: SurrogateOptions) -> LogRati
         # log s_it = log pi_it - sg(log pi_it) + sg(log s_i): value log s_i at every token,
         # gradient d log s_it / d log pi_it = 1, which reproduces the GSPO gradient
         # s_i A_i (1/|y_i|) sum_t grad log pi_it under the sequence_mean reduction.
-        sequence_log_ratio = mean_selected(log_ratio, mask, -1).unsqueeze(-1).detach()  # (B, 1)
+        counts = layout.row_counts(mask).clamp(min=1).to(dtype)  # (S,)
+        sequence_mean = (layout.row_sums(log_ratio) / counts).detach()  # (S,)
+        sequence_log_ratio = layout.expand(sequence_mean)  # (B, 1)
         token_log_ratio = masked_fill_zero(
             log_probs - log_probs.detach() + sequence_log_ratio, mask
         )  # (B, T)
@@ -165,9 +168,10 @@ def policy_terms(
     inputs: PolicyInputs,
     options: SurrogateOptions,
     diagnostics_normalizer: float | torch.Tensor | None,
+    layout: Layout,
 ) -> PolicyTerms:
     """Steps 1-3: the per-token clipped surrogate loss and the diagnostics, in autograd."""
-    ratios = token_log_ratios(inputs, options)
+    ratios = token_log_ratios(inputs, options, layout)
     surrogate = clip_surrogate(ratios.ratio, ratios.advantages, options)
     per_token_loss = masked_fill_zero(-surrogate.values, inputs.mask)  # (B, T)
     diagnostics = surrogate_diagnostics(

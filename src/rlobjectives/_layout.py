@@ -1,0 +1,58 @@
+"""Sequence layout: which tokens of a per-token tensor belong to which sequence.
+
+Every per-sequence operation of the library (row sums for the reductions, the GSPO sequence
+ratio, per-sequence outputs, broadcasting a per-sequence value back to its tokens) goes through
+a :class:`Layout`, so that the math is written once for every layout:
+
+- padded ``(B, T)``: row ``i`` is sequence ``i`` (``S = B``); :func:`padded`;
+- packed ``(1, N)``: the tokens of ``S`` sequences concatenated, with per-token sequence ids
+  (from ``cu_seqlens``).
+
+Row sums of the padded layout are ``values.sum(-1)``; those of a packed layout are an
+``index_add`` over the sequence ids (no host synchronisation: ``S`` is static).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+__all__ = ["Layout", "padded"]
+
+
+class Layout(NamedTuple):
+    """The sequences of a ``(rows, tokens)`` per-token tensor.
+
+    Attributes:
+        num_sequences: S (a static Python int).
+        sequence_ids: None for the padded layout (row ``i`` is sequence ``i``), else ``(N,)``
+            int64 sequence index of every token of the packed ``(1, N)`` row.
+    """
+
+    num_sequences: int
+    sequence_ids: torch.Tensor | None = None
+
+    def row_sums(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-sequence sums ``(S,)`` of per-token ``values`` (already masked)."""
+        if self.sequence_ids is None:
+            return values.sum(dim=-1)
+        sums = torch.zeros(self.num_sequences, dtype=values.dtype, device=values.device)
+        return sums.index_add(0, self.sequence_ids, values.reshape(-1))
+
+    def row_counts(self, mask: torch.Tensor) -> torch.Tensor:
+        """Selected tokens per sequence ``(S,)`` (int64) of a bool ``mask``."""
+        if self.sequence_ids is None:
+            return mask.sum(dim=-1)
+        return self.row_sums(mask.to(torch.int64))
+
+    def expand(self, per_sequence: torch.Tensor) -> torch.Tensor:
+        """``(S,)`` values broadcast to the tokens: ``(B, 1)`` padded, ``(1, N)`` packed."""
+        if self.sequence_ids is None:
+            return per_sequence.unsqueeze(-1)
+        return per_sequence[self.sequence_ids].unsqueeze(0)
+
+
+def padded(batch: int) -> Layout:
+    """The padded layout of ``batch`` rows (one sequence per row)."""
+    return Layout(batch)
