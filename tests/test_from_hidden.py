@@ -20,12 +20,11 @@ import rlobjectives
 from rlobjectives import kl_loss, policy_loss
 from rlobjectives._kl import BiasedGradientWarning
 from rlobjectives._lm_head import (
-    FusedPolicyLossOutput,
     TokenLogProbsOutput,
     default_chunk_size,
-    fused_policy_loss_from_hidden,
     token_log_probs_from_hidden,
 )
+from rlobjectives._lm_head_loss import FusedPolicyLossOutput, fused_policy_loss_from_hidden
 from tolerances import assert_close
 
 REDUCTIONS = ["token_mean", "sequence_mean", "sequence_sum_normalized", "none"]

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 import reference
 from rlobjectives import token_entropy, token_log_probs
 from rlobjectives._chunking import DEFAULT_CHUNK_ELEMENTS, resolve_chunk_size, row_chunks
-from rlobjectives._logits_autograd import (
+from rlobjectives._logits_chunks import (
     chunk_entropy,
     chunk_entropy_grad,
     chunk_token_log_probs,

@@ -19,13 +19,10 @@ from ._alignment import (
     response_alignment,
     response_log_probs,
 )
-from ._kl import BiasedGradientWarning, kl_estimate, kl_loss, kl_penalized_token_rewards
-from ._lm_head import (
-    FusedPolicyLossOutput,
-    TokenLogProbsOutput,
-    fused_policy_loss_from_hidden,
-    token_log_probs_from_hidden,
-)
+from ._kl import BiasedGradientWarning, kl_estimate, kl_loss
+from ._kl_rewards import kl_penalized_token_rewards
+from ._lm_head import TokenLogProbsOutput, token_log_probs_from_hidden
+from ._lm_head_loss import FusedPolicyLossOutput, fused_policy_loss_from_hidden
 from ._logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, token_log_probs
 from ._masking import masked_mean, masked_sum
 from ._policy import policy_loss

@@ -14,8 +14,7 @@ from typing import Literal, NamedTuple
 
 import torch
 
-from ._kl import last_selected
-from ._masking import masked_fill_zero, masked_mean, masked_sum, safe_divide
+from ._masking import last_selected, masked_fill_zero, masked_mean, masked_sum, safe_divide
 from ._validation import (
     ArrayLike,
     Scalar,

@@ -24,7 +24,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 
 from ._chunking import Block, block_rows, chunk_rows, run_blocks
-from ._logits_autograd import finite_log_probs_
+from ._logits_chunks import finite_log_probs_
 from ._masking import masked_fill_zero
 
 __all__ = [

@@ -5,9 +5,8 @@ upcasts that block to float32 (float64 for float64 logits) and keeps only per-ro
 between the passes; the backward recomputes each block's softmax and writes the exact gradient
 into a tensor of the logits' own dtype. The extra memory is O(chunk * V) in both passes.
 
-The per-block math is in plain functions (``chunk_*`` and ``chunk_*_grad``) that take already
-scaled, upcast-on-the-fly logits ``x = logits / temperature`` of shape ``(C, V)``; the Functions
-only wire them to the chunk driver.
+The per-block math is in :mod:`rlobjectives._logits_chunks`; the Functions only wire it to the
+chunk driver through per-block step functions.
 """
 
 from __future__ import annotations
@@ -18,168 +17,24 @@ from typing import Any
 import torch
 
 from ._chunking import Block, block_rows, flat_rows, run_blocks
+from ._logits_chunks import (
+    chunk_entropy,
+    chunk_entropy_grad,
+    chunk_kl,
+    chunk_kl_grads,
+    chunk_token_log_probs,
+    chunk_token_log_probs_grad,
+)
 from ._masking import masked_fill_zero
 
 __all__ = [
     "EntropyFunction",
     "FullVocabKLFunction",
     "TokenLogProbsFunction",
-    "chunk_entropy",
-    "chunk_entropy_grad",
-    "chunk_kl",
-    "chunk_token_log_probs",
-    "chunk_token_log_probs_grad",
-    "finite_log_probs_",
-    "xlogy_terms",
+    "backward_rows",
+    "load_block",
+    "row_layout",
 ]
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-block math on (C, V) logits already divided by the temperature
-# ---------------------------------------------------------------------------------------------
-
-
-def xlogy_terms(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
-    """``probs * values`` with 0 wherever ``probs == 0`` (so 0 * -inf = 0 for -inf logits).
-
-    NaN probabilities (NaN logits in a selected row) still propagate.
-    """
-    return torch.where(
-        probs == 0, torch.zeros((), dtype=probs.dtype, device=probs.device), probs * values
-    )
-
-
-def finite_log_probs_(log_probs: torch.Tensor) -> torch.Tensor:
-    """Clamp ``-inf`` log-probabilities to the most negative finite value, in place.
-
-    Then ``p * log p = 0 * finite = 0`` for ``-inf`` logits; NaN still propagates.
-    """
-    return log_probs.clamp_(min=torch.finfo(log_probs.dtype).min)
-
-
-def chunk_token_log_probs(
-    logits: torch.Tensor, tokens: torch.Tensor, *, dtype: torch.dtype = torch.float32
-) -> torch.Tensor:
-    r"""Log-softmax at the sampled tokens of one chunk: :math:`x_{n,y_n} - \log\sum_v e^{x_{nv}}`.
-
-    Args:
-        logits: ``(C, V)`` logits of the chunk, already divided by the temperature.
-        tokens: ``(C,)`` int64 token ids in ``[0, V)``.
-        dtype: computation and result dtype (float32, or float64).
-
-    Returns:
-        ``(C,)`` log-probabilities in ``dtype`` (differentiable).
-    """
-    log_probs = torch.log_softmax(logits, dim=-1, dtype=dtype)  # (C, V)
-    return log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
-
-
-def chunk_token_log_probs_grad(
-    logits: torch.Tensor,
-    tokens: torch.Tensor,
-    grad: torch.Tensor,
-    *,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    r"""Gradient of :func:`chunk_token_log_probs` w.r.t. its logits: ``(onehot - p) g``.
-
-    .. math::
-
-        \frac{\partial}{\partial x_{nv}} \sum_n g_n \log p_{n y_n}
-        = g_n (\mathbb{1}[v = y_n] - p_{nv}).
-
-    Args:
-        logits: ``(C, V)`` as passed to :func:`chunk_token_log_probs` (not modified).
-        tokens: ``(C,)`` int64.
-        grad: ``(C,)`` upstream gradient of the log-probs, in ``dtype``.
-        dtype: computation and result dtype.
-
-    Returns:
-        ``(C, V)`` gradient in ``dtype`` (a new tensor; not differentiable).
-    """
-    grad_logits = torch.softmax(logits, dim=-1, dtype=dtype)  # (C, V) p
-    grad_logits.mul_((-grad).unsqueeze(-1))  # (C, V) -g p
-    return grad_logits.scatter_add_(-1, tokens.unsqueeze(-1), grad.unsqueeze(-1))
-
-
-def chunk_entropy(logits: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    r"""Entropy of the softmax of one chunk: :math:`-\sum_v p_v \log p_v` (0 log 0 = 0).
-
-    Args:
-        logits: ``(C, V)`` logits already divided by the temperature.
-        dtype: computation and result dtype.
-
-    Returns:
-        ``(C,)`` entropies in ``dtype`` (not differentiable: in-place ops).
-    """
-    log_probs = torch.log_softmax(logits, dim=-1, dtype=dtype)  # (C, V)
-    probs = torch.exp(log_probs)  # (C, V)
-    entropy: torch.Tensor = -torch.linalg.vecdot(probs, finite_log_probs_(log_probs))  # (C,)
-    return entropy
-
-
-def chunk_entropy_grad(
-    logits: torch.Tensor,
-    entropy: torch.Tensor,
-    grad: torch.Tensor,
-    *,
-    dtype: torch.dtype = torch.float32,
-) -> torch.Tensor:
-    r"""Gradient of :func:`chunk_entropy` w.r.t. its logits (not differentiable).
-
-    .. math::
-
-        \frac{\partial H_n}{\partial x_{nv}} = -p_{nv} (\log p_{nv} + H_n).
-
-    Args:
-        logits: ``(C, V)`` (not modified).
-        entropy: ``(C,)`` from :func:`chunk_entropy`.
-        grad: ``(C,)`` upstream gradient of the entropy, in ``dtype``.
-        dtype: computation and result dtype.
-
-    Returns:
-        ``(C, V)`` gradient in ``dtype`` (a new tensor).
-    """
-    log_probs = torch.log_softmax(logits, dim=-1, dtype=dtype)  # (C, V)
-    probs = torch.exp(log_probs)  # (C, V)
-    finite_log_probs_(log_probs).add_(entropy.unsqueeze(-1))  # (C, V) log p + H
-    return probs.mul_(log_probs).mul_((-grad).unsqueeze(-1))
-
-
-def chunk_kl(chunk: torch.Tensor, ref_chunk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """KL(p || q) per row of one chunk, ``(C,)``."""
-    log_p = torch.log_softmax(chunk, dim=-1, dtype=dtype)  # (C, V)
-    log_q = torch.log_softmax(ref_chunk, dim=-1, dtype=dtype)  # (C, V)
-    probs = torch.exp(log_p)  # (C, V)
-    return xlogy_terms(probs, log_p.sub_(log_q)).sum(-1)  # (C,)
-
-
-def chunk_kl_grads(
-    chunk: torch.Tensor,
-    ref_chunk: torch.Tensor,
-    kl: torch.Tensor,
-    grad: torch.Tensor,
-    *,
-    dtype: torch.dtype,
-    need_logits: bool,
-    need_ref: bool,
-) -> list[torch.Tensor]:
-    r"""Gradients of :func:`chunk_kl`: :math:`p_v(\log p_v - \log q_v - KL)` and :math:`q_v - p_v`.
-
-    Returns the ``(C, V)`` gradients that are needed, logits first, each scaled by ``grad``.
-    """
-    log_p = torch.log_softmax(chunk, dim=-1, dtype=dtype)  # (C, V)
-    log_q = torch.log_softmax(ref_chunk, dim=-1, dtype=dtype)  # (C, V)
-    probs = torch.exp(log_p)  # (C, V)
-    upstream = grad.unsqueeze(-1)  # (C, 1)
-    grads = []
-    if need_logits:
-        # dKL/dx_v = p_v (log p_v - log q_v - KL)
-        difference = log_p.sub(log_q).sub_(kl.unsqueeze(-1))  # (C, V)
-        grads.append(xlogy_terms(probs, difference).mul_(upstream))
-    if need_ref:
-        grads.append(log_q.exp_().sub_(probs).mul_(upstream))  # dKL/dy_v = q_v - p_v
-    return grads
 
 
 # ---------------------------------------------------------------------------------------------

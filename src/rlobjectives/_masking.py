@@ -18,6 +18,7 @@ from ._validation import ArrayLike, as_float_tensor, as_mask, check_same_device,
 
 __all__ = [
     "clamp",
+    "last_selected",
     "masked_fill_zero",
     "masked_mean",
     "masked_sum",
@@ -144,3 +145,17 @@ def masked_mean(values: ArrayLike, mask: ArrayLike, *, dim: int | None = None) -
     if values_t.dtype in _HALF:
         return mean_selected(values_t.float(), mask_t, dim).to(values_t.dtype)
     return mean_selected(values_t, mask_t, dim)
+
+
+def last_selected(mask: torch.Tensor) -> torch.Tensor:
+    """Bool ``(B, T)``: True at the last selected token of each row (no row: all False).
+
+    No host sync: the index is an ``argmax`` over ``where(mask, t, -1)``.
+    """
+    tokens = mask.shape[-1]
+    if tokens == 0:
+        return mask.clone()
+    positions = torch.arange(tokens, device=mask.device)  # (T,)
+    scored = torch.where(mask, positions, -1)  # (B, T)
+    last_index = scored.argmax(dim=-1, keepdim=True)  # (B, 1)
+    return (positions == last_index) & mask  # (B, T); all False where a row is empty
