@@ -69,7 +69,9 @@ def _check_weight(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
             f"got shape {tuple(weight.shape)}"
         )
     if weight.shape[0] < 1:
-        raise ValueError("weight must have V >= 1 rows (the vocabulary), got shape (0, H)")
+        raise ValueError(
+            f"weight must have V >= 1 rows (the vocabulary), got shape {tuple(weight.shape)}"
+        )
     if weight.dtype != hidden.dtype:
         raise ValueError(
             f"weight must have the dtype of hidden ({hidden.dtype}), got dtype {weight.dtype}"

@@ -168,6 +168,7 @@ def fused_policy_loss_from_hidden(
     .. versionadded:: 0.1.0
     """
     head, batch_shape = prepare_head(hidden, weight, tokens, bias, temperature, chunk_size)
+    _check_old_log_probs(old_log_probs, head, batch_shape)
     call = validate_policy_call(
         (old_log_probs, old_log_probs, advantages, mask),
         ("old_log_probs", "old_log_probs", "advantages", "mask"),
@@ -181,8 +182,6 @@ def fused_policy_loss_from_hidden(
         max_response_length=max_response_length,
         diagnostics_normalizer=diagnostics_normalizer,
     )
-    check_same_device({"hidden": head.hidden, "old_log_probs": call.inputs.old_log_probs})
-    check_shape(call.inputs.old_log_probs, "old_log_probs", batch_shape, "tokens")
     kl = _validate_kl_term(
         ref_log_probs, kl_coef, kl_estimator, kl_straight_through, head, batch_shape
     )
@@ -197,6 +196,15 @@ def fused_policy_loss_from_hidden(
     if _needs_composition(head, call):
         return _composed_loss(head, batch_shape, call, kl)
     return _fused_loss(head, batch_shape, call, kl)
+
+
+def _check_old_log_probs(
+    old_log_probs: ArrayLike, head: Head, batch_shape: tuple[int, int]
+) -> None:
+    """``old_log_probs`` against the tokens (the reference of the policy tensors' shapes)."""
+    old = as_float_tensor(old_log_probs, "old_log_probs", head.hidden.device)
+    check_same_device({"hidden": head.hidden, "old_log_probs": old})
+    check_shape(old, "old_log_probs", batch_shape, "tokens")
 
 
 class _KLTerm(NamedTuple):

@@ -155,17 +155,19 @@ def check_shape(tensor: torch.Tensor, name: str, expected: Sequence[int], refere
 def check_same_device(tensors: dict[str, torch.Tensor]) -> torch.device:
     """Raise ``ValueError`` if the tensors are not all on one device; return that device.
 
-    The first entry is the reference: the message names the first argument that differs.
+    The message blames an argument that is off the majority device (ties: the earlier
+    arguments' device wins), and names the first argument on the majority device.
     """
-    items = list(tensors.items())
-    first_name, first = items[0]
-    for name, tensor in items[1:]:
-        if tensor.device != first.device:
+    devices = [tensor.device for tensor in tensors.values()]
+    majority = max(devices, key=lambda device: (devices.count(device), -devices.index(device)))
+    reference = next(name for name, tensor in tensors.items() if tensor.device == majority)
+    for name, tensor in tensors.items():
+        if tensor.device != majority:
             raise ValueError(
-                f"{name} must be on the same device as {first_name} ({first.device}), "
+                f"{name} must be on the same device as {reference} ({majority}), "
                 f"got device {tensor.device}"
             )
-    return first.device
+    return majority
 
 
 def expand_per_sequence(
