@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
 from hypothesis import given
@@ -110,6 +112,43 @@ def test_split_layout_equals_plain_slicing() -> None:
     unshifted = torch.log_softmax(logits[:, prompt_width:], -1)
     unshifted = unshifted.gather(-1, ids[:, prompt_width:, None]).squeeze(-1)
     assert not torch.allclose(torch.where(response_mask, unshifted, 0.0), out.log_probs)
+
+
+def test_split_layout_with_response_start() -> None:
+    # Issue 10: in the verl/TRL layout the padded prompt width is the response start, not a prompt
+    # length. response_start=4 (the padded width) gives the responses exactly; passing 4 as
+    # prompt_lengths would skip the first f_b response tokens of left-padded rows (row 0 has
+    # f_0 = 2: start 2 + 4 = 6 instead of 4, dropping its tokens 1 and 2).
+    model = _model()
+    ids, attention, prompt_lengths = _build(PROMPTS, RESPONSES, "split", 5)
+    logits = model(ids)
+    expected = response_log_probs(logits, ids, prompt_lengths, attention, response_length=5)
+    for start in (4, torch.tensor([4, 4, 4])):
+        out = response_log_probs(
+            logits, ids, None, attention, response_start=start, response_length=5
+        )
+        assert torch.equal(out.mask, expected.mask)
+        assert torch.equal(out.log_probs, expected.log_probs)
+    alignment = response_alignment(ids, None, attention, response_start=4, response_length=5)
+    assert alignment.tokens[0].tolist() == [1, 2, 3, 0, 0]
+    wrong = response_alignment(ids, [4, 4, 4], attention, response_length=5)  # the misuse
+    assert wrong.tokens[0].tolist() == [3, 0, 0, 0, 0]
+
+
+@pytest.mark.parametrize(
+    ("prompt_lengths", "response_start", "match"),
+    [
+        ([2, 4, 1], 4, "exactly one of prompt_lengths .* got both"),
+        (None, None, "exactly one of prompt_lengths .* got neither"),
+        (None, [4, 4], r"response_start must have shape \(B,\) = \(3,\)"),
+        (None, 2, "response_start must leave at least one prompt token"),
+        (None, 20, "response_start must leave the response inside"),
+    ],
+)
+def test_response_start_errors(prompt_lengths: Any, response_start: Any, match: str) -> None:
+    ids, attention, _ = _build(PROMPTS, RESPONSES, "split", 5)
+    with pytest.raises(ValueError, match=match):
+        response_alignment(ids, prompt_lengths, attention, response_start=response_start)
 
 
 def test_hidden_state_composition() -> None:

@@ -64,6 +64,31 @@ class ResponseLogProbs(NamedTuple):
     mask: torch.Tensor
 
 
+def _start_argument(
+    prompt_lengths: ArrayLike | None,
+    response_start: ArrayLike | int | None,
+    batch: int,
+    device: torch.device,
+) -> tuple[str, torch.Tensor]:
+    """``(name, tensor)`` of the one given start argument, checked for shape ``(B,)``."""
+    if (prompt_lengths is None) == (response_start is None):
+        raise ValueError(
+            "give exactly one of prompt_lengths (real prompt lengths) and response_start "
+            "(absolute column of the first response token), got "
+            f"{'both' if prompt_lengths is not None else 'neither'}"
+        )
+    name = "prompt_lengths" if prompt_lengths is not None else "response_start"
+    value = as_token_ids(prompt_lengths if response_start is None else response_start, name, device)
+    if name == "response_start" and value.ndim == 0:
+        value = value.expand(batch)
+    if value.ndim != 1 or value.shape[0] != batch:
+        raise ValueError(
+            f"{name} must have shape (B,) = ({batch},) from input_ids, got shape "
+            f"{tuple(value.shape)}"
+        )
+    return name, value
+
+
 def _check_layout(
     attention_mask: torch.Tensor,
     prompt_lengths: torch.Tensor,
@@ -71,6 +96,7 @@ def _check_layout(
     start: torch.Tensor,
     end: torch.Tensor,
     response_length: int,
+    name: str,
 ) -> None:
     """Host-side check of the padding layout (one synchronisation; skipped under compile)."""
     # Each row's attended tokens must be one contiguous run: at most one 0 -> 1 transition.
@@ -90,16 +116,22 @@ def _check_layout(
             "padding, left padding, or left-padded prompt + right-padded response); got a row "
             "with more than one run (packed sequences are not supported)"
         )
+    if name == "prompt_lengths":
+        too_short = "must be >= 1 for every sequence (the first token has no logits predicting it)"
+        too_long = f"must be <= the number of attended tokens of each sequence {lengths.tolist()}"
+        given = prompt_lengths.tolist()
+    else:
+        too_short = (
+            "must leave at least one prompt token in every sequence (column f_b + 1 or later)"
+        )
+        too_long = (
+            f"must leave the response inside the attended tokens (lengths {lengths.tolist()})"
+        )
+        given = start.tolist()
     if checks[1]:
-        raise ValueError(
-            "prompt_lengths must be >= 1 for every sequence (the first token has no logits "
-            f"predicting it), got {prompt_lengths.tolist()}"
-        )
+        raise ValueError(f"{name} {too_short}, got {given}")
     if checks[2]:
-        raise ValueError(
-            "prompt_lengths must be <= the number of attended tokens of each sequence "
-            f"{lengths.tolist()}, got {prompt_lengths.tolist()}"
-        )
+        raise ValueError(f"{name} {too_long}, got {given}")
     if checks[3]:
         raise ValueError(
             f"response_length={response_length} is shorter than the longest response "
@@ -109,11 +141,12 @@ def _check_layout(
 
 def response_alignment(
     input_ids: ArrayLike,
-    prompt_lengths: ArrayLike,
+    prompt_lengths: ArrayLike | None,
     attention_mask: ArrayLike,
     *,
     response_length: int | None = None,
     check_layout: bool = True,
+    response_start: ArrayLike | int | None = None,
 ) -> ResponseAlignment:
     r"""Locate the response tokens of a causal-LM batch and the rows that predict them.
 
@@ -132,6 +165,13 @@ def response_alignment(
     and the verl/TRL layout of left-padded prompts concatenated with right-padded responses
     (``[pad, prompt, response, pad]``). Packed rows (several runs) are rejected.
 
+    Give either ``prompt_lengths`` (the real prompt lengths :math:`P_b`, padding excluded) or
+    ``response_start`` (the absolute column :math:`j` of each row's first response token). In
+    the verl/TRL layout the responses start at the padded prompt width for every row: pass
+    ``response_start=prompt_width`` there. Passing the padded width as ``prompt_lengths``
+    would be wrong for rows whose prompt is left-padded (their first :math:`f_b` columns are
+    padding), and cannot be detected from the masks alone.
+
     Use the result with logits via :func:`response_log_probs`, or with hidden states by
     gathering the predicting rows first (cheap: ``(B, R, H)``)::
 
@@ -142,7 +182,7 @@ def response_alignment(
     Args:
         input_ids: ``(B, L)`` integer token ids of the full sequences.
         prompt_lengths: ``(B,)`` integer number of prompt tokens of each row (excluding
-            padding), each in ``[1, n_b]``.
+            padding), each in ``[1, n_b]``; None when ``response_start`` is given.
         attention_mask: ``(B, L)`` bool or numeric, nonzero = real token.
         response_length: R, the number of response columns of the result (a static int >= 1);
             None uses ``L - 1`` (always enough; trailing columns may be fully masked). Pass the
@@ -150,6 +190,9 @@ def response_alignment(
         check_layout: check the layout rules above on the host (one device synchronisation,
             skipped while ``torch.compile`` traces). Disable in a hot loop once the data
             pipeline is trusted.
+        response_start: instead of ``prompt_lengths``: the absolute column of the first response
+            token of each row, an int (the same for every row, e.g. the padded prompt width of
+            the verl/TRL layout) or ``(B,)`` integers, each in ``[f_b + 1, f_b + n_b]``.
 
     Returns:
         :class:`ResponseAlignment` ``(positions, tokens, mask)``, each ``(B, R)``.
@@ -157,7 +200,9 @@ def response_alignment(
     Raises:
         ValueError: on wrong ranks, mismatched shapes or devices, ``response_length < 1``, and
             (with ``check_layout``) a non-contiguous attention mask, a prompt length outside
-            ``[1, n_b]`` or a response longer than ``response_length``.
+            ``[1, n_b]`` (a response start outside ``[f_b + 1, f_b + n_b]``) or a response longer
+            than ``response_length``; both or neither of ``prompt_lengths`` and
+            ``response_start``.
         TypeError: on non-integer ``input_ids`` or ``prompt_lengths``.
 
     References:
@@ -177,17 +222,12 @@ def response_alignment(
     ids = as_batch_matrix(as_token_ids(input_ids, "input_ids", None), "input_ids")
     device = ids.device
     attention = as_batch_matrix(as_mask(attention_mask, "attention_mask", device), "attention_mask")
-    prompts = as_token_ids(prompt_lengths, "prompt_lengths", device)
-    check_same_device({"input_ids": ids, "attention_mask": attention, "prompt_lengths": prompts})
     batch, length = ids.shape
     if length < 1:
         raise ValueError(f"input_ids must have at least one position, got shape {(batch, length)}")
     check_shape(attention, "attention_mask", (batch, length), "input_ids")
-    if prompts.ndim != 1 or prompts.shape[0] != batch:
-        raise ValueError(
-            f"prompt_lengths must have shape (B,) = ({batch},) from input_ids, got shape "
-            f"{tuple(prompts.shape)}"
-        )
+    name, starts = _start_argument(prompt_lengths, response_start, batch, device)
+    check_same_device({"input_ids": ids, "attention_mask": attention, name: starts})
     if response_length is None:
         response_length = max(length - 1, 1)
     elif isinstance(response_length, bool) or not isinstance(response_length, int):
@@ -196,13 +236,14 @@ def response_alignment(
         )
     elif response_length < 1:
         raise ValueError(f"response_length must be >= 1, got {response_length}")
-    prompts = prompts.to(torch.int64)
     lengths = attention.sum(-1)  # (B,) n_b
     first = attention.to(torch.int8).argmax(-1)  # (B,) f_b (0 for an empty row)
-    start = first + prompts  # (B,) absolute position of the first response token
+    starts = starts.to(torch.int64)
+    # absolute position of the first response token, and the equivalent prompt lengths
+    start = first + starts if name == "prompt_lengths" else starts.expand(batch)  # (B,)
     end = first + lengths  # (B,) one past the last attended position
     if check_layout and not torch.compiler.is_compiling():
-        _check_layout(attention, prompts, lengths, start, end, response_length)
+        _check_layout(attention, start - first, lengths, start, end, response_length, name)
     offsets = torch.arange(response_length, device=device)  # (R,)
     absolute = start.unsqueeze(-1) + offsets  # (B, R) positions j
     mask = (absolute < end.unsqueeze(-1)) & (absolute >= 1)  # (B, R)
@@ -215,9 +256,10 @@ def response_alignment(
 def response_log_probs(
     logits: ArrayLike,
     input_ids: ArrayLike,
-    prompt_lengths: ArrayLike,
+    prompt_lengths: ArrayLike | None,
     attention_mask: ArrayLike,
     *,
+    response_start: ArrayLike | int | None = None,
     response_length: int | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
@@ -238,7 +280,10 @@ def response_log_probs(
     Args:
         logits: ``(B, L, V)`` logits of the full sequences (position ``j`` predicts ``j + 1``).
         input_ids: ``(B, L)`` integer token ids.
-        prompt_lengths: ``(B,)`` integer prompt lengths (without padding), each >= 1.
+        prompt_lengths: ``(B,)`` integer prompt lengths (without padding), each >= 1; None
+            when ``response_start`` is given.
+        response_start: instead of ``prompt_lengths``: the absolute column of each row's first
+            response token (int or ``(B,)``); see :func:`response_alignment`.
         attention_mask: ``(B, L)`` bool or numeric, nonzero = real token.
         response_length: R (static int), or None for ``L - 1``; see :func:`response_alignment`.
         temperature: :math:`\tau > 0` (the sampling temperature).
@@ -278,6 +323,7 @@ def response_log_probs(
         attention_mask,
         response_length=response_length,
         check_layout=check_layout,
+        response_start=response_start,
     )
     batch, length = ids.shape
     # Row k of the logits predicts input_ids[:, k + 1]; only rows that predict a response token
