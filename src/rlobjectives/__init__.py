@@ -1,7 +1,8 @@
 """rlobjectives: exact, padding-safe PyTorch objectives for RL post-training of language models.
 
 Shape letters used throughout: B sequences, T response tokens, V vocabulary, G group size,
-H hidden size. Masks have the shape of the log-probabilities and True/nonzero selects a token.
+H hidden size; packed (padding-free) batches: N tokens of S sequences with ``cu_seqlens``.
+Masks have the shape of the log-probabilities and True/nonzero selects a token.
 """
 
 from importlib.metadata import PackageNotFoundError, version
@@ -25,6 +26,7 @@ from ._lm_head import TokenLogProbsOutput, token_log_probs_from_hidden
 from ._lm_head_loss import FusedPolicyLossOutput, fused_policy_loss_from_hidden
 from ._logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, token_log_probs
 from ._masking import masked_mean, masked_sum
+from ._packing import PackedTokens, UnpackedTokens, pack, unpack
 from ._policy import policy_loss
 from ._policy_args import PolicyLossDiagnostics, PolicyLossOutput
 from ._reduction import Reduction, aggregate
@@ -47,12 +49,14 @@ __all__ = [
     "FusedPolicyLossOutput",
     "GAEOutput",
     "Normalizers",
+    "PackedTokens",
     "PolicyLossDiagnostics",
     "PolicyLossOutput",
     "Reduction",
     "ResponseAlignment",
     "ResponseLogProbs",
     "TokenLogProbsOutput",
+    "UnpackedTokens",
     "__version__",
     "aggregate",
     "data_parallel_loss_scale",
@@ -70,6 +74,7 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "normalizer_for_reduction",
+    "pack",
     "policy_loss",
     "reinforce_plus_plus_advantages",
     "response_alignment",
@@ -79,4 +84,5 @@ __all__ = [
     "token_entropy",
     "token_log_probs",
     "token_log_probs_from_hidden",
+    "unpack",
 ]

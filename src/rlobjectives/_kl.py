@@ -46,11 +46,11 @@ from typing import Literal, get_args
 import torch
 
 from ._masking import clamp, masked_fill_zero
-from ._reduction import Reduction, reduce, validate_reduction
+from ._packing import sequence_layout, token_matrix, token_ndim, token_output
+from ._reduction import Reduction, reduce, validate_layout_reduction
 from ._validation import (
     ArrayLike,
     Scalar,
-    as_batch_matrix,
     as_float_tensor,
     as_mask,
     check_same_device,
@@ -191,20 +191,33 @@ def kl_gradient(
 
 
 class KLInputs:
-    """Validated ``(log_probs, ref_log_probs, mask)`` (coerced, same device, same shape)."""
+    """Validated ``(log_probs, ref_log_probs, mask)`` (coerced, same device, same shape).
 
-    def __init__(self, log_probs: ArrayLike, ref_log_probs: ArrayLike, mask: ArrayLike) -> None:
-        self.log_probs = as_batch_matrix(as_float_tensor(log_probs, "log_probs"), "log_probs")
+    With ``cu_seqlens`` (packed sequences) the tensors are ``(N,)`` or ``(1, N)``, kept as
+    ``(1, N)``; ``layout`` maps tokens to sequences and ``flat`` records ``(N,)`` inputs.
+    """
+
+    def __init__(
+        self,
+        log_probs: ArrayLike,
+        ref_log_probs: ArrayLike,
+        mask: ArrayLike,
+        cu_seqlens: ArrayLike | None = None,
+    ) -> None:
+        packed = cu_seqlens is not None
+        self.flat = packed and token_ndim(log_probs) == 1
+        self.log_probs = token_matrix(as_float_tensor(log_probs, "log_probs"), "log_probs", packed)
         device = self.log_probs.device
-        self.ref_log_probs = as_batch_matrix(
-            as_float_tensor(ref_log_probs, "ref_log_probs", device), "ref_log_probs"
+        self.ref_log_probs = token_matrix(
+            as_float_tensor(ref_log_probs, "ref_log_probs", device), "ref_log_probs", packed
         )
-        self.mask = as_batch_matrix(as_mask(mask, "mask", device), "mask")
+        self.mask = token_matrix(as_mask(mask, "mask", device), "mask", packed)
         check_same_device(
             {"log_probs": self.log_probs, "ref_log_probs": self.ref_log_probs, "mask": self.mask}
         )
         check_shape(self.ref_log_probs, "ref_log_probs", self.log_probs.shape, "log_probs")
         check_shape(self.mask, "mask", self.log_probs.shape, "log_probs")
+        self.layout = sequence_layout(cu_seqlens, self.log_probs)
 
     def terms(
         self,
@@ -311,6 +324,7 @@ def kl_loss(
     normalizer: Scalar | None = None,
     max_response_length: Scalar | None = None,
     log_ratio_bound: Scalar | None = 20.0,
+    cu_seqlens: ArrayLike | None = None,
 ) -> torch.Tensor:
     r"""KL(pi || ref) as a loss term: :func:`kl_estimate` reduced with ``reduction``.
 
@@ -324,7 +338,9 @@ def kl_loss(
     ``"sequence_sum_normalized"``: :math:`\sum M k / (B\,C)`; ``"none"``). Add it to the policy
     loss as ``loss = policy_loss(...).loss + kl_coef * kl_loss(...)``. With an explicit
     ``normalizer`` (the global selected-token count, sequence count...) the losses of
-    micro-batches sum to the full-batch loss.
+    micro-batches sum to the full-batch loss. Packed sequences (``cu_seqlens`` given): the
+    tensors are ``(N,)`` or ``(1, N)`` and the per-sequence reductions run over the runs
+    ``cu_seqlens[i]:cu_seqlens[i + 1]``, as :func:`rlobjectives.aggregate` does.
 
     Gradient (on-policy samples; see the module docstring):
 
@@ -349,14 +365,18 @@ def kl_loss(
         max_response_length: Dr. GRPO constant :math:`C` for ``"sequence_sum_normalized"``
             (default ``T``).
         log_ratio_bound: clamp :math:`b > 0` on the log-ratio, or None.
+        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
 
     Returns:
-        A scalar (``(B, T)`` for ``reduction="none"``) with the dtype and device of
-        ``log_probs``; computed in float32 (float64 for float64 inputs). Fully masked inputs give 0.
+        A scalar (``(B, T)`` for ``reduction="none"``, packed: the shape of ``log_probs``) with
+        the dtype and device of ``log_probs``; computed in float32 (float64 for float64
+        inputs). Fully masked inputs give 0.
 
     Raises:
         ValueError: on mismatched shapes/devices, an unknown ``estimator`` or ``reduction``, a
-            non-positive ``normalizer``/``max_response_length``/``log_ratio_bound``.
+            non-positive ``normalizer``/``max_response_length``/``log_ratio_bound``, or a
+            malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs or a non-bool ``straight_through``.
 
     Warns:
@@ -374,19 +394,21 @@ def kl_loss(
 
     .. versionadded:: 0.1.0
     """
-    inputs = KLInputs(log_probs, ref_log_probs, mask)
+    inputs = KLInputs(log_probs, ref_log_probs, mask, cu_seqlens)
     bound = validate_kl_options(estimator, straight_through, log_ratio_bound)
-    spec = validate_reduction(
+    spec = validate_layout_reduction(
         reduction,
         normalizer=normalizer,
         max_response_length=max_response_length,
+        layout=inputs.layout,
         tokens=inputs.log_probs.shape[-1],
     )
     warn_biased_kl_loss(estimator, straight_through, "kl_loss")
     terms = inputs.terms(
         estimator=estimator, straight_through=straight_through, log_ratio_bound=bound
     )  # (B, T)
-    return reduce(terms, inputs.mask, spec).to(inputs.log_probs.dtype)
+    loss = reduce(terms, inputs.mask, spec, inputs.layout).to(inputs.log_probs.dtype)
+    return token_output(loss, inputs.flat and loss.ndim == 2)
 
 
 def warn_biased_kl_loss(estimator: str, straight_through: bool, caller: str) -> None:

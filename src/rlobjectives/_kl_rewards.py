@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 
 from ._kl import Estimator, KLInputs, validate_kl_options, warn_biased
-from ._masking import last_selected, masked_fill_zero
+from ._masking import masked_fill_zero
+from ._packing import per_sequence, token_output
 from ._validation import (
     ArrayLike,
     Scalar,
     as_float_tensor,
-    as_per_sequence,
     check_same_device,
     compute_dtype,
     validate_scalar,
@@ -33,6 +33,7 @@ def kl_penalized_token_rewards(
     kl_coef: Scalar,
     estimator: Estimator = "k1",
     log_ratio_bound: Scalar | None = None,
+    cu_seqlens: ArrayLike | None = None,
 ) -> torch.Tensor:
     r"""Per-token rewards: a KL penalty on every selected token, the score on the last one.
 
@@ -47,7 +48,9 @@ def kl_penalized_token_rewards(
     :math:`\gamma = 1` the return of sequence :math:`i` is
     :math:`\sum_t R_{it} = s_i - \beta \sum_t M_{it} k_{it}`, which for ``"k1"`` without a bound
     is the seed :func:`rlobjectives.kl_penalized_rewards`'s penalized reward
-    :math:`r_i - \beta D_i`.
+    :math:`r_i - \beta D_i`. Packed sequences (``cu_seqlens`` given): the per-token tensors are
+    ``(N,)`` or ``(1, N)``, ``scores`` ``(S,)``, and each score lands on the last selected token
+    of its run ``cu_seqlens[i]:cu_seqlens[i + 1]``.
 
     The rewards are meant to be used as constants (pass the behaviour-policy ``old_log_probs``
     or detach): the KL gradient then arrives through the policy-gradient score function, which is
@@ -62,14 +65,18 @@ def kl_penalized_token_rewards(
         kl_coef: :math:`\beta \ge 0` (number or 0-d tensor).
         estimator: ``"k1"`` (default, unbiased as a reward), ``"k2"`` or ``"k3"``.
         log_ratio_bound: optional clamp :math:`b > 0` on the log-ratio (default None).
+        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
 
     Returns:
-        ``(B, T)`` rewards, zeros at unselected tokens, on the device of ``log_probs``; float32
-        (float64 if an input is float64), also for bf16/fp16 inputs.
+        ``(B, T)`` rewards (packed: the shape of ``log_probs``), zeros at unselected tokens, on
+        the device of ``log_probs``; float32 (float64 if an input is float64), also for bf16/fp16
+        inputs.
 
     Raises:
-        ValueError: on mismatched shapes/devices, ``scores`` not of length B, an unknown
-            ``estimator``, a negative/non-finite ``kl_coef``, a non-positive ``log_ratio_bound``.
+        ValueError: on mismatched shapes/devices, ``scores`` not of length B (packed: S), an
+            unknown ``estimator``, a negative/non-finite ``kl_coef``, a non-positive
+            ``log_ratio_bound``, or a malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs.
 
     Warns:
@@ -88,10 +95,10 @@ def kl_penalized_token_rewards(
 
     .. versionadded:: 0.1.0
     """
-    inputs = KLInputs(log_probs, ref_log_probs, mask)
+    inputs = KLInputs(log_probs, ref_log_probs, mask, cu_seqlens)
     scores_t = as_float_tensor(scores, "scores", inputs.log_probs.device)
     check_same_device({"log_probs": inputs.log_probs, "scores": scores_t})
-    scores_t = as_per_sequence(scores_t, "scores", inputs.log_probs.shape[0], "log_probs")
+    scores_t = per_sequence(scores_t, "scores", inputs.layout, "log_probs")
     coefficient = validate_scalar(kl_coef, "kl_coef", minimum=0.0)
     bound = validate_kl_options(estimator, False, log_ratio_bound)
     if estimator != "k1":
@@ -112,6 +119,8 @@ def kl_penalized_token_rewards(
     if isinstance(coefficient, torch.Tensor):
         coefficient = coefficient.to(dtype=dtype, device=kl.device)
     penalty = masked_fill_zero(-coefficient * kl, inputs.mask)  # (B, T)
-    last = last_selected(inputs.mask)  # (B, T)
-    score_at_last = masked_fill_zero(scores_t.to(dtype).unsqueeze(-1).expand_as(penalty), last)
-    return penalty + score_at_last  # (B, T)
+    last = inputs.layout.last_selected(inputs.mask)  # (B, T)
+    score_at_last = masked_fill_zero(
+        inputs.layout.expand(scores_t.to(dtype)).expand_as(penalty), last
+    )
+    return token_output(penalty + score_at_last, inputs.flat)  # (B, T)

@@ -18,6 +18,8 @@ from typing import NamedTuple
 
 import torch
 
+from ._masking import last_selected
+
 __all__ = ["Layout", "padded"]
 
 
@@ -51,6 +53,21 @@ class Layout(NamedTuple):
         if self.sequence_ids is None:
             return per_sequence.unsqueeze(-1)
         return per_sequence[self.sequence_ids].unsqueeze(0)
+
+    def last_selected(self, mask: torch.Tensor) -> torch.Tensor:
+        """Bool, the shape of ``mask``: True at the last selected token of each sequence.
+
+        Packed: the largest selected position of each sequence (``scatter_reduce`` amax over the
+        sequence ids, no host sync); a sequence with no selected token has none.
+        """
+        if self.sequence_ids is None:
+            return last_selected(mask)
+        flat = mask.reshape(-1)  # (N,)
+        positions = torch.arange(flat.shape[0], device=flat.device)  # (N,)
+        scored = torch.where(flat, positions, -1)  # (N,)
+        last = torch.full((self.num_sequences,), -1, dtype=positions.dtype, device=flat.device)
+        last = last.scatter_reduce(0, self.sequence_ids, scored, "amax")  # (S,)
+        return ((positions == last[self.sequence_ids]) & flat).reshape(mask.shape)
 
 
 def padded(batch: int) -> Layout:

@@ -11,21 +11,28 @@ from __future__ import annotations
 import torch
 
 from ._fused import ClippedSurrogateFunction, FusedSpec
-from ._layout import padded
+from ._packing import token_ndim, token_output
 from ._policy_args import (
     PolicyCall,
     PolicyLossDiagnostics,
     PolicyLossOutput,
     RatioLevel,
-    prepare_policy_inputs,
+    prepare_layout_inputs,
     validate_diagnostics_normalizer,
     validate_surrogate_options,
 )
-from ._reduction import Reduction, reduce, validate_reduction
+from ._reduction import Reduction, reduce, validate_layout_reduction
 from ._surrogate import policy_terms
 from ._validation import ArrayLike, Scalar, validate_bool
 
-__all__ = ["fused_applicable", "policy_loss", "run_autograd", "run_fused", "validate_policy_call"]
+__all__ = [
+    "fused_applicable",
+    "packed_output_shape",
+    "policy_loss",
+    "run_autograd",
+    "run_fused",
+    "validate_policy_call",
+]
 
 
 def policy_loss(
@@ -43,6 +50,7 @@ def policy_loss(
     normalizer: Scalar | None = None,
     max_response_length: Scalar | None = None,
     diagnostics_normalizer: Scalar | None = None,
+    cu_seqlens: ArrayLike | None = None,
     return_per_token: bool = False,
 ) -> PolicyLossOutput:
     r"""Clipped policy-gradient loss (PPO / GRPO / DAPO / GSPO / dual-clip / vanilla PG).
@@ -67,6 +75,13 @@ def policy_loss(
       is :math:`s_i = \exp(\frac{1}{|y_i|}\sum_t \Delta_{it})` over its selected tokens, used at
       every token in the stop-gradient form :math:`\log s_{it} = \ell_{it} - sg(\ell_{it}) +
       sg(\log s_i)`, whose gradient equals the paper's (GSPO-token, Eq. 13-14).
+
+    Packed sequences (``cu_seqlens`` given, the padding-free layout of flash-attention): the
+    per-token tensors are ``(N,)`` or ``(1, N)``, sequence :math:`i` is the run of tokens
+    ``cu_seqlens[i]:cu_seqlens[i + 1]``, advantages are ``(S,)`` per sequence (broadcast to
+    their tokens by the library) or per token; every reduction and the GSPO sequence ratio work
+    per sequence, and the result equals the call on the padded layout of the same sequences
+    (:func:`rlobjectives.unpack`). See ``docs/conventions.md``.
 
     ``old_log_probs`` and ``advantages`` are constants: no gradient flows into them (so an
     undetached critic or behaviour policy never receives policy gradient). The loss runs
@@ -96,7 +111,14 @@ def policy_loss(
             integer (default ``T``).
         diagnostics_normalizer: global selected-token count used as the denominator of the
             token diagnostics (default: the local count); used exactly as given.
-        return_per_token: also return the ``(B, T)`` per-token loss.
+        cu_seqlens: ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last), or None for the padded layout. With it, ``log_probs``,
+            ``old_log_probs`` and ``mask`` are ``(N,)`` or ``(1, N)``, ``advantages`` ``(S,)``,
+            ``(S, 1)``, ``(N,)`` or ``(1, N)`` (a 1-D tensor of length ``S`` is per sequence),
+            and the default ``max_response_length`` is the longest sequence. Its values are
+            checked with one host read (skipped under ``torch.compile``).
+        return_per_token: also return the ``(B, T)`` per-token loss (packed: the shape of
+            ``log_probs``).
 
     Returns:
         :class:`PolicyLossOutput` ``(loss, per_token_loss, diagnostics)``. ``loss`` and
@@ -107,7 +129,8 @@ def policy_loss(
         ValueError: on mismatched shapes, wrong ranks, different devices, negative or non-finite
             clip parameters, ``clip_low >= 1``, ``dual_clip <= 1``, ``clip_high`` without
             ``clip_low``, a non-positive normaliser, a fractional ``max_response_length``, an
-            unknown ``reduction`` or ``ratio_level``.
+            unknown ``reduction`` or ``ratio_level``, or a malformed ``cu_seqlens`` (not an
+            integer 1-D tensor, not starting at 0, not ending at ``N``, decreasing).
         TypeError: on non-numeric inputs.
 
     References:
@@ -136,11 +159,23 @@ def policy_loss(
         normalizer=normalizer,
         max_response_length=max_response_length,
         diagnostics_normalizer=diagnostics_normalizer,
+        cu_seqlens=cu_seqlens,
     )
     validate_bool(return_per_token, "return_per_token")
-    if fused_applicable(call):
-        return run_fused(call, return_per_token=return_per_token)
-    return run_autograd(call, return_per_token=return_per_token)
+    run = run_fused if fused_applicable(call) else run_autograd
+    output = run(call, return_per_token=return_per_token)
+    return packed_output_shape(output, flat=cu_seqlens is not None and token_ndim(log_probs) == 1)
+
+
+def packed_output_shape(output: PolicyLossOutput, *, flat: bool) -> PolicyLossOutput:
+    """Per-token results of packed ``(N,)`` inputs in the same ``(N,)`` shape."""
+    if not flat:
+        return output
+    per_token = output.per_token_loss
+    return output._replace(
+        loss=token_output(output.loss, output.loss.ndim == 2),
+        per_token_loss=None if per_token is None else token_output(per_token, True),
+    )
 
 
 def validate_policy_call(
@@ -156,9 +191,13 @@ def validate_policy_call(
     normalizer: Scalar | None,
     max_response_length: Scalar | None,
     diagnostics_normalizer: Scalar | None,
+    cu_seqlens: ArrayLike | None = None,
 ) -> PolicyCall:
-    """Validate every argument of a policy-loss call once (tensors named as in ``names``)."""
-    inputs = prepare_policy_inputs(*tensors, names)
+    """Validate every argument of a policy-loss call once (tensors named as in ``names``).
+
+    ``cu_seqlens`` selects the packed layout (see :func:`prepare_layout_inputs`).
+    """
+    inputs, layout = prepare_layout_inputs(*tensors, names, cu_seqlens=cu_seqlens)
     options = validate_surrogate_options(
         clip_low=clip_low,
         clip_high=clip_high,
@@ -166,14 +205,14 @@ def validate_policy_call(
         ratio_level=ratio_level,
         log_ratio_bound=log_ratio_bound,
     )
-    spec = validate_reduction(
+    spec = validate_layout_reduction(
         reduction,
         normalizer=normalizer,
         max_response_length=max_response_length,
+        layout=layout,
         tokens=inputs.log_probs.shape[-1],
     )
     diagnostics = validate_diagnostics_normalizer(diagnostics_normalizer)
-    layout = padded(inputs.log_probs.shape[0])
     return PolicyCall(inputs, options, spec, diagnostics, layout)
 
 
@@ -236,6 +275,9 @@ def _policy_loss_autograd(*args: ArrayLike, **kwargs: object) -> PolicyLossOutpu
         "normalizer": None,
         "max_response_length": None,
         "diagnostics_normalizer": None,
+        "cu_seqlens": None,
     }
     call = validate_policy_call(args, names, **{**defaults, **kwargs})  # type: ignore[arg-type]
-    return run_autograd(call, return_per_token=return_per_token)
+    output = run_autograd(call, return_per_token=return_per_token)
+    flat = kwargs.get("cu_seqlens") is not None and token_ndim(args[0]) == 1
+    return packed_output_shape(output, flat=flat)

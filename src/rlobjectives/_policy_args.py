@@ -13,11 +13,11 @@ from typing import Literal, NamedTuple
 import torch
 
 from ._layout import Layout
+from ._packing import sequence_layout, token_matrix, tokens_from_sequences
 from ._reduction import ReductionSpec, validate_normalizer
 from ._validation import (
     ArrayLike,
     Scalar,
-    as_batch_matrix,
     as_float_tensor,
     as_mask,
     check_same_device,
@@ -36,6 +36,7 @@ __all__ = [
     "PolicyLossOutput",
     "RatioLevel",
     "SurrogateOptions",
+    "prepare_layout_inputs",
     "prepare_policy_inputs",
     "validate_diagnostics_normalizer",
     "validate_surrogate_options",
@@ -99,10 +100,10 @@ class PolicyLossOutput(NamedTuple):
 class PolicyInputs(NamedTuple):
     """The validated tensors of a policy-loss call."""
 
-    log_probs: torch.Tensor  # (B, T), floating, original dtype (grad flows)
-    old_log_probs: torch.Tensor  # (B, T), detached: a constant
-    advantages: torch.Tensor  # (B, 1) or (B, T), detached: a constant
-    mask: torch.Tensor  # (B, T) bool
+    log_probs: torch.Tensor  # (B, T) or packed (1, N), floating, original dtype (grad flows)
+    old_log_probs: torch.Tensor  # (B, T) / (1, N), detached: a constant
+    advantages: torch.Tensor  # (B, 1), (B, T) or packed (1, N), detached: a constant
+    mask: torch.Tensor  # (B, T) / (1, N) bool
     output_dtype: torch.dtype
     dtype: torch.dtype  # computation dtype (float32 or float64)
 
@@ -134,17 +135,35 @@ def prepare_policy_inputs(
     mask: ArrayLike,
     names: tuple[str, str, str, str],
 ) -> PolicyInputs:
+    """The padded ``(B, T)`` case of :func:`prepare_layout_inputs` (no ``cu_seqlens``)."""
+    return prepare_layout_inputs(log_probs, old_log_probs, advantages, mask, names)[0]
+
+
+def prepare_layout_inputs(
+    log_probs: ArrayLike,
+    old_log_probs: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
+    names: tuple[str, str, str, str],
+    *,
+    cu_seqlens: ArrayLike | None = None,
+) -> tuple[PolicyInputs, Layout]:
     """Coerce and validate the four tensor arguments (named as the public function names them).
 
-    ``old_log_probs`` and ``advantages`` are detached: the policy loss treats them as constants
-    on every path, so an undetached critic or behaviour policy never receives policy gradient.
+    Padded: ``(B, T)`` tensors, advantages ``(B,)``, ``(B, 1)`` or ``(B, T)``. Packed
+    (``cu_seqlens`` given): ``(N,)`` or ``(1, N)`` tensors, kept as ``(1, N)``; advantages
+    ``(S,)`` / ``(S, 1)`` per sequence are broadcast to their tokens, ``(N,)`` / ``(1, N)`` per
+    token. ``old_log_probs`` and ``advantages`` are detached: the policy loss treats them as
+    constants on every path, so an undetached critic or behaviour policy never receives policy
+    gradient. Returns the inputs and the :class:`Layout` of their sequences.
     """
     log_probs_name, old_name, advantages_name, mask_name = names
-    log_probs_t = as_batch_matrix(as_float_tensor(log_probs, log_probs_name), log_probs_name)
+    packed = cu_seqlens is not None
+    log_probs_t = token_matrix(as_float_tensor(log_probs, log_probs_name), log_probs_name, packed)
     device = log_probs_t.device
-    old_t = as_batch_matrix(as_float_tensor(old_log_probs, old_name, device), old_name)
+    old_t = token_matrix(as_float_tensor(old_log_probs, old_name, device), old_name, packed)
     advantages_t = as_float_tensor(advantages, advantages_name, device)
-    mask_t = as_batch_matrix(as_mask(mask, mask_name, device), mask_name)
+    mask_t = token_matrix(as_mask(mask, mask_name, device), mask_name, packed)
     check_same_device(
         {
             log_probs_name: log_probs_t,
@@ -156,10 +175,14 @@ def prepare_policy_inputs(
     shape = (log_probs_t.shape[0], log_probs_t.shape[1])
     check_shape(old_t, old_name, shape, log_probs_name)
     check_shape(mask_t, mask_name, shape, log_probs_name)
-    if advantages_t.ndim == 1 and advantages_t.numel() == 0 and shape[0] == 0:
-        advantages_t = advantages_t.reshape(0)
-    advantages_t = expand_per_sequence(advantages_t, advantages_name, shape, log_probs_name)
-    return PolicyInputs(
+    layout = sequence_layout(cu_seqlens, log_probs_t)
+    if packed:
+        advantages_t = tokens_from_sequences(advantages_t, advantages_name, layout, log_probs_name)
+    else:
+        if advantages_t.ndim == 1 and advantages_t.numel() == 0 and shape[0] == 0:
+            advantages_t = advantages_t.reshape(0)
+        advantages_t = expand_per_sequence(advantages_t, advantages_name, shape, log_probs_name)
+    inputs = PolicyInputs(
         log_probs=log_probs_t,
         old_log_probs=old_t.detach(),
         advantages=advantages_t.detach(),
@@ -167,6 +190,7 @@ def prepare_policy_inputs(
         output_dtype=log_probs_t.dtype,
         dtype=compute_dtype(log_probs_t, old_t, advantages_t),
     )
+    return inputs, layout
 
 
 def validate_surrogate_options(

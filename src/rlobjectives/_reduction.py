@@ -30,10 +30,10 @@ import torch
 
 from ._layout import Layout, padded
 from ._masking import masked_fill_zero
+from ._packing import longest_sequence, sequence_layout, token_matrix, token_output
 from ._validation import (
     ArrayLike,
     Scalar,
-    as_batch_matrix,
     as_float_tensor,
     as_mask,
     check_same_device,
@@ -53,6 +53,7 @@ __all__ = [
     "reduce_rows",
     "row_weights",
     "token_gradient_weights",
+    "validate_layout_reduction",
     "validate_normalizer",
     "validate_reduction",
 ]
@@ -99,6 +100,27 @@ def validate_reduction(
         length = validate_length(max_response_length, "max_response_length")
         constant = length if isinstance(length, torch.Tensor) else float(length)
     return ReductionSpec(str(reduction), normalizer_value, constant)
+
+
+def validate_layout_reduction(
+    reduction: object,
+    *,
+    normalizer: Scalar | None,
+    max_response_length: Scalar | None,
+    layout: Layout,
+    tokens: int,
+) -> ReductionSpec:
+    """:func:`validate_reduction` for a layout; ``tokens`` = the width of the per-token rows.
+
+    The default Dr. GRPO constant is the padded width ``T``: for a packed ``(1, N)`` row, the
+    longest sequence (the width :func:`rlobjectives.unpack` pads to), not ``N``.
+    """
+    spec = validate_reduction(
+        reduction, normalizer=normalizer, max_response_length=max_response_length, tokens=tokens
+    )
+    if max_response_length is None and layout.sequence_ids is not None:
+        spec = spec._replace(constant=longest_sequence(layout, tokens))
+    return spec
 
 
 def _as_tensor(
@@ -179,6 +201,7 @@ def aggregate(
     reduction: Reduction = "token_mean",
     normalizer: Scalar | None = None,
     max_response_length: Scalar | None = None,
+    cu_seqlens: ArrayLike | None = None,
 ) -> torch.Tensor:
     r"""Reduce per-token values ``(B, T)`` to the loss under one of the named reductions.
 
@@ -194,6 +217,11 @@ def aggregate(
       :math:`C` = ``max_response_length`` (default ``T``). Dr. GRPO.
     - ``"none"``: :math:`M \odot L` as a ``(B, T)`` tensor (zeros at unselected tokens).
 
+    Packed layout (``cu_seqlens`` given): ``values`` and ``mask`` are ``(N,)`` or ``(1, N)``,
+    sequence :math:`i` is the run ``cu_seqlens[i]:cu_seqlens[i + 1]`` (:math:`S` sequences in
+    place of the :math:`B` rows), and the default :math:`C` is the longest sequence; the result
+    equals the padded call on :func:`rlobjectives.unpack`'s layout.
+
     With an explicit ``normalizer`` the result is additive over micro-batches: summing the losses
     of the micro-batches of an optimizer step gives the full-batch loss. The normaliser is used
     exactly as given; counted denominators are raised to 1 (an empty selection gives 0).
@@ -205,29 +233,38 @@ def aggregate(
             ``"none"``.
         normalizer: optional positive denominator (number or 0-d tensor), see above.
         max_response_length: the Dr. GRPO constant :math:`C`, a positive integer (int or 0-d
-            tensor); ``None`` uses ``T``.
+            tensor); ``None`` uses ``T`` (packed: the longest sequence).
+        cu_seqlens: optional ``(S + 1,)`` integer sequence boundaries of a packed row (0 first,
+            non-decreasing, ``N`` last); see ``docs/conventions.md``.
 
     Returns:
-        A scalar tensor, or ``(B, T)`` for ``"none"``, with the dtype of ``values`` (float16 and
-        bfloat16 values are reduced in float32 and rounded once).
+        A scalar tensor, or ``(B, T)`` for ``"none"`` (packed: the shape of ``values``), with the
+        dtype of ``values`` (float16 and bfloat16 values are reduced in float32 and rounded once).
 
     Raises:
-        ValueError: if ``values`` is not ``(B, T)``, ``mask`` has another shape or device,
-            ``reduction`` is unknown, ``normalizer`` is not positive or ``max_response_length``
-            is not a positive integer.
+        ValueError: if ``values`` is not ``(B, T)`` (packed: ``(N,)`` or ``(1, N)``), ``mask`` has
+            another shape or device, ``reduction`` is unknown, ``normalizer`` is not positive,
+            ``max_response_length`` is not a positive integer, or ``cu_seqlens`` is malformed.
         TypeError: on non-numeric inputs.
     """
-    values_t = as_batch_matrix(as_float_tensor(values, "values"), "values")
-    mask_t = as_batch_matrix(as_mask(mask, "mask", values_t.device), "mask")
+    packed = cu_seqlens is not None
+    values_t = as_float_tensor(values, "values")
+    flat = values_t.ndim == 1
+    values_t = token_matrix(values_t, "values", packed)
+    mask_t = token_matrix(as_mask(mask, "mask", values_t.device), "mask", packed)
     check_same_device({"values": values_t, "mask": mask_t})
     check_shape(mask_t, "mask", tuple(values_t.shape), "values")
-    spec = validate_reduction(
+    layout = sequence_layout(cu_seqlens, values_t)
+    spec = validate_layout_reduction(
         reduction,
         normalizer=normalizer,
         max_response_length=max_response_length,
+        layout=layout,
         tokens=values_t.shape[-1],
     )
     if values_t.dtype in (torch.float16, torch.bfloat16):
         # Reduce in float32 and round once to the half-precision output dtype.
-        return reduce(values_t.float(), mask_t, spec).to(values_t.dtype)
-    return reduce(values_t, mask_t, spec)
+        result = reduce(values_t.float(), mask_t, spec, layout).to(values_t.dtype)
+    else:
+        result = reduce(values_t, mask_t, spec, layout)
+    return token_output(result, flat and result.ndim == 2)

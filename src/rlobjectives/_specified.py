@@ -11,18 +11,17 @@ import torch
 
 from ._fused import ClippedSurrogateFunction, FusedSpec
 from ._kl import kl_terms
-from ._layout import padded
-from ._masking import safe_divide, sum_selected
-from ._policy_args import PolicyInputs, SurrogateOptions, prepare_policy_inputs
+from ._layout import Layout
+from ._masking import masked_fill_zero, safe_divide
+from ._packing import per_sequence, sequence_layout, token_matrix
+from ._policy_args import PolicyInputs, SurrogateOptions, prepare_layout_inputs
 from ._reduction import ReductionSpec, reduce
 from ._surrogate import policy_terms
 from ._validation import (
     ArrayLike,
     Scalar,
-    as_batch_matrix,
     as_float_tensor,
     as_mask,
-    as_per_sequence,
     check_same_device,
     check_shape,
     compute_dtype,
@@ -41,6 +40,8 @@ def grpo_clipped_surrogate(
     advantages: ArrayLike,
     token_mask: ArrayLike,
     clip_epsilon: Scalar,
+    *,
+    cu_seqlens: ArrayLike | None = None,
 ) -> dict[str, torch.Tensor]:
     r"""Clipped GRPO surrogate over selected response tokens (the seed specification).
 
@@ -58,19 +59,27 @@ def grpo_clipped_surrogate(
     ``log_ratio_bound=60`` and ``reduction="token_mean"`` (any :math:`\epsilon \ge 0` is
     accepted, as specified: for :math:`\epsilon \ge 1` the lower edge never binds).
 
+    Packed sequences (``cu_seqlens`` given): the per-token tensors are ``(N,)`` or ``(1, N)``,
+    sequence :math:`i` is the run ``cu_seqlens[i]:cu_seqlens[i + 1]``, advantages are ``(S,)``
+    (or per token) and ``per_sequence_surrogate`` is ``(S,)``; the values equal the padded call
+    on the same sequences.
+
     Args:
         new_log_probs: ``(B, T)`` current log-probabilities (differentiable).
         old_log_probs: ``(B, T)`` behaviour log-probabilities (a constant: no gradient).
         advantages: ``(B,)``, ``(B, 1)`` or ``(B, T)`` (a constant: no gradient).
         token_mask: ``(B, T)`` bool or numeric; nonzero selects the token.
         clip_epsilon: :math:`\epsilon \ge 0`, finite.
+        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
 
     Returns:
-        ``{"loss": (), "per_sequence_surrogate": (B,), "clipped_fraction": ()}``, all with the
-        dtype and device of ``new_log_probs``.
+        ``{"loss": (), "per_sequence_surrogate": (B,), "clipped_fraction": ()}`` (packed:
+        ``(S,)``), all with the dtype and device of ``new_log_probs``.
 
     Raises:
-        ValueError: on mismatched shapes or devices, or a negative/NaN/infinite ``clip_epsilon``.
+        ValueError: on mismatched shapes or devices, a negative/NaN/infinite ``clip_epsilon``,
+            or a malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs.
 
     References:
@@ -83,8 +92,10 @@ def grpo_clipped_surrogate(
         >>> round(float(out["loss"]), 6)
         -1.0
     """
-    inputs, options = _seed_call(new_log_probs, old_log_probs, advantages, token_mask, clip_epsilon)
-    return _grpo_outputs(inputs, options, fused=True)
+    inputs, options, layout = _seed_call(
+        new_log_probs, old_log_probs, advantages, token_mask, clip_epsilon, cu_seqlens
+    )
+    return _grpo_outputs(inputs, options, layout, fused=True)
 
 
 def _seed_call(
@@ -93,13 +104,15 @@ def _seed_call(
     advantages: ArrayLike,
     token_mask: ArrayLike,
     clip_epsilon: Scalar,
-) -> tuple[PolicyInputs, SurrogateOptions]:
-    inputs = prepare_policy_inputs(
+    cu_seqlens: ArrayLike | None,
+) -> tuple[PolicyInputs, SurrogateOptions, Layout]:
+    inputs, layout = prepare_layout_inputs(
         new_log_probs,
         old_log_probs,
         advantages,
         token_mask,
         ("new_log_probs", "old_log_probs", "advantages", "token_mask"),
+        cu_seqlens=cu_seqlens,
     )
     epsilon = validate_scalar(clip_epsilon, "clip_epsilon", minimum=0.0)
     options = SurrogateOptions(
@@ -109,7 +122,7 @@ def _seed_call(
         ratio_level="token",
         log_ratio_bound=_SEED_LOG_RATIO_BOUND,
     )
-    return inputs, options
+    return inputs, options, layout
 
 
 def _grpo_clipped_surrogate_autograd(
@@ -118,18 +131,21 @@ def _grpo_clipped_surrogate_autograd(
     advantages: ArrayLike,
     token_mask: ArrayLike,
     clip_epsilon: Scalar,
+    *,
+    cu_seqlens: ArrayLike | None = None,
 ) -> dict[str, torch.Tensor]:
     """:func:`grpo_clipped_surrogate` through the autograd path (the fused path's reference)."""
-    inputs, options = _seed_call(new_log_probs, old_log_probs, advantages, token_mask, clip_epsilon)
-    return _grpo_outputs(inputs, options, fused=False)
+    inputs, options, layout = _seed_call(
+        new_log_probs, old_log_probs, advantages, token_mask, clip_epsilon, cu_seqlens
+    )
+    return _grpo_outputs(inputs, options, layout, fused=False)
 
 
 def _grpo_outputs(
-    inputs: PolicyInputs, options: SurrogateOptions, *, fused: bool
+    inputs: PolicyInputs, options: SurrogateOptions, layout: Layout, *, fused: bool
 ) -> dict[str, torch.Tensor]:
     """The seed outputs: token-mean loss, per-sequence means, out-of-band fraction."""
     spec = ReductionSpec("token_mean", None, float(max(inputs.log_probs.shape[-1], 1)))
-    layout = padded(inputs.log_probs.shape[0])
     learnable_epsilon = (
         isinstance(options.clip_low, torch.Tensor) and options.clip_low.requires_grad
     )
@@ -161,6 +177,8 @@ def kl_penalized_rewards(
     rewards: ArrayLike,
     response_mask: ArrayLike,
     beta: Scalar,
+    *,
+    cu_seqlens: ArrayLike | None = None,
 ) -> dict[str, torch.Tensor]:
     r"""Penalize sequence rewards by the sampled KL divergence to a reference policy.
 
@@ -174,20 +192,28 @@ def kl_penalized_rewards(
     clamped, not divided by the response length, and may be negative. Unselected tokens contribute
     exactly zero (NaN/inf there is ignored); an empty batch has :math:`J = 0`.
 
+    Packed sequences (``cu_seqlens`` given): the per-token tensors are ``(N,)`` or ``(1, N)``,
+    :math:`D_i` sums over the run ``cu_seqlens[i]:cu_seqlens[i + 1]``, ``rewards`` and the
+    per-sequence outputs are ``(S,)`` and :math:`J` divides by :math:`S`; the values equal the
+    padded call on the same sequences.
+
     Args:
         policy_log_probs: ``(B, T)`` log-probabilities under the policy (differentiable).
         reference_log_probs: ``(B, T)`` log-probabilities under the reference policy.
         rewards: ``(B,)`` (or ``(B, 1)``) scalar rewards.
         response_mask: ``(B, T)`` bool or numeric; nonzero selects the token.
         beta: KL coefficient :math:`\beta \ge 0`, finite.
+        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
 
     Returns:
-        ``{"objective": (), "penalized_rewards": (B,), "sampled_divergences": (B,)}``, float32
-        on the device of ``policy_log_probs`` (computed in float64 when any input is float64).
+        ``{"objective": (), "penalized_rewards": (B,), "sampled_divergences": (B,)}`` (packed:
+        ``(S,)``), float32 on the device of ``policy_log_probs`` (computed in float64 when any
+        input is float64).
 
     Raises:
-        ValueError: on mismatched shapes or devices, rewards of the wrong length, or a
-            negative/NaN/infinite ``beta``.
+        ValueError: on mismatched shapes or devices, rewards of the wrong length, a
+            negative/NaN/infinite ``beta``, or a malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs.
 
     References:
@@ -199,15 +225,18 @@ def kl_penalized_rewards(
         >>> float(out["objective"])
         2.5
     """
-    policy = as_batch_matrix(
-        as_float_tensor(policy_log_probs, "policy_log_probs"), "policy_log_probs"
+    packed = cu_seqlens is not None
+    policy = token_matrix(
+        as_float_tensor(policy_log_probs, "policy_log_probs"), "policy_log_probs", packed
     )
     device = policy.device
-    reference = as_batch_matrix(
-        as_float_tensor(reference_log_probs, "reference_log_probs", device), "reference_log_probs"
+    reference = token_matrix(
+        as_float_tensor(reference_log_probs, "reference_log_probs", device),
+        "reference_log_probs",
+        packed,
     )
     rewards_t = as_float_tensor(rewards, "rewards", device)
-    mask = as_batch_matrix(as_mask(response_mask, "response_mask", device), "response_mask")
+    mask = token_matrix(as_mask(response_mask, "response_mask", device), "response_mask", packed)
     check_same_device(
         {
             "policy_log_probs": policy,
@@ -216,10 +245,11 @@ def kl_penalized_rewards(
             "response_mask": mask,
         }
     )
-    batch = policy.shape[0]
     check_shape(reference, "reference_log_probs", policy.shape, "policy_log_probs")
     check_shape(mask, "response_mask", policy.shape, "policy_log_probs")
-    rewards_t = as_per_sequence(rewards_t, "rewards", batch, "policy_log_probs")
+    layout = sequence_layout(cu_seqlens, policy)
+    batch = layout.num_sequences
+    rewards_t = per_sequence(rewards_t, "rewards", layout, "policy_log_probs")
     coefficient = validate_scalar(beta, "beta", minimum=0.0)
 
     dtype = compute_dtype(policy, reference, rewards_t)
@@ -233,7 +263,7 @@ def kl_penalized_rewards(
         log_ratio_bound=None,
         dtype=dtype,
     )  # (B, T), zeros at unselected tokens
-    divergences = sum_selected(log_ratio, mask, -1)  # (B,)
+    divergences = layout.row_sums(masked_fill_zero(log_ratio, mask))  # (B,)
     penalized = rewards_t.to(dtype) - coefficient * divergences  # (B,)
     objective = safe_divide(penalized.sum(), batch)  # ()
     return {
