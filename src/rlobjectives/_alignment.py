@@ -12,10 +12,12 @@ from typing import NamedTuple
 
 import torch
 
+from ._alignment_packed import packed_alignment
 from ._chunking import resolve_chunk_size
 from ._logits import _as_logits, _validate_temperature
 from ._logits_autograd import TokenLogProbsFunction
 from ._masking import masked_fill_zero
+from ._packing import token_matrix, token_ndim, token_output
 from ._validation import (
     ArrayLike,
     as_batch_matrix,
@@ -40,10 +42,12 @@ class ResponseAlignment(NamedTuple):
     Attributes:
         positions: ``(B, R)`` int64: index ``j - 1`` of the logits/hidden row (in the ``L``
             axis) that predicts response token ``t`` at absolute position ``j``; a valid index
-            (not meaningful) where ``mask`` is False.
+            (not meaningful) where ``mask`` is False. Packed: ``(N,)`` (the shape of
+            ``input_ids``), entry ``j`` for the token at ``j``.
         tokens: ``(B, R)`` int64: the response token ``input_ids[b, j]``; 0 where ``mask`` is
-            False.
-        mask: ``(B, R)`` bool: True for real response tokens.
+            False. Packed: ``(N,)``.
+        mask: ``(B, R)`` bool: True for real response tokens. Packed: ``(N,)``, True at the
+            response tokens of each sequence.
     """
 
     positions: torch.Tensor
@@ -56,8 +60,10 @@ class ResponseLogProbs(NamedTuple):
 
     Attributes:
         log_probs: ``(B, R)`` float32 log-probabilities of the response tokens, 0 where
-            ``mask`` is False.
-        mask: ``(B, R)`` bool response mask, ready for :func:`rlobjectives.policy_loss`.
+            ``mask`` is False. Packed: ``(N,)`` (the shape of ``input_ids``), aligned with the
+            tokens.
+        mask: ``(B, R)`` bool response mask, ready for :func:`rlobjectives.policy_loss`
+            (packed: ``(N,)``, with the same ``cu_seqlens``).
     """
 
     log_probs: torch.Tensor
@@ -147,6 +153,7 @@ def response_alignment(
     response_length: int | None = None,
     check_layout: bool = True,
     response_start: ArrayLike | int | None = None,
+    cu_seqlens: ArrayLike | None = None,
 ) -> ResponseAlignment:
     r"""Locate the response tokens of a causal-LM batch and the rows that predict them.
 
@@ -172,6 +179,15 @@ def response_alignment(
     would be wrong for rows whose prompt is left-padded (their first :math:`f_b` columns are
     padding), and cannot be detected from the masks alone.
 
+    Packed sequences (``cu_seqlens`` given): ``input_ids`` is one row ``(N,)`` (or ``(1, N)``)
+    of ``S`` concatenated sequences, each a prompt then a response; ``prompt_lengths`` or
+    ``response_start`` (absolute positions in the row) are ``(S,)``, ``attention_mask`` may be
+    None (every token is real) and ``response_length`` must be None. The result is ``(N,)``
+    aligned with ``input_ids``: ``mask`` selects the response tokens, ``positions[j] = j - 1``.
+    The shift never crosses a boundary: the first token of a sequence is never selected, so its
+    predicting row is always inside the same sequence (a prompt of at least one token is
+    required, and checked with ``check_layout``).
+
     Use the result with logits via :func:`response_log_probs`, or with hidden states by
     gathering the predicting rows first (cheap: ``(B, R, H)``)::
 
@@ -193,16 +209,20 @@ def response_alignment(
         response_start: instead of ``prompt_lengths``: the absolute column of the first response
             token of each row, an int (the same for every row, e.g. the padded prompt width of
             the verl/TRL layout) or ``(B,)`` integers, each in ``[f_b + 1, f_b + n_b]``.
+        cu_seqlens: ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last), or None for the padded layout (see above).
 
     Returns:
-        :class:`ResponseAlignment` ``(positions, tokens, mask)``, each ``(B, R)``.
+        :class:`ResponseAlignment` ``(positions, tokens, mask)``, each ``(B, R)`` (packed: the
+        shape of ``input_ids``).
 
     Raises:
         ValueError: on wrong ranks, mismatched shapes or devices, ``response_length < 1``, and
             (with ``check_layout``) a non-contiguous attention mask, a prompt length outside
             ``[1, n_b]`` (a response start outside ``[f_b + 1, f_b + n_b]``) or a response longer
             than ``response_length``; both or neither of ``prompt_lengths`` and
-            ``response_start``.
+            ``response_start``; a malformed ``cu_seqlens``, or packed sequences whose prompt is
+            empty or whose start lies outside them (with ``check_layout``).
         TypeError: on non-integer ``input_ids`` or ``prompt_lengths``.
 
     References:
@@ -219,6 +239,16 @@ def response_alignment(
 
     .. versionadded:: 0.1.0
     """
+    if cu_seqlens is not None:
+        return _packed_response_alignment(
+            input_ids,
+            prompt_lengths,
+            attention_mask,
+            response_length=response_length,
+            check_layout=check_layout,
+            response_start=response_start,
+            cu_seqlens=cu_seqlens,
+        )
     ids = as_batch_matrix(as_token_ids(input_ids, "input_ids", None), "input_ids")
     device = ids.device
     attention = as_batch_matrix(as_mask(attention_mask, "attention_mask", device), "attention_mask")
@@ -253,6 +283,30 @@ def response_alignment(
     return ResponseAlignment(positions=positions, tokens=tokens, mask=mask)
 
 
+def _packed_response_alignment(
+    input_ids: ArrayLike,
+    prompt_lengths: ArrayLike | None,
+    attention_mask: ArrayLike | None,
+    *,
+    response_length: int | None,
+    check_layout: bool,
+    response_start: ArrayLike | int | None,
+    cu_seqlens: ArrayLike,
+) -> ResponseAlignment:
+    """:func:`response_alignment` on a packed row (see :mod:`rlobjectives._alignment_packed`)."""
+    if response_length is not None:
+        raise ValueError(
+            f"response_length does not apply to the packed layout (the result is aligned with "
+            f"the N tokens of input_ids), got response_length={response_length!r}"
+        )
+    ids = as_token_ids(input_ids, "input_ids", None)
+    flat = ids.ndim == 1
+    alignment = packed_alignment(
+        ids, prompt_lengths, attention_mask, response_start, cu_seqlens, check_layout
+    )
+    return ResponseAlignment(*(token_output(tensor, flat) for tensor in alignment))
+
+
 def response_log_probs(
     logits: ArrayLike,
     input_ids: ArrayLike,
@@ -264,6 +318,7 @@ def response_log_probs(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     check_layout: bool = True,
+    cu_seqlens: ArrayLike | None = None,
 ) -> ResponseLogProbs:
     r"""Response-token log-probabilities from full-sequence causal-LM logits, shift included.
 
@@ -277,6 +332,12 @@ def response_log_probs(
     full ``(B, L, V)`` logits with non-predicting rows masked out, so no ``(B, R, V)`` copy is
     gathered and the memory stays O(chunk_size * V) besides the logits and their gradient.
 
+    Packed sequences (``cu_seqlens`` given): ``logits`` is ``(N, V)`` or ``(1, N, V)`` and
+    ``input_ids`` ``(N,)`` or ``(1, N)``, the concatenated prompts and responses of ``S``
+    sequences; the log-probabilities and the mask are ``(N,)`` aligned with ``input_ids``
+    (selecting the response tokens), and each token is scored by the logits of the previous
+    token of its own sequence (see :func:`response_alignment`), never across a boundary.
+
     Args:
         logits: ``(B, L, V)`` logits of the full sequences (position ``j`` predicts ``j + 1``).
         input_ids: ``(B, L)`` integer token ids.
@@ -289,10 +350,13 @@ def response_log_probs(
         temperature: :math:`\tau > 0` (the sampling temperature).
         chunk_size: rows per chunk, or None for ``max(1, 2**23 // V)``.
         check_layout: validate the layout on the host (see :func:`response_alignment`).
+        cu_seqlens: ``(S + 1,)`` integer boundaries of packed sequences, or None for the padded
+            layout (see above).
 
     Returns:
         :class:`ResponseLogProbs` ``(log_probs, mask)``: ``(B, R)`` float32 log-probabilities
-        (float64 for float64 logits) and the ``(B, R)`` bool response mask.
+        (float64 for float64 logits) and the ``(B, R)`` bool response mask (packed: the shape
+        of ``input_ids``).
 
     Raises:
         ValueError: on shapes that do not match ``(B, L, V)`` / ``(B, L)``, and as
@@ -311,10 +375,16 @@ def response_log_probs(
 
     .. versionadded:: 0.1.0
     """
+    packed = cu_seqlens is not None
     logits_t = _as_logits(logits, "logits")
-    if logits_t.ndim != 3:
-        raise ValueError(f"logits must have shape (B, L, V), got shape {tuple(logits_t.shape)}")
-    ids = as_batch_matrix(as_token_ids(input_ids, "input_ids", logits_t.device), "input_ids")
+    if packed and logits_t.ndim == 2:
+        logits_t = logits_t.unsqueeze(0)  # (1, N, V)
+    if logits_t.ndim != 3 or (packed and logits_t.shape[0] != 1):
+        expected = "(N, V) or (1, N, V) (packed: cu_seqlens given)" if packed else "(B, L, V)"
+        raise ValueError(f"logits must have shape {expected}, got shape {tuple(logits_t.shape)}")
+    ids = as_token_ids(input_ids, "input_ids", logits_t.device)
+    flat = packed and token_ndim(input_ids) == 1
+    ids = token_matrix(ids, "input_ids", packed)
     check_same_device({"logits": logits_t, "input_ids": ids})
     check_shape(ids, "input_ids", tuple(logits_t.shape[:2]), "logits without V")
     alignment = response_alignment(
@@ -324,7 +394,8 @@ def response_log_probs(
         response_length=response_length,
         check_layout=check_layout,
         response_start=response_start,
-    )
+        cu_seqlens=cu_seqlens,
+    )  # (B, R), packed (1, N)
     batch, length = ids.shape
     # Row k of the logits predicts input_ids[:, k + 1]; only rows that predict a response token
     # are computed. Rows selected: scatter the response mask onto the predicting rows.
@@ -338,4 +409,6 @@ def response_log_probs(
         logits_t, targets, rows, True, tau, chunk, compute_dtype(logits_t)
     )  # (B, L)
     log_probs = masked_fill_zero(full.gather(1, alignment.positions), alignment.mask)  # (B, R)
-    return ResponseLogProbs(log_probs=log_probs, mask=alignment.mask)
+    return ResponseLogProbs(
+        log_probs=token_output(log_probs, flat), mask=token_output(alignment.mask, flat)
+    )

@@ -18,9 +18,9 @@ import torch
 
 from ._chunking import resolve_chunk_size
 from ._lm_head_chunks import Head, LogProbsFromHidden, default_chunk_size
+from ._packing import packed_layout, token_matrix, token_ndim
 from ._validation import (
     ArrayLike,
-    as_batch_matrix,
     as_mask,
     as_token_ids,
     check_same_device,
@@ -43,7 +43,8 @@ class TokenLogProbsOutput(NamedTuple):
     """Result of :func:`token_log_probs_from_hidden` with ``return_entropy=True``.
 
     Attributes:
-        log_probs: ``(B, T)`` log-probabilities of the given tokens.
+        log_probs: ``(B, T)`` log-probabilities of the given tokens (packed: the shape of
+            ``tokens``).
         entropy: ``(B, T)`` entropy of the (temperature-scaled) next-token distribution.
     """
 
@@ -83,6 +84,20 @@ def _check_weight(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         )
 
 
+def _hidden_matrix(hidden: torch.Tensor, packed: bool) -> torch.Tensor:
+    """``(B, T, H)``; packed: ``(N, H)`` or ``(1, N, H)`` as ``(1, N, H)``."""
+    if packed and hidden.ndim == 2:
+        return hidden.unsqueeze(0)
+    if hidden.ndim == 3 and (not packed or hidden.shape[0] == 1):
+        return hidden
+    expected = (
+        "(N, H) or (1, N, H) (packed: cu_seqlens given)"
+        if packed
+        else ("(B, T, H) (3 dimensions), or (N, H) with cu_seqlens (packed sequences)")
+    )
+    raise ValueError(f"hidden must have shape {expected}, got shape {tuple(hidden.shape)}")
+
+
 def prepare_head(
     hidden: object,
     weight: object,
@@ -90,13 +105,15 @@ def prepare_head(
     bias: object,
     temperature: float,
     chunk_size: int | None,
+    *,
+    packed: bool = False,
 ) -> tuple[Head, tuple[int, int]]:
-    """Validate the hidden states, LM head and token ids; flatten to ``(N, H)`` / ``(N,)``."""
-    hidden_t = _check_floating(hidden, "hidden")
-    if hidden_t.ndim != 3:
-        raise ValueError(
-            f"hidden must have shape (B, T, H) (3 dimensions), got shape {tuple(hidden_t.shape)}"
-        )
+    """Validate the hidden states, LM head and token ids; flatten to ``(N, H)`` / ``(N,)``.
+
+    ``packed``: hidden ``(N, H)`` / ``(1, N, H)`` and tokens ``(N,)`` / ``(1, N)``, whose
+    ``batch_shape`` is ``(1, N)``.
+    """
+    hidden_t = _hidden_matrix(_check_floating(hidden, "hidden"), packed)
     if hidden_t.shape[2] < 1:
         raise ValueError(
             f"hidden must have a hidden size H >= 1, got shape {tuple(hidden_t.shape)}"
@@ -105,6 +122,8 @@ def prepare_head(
     bias_t = None if bias is None else _check_floating(bias, "bias")
     _check_weight(hidden_t, weight_t, bias_t)
     tokens_t = as_token_ids(tokens, "tokens", hidden_t.device)
+    if packed:
+        tokens_t = token_matrix(tokens_t, "tokens", packed)
     tensors = {"hidden": hidden_t, "weight": weight_t, "tokens": tokens_t}
     check_same_device(tensors if bias_t is None else {**tensors, "bias": bias_t})
     batch_shape = (hidden_t.shape[0], hidden_t.shape[1])
@@ -126,8 +145,10 @@ def prepare_head(
     return head, batch_shape
 
 
-def _row_mask(mask: ArrayLike, head: Head, batch_shape: tuple[int, int]) -> torch.Tensor:
-    mask_t = as_batch_matrix(as_mask(mask, "mask", head.hidden.device), "mask")
+def _row_mask(
+    mask: ArrayLike, head: Head, batch_shape: tuple[int, int], packed: bool = False
+) -> torch.Tensor:
+    mask_t = token_matrix(as_mask(mask, "mask", head.hidden.device), "mask", packed)
     check_same_device({"hidden": head.hidden, "mask": mask_t})
     check_shape(mask_t, "mask", batch_shape, "tokens")
     return mask_t
@@ -149,6 +170,7 @@ def token_log_probs_from_hidden(
     chunk_size: int | None = ...,
     mask: ArrayLike | None = ...,
     return_entropy: Literal[False] = ...,
+    cu_seqlens: ArrayLike | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -163,6 +185,7 @@ def token_log_probs_from_hidden(
     chunk_size: int | None = ...,
     mask: ArrayLike | None = ...,
     return_entropy: Literal[True],
+    cu_seqlens: ArrayLike | None = ...,
 ) -> TokenLogProbsOutput: ...
 
 
@@ -176,6 +199,7 @@ def token_log_probs_from_hidden(
     chunk_size: int | None = None,
     mask: ArrayLike | None = None,
     return_entropy: bool = False,
+    cu_seqlens: ArrayLike | None = None,
 ) -> torch.Tensor | TokenLogProbsOutput:
     r"""Log-probabilities of the given tokens from hidden states, without the full logits.
 
@@ -194,6 +218,11 @@ def token_log_probs_from_hidden(
     gradients equal those of ``log_softmax((hidden @ weight.T + bias).float() / temperature)``
     gathered at ``tokens``.
 
+    Packed sequences (``cu_seqlens`` given): ``hidden`` is ``(N, H)`` or ``(1, N, H)`` and
+    ``tokens`` (and ``mask``) ``(N,)`` or ``(1, N)``; the log-probabilities are per token, so
+    the sequence boundaries change nothing but the accepted shapes (``cu_seqlens`` is validated
+    against ``N``).
+
     Args:
         hidden: ``(B, T, H)`` hidden states (float64, float32, bfloat16 or float16).
         weight: ``(V, H)`` LM-head weight, same dtype as ``hidden``.
@@ -204,10 +233,13 @@ def token_log_probs_from_hidden(
         mask: optional ``(B, T)`` bool/numeric; where False the hidden row and token id are
             ignored (NaN/inf-safe) and the outputs are 0.
         return_entropy: also return the per-token entropy.
+        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
 
     Returns:
-        ``(B, T)`` log-probabilities, float32 (float64 for float64 inputs); with
-        ``return_entropy=True`` a :class:`TokenLogProbsOutput` ``(log_probs, entropy)``.
+        ``(B, T)`` log-probabilities (packed: the shape of ``tokens``), float32 (float64 for
+        float64 inputs); with ``return_entropy=True`` a :class:`TokenLogProbsOutput`
+        ``(log_probs, entropy)``.
 
     Raises:
         ValueError: on wrong ranks or shapes, a weight/bias dtype different from ``hidden``,
@@ -227,13 +259,20 @@ def token_log_probs_from_hidden(
 
     .. versionadded:: 0.1.0
     """
-    head, batch_shape = prepare_head(hidden, weight, tokens, bias, temperature, chunk_size)
-    mask_t = None if mask is None else _row_mask(mask, head, batch_shape).reshape(-1)
+    packed = cu_seqlens is not None
+    head, batch_shape = prepare_head(
+        hidden, weight, tokens, bias, temperature, chunk_size, packed=packed
+    )
+    output_shape: tuple[int, ...] = batch_shape
+    if packed:
+        packed_layout(cu_seqlens, batch_shape[1], device=head.hidden.device)  # validation only
+        output_shape = batch_shape[1:] if token_ndim(tokens) == 1 else batch_shape
+    mask_t = None if mask is None else _row_mask(mask, head, batch_shape, packed).reshape(-1)
     validate_bool(return_entropy, "return_entropy")
     outputs: tuple[torch.Tensor, torch.Tensor] = LogProbsFromHidden.apply(  # type: ignore[no-untyped-call]
         head.hidden, head.weight, head.bias, head, mask_t, return_entropy
     )
-    log_probs = outputs[0].reshape(batch_shape)  # (B, T)
+    log_probs = outputs[0].reshape(output_shape)  # (B, T)
     if not return_entropy:
         return log_probs
-    return TokenLogProbsOutput(log_probs=log_probs, entropy=outputs[1].reshape(batch_shape))
+    return TokenLogProbsOutput(log_probs=log_probs, entropy=outputs[1].reshape(output_shape))

@@ -22,13 +22,13 @@ from ._layout import padded
 from ._lm_head import prepare_head
 from ._lm_head_chunks import FusedLinearLoss, Head, LogProbsFromHidden
 from ._masking import masked_fill_zero
+from ._packing import token_matrix, token_ndim, token_output
 from ._policy import run_autograd, run_fused, validate_policy_call
 from ._policy_args import PolicyCall, PolicyLossDiagnostics, RatioLevel, SurrogateOptions
 from ._reduction import Reduction, ReductionSpec, reduce, row_weights, token_gradient_weights
 from ._validation import (
     ArrayLike,
     Scalar,
-    as_batch_matrix,
     as_float_tensor,
     check_same_device,
     check_shape,
@@ -52,7 +52,8 @@ class FusedPolicyLossOutput(NamedTuple):
         kl_loss: detached scalar, the reduced KL estimate (before ``kl_coef``); 0 without
             ``ref_log_probs``.
         log_probs: detached ``(B, T)`` log-probabilities of the tokens (zeros at unselected
-            tokens), the same values :func:`token_log_probs_from_hidden` returns.
+            tokens; packed: the shape of ``tokens``), the same values
+            :func:`token_log_probs_from_hidden` returns.
         diagnostics: :class:`PolicyLossDiagnostics`, as :func:`policy_loss` reports them.
     """
 
@@ -87,6 +88,7 @@ def fused_policy_loss_from_hidden(
     kl_coef: float = 0.0,
     kl_estimator: Estimator = "k3",
     kl_straight_through: bool = False,
+    cu_seqlens: ArrayLike | None = None,
 ) -> FusedPolicyLossOutput:
     r"""Clipped policy loss (+ optional KL penalty) computed from hidden states chunk by chunk.
 
@@ -109,6 +111,10 @@ def fused_policy_loss_from_hidden(
     the whole sequence) are supported by composition instead: :func:`token_log_probs_from_hidden`
     (chunked, with recompute) followed by :func:`policy_loss` (for ``"none"`` the returned
     ``loss`` is ``(B, T)``).
+
+    Packed sequences (``cu_seqlens`` given): ``hidden`` is ``(N, H)`` or ``(1, N, H)``, the
+    per-token tensors ``(N,)`` or ``(1, N)`` and ``advantages`` ``(S,)`` (or per token); the
+    reductions and GSPO run per sequence, exactly as :func:`policy_loss` with ``cu_seqlens``.
 
     Args:
         hidden: ``(B, T, H)`` hidden states at the response positions.
@@ -135,6 +141,8 @@ def fused_policy_loss_from_hidden(
         kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``, as :func:`rlobjectives.kl_estimate`.
         kl_straight_through: value of ``kl_estimator`` with the gradient of ``k2`` (verl
             ``k3+``), as :func:`rlobjectives.kl_estimate`.
+        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last); see :func:`policy_loss`.
 
     Returns:
         :class:`FusedPolicyLossOutput` ``(loss, policy_loss, kl_loss, log_probs,
@@ -167,8 +175,11 @@ def fused_policy_loss_from_hidden(
 
     .. versionadded:: 0.1.0
     """
-    head, batch_shape = prepare_head(hidden, weight, tokens, bias, temperature, chunk_size)
-    _check_old_log_probs(old_log_probs, head, batch_shape)
+    packed = cu_seqlens is not None
+    head, batch_shape = prepare_head(
+        hidden, weight, tokens, bias, temperature, chunk_size, packed=packed
+    )
+    _check_old_log_probs(old_log_probs, head, batch_shape, packed)
     call = validate_policy_call(
         (old_log_probs, old_log_probs, advantages, mask),
         ("old_log_probs", "old_log_probs", "advantages", "mask"),
@@ -181,9 +192,10 @@ def fused_policy_loss_from_hidden(
         normalizer=normalizer,
         max_response_length=max_response_length,
         diagnostics_normalizer=diagnostics_normalizer,
+        cu_seqlens=cu_seqlens,
     )
     kl = _validate_kl_term(
-        ref_log_probs, kl_coef, kl_estimator, kl_straight_through, head, batch_shape
+        ref_log_probs, kl_coef, kl_estimator, kl_straight_through, head, batch_shape, packed
     )
     if kl is not None:
         warn_biased_kl_loss(kl.estimator, kl.straight_through, "fused_policy_loss_from_hidden")
@@ -193,16 +205,22 @@ def fused_policy_loss_from_hidden(
         *(() if ref_t is None else (ref_t,)),
     )  # fmt: skip
     call = call._replace(inputs=call.inputs._replace(dtype=dtype, output_dtype=head.dtype))
-    if _needs_composition(head, call):
-        return _composed_loss(head, batch_shape, call, kl)
-    return _fused_loss(head, batch_shape, call, kl)
+    run = _composed_loss if _needs_composition(head, call) else _fused_loss
+    out = run(head, batch_shape, call, kl)
+    if not (packed and token_ndim(tokens) == 1):
+        return out
+    return out._replace(  # packed (N,) tokens: per-token results as (N,)
+        loss=token_output(out.loss, out.loss.ndim == 2), log_probs=token_output(out.log_probs, True)
+    )
 
 
 def _check_old_log_probs(
-    old_log_probs: ArrayLike, head: Head, batch_shape: tuple[int, int]
+    old_log_probs: ArrayLike, head: Head, batch_shape: tuple[int, int], packed: bool
 ) -> None:
     """``old_log_probs`` against the tokens (the reference of the policy tensors' shapes)."""
     old = as_float_tensor(old_log_probs, "old_log_probs", head.hidden.device)
+    if packed:
+        old = token_matrix(old, "old_log_probs", packed)
     check_same_device({"hidden": head.hidden, "old_log_probs": old})
     check_shape(old, "old_log_probs", batch_shape, "tokens")
 
@@ -221,6 +239,7 @@ def _validate_kl_term(
     kl_straight_through: bool,
     head: Head,
     batch_shape: tuple[int, int],
+    packed: bool,
 ) -> _KLTerm | None:
     """The KL term's arguments; None when there is no reference (a zero KL loss is reported)."""
     beta = float(validate_scalar(kl_coef, "kl_coef", minimum=0.0, allow_tensor=False))
@@ -231,8 +250,8 @@ def _validate_kl_term(
             raise ValueError(f"kl_coef > 0 requires ref_log_probs, got kl_coef={kl_coef!r}")
         return None
     device = head.hidden.device
-    ref_t = as_batch_matrix(
-        as_float_tensor(ref_log_probs, "ref_log_probs", device), "ref_log_probs"
+    ref_t = token_matrix(
+        as_float_tensor(ref_log_probs, "ref_log_probs", device), "ref_log_probs", packed
     )
     check_same_device({"hidden": head.hidden, "ref_log_probs": ref_t})
     check_shape(ref_t, "ref_log_probs", batch_shape, "tokens")

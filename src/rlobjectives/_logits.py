@@ -12,11 +12,11 @@ import torch
 
 from ._chunking import resolve_chunk_size
 from ._logits_autograd import EntropyFunction, FullVocabKLFunction, TokenLogProbsFunction
-from ._reduction import Reduction, reduce, validate_reduction
+from ._packing import sequence_layout, token_matrix, token_ndim, token_output
+from ._reduction import Reduction, reduce, validate_layout_reduction
 from ._validation import (
     ArrayLike,
     Scalar,
-    as_batch_matrix,
     as_float_tensor,
     as_mask,
     as_token_ids,
@@ -329,6 +329,7 @@ def full_vocab_kl_loss(
     max_response_length: Scalar | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    cu_seqlens: ArrayLike | None = None,
 ) -> torch.Tensor:
     r"""Exact full-vocabulary KL(pi || ref) reduced to a loss term.
 
@@ -341,6 +342,8 @@ def full_vocab_kl_loss(
     ``"sequence_sum_normalized"``, ``"none"``). Multiply by the KL coefficient and add it to the
     policy loss (GRPO's KL term, arXiv:2402.03300 Eq. 3, with the exact KL in place of k3).
     With an explicit ``normalizer`` the loss of micro-batches adds up to the full-batch loss.
+    Packed sequences (``cu_seqlens`` given): ``logits`` ``(N, V)`` or ``(1, N, V)`` and ``mask``
+    ``(N,)`` or ``(1, N)``, reduced per sequence as :func:`rlobjectives.aggregate` does.
 
     Args:
         logits: ``(B, T, V)`` policy logits.
@@ -351,13 +354,17 @@ def full_vocab_kl_loss(
         max_response_length: Dr. GRPO constant for ``"sequence_sum_normalized"``.
         temperature: :math:`\tau > 0`, applied to both logit tensors.
         chunk_size: positions per chunk, or None for ``max(1, 2**23 // V)``.
+        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
 
     Returns:
-        Scalar loss (``(B, T)`` for ``reduction="none"``), float32 (float64 for float64 inputs).
+        Scalar loss (``(B, T)`` for ``reduction="none"``, packed: the shape of ``mask``),
+        float32 (float64 for float64 inputs).
 
     Raises:
-        ValueError: as :func:`full_vocab_kl`, for logits that are not ``(B, T, V)``, an unknown
-            ``reduction`` or a non-positive ``normalizer``.
+        ValueError: as :func:`full_vocab_kl`, for logits that are not ``(B, T, V)`` (packed:
+            ``(N, V)`` / ``(1, N, V)``), an unknown ``reduction``, a non-positive
+            ``normalizer`` or a malformed ``cu_seqlens``.
         TypeError: on non-numeric logits.
 
     References:
@@ -373,17 +380,26 @@ def full_vocab_kl_loss(
 
     .. versionadded:: 0.1.0
     """
+    packed = cu_seqlens is not None
     logits_t = _as_logits(logits, "logits")
-    if logits_t.ndim != 3:
+    if packed and logits_t.ndim == 2:
+        logits_t = logits_t.unsqueeze(0)  # (1, N, V)
+        ref_logits = _as_logits(ref_logits, "ref_logits")
+        ref_logits = ref_logits.unsqueeze(0) if ref_logits.ndim == 2 else ref_logits
+    if logits_t.ndim != 3 or (packed and logits_t.shape[0] != 1):
+        expected = "(N, V) or (1, N, V) (packed: cu_seqlens given)" if packed else "(B, T, V)"
         raise ValueError(
-            f"logits must have shape (B, T, V) for a reduced loss, got shape "
+            f"logits must have shape {expected} for a reduced loss, got shape "
             f"{tuple(logits_t.shape)}"
         )
-    mask_t = as_batch_matrix(as_mask(mask, "mask", logits_t.device), "mask")
-    spec = validate_reduction(
+    flat = packed and token_ndim(mask) == 1
+    mask_t = token_matrix(as_mask(mask, "mask", logits_t.device), "mask", packed)
+    layout = sequence_layout(cu_seqlens, logits_t[..., 0])
+    spec = validate_layout_reduction(
         reduction,
         normalizer=normalizer,
         max_response_length=max_response_length,
+        layout=layout,
         tokens=logits_t.shape[1],
     )
     logits_t, ref_t, active, tau, chunk = _prepare_kl(
@@ -392,4 +408,5 @@ def full_vocab_kl_loss(
     kl: torch.Tensor = FullVocabKLFunction.apply(  # type: ignore[no-untyped-call]
         logits_t, ref_t, active, True, tau, chunk, compute_dtype(logits_t, ref_t)
     )  # (B, T)
-    return reduce(kl, active, spec)
+    loss = reduce(kl, active, spec, layout)
+    return token_output(loss, flat and loss.ndim == 2)

@@ -43,8 +43,9 @@ from typing import NamedTuple, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from ._packing import sequence_layout, token_matrix
 from ._reduction import REDUCTIONS
-from ._validation import ArrayLike, as_batch_matrix, as_mask, validate_choice
+from ._validation import ArrayLike, as_mask, validate_choice
 
 __all__ = [
     "Normalizers",
@@ -92,8 +93,10 @@ def _process_group_active(group: dist.ProcessGroup | None) -> bool:
     return True
 
 
-def _as_mask_list(masks: Sequence[ArrayLike] | torch.Tensor) -> list[torch.Tensor]:
-    """One ``(B, T)`` bool mask per micro-batch; a single tensor is one micro-batch."""
+def _as_mask_list(
+    masks: Sequence[ArrayLike] | torch.Tensor, packed: Sequence[bool] | None = None
+) -> list[torch.Tensor]:
+    """One ``(B, T)`` bool mask per micro-batch (packed: ``(1, N)``); a tensor is one."""
     if isinstance(masks, torch.Tensor):
         items: list[object] = [masks]
     elif isinstance(masks, (list, tuple)):
@@ -107,7 +110,8 @@ def _as_mask_list(masks: Sequence[ArrayLike] | torch.Tensor) -> list[torch.Tenso
     for index, item in enumerate(items):
         name = f"masks[{index}]"
         device = tensors[0].device if tensors else None
-        tensors.append(as_batch_matrix(as_mask(item, name, device), name))
+        is_packed = packed is not None and index < len(packed) and packed[index]
+        tensors.append(token_matrix(as_mask(item, name, device), name, is_packed))
     for index, tensor in enumerate(tensors[1:], start=1):
         if tensor.device != tensors[0].device:
             raise ValueError(
@@ -122,6 +126,7 @@ def global_normalizers(
     *,
     group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
+    cu_seqlens: Sequence[ArrayLike | None] | torch.Tensor | None = None,
 ) -> Normalizers:
     r"""Count selected tokens and sequences over all micro-batches of a step and all ranks.
 
@@ -142,7 +147,8 @@ def global_normalizers(
     call this function (it is a collective), even a rank without micro-batches (pass ``[]``).
 
     Micro-batches may have different padded lengths :math:`T`; only the masks are read (no
-    log-probabilities), so NaN/inf in padded values cannot reach the counts.
+    log-probabilities), so NaN/inf in padded values cannot reach the counts. Packed
+    micro-batches (``cu_seqlens``) count their :math:`S` sequences instead of rows.
 
     Args:
         masks: one ``(B, T)`` mask (bool or numeric, nonzero selects the token) per micro-batch
@@ -153,6 +159,9 @@ def global_normalizers(
             same tokens must not count them twice.
         device: where to count and reduce; None uses the device of the first mask (CPU if
             there is none). With the NCCL backend this must be the rank's CUDA device.
+        cu_seqlens: for packed micro-batches, the ``(S + 1,)`` boundaries of each mask (a
+            list parallel to ``masks``, None for a padded one; a single tensor for a single
+            mask); their masks are ``(N,)`` or ``(1, N)``.
 
     Returns:
         :class:`Normalizers` ``(tokens, sequences_nonempty, sequences)``: 0-d ``int64``
@@ -160,8 +169,9 @@ def global_normalizers(
 
     Raises:
         TypeError: if ``masks`` is neither a tensor nor a list/tuple, or holds non-numeric data.
-        ValueError: if a mask is not 2-D, masks are on different devices, or ``group`` is given
-            without an initialised process group.
+        ValueError: if a mask is not 2-D (packed: ``(N,)`` / ``(1, N)``), masks are on
+            different devices, ``cu_seqlens`` does not match ``masks`` or is malformed, or
+            ``group`` is given without an initialised process group.
 
     References:
         Global token normalisation over the optimizer-step window: Yu et al. 2025, DAPO,
@@ -177,7 +187,9 @@ def global_normalizers(
 
     .. versionadded:: 0.1.0
     """
-    tensors = _as_mask_list(masks)
+    boundaries = _as_boundaries(cu_seqlens, masks)
+    tensors = _as_mask_list(masks, [cu is not None for cu in boundaries])
+    boundaries = boundaries or [None] * len(tensors)
     active = _process_group_active(group)
     if device is not None:
         target = torch.device(device)
@@ -187,20 +199,43 @@ def global_normalizers(
         target = torch.device("cpu")
     with torch.no_grad():
         counts = torch.zeros(3, dtype=torch.int64, device=target)  # (3,)
-        for mask in tensors:
-            mask = mask.to(target)
-            tokens_per_sequence = mask.sum(dim=-1)  # (B,)
+        for mask, cu in zip(tensors, boundaries, strict=True):
+            layout = sequence_layout(cu, mask)
+            tokens_per_sequence = layout.row_counts(mask).to(target)  # (B,) or (S,)
             local = torch.stack(
                 [
                     tokens_per_sequence.sum(),
                     (tokens_per_sequence > 0).sum(),
-                    torch.tensor(mask.shape[0], dtype=torch.int64, device=target),
+                    torch.tensor(layout.num_sequences, dtype=torch.int64, device=target),
                 ]
             )  # (3,)
             counts = counts + local
         if active:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
     return Normalizers(tokens=counts[0], sequences_nonempty=counts[1], sequences=counts[2])
+
+
+def _as_boundaries(
+    cu_seqlens: Sequence[ArrayLike | None] | torch.Tensor | None,
+    masks: Sequence[ArrayLike] | torch.Tensor,
+) -> list[ArrayLike | None]:
+    """One ``cu_seqlens`` (or None) per micro-batch, matching ``masks``; [] when none given."""
+    if cu_seqlens is None:
+        return []
+    if isinstance(masks, torch.Tensor):
+        if not isinstance(cu_seqlens, torch.Tensor):
+            raise ValueError(
+                "cu_seqlens must be one (S + 1,) tensor for a single mask, got "
+                f"{type(cu_seqlens).__name__}"
+            )
+        return [cu_seqlens]
+    count = len(masks) if isinstance(masks, (list, tuple)) else -1
+    if isinstance(cu_seqlens, torch.Tensor) or len(cu_seqlens) != count:
+        raise ValueError(
+            f"cu_seqlens must be a list with one entry (a tensor, or None for a padded mask) "
+            f"per mask ({count}), got {type(cu_seqlens).__name__}"
+        )
+    return list(cu_seqlens)
 
 
 def normalizer_for_reduction(normalizers: Normalizers, *, reduction: str) -> torch.Tensor:
