@@ -712,3 +712,39 @@ def fused_policy_loss_from_hidden(
             **reduce,  # type: ignore[arg-type]
         )
     return loss
+
+
+# --- the packed (padding-free) layout (issue 15) ------------------------------------------------
+
+
+def pack(values: Tensor, attention_mask: Tensor) -> tuple[Tensor, list[int]]:
+    """Reference of rlobjectives.pack: each row's attended positions, row after row.
+
+    Returns the ``(N, ...)`` values and ``cu_seqlens`` as a Python list.
+    """
+    rows: list[Tensor] = []
+    cu_seqlens = [0]
+    for b in range(attention_mask.shape[0]):
+        for t in range(attention_mask.shape[1]):
+            if bool(attention_mask[b, t]):
+                rows.append(values[b, t])
+        cu_seqlens.append(len(rows))
+    if not rows:
+        return values.reshape(-1, *values.shape[2:])[:0], cu_seqlens
+    return torch.stack(rows), cu_seqlens
+
+
+def unpack(
+    values: Tensor, cu_seqlens: list[int], length: int, *, padding_side: str = "right"
+) -> tuple[Tensor, Tensor]:
+    """Reference of rlobjectives.unpack: sequence s in row s, right or left aligned; 0 elsewhere."""
+    sequences = len(cu_seqlens) - 1
+    out = torch.zeros((sequences, length, *values.shape[1:]), dtype=values.dtype)
+    mask = torch.zeros((sequences, length), dtype=torch.bool)
+    for s in range(sequences):
+        n = cu_seqlens[s + 1] - cu_seqlens[s]
+        first = 0 if padding_side == "right" else length - n
+        for k in range(n):
+            out[s, first + k] = values[cu_seqlens[s] + k]
+            mask[s, first + k] = True
+    return out, mask

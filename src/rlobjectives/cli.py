@@ -92,9 +92,18 @@ def _read_json(path: str | None) -> dict[str, Any]:
     return data
 
 
+def _seed_parameters(function: Any) -> list[str]:
+    """The seed's positional parameters: the keys of the command-line input.
+
+    Keyword-only extensions (``cu_seqlens``) are not part of the command-line input.
+    """
+    signature = inspect.signature(function).parameters
+    return [name for name, value in signature.items() if value.kind is not value.KEYWORD_ONLY]
+
+
 def _run_function(command: str, data: dict[str, Any], dtype: torch.dtype) -> dict[str, Any]:
     function = _FUNCTIONS[command]
-    parameters = list(inspect.signature(function).parameters)
+    parameters = _seed_parameters(function)
     missing = [name for name in parameters if name not in data]
     unknown = sorted(set(data) - set(parameters))
     if unknown:
@@ -127,7 +136,7 @@ def _build_parser() -> _ArgumentParser:
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
     for command, function in _FUNCTIONS.items():
         summary = (function.__doc__ or "").strip().splitlines()[0]
-        keys = ", ".join(inspect.signature(function).parameters)
+        keys = ", ".join(_seed_parameters(function))
         sub = commands.add_parser(
             command,
             help=summary,

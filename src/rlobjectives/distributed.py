@@ -160,8 +160,8 @@ def global_normalizers(
         device: where to count and reduce; None uses the device of the first mask (CPU if
             there is none). With the NCCL backend this must be the rank's CUDA device.
         cu_seqlens: for packed micro-batches, the ``(S + 1,)`` boundaries of each mask (a
-            list parallel to ``masks``, None for a padded one; a single tensor for a single
-            mask); their masks are ``(N,)`` or ``(1, N)``.
+            list parallel to ``masks``, None for a padded one; for a single mask tensor, its
+            boundaries); their masks are ``(N,)`` or ``(1, N)``.
 
     Returns:
         :class:`Normalizers` ``(tokens, sequences_nonempty, sequences)``: 0-d ``int64``
@@ -223,12 +223,7 @@ def _as_boundaries(
     if cu_seqlens is None:
         return []
     if isinstance(masks, torch.Tensor):
-        if not isinstance(cu_seqlens, torch.Tensor):
-            raise ValueError(
-                "cu_seqlens must be one (S + 1,) tensor for a single mask, got "
-                f"{type(cu_seqlens).__name__}"
-            )
-        return [cu_seqlens]
+        return [cu_seqlens]  # one mask: its (S + 1,) boundaries
     count = len(masks) if isinstance(masks, (list, tuple)) else -1
     if isinstance(cu_seqlens, torch.Tensor) or len(cu_seqlens) != count:
         raise ValueError(

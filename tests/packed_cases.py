@@ -1,0 +1,308 @@
+"""Random padded batches, their packed layout, and the registry of packed-layout cases.
+
+A :class:`Batch` is ``S`` sequences of random lengths (0 and 1 included), right- or left-padded
+to ``T``, with a loss mask that selects a random subset of each sequence's tokens (so some
+sequences have no selected token). :class:`View` gives a function its inputs in one layout:
+padded ``(S, T)`` tensors, or the same tensors packed with :func:`rlobjectives.pack` plus
+``cu_seqlens``. A :class:`Case` is one call written once for both layouts; adding a function to
+the packed-layout tests is one entry of :data:`CASES`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+import rlobjectives as rlo
+from rlobjectives._policy import _policy_loss_autograd
+from rlobjectives._specified import _grpo_clipped_surrogate_autograd
+
+VOCAB, HIDDEN = 7, 5
+# Differentiable per-token inputs (S, T), per-token constants, per-sequence inputs (S,).
+LEAVES = ("log_probs", "values", "token_rewards")
+TOKEN_INPUTS = ("old_log_probs", "ref_log_probs", "token_advantages", "scores_per_token")
+SEQUENCE_INPUTS = ("advantages", "rewards")
+
+
+@dataclasses.dataclass(frozen=True)
+class Batch:
+    """``S`` padded sequences: where they are (``attention``) and what counts (``mask``)."""
+
+    attention: torch.Tensor  # (S, T) bool, one run of ones per row
+    mask: torch.Tensor  # (S, T) bool, a subset of attention
+    seed: int
+
+    @property
+    def cu_seqlens(self) -> torch.Tensor:
+        return rlo.pack(self.mask, self.attention).cu_seqlens
+
+    def pack(self, values: torch.Tensor) -> torch.Tensor:
+        return rlo.pack(values, self.attention).values
+
+
+def make_batch(lengths: list[int], extra: int, side: str, seed: int) -> Batch:
+    """Sequences of ``lengths`` tokens padded on ``side`` to ``max(lengths) + extra`` columns."""
+    width = max(lengths, default=0) + extra
+    columns = torch.arange(width)
+    attention = torch.zeros((len(lengths), width), dtype=torch.bool)
+    for row, length in enumerate(lengths):
+        attention[row] = columns < length if side == "right" else columns >= width - length
+    generator = torch.Generator().manual_seed(seed)
+    mask = attention & (torch.rand(attention.shape, generator=generator) < 0.7)
+    return Batch(attention=attention, mask=mask, seed=seed)
+
+
+def make_tensors(batch: Batch, *, poison: bool) -> dict[str, torch.Tensor]:
+    """float64 inputs; padding is NaN; with ``poison`` unselected tokens hold NaN/+-inf too.
+
+    The differentiable inputs are leaves (``requires_grad``) in the padded layout; poisoning
+    goes through ``torch.where``, so the gradient reaches the leaf at selected tokens only.
+    """
+    generator = torch.Generator().manual_seed(batch.seed + 1)
+    sequences, width = batch.attention.shape
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=generator, dtype=torch.float64)
+
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=torch.float64)
+    filler = specials[torch.arange(sequences * width) % 3].reshape(sequences, width)
+    bad = ~batch.attention | (~batch.mask if poison else torch.zeros_like(batch.mask))
+
+    def token(values: torch.Tensor) -> torch.Tensor:
+        return torch.where(bad, filler, values)
+
+    tensors: dict[str, torch.Tensor] = {}
+    old = -1.0 - randn(sequences, width).abs()
+    tensors["log_probs_leaf"] = (old + 0.3 * randn(sequences, width)).requires_grad_(True)
+    tensors["values_leaf"] = randn(sequences, width).requires_grad_(True)
+    tensors["token_rewards_leaf"] = randn(sequences, width).requires_grad_(True)
+    hidden = randn(sequences, width, HIDDEN).requires_grad_(True)
+    tensors["hidden_leaf"] = hidden
+    tensors["weight"] = randn(VOCAB, HIDDEN).requires_grad_(True)
+    for name in LEAVES:
+        tensors[name] = token(tensors[f"{name}_leaf"])
+    tensors["hidden"] = torch.where(bad.unsqueeze(-1), float("nan"), hidden)
+    logits = randn(sequences, width, VOCAB).requires_grad_(True)
+    tensors["logits_leaf"] = logits
+    tensors["logits"] = torch.where(bad.unsqueeze(-1), float("nan"), logits)
+    tensors["ref_logits"] = torch.where(bad.unsqueeze(-1), float("nan"), randn(*logits.shape))
+    tensors["old_log_probs"] = token(old)
+    tensors["ref_log_probs"] = token(old + 0.2 * randn(sequences, width))
+    tensors["token_advantages"] = token(randn(sequences, width))
+    tensors["scores_per_token"] = token(randn(sequences, width))
+    tokens = torch.randint(0, VOCAB, (sequences, width), generator=generator)
+    tensors["tokens"] = torch.where(bad, -100, tokens)
+    tensors["advantages"] = randn(sequences)
+    tensors["rewards"] = randn(sequences)
+    return tensors
+
+
+class View:
+    """The inputs of one call in one layout (padded ``(S, T)`` or packed ``(N,)``)."""
+
+    def __init__(self, batch: Batch, tensors: dict[str, torch.Tensor], packed: bool) -> None:
+        self.batch, self.tensors, self.packed = batch, tensors, packed
+        self.cu_seqlens = batch.cu_seqlens if packed else None
+        self.width = batch.attention.shape[1]
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        value = self.batch.mask if name == "mask" else self.tensors[name]
+        if not self.packed or name in SEQUENCE_INPUTS or name == "weight":
+            return value
+        return self.batch.pack(value)
+
+    def row(self, name: str) -> torch.Tensor:
+        """A per-token input as the packed ``(1, N)`` row (padded: ``(S, T)``).
+
+        Per-token advantages take this form: a 1-D tensor of length ``S`` is per sequence, and
+        ``N == S`` happens (e.g. lengths 0, 0, 2).
+        """
+        value = self[name]
+        per_token = self.packed and name not in SEQUENCE_INPUTS
+        return value.reshape(1, -1) if per_token else value
+
+    def tokens(self, output: torch.Tensor) -> torch.Tensor:
+        """A per-token output in the packed layout, whichever layout produced it."""
+        return output.reshape(-1) if self.packed else self.batch.pack(output)
+
+    @property
+    def layout(self) -> dict[str, Any]:
+        return {"cu_seqlens": self.cu_seqlens}
+
+
+Outputs = dict[str, torch.Tensor]
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One call, written once for both layouts; ``leaves`` are the inputs differentiated."""
+
+    name: str
+    run: Callable[[View], Outputs]
+    leaves: tuple[str, ...] = ("log_probs_leaf",)
+    heavy: bool = False  # chunked vocabulary passes: fewer random examples
+
+
+def _policy(fn: Callable[..., Any] = rlo.policy_loss, **options: Any) -> Callable[[View], Outputs]:
+    advantages = options.pop("advantages", "advantages")
+
+    def run(v: View) -> Outputs:
+        out = fn(
+            v["log_probs"],
+            v["old_log_probs"],
+            v.row(advantages),
+            v["mask"],
+            return_per_token=True,
+            **options,
+            **v.layout,
+        )
+        per_token = out.per_token_loss
+        loss = v.tokens(out.loss) if out.loss.ndim else out.loss
+        return {"loss": loss, "per_token": v.tokens(per_token), **out.diagnostics._asdict()}
+
+    return run
+
+
+def _aggregate(reduction: str) -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        out = rlo.aggregate(
+            v["log_probs"], v["mask"], reduction=reduction, max_response_length=9, **v.layout
+        )
+        return {"loss": v.tokens(out) if out.ndim else out}
+
+    return run
+
+
+def _kl_loss(reduction: str, **options: Any) -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", rlo.BiasedGradientWarning)
+            out = rlo.kl_loss(
+                v["log_probs"],
+                v["ref_log_probs"],
+                v["mask"],
+                reduction=reduction,
+                max_response_length=9,
+                **options,
+                **v.layout,
+            )
+        return {"loss": v.tokens(out) if out.ndim else out}
+
+    return run
+
+
+def _grpo(fn: Callable[..., dict[str, torch.Tensor]]) -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        return fn(v["log_probs"], v["old_log_probs"], v["advantages"], v["mask"], 0.2, **v.layout)
+
+    return run
+
+
+def _kl_rewards(v: View) -> Outputs:
+    return rlo.kl_penalized_rewards(
+        v["log_probs"], v["ref_log_probs"], v["rewards"], v["mask"], 0.3, **v.layout
+    )
+
+
+def _kl_token_rewards(v: View) -> Outputs:
+    out = rlo.kl_penalized_token_rewards(
+        v["log_probs"], v["ref_log_probs"], v["rewards"], v["mask"], kl_coef=0.3, **v.layout
+    )
+    return {"rewards": v.tokens(out)}
+
+
+def _from_hidden(v: View) -> Outputs:
+    out = rlo.token_log_probs_from_hidden(
+        v["hidden"], v["weight"], v["tokens"], mask=v["mask"], return_entropy=True, **v.layout
+    )
+    return {"log_probs": v.tokens(out.log_probs), "entropy": v.tokens(out.entropy)}
+
+
+def _fused_hidden(**options: Any) -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", rlo.BiasedGradientWarning)
+            out = rlo.fused_policy_loss_from_hidden(
+                v["hidden"],
+                v["weight"],
+                v["tokens"],
+                v["old_log_probs"],
+                v["advantages"],
+                v["mask"],
+                ref_log_probs=v["ref_log_probs"],
+                kl_coef=0.1,
+                chunk_size=5,
+                **{"max_response_length": 9, **options},
+                **v.layout,
+            )
+        loss = v.tokens(out.loss) if out.loss.ndim else out.loss
+        return {"loss": loss, "log_probs": v.tokens(out.log_probs), "kl": out.kl_loss}
+
+    return run
+
+
+def _full_vocab_kl(reduction: str) -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        out = rlo.full_vocab_kl_loss(
+            v["logits"],
+            v["ref_logits"],
+            v["mask"],
+            reduction=reduction,
+            max_response_length=9,
+            **v.layout,
+        )
+        return {"loss": v.tokens(out) if out.ndim else out}
+
+    return run
+
+
+def _normalizers(v: View) -> Outputs:
+    counts = rlo.global_normalizers(v["mask"], cu_seqlens=v.cu_seqlens)
+    return {name: value.double() for name, value in counts._asdict().items()}
+
+
+HIDDEN_LEAVES = ("hidden_leaf", "weight")
+DR_GRPO = {"reduction": "sequence_sum_normalized", "max_response_length": 9}
+
+CASES: list[Case] = [
+    *(Case(f"aggregate-{r}", _aggregate(r)) for r in rlo.Reduction.__args__),  # type: ignore[attr-defined]
+    Case("policy_loss-token_mean", _policy(clip_high=0.28, dual_clip=3.0)),
+    Case("policy_loss-sequence_mean", _policy(reduction="sequence_mean")),
+    Case("policy_loss-dr_grpo", _policy(**DR_GRPO)),
+    Case("policy_loss-none", _policy(reduction="none", clip_low=None)),
+    Case("policy_loss-gspo", _policy(ratio_level="sequence", reduction="sequence_mean")),
+    Case("policy_loss-gspo-token_mean", _policy(ratio_level="sequence", dual_clip=2.0)),
+    Case("policy_loss-token-advantages", _policy(advantages="token_advantages")),
+    Case("policy_loss-normalizer", _policy(normalizer=7.0, diagnostics_normalizer=11.0)),
+    Case("policy_loss-autograd", _policy(_policy_loss_autograd, reduction="sequence_mean")),
+    Case("policy_loss-autograd-gspo", _policy(_policy_loss_autograd, ratio_level="sequence")),
+    Case("grpo_clipped_surrogate", _grpo(rlo.grpo_clipped_surrogate)),
+    Case("grpo_clipped_surrogate-autograd", _grpo(_grpo_clipped_surrogate_autograd)),
+    Case("kl_loss-k3-sequence_mean", _kl_loss("sequence_mean")),
+    Case("kl_loss-k2-dr_grpo", _kl_loss("sequence_sum_normalized", estimator="k2")),
+    Case("kl_loss-k3+-none", _kl_loss("none", straight_through=True)),
+    Case("kl_penalized_rewards", _kl_rewards),
+    Case("kl_penalized_token_rewards", _kl_token_rewards),
+    Case("full_vocab_kl_loss", _full_vocab_kl("sequence_mean"), ("logits_leaf",), heavy=True),
+    Case("token_log_probs_from_hidden", _from_hidden, HIDDEN_LEAVES, heavy=True),
+    Case(
+        "fused_policy_loss_from_hidden",
+        _fused_hidden(reduction="sequence_mean"),
+        HIDDEN_LEAVES,
+        heavy=True,
+    ),
+    Case(
+        "fused_policy_loss_from_hidden-dr_grpo", _fused_hidden(**DR_GRPO), HIDDEN_LEAVES, heavy=True
+    ),
+    Case(
+        "fused_policy_loss_from_hidden-gspo",
+        _fused_hidden(ratio_level="sequence"),
+        HIDDEN_LEAVES,
+        heavy=True,
+    ),
+    Case("global_normalizers", _normalizers, ()),
+]
