@@ -71,6 +71,9 @@ class FusedSpec(NamedTuple):
     diagnostics_normalizer: float | torch.Tensor | None
     dtype: torch.dtype  # computation dtype: float32 or float64
     layout: Layout  # which tokens form which sequence
+    # The row sums output is wanted (the seed's per-sequence means); policy_loss discards it, so
+    # a packed layout skips its segment sums where the loss does not need them.
+    row_sums: bool = True
 
 
 def _as_tensor(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
@@ -142,6 +145,7 @@ def _clip_gates(
     keep: torch.Tensor,
     bits: Bits,
     spec: FusedSpec,
+    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[_ClipCounts | None, torch.Tensor | None]:
     """Clear ``keep`` where a clip binds; return the clip counts and the dual-clip count.
 
@@ -151,7 +155,7 @@ def _clip_gates(
     """
     options = spec.options
     ratio_bits = bits.view(ratio)  # (B, T), no copy
-    positive, negative = sign_bits(advantages, spec.dtype)  # shape of A
+    positive, negative = sign_bits(advantages, spec.dtype) if signs is None else signs  # A's shape
     clip_counts = None
     if options.clip_low is not None:
         low, high = _band(options)
@@ -193,12 +197,19 @@ def _gradient_coefficient(
 
 
 def _surrogate_values(
-    ratio: torch.Tensor, advantages: torch.Tensor, selection: torch.Tensor, spec: FusedSpec
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    selection: torch.Tensor,
+    spec: FusedSpec,
+    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """``s = A clip(r, L, H)`` with L, H in the shape of A; +0 at unselected positions.
 
-    Overwrites ``ratio``.
+    Overwrites ``ratio`` (and ``signs``, the sign masks of per-token advantages).
     """
+    if advantages.shape == ratio.shape and advantages.shape[-1] > 1:
+        signs = sign_bits(advantages, spec.dtype) if signs is None else signs
+        return _surrogate_values_per_token(ratio, advantages, selection, signs, spec)
     options = spec.options
     infinity = float("inf")
     low: float | torch.Tensor = -infinity
@@ -214,6 +225,35 @@ def _surrogate_values(
     )
     surrogate = torch.maximum(ratio, lower, out=ratio)  # (B, T)
     return select_(torch.minimum(surrogate, upper, out=surrogate).mul_(advantages), selection)
+
+
+def _surrogate_values_per_token(
+    ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    selection: torch.Tensor,
+    signs: tuple[torch.Tensor, torch.Tensor],
+    spec: FusedSpec,
+) -> torch.Tensor:
+    """:func:`_surrogate_values` for per-token advantages (packed rows, GAE), by bit selection.
+
+    ``s = A v`` with ``v = min(r, H)`` where ``A > 0``, ``clip(r, L, c)`` where ``A < 0`` and
+    ``r`` elsewhere, the same products as the per-sign bounds; the three branches are merged
+    with integer AND/OR on the float bits, since per-token ``masked_fill`` / ``torch.where``
+    cost several times more on CPU. Overwrites ``ratio`` and the sign masks ``signs``.
+    """
+    options = spec.options
+    infinity = float("inf")
+    low: float | torch.Tensor = -infinity
+    high: float | torch.Tensor = infinity
+    if options.clip_low is not None:
+        low, high = _band(options)
+    upper_negative = infinity if options.dual_clip is None else options.dual_clip
+    positive, negative = signs  # shape of A
+    value = select_(clamp(ratio, -infinity, high), positive).view(positive.dtype)  # A > 0
+    value |= select_(clamp(ratio, low, upper_negative), negative).view(positive.dtype)  # A < 0
+    neither = positive.bitwise_or_(negative).bitwise_not_()  # A == 0 or NaN
+    value |= select_(ratio, neither).view(positive.dtype)
+    return select_(value.view(ratio.dtype).mul_(advantages), selection)
 
 
 class _Reduced(NamedTuple):
@@ -263,26 +303,46 @@ def fused_forward(
     dtype = spec.dtype
     bits = Bits(dtype, log_probs.device)
     keep = mask_bits(mask, dtype)  # (B, T) all ones where selected; becomes the gradient gate
-    counts = spec.layout.row_counts(mask)  # (S,) selected tokens per sequence
+    per_row = _per_row_sums_needed(spec)
+    # (S,) selected tokens per sequence; their total as (1,) where no per-row count is needed
+    counts = spec.layout.row_counts(mask) if per_row else mask.sum().reshape(1)
     # (B, 1) or (B, T); never selected itself: every product with it is selected afterwards.
     advantages = advantages.to(dtype)
+    signs = sign_bits(advantages, dtype)  # select masks of A > 0 and A < 0, shape of A
     stage = _log_ratio_stage(log_probs, old_log_probs, keep, counts, spec)
     kl_sums = (stage.approx_kl_k1, stage.approx_kl_k3)
     ratio, bound_fired = _ratio_stage(stage.token_log_ratio, keep, bits, spec)
     del stage  # the log-ratio buffer is spent
-    clip_counts, dual_count = _clip_gates(ratio, advantages, keep, bits, spec)
+    clip_counts, dual_count = _clip_gates(ratio, advantages, keep, bits, spec, signs)
     coefficient = _gradient_coefficient(ratio, advantages, keep, spec)
     # Sum of r over the selected tokens (r - 1 = 0 exactly elsewhere), in the gate's buffer;
     # then the buffer holds the selection again (no new (B, T) allocation).
     count = counts.sum()
     ratio_sum = torch.sub(ratio, 1.0, out=keep.view(dtype)).sum() + count.to(dtype)
     selection = keep.copy_(mask).neg_()  # (B, T) all ones where selected
-    surrogate = _surrogate_values(ratio, advantages, selection, spec)
-    row_sums = spec.layout.row_sums(surrogate)  # (S,)
-    reduced = _reduce_stage(surrogate, row_sums, counts, selection, spec)
+    surrogate = _surrogate_values(ratio, advantages, selection, spec, signs)
+    if per_row or spec.row_sums:
+        row_sums = spec.layout.row_sums(surrogate)  # (S,)
+        reduced = _reduce_stage(surrogate, row_sums, counts, selection, spec)
+    else:  # the loss needs the total only; the unused row sums output is zeros
+        reduced = _reduce_stage(surrogate, surrogate.sum().reshape(1), counts, selection, spec)
+        row_sums = surrogate.new_zeros(spec.layout.num_sequences)
     counted = _Counts(count, bound_fired, clip_counts, dual_count)
     diagnostics = _diagnostics(counted, (ratio_sum, *kl_sums), spec)
     return FusedForward(reduced.loss, row_sums, diagnostics, coefficient, reduced.row_weights)
+
+
+def _per_row_sums_needed(spec: FusedSpec) -> bool:
+    """Whether the math needs per-sequence counts and sums (always cheap when padded).
+
+    A packed layout computes segment sums only for GSPO (the sequence log-ratio) and
+    ``sequence_mean`` (the per-sequence divisors); the other reductions need totals.
+    """
+    return (
+        spec.layout.sequence_ids is None
+        or spec.options.ratio_level == "sequence"
+        or spec.reduction.reduction == "sequence_mean"
+    )
 
 
 class _Counts(NamedTuple):
@@ -336,21 +396,30 @@ class ClippedSurrogateFunction(torch.autograd.Function):
         ctx.per_token = spec.reduction.reduction == "none"
         ctx.input_dtype = log_probs.dtype
         ctx.mark_non_differentiable(out.diagnostics)
+        # An unused output gets None, not zeros: a packed layout's (1, N) broadcast of the row
+        # sums' gradient is skipped when only the loss is differentiated.
+        ctx.set_materialize_grads(False)
         return out.loss, out.row_sums, out.diagnostics
 
     @staticmethod
     def backward(
         ctx: Any,
-        grad_loss: torch.Tensor,
-        grad_row_sums: torch.Tensor,
-        grad_diagnostics: torch.Tensor,
+        grad_loss: torch.Tensor | None,
+        grad_row_sums: torch.Tensor | None,
+        grad_diagnostics: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, None, None, None, None]:
         coefficient, mask, row_weights, sequence_ids = ctx.saved_tensors
+        if grad_loss is None and grad_row_sums is None:
+            return None, None, None, None, None
         differentiable = torch.is_grad_enabled()  # backward(create_graph=True)
         with torch.no_grad():
-            # (B, T) for reduction "none", else (B, 1) / (1, N)
-            per_sequence = Layout(grad_row_sums.shape[0], sequence_ids).expand(grad_row_sums)
-            scale = grad_loss * row_weights + per_sequence
+            # (B, T) for reduction "none", else (B, 1), (1, N) or (1, 1)
+            scale = torch.zeros((), dtype=coefficient.dtype, device=coefficient.device)
+            if grad_loss is not None:
+                scale = grad_loss * row_weights
+            if grad_row_sums is not None:
+                layout = Layout(grad_row_sums.shape[0], sequence_ids)
+                scale = scale + layout.expand(grad_row_sums)
             grad = coefficient * scale  # (B, T)
             if ctx.per_token:
                 grad = select(grad, mask_bits(mask, coefficient.dtype))

@@ -21,7 +21,8 @@ The boundary helpers (:func:`packed_layout`, :func:`token_matrix`, :func:`tokens
 layout: they validate once and build the :class:`~rlobjectives._layout.Layout` through which all
 per-sequence math runs. Reading ``cu_seqlens``'s values to validate them is the one host
 synchronisation (one ``(S + 1,)`` copy); it is skipped while ``torch.compile`` traces, and the
-math after it has none (sequence ids by ``searchsorted``, segment sums by ``index_add``).
+math after it has none (sequence ids by ``repeat_interleave`` with a static size, segment sums
+by ``segment_reduce``).
 """
 
 from __future__ import annotations
@@ -157,12 +158,13 @@ def _check_values(cu: torch.Tensor, num_tokens: int, name: str) -> None:
 def layout_from_cu_seqlens(cu: torch.Tensor, num_tokens: int) -> Layout:
     """The :class:`Layout` of a packed ``(1, N)`` row with validated int64 boundaries ``cu``.
 
-    ``sequence_ids[t]`` is the number of boundaries ``cu[1:]`` at or before ``t``
-    (``searchsorted``: no host sync; an empty sequence owns no token).
+    ``sequence_ids`` repeats ``s`` ``cu[s + 1] - cu[s]`` times (``repeat_interleave`` with a
+    static output size: no host sync; an empty sequence owns no token).
     """
-    positions = torch.arange(num_tokens, device=cu.device)  # (N,)
-    sequence_ids = torch.searchsorted(cu[1:], positions, right=True)  # (N,)
-    return Layout(cu.shape[0] - 1, sequence_ids)
+    sequences = cu.shape[0] - 1
+    ids = torch.arange(sequences, device=cu.device)  # (S,)
+    sequence_ids = torch.repeat_interleave(ids, cu.diff(), output_size=num_tokens)  # (N,)
+    return Layout(sequences, sequence_ids, cu)
 
 
 def packed_layout(
@@ -199,8 +201,11 @@ def longest_sequence(layout: Layout, tokens: int) -> int | torch.Tensor:
     """
     if layout.sequence_ids is None:
         return tokens
-    ones = torch.ones(1, tokens, dtype=torch.int64, device=layout.sequence_ids.device)
-    lengths = layout.row_sums(ones)  # (S,)
+    if layout.cu_seqlens is not None:
+        lengths = layout.cu_seqlens.diff()  # (S,)
+    else:
+        ones = torch.ones(1, tokens, dtype=torch.int64, device=layout.sequence_ids.device)
+        lengths = layout.row_sums(ones)  # (S,)
     return torch.cat([lengths, lengths.new_zeros(1)]).amax()
 
 

@@ -233,7 +233,7 @@ def run_fused(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutput:
     if return_per_token:  # the per-token loss is the "none" reduction; reduce it afterwards
         reduction = reduction._replace(reduction="none")
     spec = FusedSpec(
-        call.options, reduction, call.diagnostics_normalizer, inputs.dtype, call.layout
+        call.options, reduction, call.diagnostics_normalizer, inputs.dtype, call.layout, False
     )
     loss, _, diagnostics = ClippedSurrogateFunction.apply(  # type: ignore[no-untyped-call]
         inputs.log_probs, inputs.old_log_probs, inputs.advantages, inputs.mask, spec

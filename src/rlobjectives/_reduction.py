@@ -118,7 +118,8 @@ def validate_layout_reduction(
     spec = validate_reduction(
         reduction, normalizer=normalizer, max_response_length=max_response_length, tokens=tokens
     )
-    if max_response_length is None and layout.sequence_ids is not None:
+    packed = layout.sequence_ids is not None
+    if packed and max_response_length is None and spec.reduction == "sequence_sum_normalized":
         spec = spec._replace(constant=longest_sequence(layout, tokens))
     return spec
 
@@ -160,8 +161,11 @@ def row_weights(
 def token_gradient_weights(weights: RowWeights, layout: Layout, dtype: torch.dtype) -> torch.Tensor:
     """Derivative of the reduced loss w.r.t. each per-token value, broadcastable to the tokens.
 
-    ``(B, 1)`` for the padded layout, ``(1, N)`` for a packed one.
+    ``(B, 1)`` for the padded layout, ``(1, N)`` for a packed one; ``(1, 1)`` when every
+    sequence has the same weight (no per-row divisor).
     """
+    if weights.divisor is None:
+        return (1 / weights.denominator.to(dtype)).reshape(1, 1)
     rows = layout.num_sequences
     ones = torch.ones(rows, dtype=dtype, device=weights.denominator.device)
     if weights.divisor is not None:
