@@ -70,6 +70,8 @@ __all__ = [
 # A forward function: (model, tokens (B, S), attention_mask (B, S) bool) -> logits (B, S, V).
 # The demo's model ignores the mask; examples/ passes it to a Hugging Face model.
 Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+# One GRPO step with the signature of grpo_step (examples/ passes a packed-sequence step).
+Step = Callable[..., dict[str, float]]
 REDUCTIONS = ("token_mean", "sequence_mean", "sequence_sum_normalized")
 _MISSING_EXTRA = (
     "rlobjectives demo needs the optional packages tqdm and matplotlib, which are not "
@@ -463,6 +465,7 @@ def train(
     model: nn.Module | None = None,
     forward: Forward = _default_forward,
     stream: TextIO | None = None,
+    step_function: Step | None = None,
 ) -> DemoResult:
     """Run the demo: warm start, reference evaluation, GRPO, outputs in ``config.out``.
 
@@ -471,6 +474,9 @@ def train(
         model: the policy to train (default: a fresh :class:`TinyTransformer`); it must map token
             ids of the task's vocabulary to logits through ``forward``.
         forward: ``(model, tokens, attention_mask) -> logits``.
+        step_function: one GRPO step with the signature and metrics of :func:`grpo_step` (the
+            default);
+            ``examples/grpo_transformers.py --packed`` passes a packed-sequence step.
         stream: where the progress bars and the summary go (default: standard error / output).
 
     Returns:
@@ -534,7 +540,7 @@ def train(
         sample_generator = torch.Generator().manual_seed(config.seed * 1000 + 7 + rank)
         with tqdm(total=config.steps, desc="GRPO", disable=not show, file=stream) as bar:
             for step in range(1, config.steps + 1):
-                metrics = grpo_step(
+                metrics = (grpo_step if step_function is None else step_function)(
                     model,
                     reference,
                     optimizer,
