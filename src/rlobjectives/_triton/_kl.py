@@ -41,14 +41,14 @@ class KLLossForward(NamedTuple):
         per_token: ``(N,)`` float32 :math:`\rho k` when requested (zeros at unselected tokens).
         loss: 0-d float32 :math:`\sum w \rho k`.
         total: 0-d float32 :math:`\sum \rho k` (unweighted).
-        count: 0-d float32, selected tokens.
+        selected: 0-d float32, selected tokens.
     """
 
     coefficient: torch.Tensor
     per_token: torch.Tensor | None
     loss: torch.Tensor
     total: torch.Tensor
-    count: torch.Tensor
+    selected: torch.Tensor
 
 
 def kl_loss_forward(
@@ -100,7 +100,7 @@ def kl_loss_forward(
     )  # fmt: skip
     sums = out.sums
     return KLLossForward(
-        out.coefficient, out.per_token_loss, sums.weighted_kl, sums.kl_sum, sums.count
+        out.coefficient, out.per_token_loss, sums.weighted_kl, sums.kl_sum, sums.selected
     )
 
 

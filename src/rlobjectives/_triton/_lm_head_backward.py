@@ -169,11 +169,11 @@ def lm_head_backward(
             BLOCK_N=tiles.rows, BLOCK_V=tiles.vocab, BLOCK_H=tiles.depth,
             num_warps=tiles.warps, num_stages=tiles.stages,
         )  # fmt: skip
-        options = {"tiles": tiles, "precision": precision, "upcast": upcast}
         if grad_weight is not None:
             _matmul(
                 module, grad_logits, (1, size), hidden, (hidden.stride(0), 1),
-                grad_weight[start : start + size], (size, width, rows), k_mask=flags, **options,
+                grad_weight[start : start + size], (size, width, rows), k_mask=flags,
+                tiles=tiles, precision=precision, upcast=upcast,
             )  # fmt: skip
         if grad_hidden is not None:
             last = index == chunks - 1
@@ -183,7 +183,8 @@ def lm_head_backward(
             )
             _matmul(
                 module, grad_logits, (size, 1), weight[start:], (weight.stride(0), 1),
-                target, (rows, width, size), accumulator=previous, **options,
+                target, (rows, width, size), accumulator=previous,
+                tiles=tiles, precision=precision, upcast=upcast,
             )  # fmt: skip
         if grad_bias is not None:
             partial = bias_partial[: row_blocks * size].view(row_blocks, size)

@@ -103,7 +103,7 @@ class TokenLossSums(NamedTuple):
     policy_sum: torch.Tensor  # sum P
     kl_sum: torch.Tensor  # sum k
     entropy_sum: torch.Tensor  # sum H
-    count: torch.Tensor  # selected tokens
+    selected: torch.Tensor  # selected tokens
     out_of_band: torch.Tensor  # r outside [1 - eps_lo, 1 + eps_hi] (strictly)
     binding_low: torch.Tensor  # r < 1 - eps_lo and A < 0
     binding_high: torch.Tensor  # r > 1 + eps_hi and A > 0
@@ -325,9 +325,11 @@ class TokenLossFunction(torch.autograd.Function):
         ctx.row_length = kwargs.get("row_length")
         ctx.entropy_coef = kwargs.get("options", TokenLossOptions()).entropy_coef
         ctx.dtypes = (log_probs.dtype, None if entropy is None else entropy.dtype)
-        ctx.mark_non_differentiable(out.totals)
+        # One call: mark_non_differentiable replaces (does not extend) the marked set.
         if weights is not None:
-            ctx.mark_non_differentiable(per_token)
+            ctx.mark_non_differentiable(out.totals, per_token)
+        else:
+            ctx.mark_non_differentiable(out.totals)
         return out.totals[0].clone(), per_token, out.totals
 
     @staticmethod

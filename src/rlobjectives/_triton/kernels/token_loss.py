@@ -31,7 +31,7 @@ SUM_NAMES = (
     "policy_sum",  # sum rho * (-s), unweighted
     "kl_sum",  # sum k, unweighted
     "entropy_sum",  # sum H, unweighted
-    "count",  # selected tokens
+    "selected",  # selected tokens
     "out_of_band",  # r < 1 - eps_low or r > 1 + eps_high
     "binding_low",  # r < 1 - eps_low and A < 0
     "binding_high",  # r > 1 + eps_high and A > 0
@@ -119,8 +119,9 @@ def sapo_surrogate(ratio, ratio_slope, advantages, tau_positive, tau_negative):
     ``r = 1``) is below half its peak.
     """
     tau = tl.where(advantages > 0.0, tau_positive, tau_negative)
-    gate = tl.sigmoid(tau * (ratio - 1.0))
-    weight = 4.0 * gate * (1.0 - gate)
+    argument = tau * (ratio - 1.0)
+    gate = tl.sigmoid(argument)
+    weight = 4.0 * gate * tl.sigmoid(-argument)  # 1 - sigma(x) = sigma(-x): no cancellation
     return (4.0 / tau) * gate * advantages, weight * ratio_slope * advantages, weight < 0.5
 
 
