@@ -106,8 +106,19 @@ def machine_line(device: torch.device) -> str:
     return " | ".join(parts)
 
 
-def ensure_peer(module: str, package: str, run: Run) -> str | None:
-    """Import ``module``, pip-installing ``package`` (no deps) if needed; None or the reason."""
+def ensure_peer(module: str, package: str, entry: str, run: Run) -> str | None:
+    """Import ``entry``, pip-installing ``package`` (no deps) if needed; None or the reason."""
+    reason = _install(module, package, run)
+    if reason is not None:
+        return reason
+    try:
+        importlib.import_module(entry)
+    except Exception as error:  # noqa: BLE001 - any import failure skips the peer's rows
+        return f"import {entry} failed: {error!r}"[:300]
+    return None
+
+
+def _install(module: str, package: str, run: Run) -> str | None:
     if importlib.util.find_spec(module) is not None:
         return None
     if run.dry_run:
@@ -207,8 +218,12 @@ def main(argv: list[str] | None = None) -> int:
         write(run)
         section_timings(run, "token losses (eager variants)", cases.token_cases, compiled=False)
         if not args.skip_peers:
-            peers["cut_cross_entropy"] = ensure_peer("cut_cross_entropy", "cut-cross-entropy", run)
-            peers["liger_kernel"] = ensure_peer("liger_kernel", "liger-kernel", run)
+            peers["cut_cross_entropy"] = ensure_peer(
+                "cut_cross_entropy", "cut-cross-entropy", "cut_cross_entropy", run
+            )
+            peers["liger_kernel"] = ensure_peer(
+                "liger_kernel", "liger-kernel", "liger_kernel.chunked_loss", run
+            )
             for module, reason in peers.items():
                 run.say(f"peer {module}: {'available' if reason is None else reason}")
         section_timings(run, "hidden-state path", cases.hidden_cases, peers=peers)

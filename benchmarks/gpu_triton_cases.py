@@ -19,6 +19,7 @@ gradients (``(N*H + V*H)`` elements), measured in this process after a warm-up c
 from __future__ import annotations
 
 import dataclasses
+import math
 import warnings
 from collections.abc import Callable
 from typing import Any
@@ -187,7 +188,8 @@ def _hidden_inputs(rows: int, width: int, vocab: int) -> Callable[[torch.device]
         weight = weight / width**0.5
         mask = torch.rand(rows, generator=g, device=device) < 0.9
         tokens = torch.randint(0, vocab, (rows,), generator=g, device=device)
-        old = -torch.rand(rows, generator=g, device=device) * 4 - 9.0
+        # near the log-probability of a token of a random head (-log V), so ratios are ~1
+        old = -math.log(vocab) + 0.2 * torch.randn(rows, generator=g, device=device)
         return {
             "hidden": hidden, "weight": weight, "tokens": tokens, "mask": mask,
             "old_log_probs": old, "advantages": torch.randn(rows, generator=g, device=device),

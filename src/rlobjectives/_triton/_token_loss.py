@@ -123,14 +123,21 @@ class TokenLossForward(NamedTuple):
         coefficient: ``(N,)`` float32, :math:`w\,\partial L / \partial \ell` (with no
             weights: :math:`\partial L / \partial \ell`); 0 at unselected tokens.
         per_token_loss: ``(N,)`` float32 :math:`L` (zeros at unselected tokens) when requested.
-        sums: :class:`TokenLossSums`, views into ``totals``.
         totals: ``(18,)`` float32, the sums in :class:`TokenLossSums` field order.
     """
 
     coefficient: torch.Tensor
     per_token_loss: torch.Tensor | None
-    sums: TokenLossSums
     totals: torch.Tensor
+
+    @property
+    def sums(self) -> TokenLossSums:
+        """:class:`TokenLossSums`: views into ``totals``, built on access.
+
+        Eighteen views cost more host time than the kernel launch at small N, so the autograd
+        path never builds them.
+        """
+        return TokenLossSums(*self.totals.unbind())
 
 
 _DEFAULT_OPTIONS = TokenLossOptions()
@@ -256,7 +263,7 @@ def token_loss_forward(
         **flags,
     )  # fmt: skip
     totals = partial.sum(dim=0)  # (18,), one reduction on the device, deterministic
-    return TokenLossForward(coefficient, loss, TokenLossSums(*totals.unbind()), totals)
+    return TokenLossForward(coefficient, loss, totals)
 
 
 def scale_by_mask(
