@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar, cast
 
 import torch
 
+_Function = TypeVar("_Function", bound=Callable[..., Any])
+
 __all__ = [
     "KERNEL_DTYPES",
+    "on_tensor_device",
     "Indexed",
     "check_mask",
     "check_tokens",
@@ -103,3 +108,26 @@ def indexed(
 def grid_blocks(count: int, block: int) -> int:
     """Number of programs for ``count`` items in blocks of ``block`` (at least one)."""
     return max(1, -(-count // block))
+
+
+def on_tensor_device(function: _Function) -> _Function:
+    """Run a launcher with its first tensor's CUDA device current.
+
+    Triton launches on ``torch.cuda.current_device()``; a tensor on another GPU would be read
+    through the wrong context. The check costs one ``current_device()`` call.
+    """
+
+    @functools.wraps(function)
+    def wrapper(first: Any, *args: Any, **kwargs: Any) -> Any:
+        device = first.device if isinstance(first, torch.Tensor) else None
+        if (
+            device is not None
+            and device.type == "cuda"
+            and device.index is not None
+            and device.index != torch.cuda.current_device()
+        ):
+            with torch.cuda.device(device):
+                return function(first, *args, **kwargs)
+        return function(first, *args, **kwargs)
+
+    return cast(_Function, wrapper)

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._common import KERNEL_DTYPES, check_mask, mask_bytes
+from ._common import KERNEL_DTYPES, check_mask, mask_bytes, on_tensor_device
 from ._dispatch import kernels
 from ._token_loss import TokenLossOptions, scale_by_mask, token_loss_forward
 
@@ -164,6 +164,7 @@ def _check_rows(tensor: object, name: str, shape: tuple[int, ...], device: torch
         raise ValueError(f"{name} must have shape {shape} on {device}, got {tuple(tensor.shape)}")
 
 
+@on_tensor_device
 def kl_penalized_rewards_forward(
     policy_log_probs: torch.Tensor,
     reference_log_probs: torch.Tensor,

@@ -36,7 +36,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._common import grid_blocks, mask_bytes
+from ._common import grid_blocks, mask_bytes, on_tensor_device
 from ._dispatch import interpreted, kernels
 from ._lm_head_forward import HeadBlocks, check_head, dot_precision, head_blocks
 
@@ -93,6 +93,7 @@ def _matmul(
     )  # fmt: skip
 
 
+@on_tensor_device
 def lm_head_backward(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -21,7 +21,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._common import KERNEL_DTYPES, check_mask, grid_blocks, mask_bytes
+from ._common import KERNEL_DTYPES, check_mask, grid_blocks, mask_bytes, on_tensor_device
 from ._dispatch import interpreted, kernels
 
 __all__ = ["HeadBlocks", "LMHeadForward", "dot_precision", "head_blocks", "lm_head_forward"]
@@ -131,6 +131,7 @@ def _splits(device: torch.device, row_blocks: int, vocab_blocks: int) -> int:
     return max(1, min(wanted, vocab_blocks))
 
 
+@on_tensor_device
 def lm_head_forward(
     hidden: torch.Tensor,
     weight: torch.Tensor,

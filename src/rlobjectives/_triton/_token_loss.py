@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._common import check_mask, check_tokens, grid_blocks, indexed, mask_bytes
+from ._common import check_mask, check_tokens, grid_blocks, indexed, mask_bytes, on_tensor_device
 from ._dispatch import kernels
 
 __all__ = [
@@ -185,6 +185,7 @@ def _flags(options: TokenLossOptions, kernel_module: Any) -> dict[str, Any]:
     }
 
 
+@on_tensor_device
 def token_loss_forward(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor | None,
@@ -266,6 +267,7 @@ def token_loss_forward(
     return TokenLossForward(coefficient, loss, totals)
 
 
+@on_tensor_device
 def scale_by_mask(
     factor: torch.Tensor,
     gradient: torch.Tensor,
