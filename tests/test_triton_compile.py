@@ -52,8 +52,20 @@ def kernels() -> Any:
 
     if "nvidia" not in triton.backends.backends:
         pytest.skip("triton has no NVIDIA backend")
-    from rlobjectives._triton._dispatch import kernels as load
+    import torch
+    import triton.language as tl
 
+    from rlobjectives._triton._dispatch import kernels as load
+    from rlobjectives._triton._dispatch import use_kernels
+    from rlobjectives._triton._token_loss import token_loss_forward
+
+    # An interpreted launch first: the interpreter patches triton.language while it runs, and
+    # compilation in the same process must still work afterwards.
+    before = (tl.program_id, tl.core.tensor.__add__, tl.sum)
+    with use_kernels("triton"):
+        values = torch.zeros(3)
+        token_loss_forward(values, values, values, torch.ones(3, dtype=torch.bool))
+    assert (tl.program_id, tl.core.tensor.__add__, tl.sum) == before
     return load("cuda")  # the compiled-mode package (no GPU needed to compile)
 
 
@@ -114,12 +126,12 @@ def test_lm_head_kernels_compile(kernels: Any, dtype: str) -> None:
         dict(head, lse_ptr="*fp32", entropy_ptr="*fp32", grad_log_probs_ptr="*fp32",
              grad_entropy_ptr="*fp32", out_ptr=f"*{dtype}", bias_partial_ptr="*fp32"),
         dict(common, HAS_BIAS=True, HAS_ENTROPY_GRAD=True, NEED_BIAS=True, BLOCK_N=tiles[0],
-             BLOCK_V=tiles[1], BLOCK_H=tiles[2]),
+             BLOCK_V=tiles[1], BLOCK_H=tiles[2], GROUP=8),
     )  # fmt: skip
     _compile(
         module.matmul_kernel,
         {"a_ptr": f"*{dtype}", "b_ptr": f"*{dtype}", "out_ptr": f"*{dtype}",
          "accumulator_ptr": "*fp32", "k_mask_ptr": "*u8"},
         dict(common, ACCUMULATE=True, HAS_K_MASK=True, BLOCK_M=tiles[0], BLOCK_N=tiles[1],
-             BLOCK_K=tiles[2]),
+             BLOCK_K=tiles[2], GROUP=8),
     )  # fmt: skip

@@ -27,6 +27,9 @@ process. Here both modes coexist instead:
   to run outside a kernel. Each interpreted launch therefore runs with ``JITFunction.__call__``
   routed to Triton's ``InterpretedFunction`` (restored after the launch); nothing is patched
   when triton was imported with ``TRITON_INTERPRET=1``.
+- The interpreter patches ``triton.language`` while it runs and does not undo the patches made
+  by device-function calls; each interpreted launch records and restores them, so compiled
+  kernels can still be compiled afterwards in the same process.
 
 Interpreted kernels are used for CPU tensors, and for every device when ``TRITON_INTERPRET=1``
 is set (Triton's own debugging switch; the interpreter copies device tensors to the host).
@@ -179,7 +182,7 @@ def _bridged(run: Callable[..., Any]) -> Callable[..., Any]:
     def bridged_run(*args: Any, **kwargs: Any) -> Any:
         # Lanes outside the data compute log(0), 0/0... and are masked at the store: numpy's
         # warnings about them are noise.
-        with _library_calls_interpreted(), numpy.errstate(all="ignore"):
+        with _language_restored(), _library_calls_interpreted(), numpy.errstate(all="ignore"):
             return run(*args, **kwargs)
 
     return bridged_run
@@ -211,6 +214,41 @@ def _library_calls_interpreted() -> Iterator[None]:
         yield
     finally:
         JITFunction.__call__ = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _language_restored() -> Iterator[None]:
+    """Undo every patch Triton's interpreter makes to ``triton.language`` during a launch.
+
+    The interpreter patches ``triton.language`` (builtins, ``tl.tensor`` operators, reductions)
+    through ``_LangPatchScope`` objects; the launch restores its own scope, but each device
+    function call (``InterpretedFunction.__call__``) opens one that is never restored. Harmless
+    when the whole process interprets; here compiled kernels may be compiled later in the same
+    process, and a patched ``triton.language`` breaks their compilation. The first original
+    value of every attribute patched during the launch is recorded and put back afterwards.
+    """
+    from triton.runtime import interpreter
+
+    base = interpreter._LangPatchScope
+    missing = object()
+    originals: dict[tuple[int, str], tuple[object, str, object]] = {}
+
+    class RecordingScope(base):  # type: ignore[misc, valid-type]
+        def set_attr(self, obj: object, name: str, value: object) -> None:
+            originals.setdefault((id(obj), name), (obj, name, getattr(obj, name, missing)))
+            super().set_attr(obj, name, value)
+
+    interpreter._LangPatchScope = RecordingScope
+    try:
+        yield
+    finally:
+        interpreter._LangPatchScope = base
+        for obj, name, original in originals.values():
+            if original is missing:
+                if hasattr(obj, name):
+                    delattr(obj, name)
+            else:
+                setattr(obj, name, original)
 
 
 @contextlib.contextmanager

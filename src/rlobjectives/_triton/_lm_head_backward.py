@@ -43,6 +43,7 @@ from ._lm_head_forward import HeadBlocks, check_head, dot_precision, head_blocks
 __all__ = ["LMHeadGradients", "lm_head_backward", "vocab_chunk"]
 
 _MIN_CHUNK_BYTES = 64 * 2**20
+_GROUP = 8  # row tiles per group of the grouped tile order (L2 reuse)
 
 
 class LMHeadGradients(NamedTuple):
@@ -83,12 +84,12 @@ def _matmul(
 ) -> None:  # fmt: skip
     """Launch ``out = a @ b (+ accumulator)`` (``sizes = (m, n, k)``, out row-major)."""
     m, n, k = sizes
-    grid = (grid_blocks(m, tiles.rows), grid_blocks(n, tiles.vocab))
+    grid = (grid_blocks(m, tiles.rows) * grid_blocks(n, tiles.vocab),)
     module.matmul_kernel[grid](  # type: ignore[attr-defined]
         a, b, out, accumulator, k_mask, m, n, k, *a_strides, *b_strides, out.stride(0), 1,
         ACCUMULATE=accumulator is not None, HAS_K_MASK=k_mask is not None,
         PRECISION=precision, UPCAST=upcast,
-        BLOCK_M=tiles.rows, BLOCK_N=tiles.vocab, BLOCK_K=tiles.depth,
+        BLOCK_M=tiles.rows, BLOCK_N=tiles.vocab, BLOCK_K=tiles.depth, GROUP=_GROUP,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
 
@@ -161,13 +162,13 @@ def lm_head_backward(
     for index, start in enumerate(range(0, vocab, chunk)):
         size = min(chunk, vocab - start)
         grad_logits = buffer[: rows * size].view(rows, size)
-        module.grad_logits_kernel[(row_blocks, grid_blocks(size, tiles.vocab))](
+        module.grad_logits_kernel[(row_blocks * grid_blocks(size, tiles.vocab),)](
             hidden, weight, bias, tokens, flags, lse, entropy if with_entropy else None,
             grad_log_probs, grad_entropy, grad_logits, bias_partial,
             rows, vocab, width, start, size, hidden.stride(0), weight.stride(0), 1.0 / temperature,
             HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=with_entropy, NEED_BIAS=need_bias,
             PRECISION=precision, UPCAST=upcast,
-            BLOCK_N=tiles.rows, BLOCK_V=tiles.vocab, BLOCK_H=tiles.depth,
+            BLOCK_N=tiles.rows, BLOCK_V=tiles.vocab, BLOCK_H=tiles.depth, GROUP=_GROUP,
             num_warps=tiles.warps, num_stages=tiles.stages,
         )  # fmt: skip
         if grad_weight is not None:

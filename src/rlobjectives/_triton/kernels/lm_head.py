@@ -30,6 +30,19 @@ from ._math import dot
 
 
 @triton.jit
+def grouped_tile(pid, tiles_m, tiles_n, GROUP: tl.constexpr):
+    """Tile ``(pid_m, pid_n)`` of program ``pid`` in grouped order (L2 reuse).
+
+    Consecutive programs walk ``GROUP`` row tiles down one column tile before moving right, so
+    the operand tiles they share stay in L2 (the ordering of Triton's matmul tutorial).
+    """
+    per_group = GROUP * tiles_n
+    first = (pid // per_group) * GROUP
+    height = tl.minimum(tiles_m - first, GROUP)
+    return first + (pid % per_group) % height, (pid % per_group) // height
+
+
+@triton.jit
 def _logits_tile(
     hidden_ptr, weight_ptr, bias_ptr, rows, active, columns, columns_in, width,
     hidden_row_stride, weight_row_stride, inv_temperature,
@@ -163,18 +176,20 @@ def grad_logits_kernel(
     inv_temperature,
     HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, NEED_BIAS: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
     r"""One ``(BLOCK_N, BLOCK_V)`` tile of ``dL/dz`` for vocabulary ``[chunk_start, +chunk_width)``.
 
     ``out`` is ``(N, chunk_width)`` row-major in its own dtype; ``bias_partial`` is
     ``(row_blocks, chunk_width)`` float32 (column sums of the float32 tile, before rounding).
     """
-    row_block = tl.program_id(0)
+    row_block, vocab_block = grouped_tile(
+        tl.program_id(0), tl.cdiv(n, BLOCK_N), tl.cdiv(chunk_width, BLOCK_V), GROUP
+    )
     rows = (row_block * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     rows_in = rows < n
     active = rows_in & (tl.load(mask_ptr + rows, mask=rows_in, other=0) != 0)
-    local = (tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
+    local = (vocab_block * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
     columns = chunk_start + local
     columns_in = (local < chunk_width) & (columns < vocab)
     logits = _logits_tile(
@@ -216,16 +231,19 @@ def matmul_kernel(
     m, n, k, a_stride_m, a_stride_k, b_stride_k, b_stride_n, out_stride_m, out_stride_n,
     ACCUMULATE: tl.constexpr, HAS_K_MASK: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    GROUP: tl.constexpr,
 ):  # fmt: skip
     """``out = a @ b (+ accumulator)`` tile by tile, float32 accumulation, one write.
 
-    Strides express transposes. ``HAS_K_MASK``: contraction indices whose ``k_mask`` is 0 are
+    One-dimensional grid in grouped tile order (:func:`grouped_tile`). Strides express
+    transposes. ``HAS_K_MASK``: contraction indices whose ``k_mask`` is 0 are
     loaded as zeros in both operands (NaN there never enters a product). ``accumulator`` is
     float32 with ``out``'s strides; it may be ``out`` itself (each element is read and written
     by the one program that owns it).
     """
-    rows = (tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
-    columns = (tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
+    tile_m, tile_n = grouped_tile(tl.program_id(0), tl.cdiv(m, BLOCK_M), tl.cdiv(n, BLOCK_N), GROUP)
+    rows = (tile_m * BLOCK_M + tl.arange(0, BLOCK_M)).to(tl.int64)
+    columns = (tile_n * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)
     rows_in = rows < m
     columns_in = columns < n
     accumulator = tl.zeros((BLOCK_M, BLOCK_N), tl.float32)
