@@ -88,6 +88,9 @@ def test_token_loss_kernel_compiles(kernels: Any, surrogate: int) -> None:
     flags = dict(TOKEN_FLAGS, SURROGATE=surrogate)
     if surrogate == 3:
         flags.update(KL_ESTIMATOR=4, KL_STRAIGHT_THROUGH=True, KL_IMPORTANCE=True)
+    if surrogate == 1:  # absent optional inputs are passed as None (constexpr None)
+        flags.update(HAS_SEQUENCE=False, HAS_ENTROPY=False, STORE_LOSS=False,
+                     sequence_ptr=None, entropy_ptr=None, loss_ptr=None)  # fmt: skip
     _compile(kernels.token_loss.token_loss_kernel, TOKEN_POINTERS, flags)
 
 
