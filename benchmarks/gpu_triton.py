@@ -118,24 +118,43 @@ def ensure_peer(module: str, package: str, entry: str, run: Run) -> str | None:
     return None
 
 
+WHEELS = BENCH_DIR.parent / ".whl"  # carried wheels (a machine without network), if any
+
+
 def _install(module: str, package: str, run: Run) -> str | None:
+    """Install ``package`` without dependencies: from ``.whl/`` if present, else the index."""
     if importlib.util.find_spec(module) is not None:
         return None
     if run.dry_run:
         return "dry run: peers not installed"
-    budget = min(120.0, max(run.remaining() - 240.0, 0.0))
-    if budget < 20:
+    budget = min(90.0, max(run.remaining() - 240.0, 0.0))
+    if budget < 15:
         return "not installed (no time left to install)"
-    command = [sys.executable, "-m", "pip", "install", "--no-deps", "-q", package]
-    try:
-        result = subprocess.run(command, capture_output=True, text=True, timeout=budget)
-    except subprocess.TimeoutExpired:
-        return f"pip install {package} timed out after {budget:.0f} s (no network?)"
-    if result.returncode != 0:
+    base = [
+        sys.executable,
+        "-m",
+        "pip",
+        "install",
+        "-q",
+        "--no-deps",
+        "--disable-pip-version-check",
+    ]
+    sources = [["--retries", "0", "--timeout", "10", package]]
+    if WHEELS.is_dir():
+        sources.insert(0, ["--no-index", "--find-links", str(WHEELS), package])
+    reasons = []
+    for source in sources:
+        try:
+            result = subprocess.run(base + source, capture_output=True, text=True, timeout=budget)
+        except subprocess.TimeoutExpired:
+            reasons.append(f"timed out after {budget:.0f} s")
+            continue
+        importlib.invalidate_caches()
+        if result.returncode == 0 and importlib.util.find_spec(module) is not None:
+            return None
         tail = (result.stderr or result.stdout).strip().splitlines()[-1:] or ["?"]
-        return f"pip install {package} failed: {tail[0][:200]}"
-    importlib.invalidate_caches()
-    return None if importlib.util.find_spec(module) is not None else "installed but not importable"
+        reasons.append(tail[0][:160])
+    return f"pip install {package} failed (no network, no .whl/?): {'; '.join(reasons)}"
 
 
 def section_correctness(run: Run) -> None:
