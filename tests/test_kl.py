@@ -577,7 +577,7 @@ def test_errors() -> None:
     zeros = torch.zeros(2, 3)
     mask = torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(
-        ValueError, match=r"estimator must be one of \['k1', 'k2', 'k3'\], got 'k4'"
+        ValueError, match=r"estimator must be one of \['k1', 'k2', 'k3', 'abs'\], got 'k4'"
     ):
         kl_estimate(zeros, zeros, mask, estimator="k4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"ref_log_probs must have the same shape as log_probs"):

@@ -6,13 +6,7 @@ H hidden size. Masks have the shape of the log-probabilities and True/nonzero se
 
 from importlib.metadata import PackageNotFoundError, version
 
-from ._advantages import (
-    GAEOutput,
-    gae,
-    group_relative_advantages,
-    reinforce_plus_plus_advantages,
-    rloo_advantages,
-)
+from ._advantages import GAEOutput, gae, reinforce_plus_plus_advantages
 from ._from_hidden import (
     FusedPolicyLossOutput,
     TokenLogProbsOutput,
@@ -20,6 +14,7 @@ from ._from_hidden import (
     token_log_probs_from_hidden,
 )
 from ._kl import BiasedGradientWarning, kl_estimate, kl_loss, kl_penalized_token_rewards
+from ._kl_control import AdaptiveKLController, FixedKLController
 from ._logprobs import (
     ResponseAlignment,
     ResponseLogProbs,
@@ -31,6 +26,13 @@ from ._logprobs import (
     token_log_probs,
 )
 from ._masking import Reduction, aggregate, masked_mean, masked_sum
+from ._outcome_advantages import (
+    group_relative_advantages,
+    opo_advantages,
+    passk_advantages,
+    remax_advantages,
+    rloo_advantages,
+)
 from ._policy import (
     PolicyLossDiagnostics,
     PolicyLossOutput,
@@ -38,9 +40,12 @@ from ._policy import (
     policy_loss,
 )
 from ._rewards import kl_penalized_rewards
+from ._value import ValueLossDiagnostics, ValueLossOutput, value_loss
+from ._whitening import masked_whiten
 from .distributed import (
     Normalizers,
     data_parallel_loss_scale,
+    global_masked_whiten,
     global_normalizers,
     normalizer_for_reduction,
     sum_diagnostics,
@@ -52,7 +57,9 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
+    "AdaptiveKLController",
     "BiasedGradientWarning",
+    "FixedKLController",
     "FusedPolicyLossOutput",
     "GAEOutput",
     "Normalizers",
@@ -62,6 +69,8 @@ __all__ = [
     "ResponseAlignment",
     "ResponseLogProbs",
     "TokenLogProbsOutput",
+    "ValueLossDiagnostics",
+    "ValueLossOutput",
     "__version__",
     "aggregate",
     "data_parallel_loss_scale",
@@ -69,6 +78,7 @@ __all__ = [
     "full_vocab_kl_loss",
     "fused_policy_loss_from_hidden",
     "gae",
+    "global_masked_whiten",
     "global_normalizers",
     "group_relative_advantages",
     "grpo_clipped_surrogate",
@@ -78,9 +88,13 @@ __all__ = [
     "kl_penalized_token_rewards",
     "masked_mean",
     "masked_sum",
+    "masked_whiten",
     "normalizer_for_reduction",
+    "opo_advantages",
+    "passk_advantages",
     "policy_loss",
     "reinforce_plus_plus_advantages",
+    "remax_advantages",
     "response_alignment",
     "response_log_probs",
     "rloo_advantages",
@@ -88,4 +102,5 @@ __all__ = [
     "token_entropy",
     "token_log_probs",
     "token_log_probs_from_hidden",
+    "value_loss",
 ]

@@ -700,7 +700,8 @@ def fused_policy_loss_from_hidden(
         diagnostics_normalizer: as :func:`policy_loss`.
         ref_log_probs: optional ``(B, T)`` reference-policy log-probabilities for the KL term.
         kl_coef: :math:`\beta \ge 0`; the KL term is added only with ``ref_log_probs``.
-        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``, as :func:`rlobjectives.kl_estimate`.
+        kl_estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"``, as
+            :func:`rlobjectives.kl_estimate`.
         kl_straight_through: value of ``kl_estimator`` with the gradient of ``k2`` (verl
             ``k3+``), as :func:`rlobjectives.kl_estimate`.
 
@@ -789,7 +790,7 @@ def fused_policy_loss_from_hidden(
     }
     with_kl = ref_t is not None and beta > 0
     kl_options = (kl_estimator, kl_straight_through, options.log_ratio_bound)
-    if with_kl and not kl_straight_through and kl_estimator in ("k1", "k3"):
+    if with_kl and not kl_straight_through and kl_estimator in ("k1", "k3", "abs"):
         warnings.warn(
             f'fused_policy_loss_from_hidden(kl_estimator="{kl_estimator}") has a biased or zero '
             "expected KL gradient as a loss term (see rlobjectives.kl_loss); use "
