@@ -144,7 +144,9 @@ def test_group_relative_errors() -> None:
         group_relative_advantages(torch.zeros(4), 2.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"rewards must have shape \(B\*G,\).*got shape \(2, 2\)"):
         group_relative_advantages(torch.zeros(2, 2), 2)
-    with pytest.raises(ValueError, match=r"scale must be one of \['std', 'batch', 'none'\], got 'mad'"):
+    with pytest.raises(
+        ValueError, match=r"scale must be one of \['std', 'batch', 'none'\], got 'mad'"
+    ):
         group_relative_advantages(torch.zeros(4), 2, scale="mad")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"eps must be >= 0.0, got -1e-06"):
         group_relative_advantages(torch.zeros(4), 2, eps=-1e-6)

@@ -16,7 +16,6 @@ import torch
 from ._groups import group_centered, grouped_rewards
 from ._kl import last_selected
 from ._masking import masked_fill_zero
-from ._outcome_advantages import divide_or_zero, safe_sqrt
 from ._validation import (
     ArrayLike,
     Scalar,
@@ -29,7 +28,14 @@ from ._validation import (
     validate_choice,
     validate_scalar,
 )
-from ._whitening import masked_moments, masked_whiten, power_of_two_scale, validate_flag
+from ._whitening import (
+    divide_or_zero,
+    masked_moments,
+    masked_whiten,
+    power_of_two_scale,
+    safe_sqrt,
+    validate_flag,
+)
 
 __all__ = ["HOLES", "GAEOutput", "Holes", "gae", "reinforce_plus_plus_advantages"]
 

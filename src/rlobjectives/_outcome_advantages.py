@@ -39,7 +39,7 @@ from ._validation import (
     validate_choice,
     validate_scalar,
 )
-from ._whitening import masked_moments
+from ._whitening import divide_or_zero, masked_moments, safe_sqrt
 
 __all__ = [
     "SCALES",
@@ -54,18 +54,6 @@ __all__ = [
 AdvantageScale = Literal["std", "batch", "none"]
 SCALES: tuple[str, ...] = ("std", "batch", "none")
 PASSK_SCALES: tuple[str, ...] = ("std", "none")
-
-
-def safe_sqrt(values: torch.Tensor) -> torch.Tensor:
-    """``sqrt`` with gradient 0 (not inf/NaN) at 0."""
-    positive = values > 0
-    return torch.where(positive, torch.sqrt(torch.where(positive, values, 1.0)), 0.0)
-
-
-def divide_or_zero(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    """``numerator / denominator`` where the denominator is positive, exact 0 elsewhere."""
-    positive = denominator > 0
-    return torch.where(positive, numerator / torch.where(positive, denominator, 1.0), 0.0)
 
 
 def _group_std(centered: torch.Tensor, groups: Groups) -> torch.Tensor:

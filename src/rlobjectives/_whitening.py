@@ -25,7 +25,15 @@ from ._validation import (
     validate_scalar,
 )
 
-__all__ = ["MaskedMoments", "masked_moments", "masked_whiten", "power_of_two_scale"]
+__all__ = [
+    "MaskedMoments",
+    "divide_or_zero",
+    "masked_moments",
+    "masked_whiten",
+    "power_of_two_scale",
+    "safe_sqrt",
+    "validate_flag",
+]
 
 
 def power_of_two_scale(magnitude: torch.Tensor) -> torch.Tensor:
@@ -151,14 +159,26 @@ def masked_whiten(
     moments = masked_moments(
         values_t.to(compute_dtype(values_t)), mask_t, unbiased=unbiased
     )  # statistics of values / scale
-    # (x - mu) rsqrt(var + eps) = c' rsqrt(var' + eps / s^2), with c' = (x - mu)/s, var' = var/s^2
-    denominator = moments.variance + epsilon / moments.scale.square()  # ()
-    positive = denominator > 0
-    inverse = torch.where(positive, torch.rsqrt(torch.where(positive, denominator, 1.0)), 0.0)
-    whitened = moments.centered * inverse
+    # (x - mu) rsqrt(var + eps) = c' / hypot(sqrt(var'), sqrt(eps) / s), with c' = (x - mu)/s
+    # and var' = var/s^2: hypot neither overflows nor underflows (eps / s^2 would, for s ~ 1e-20).
+    root = torch.as_tensor(epsilon, dtype=moments.scale.dtype, device=moments.scale.device).sqrt()
+    spread = torch.hypot(safe_sqrt(moments.variance), root / moments.scale)  # ()
+    whitened = divide_or_zero(moments.centered, spread)
     if not shift_mean:
         whitened = masked_fill_zero(whitened + moments.mean * moments.scale, mask_t)
     return whitened
+
+
+def safe_sqrt(values: torch.Tensor) -> torch.Tensor:
+    """``sqrt`` with gradient 0 (not inf/NaN) at 0."""
+    positive = values > 0
+    return torch.where(positive, torch.sqrt(torch.where(positive, values, 1.0)), 0.0)
+
+
+def divide_or_zero(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
+    """``numerator / denominator`` where the denominator is positive, exact 0 elsewhere."""
+    positive = denominator > 0
+    return torch.where(positive, numerator / torch.where(positive, denominator, 1.0), 0.0)
 
 
 def validate_flag(value: object, name: str) -> bool:
