@@ -886,7 +886,8 @@ def _std(values: list[Tensor]) -> Tensor:
     if len(values) < 2:
         return zero
     mean = sum(values, zero) / len(values)
-    return torch.sqrt(sum(((x - mean) ** 2 for x in values), zero) / (len(values) - 1))
+    variance = sum(((x - mean) ** 2 for x in values), zero) / (len(values) - 1)
+    return torch.sqrt(variance) if float(variance.detach()) > 0 else zero
 
 
 def group_relative_advantages_grouped(
@@ -933,10 +934,10 @@ def passk_advantages(
     for members in _members(labels).values():
         if len(members) < 2:
             continue
-        values = [float(rewards[k]) for k in members]
+        values = [float(rewards[k].detach()) for k in members]
         best = members[values.index(max(values))]
         rest = [k for k in members if k != best]
-        rest_values = [float(rewards[k]) for k in rest]
+        rest_values = [float(rewards[k].detach()) for k in rest]
         second = rest[rest_values.index(max(rest_values))]
         margin = rewards[best] - rewards[second]
         if scale == "std":
@@ -1014,7 +1015,8 @@ def reinforce_plus_plus_grouped(
         return torch.zeros(tuple(mask.shape), dtype=torch.float64)
     mean = sum(returns.values(), zero) / count
     divisor = max(count - 1, 1) if unbiased else count
-    std = torch.sqrt(sum(((g - mean) ** 2 for g in returns.values()), zero) / divisor)
+    variance = sum(((g - mean) ** 2 for g in returns.values()), zero) / divisor
+    std = torch.sqrt(variance) if float(variance.detach()) > 0 else zero
     if float(std.detach()) + eps == 0:
         return torch.zeros(tuple(mask.shape), dtype=torch.float64)
     entries = {key: (g - mean) / (std + eps) for key, g in returns.items()}

@@ -228,16 +228,17 @@ def reinforce_plus_plus_advantages(
     dtype = compute_dtype(*tensors.values())
 
     scores = scores.to(dtype)  # (B,)
-    if group_size is not None or group_ids is not None:
-        scores, groups = grouped_rewards(scores, group_size, group_ids, minimum=1)
-        scores = group_centered(scores, groups)  # (B,) r_i - b_i
     extra_selected = None if extra is None else masked_fill_zero(extra.to(dtype), mask_t)
     magnitude = _max_abs(scores)
     if extra_selected is not None:
         magnitude = torch.maximum(magnitude, _max_abs(extra_selected))
     unit = power_of_two_scale(magnitude)  # () returns are computed in units of `unit`
+    scores = scores / unit  # (B,)
+    if group_size is not None or group_ids is not None:
+        scores, groups = grouped_rewards(scores, group_size, group_ids, minimum=1)
+        scores = group_centered(scores, groups)  # (B,) (r_i - b_i) / unit
     last = last_selected(mask_t)  # (B, T)
-    token_level = masked_fill_zero((scores / unit).unsqueeze(-1).expand(mask_t.shape), last)
+    token_level = masked_fill_zero(scores.unsqueeze(-1).expand(mask_t.shape), last)
     if extra_selected is not None:
         token_level = token_level + extra_selected / unit  # (B, T)
     returns = _masked_discounted_sum(token_level, mask_t, discount)  # (B, T) G / unit

@@ -39,11 +39,14 @@ class Groups(NamedTuple):
         ids: int64 dense group id in ``[0, N)`` of each sequence.
         first: int64 position of the first sequence of the same group (the smallest index).
         size: int64 number of sequences in the same group.
+        fixed: the group size ``G`` for contiguous groups of equal size (reductions then use a
+            ``(N/G, G)`` view, faster than a scatter), None for ``group_ids``.
     """
 
     ids: torch.Tensor
     first: torch.Tensor
     size: torch.Tensor
+    fixed: int | None = None
 
 
 def validate_group_size(group_size: object, minimum: int) -> int:
@@ -59,6 +62,9 @@ def validate_group_size(group_size: object, minimum: int) -> int:
 
 def segment_sum(values: torch.Tensor, groups: Groups) -> torch.Tensor:
     """``(N,)``: the sum of ``values`` ``(N,)`` over each sequence's group."""
+    if groups.fixed is not None:
+        size = groups.fixed
+        return values.reshape(-1, size).sum(-1, keepdim=True).expand(-1, size).reshape(-1)
     totals = values.new_zeros(values.shape[0]).index_add(0, groups.ids, values)  # (N,) slots
     return totals[groups.ids]
 
@@ -66,6 +72,11 @@ def segment_sum(values: torch.Tensor, groups: Groups) -> torch.Tensor:
 def segment_amax(values: torch.Tensor, groups: Groups) -> torch.Tensor:
     """``(N,)``: the maximum of ``values`` ``(N,)`` over each sequence's group (no gradient)."""
     values = values.detach()
+    if groups.fixed is not None:
+        size = groups.fixed
+        if values.numel() == 0:
+            return values
+        return values.reshape(-1, size).amax(-1, keepdim=True).expand(-1, size).reshape(-1)
     slots = torch.full_like(values, -torch.inf)
     return slots.scatter_reduce(0, groups.ids, values, "amax")[groups.ids]
 
@@ -73,7 +84,9 @@ def segment_amax(values: torch.Tensor, groups: Groups) -> torch.Tensor:
 def _fixed_groups(length: int, group_size: int, device: torch.device) -> Groups:
     positions = torch.arange(length, device=device)  # (N,)
     ids = torch.div(positions, group_size, rounding_mode="floor")  # (N,)
-    return Groups(ids=ids, first=ids * group_size, size=torch.full_like(ids, group_size))
+    return Groups(
+        ids=ids, first=ids * group_size, size=torch.full_like(ids, group_size), fixed=group_size
+    )
 
 
 def _labels_to_tensor(group_ids: Any, length: int, device: torch.device) -> torch.Tensor:

@@ -264,8 +264,13 @@ def _first_position(candidates: torch.Tensor, groups: Groups) -> torch.Tensor:
     length = candidates.shape[0]
     positions = torch.arange(length, device=candidates.device)  # (N,)
     marked = torch.where(candidates, positions, length)  # (N,)
-    slots = torch.full_like(positions, length).scatter_reduce(0, groups.ids, marked, "amin")
-    return slots[groups.ids].clamp(max=max(length - 1, 0))  # (N,); clamp: NaN-only groups
+    if groups.fixed is not None and length:
+        size = groups.fixed
+        first = marked.reshape(-1, size).amin(-1, keepdim=True).expand(-1, size).reshape(-1)
+    else:
+        slots = torch.full_like(positions, length).scatter_reduce(0, groups.ids, marked, "amin")
+        first = slots[groups.ids]  # (N,)
+    return first.clamp(max=max(length - 1, 0))  # clamp: groups of NaN rewards
 
 
 def opo_advantages(

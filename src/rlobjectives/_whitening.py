@@ -176,9 +176,18 @@ def safe_sqrt(values: torch.Tensor) -> torch.Tensor:
 
 
 def divide_or_zero(numerator: torch.Tensor, denominator: torch.Tensor) -> torch.Tensor:
-    """``numerator / denominator`` where the denominator is positive, exact 0 elsewhere."""
+    """``numerator / denominator`` where the denominator is positive, exact 0 elsewhere.
+
+    A positive denominator is raised to the smallest normal number of its dtype, so that its
+    reciprocal (in the gradient) stays finite. Every caller divides centered values by a spread
+    that is subnormal only when the values are identical (numerator exactly 0), e.g. identical
+    rewards of 1e38 with ``eps / 1e38`` as the spread: the result is unchanged and the gradient
+    is finite instead of ``inf * 0``.
+    """
     positive = denominator > 0
-    return torch.where(positive, numerator / torch.where(positive, denominator, 1.0), 0.0)
+    floor = torch.finfo(denominator.dtype).tiny
+    safe = torch.where(positive, denominator.clamp(min=floor), 1.0)
+    return torch.where(positive, numerator / safe, 0.0)
 
 
 def validate_flag(value: object, name: str) -> bool:
