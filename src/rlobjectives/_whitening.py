@@ -27,7 +27,9 @@ from ._validation import (
 
 __all__ = [
     "MaskedMoments",
+    "combine_moments",
     "divide_or_zero",
+    "local_moments",
     "masked_moments",
     "masked_whiten",
     "power_of_two_scale",
@@ -87,6 +89,31 @@ def masked_moments(values: torch.Tensor, mask: torch.Tensor, *, unbiased: bool) 
     divisor = (count - 1).clamp(min=1) if unbiased else count.clamp(min=1)
     variance = centered.square().sum() / divisor.to(scaled.dtype)  # ()
     return MaskedMoments(scale, mean, centered, variance, count)
+
+
+def local_moments(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``(3,)`` float64 ``[count, mean, M2]`` of the selected values (M2: squared deviations).
+
+    float64 keeps ``M2`` finite for any float32 input (``(1e20)^2`` overflows float32).
+    """
+    selected = masked_fill_zero(values.to(torch.float64), mask)  # float64 copy of the values
+    count = mask.sum().to(torch.float64)  # ()
+    mean = selected.sum() / count.clamp(min=1)  # ()
+    deviations = masked_fill_zero(selected - mean, mask)
+    return torch.stack([count, mean, deviations.square().sum()])  # (3,)
+
+
+def combine_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Chan et al.'s pairwise combination of per-rank ``(W, 3)`` ``[n, mean, M2]`` rows.
+
+    :math:`\mu = \sum_r n_r \mu_r / N` and :math:`M_2 = \sum_r M_{2,r} + \sum_r n_r
+    (\mu_r - \mu)^2`: no cancellation (unlike :math:`\sum x^2 - N\mu^2`).
+    """
+    counts, means, squares = rows.unbind(-1)  # (W,) each
+    total = counts.sum()  # ()
+    mean = (counts * means).sum() / total.clamp(min=1)  # ()
+    m2 = squares.sum() + (counts * (means - mean).square()).sum()  # ()
+    return total, mean, m2
 
 
 def masked_whiten(

@@ -56,7 +56,7 @@ from ._validation import (
     validate_choice,
     validate_scalar,
 )
-from ._whitening import validate_flag
+from ._whitening import combine_moments, local_moments, validate_flag
 
 __all__ = [
     "Normalizers",
@@ -395,31 +395,6 @@ def sum_diagnostics(
     return kind(*values)
 
 
-def _local_moments(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``(3,)`` float64 ``[count, mean, M2]`` of the selected values (M2: squared deviations).
-
-    float64 keeps ``M2`` finite for any float32 input (``(1e20)^2`` overflows float32).
-    """
-    selected = masked_fill_zero(values.to(torch.float64), mask)  # float64 copy of the values
-    count = mask.sum().to(torch.float64)  # ()
-    mean = selected.sum() / count.clamp(min=1)  # ()
-    deviations = masked_fill_zero(selected - mean, mask)
-    return torch.stack([count, mean, deviations.square().sum()])  # (3,)
-
-
-def _combine_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    r"""Chan et al.'s pairwise combination of per-rank ``(W, 3)`` ``[n, mean, M2]`` rows.
-
-    :math:`\mu = \sum_r n_r \mu_r / N` and :math:`M_2 = \sum_r M_{2,r} + \sum_r n_r
-    (\mu_r - \mu)^2`: no cancellation (unlike :math:`\sum x^2 - N\mu^2`).
-    """
-    counts, means, squares = rows.unbind(-1)  # (W,) each
-    total = counts.sum()  # ()
-    mean = (counts * means).sum() / total.clamp(min=1)  # ()
-    m2 = squares.sum() + (counts * (means - mean).square()).sum()  # ()
-    return total, mean, m2
-
-
 def global_masked_whiten(
     values: ArrayLike,
     mask: ArrayLike,
@@ -491,14 +466,14 @@ def global_masked_whiten(
     active = _process_group_active(group)
     dtype = compute_dtype(values_t)
     with torch.no_grad():
-        local = _local_moments(values_t.detach(), mask_t)  # (3,) float64
+        local = local_moments(values_t.detach(), mask_t)  # (3,) float64
         if active:
             rows = local.new_zeros(dist.get_world_size(group), 3)  # (W, 3)
             rows[dist.get_rank(group)] = local
             dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=group)
         else:
             rows = local.unsqueeze(0)  # (1, 3)
-        total, mean, m2 = _combine_moments(rows)
+        total, mean, m2 = combine_moments(rows)
         divisor = (total - 1).clamp(min=1) if unbiased else total.clamp(min=1)
         denominator = m2 / divisor + float(epsilon)  # () float64
         positive = denominator > 0
