@@ -427,6 +427,8 @@ def kl_token(
     k2 = d * d / 2
     if estimator == "k1":
         k = d
+    elif estimator == "abs":
+        k = torch.abs(d)
     elif estimator == "k2":
         k = k2
     else:
@@ -712,3 +714,331 @@ def fused_policy_loss_from_hidden(
             **reduce,  # type: ignore[arg-type]
         )
     return loss
+
+
+# === PPO: whitening, value loss, GAE options, REINFORCE++ options, outcome advantages ==========
+# (issue 14: rlobjectives._whitening, _value, _advantages, _outcome_advantages, _kl_control)
+
+
+def _selected_entries(values: Tensor, mask: Tensor) -> list[tuple[tuple[int, ...], Tensor]]:
+    """[(index, value)] of the selected entries of a tensor of any shape, in row-major order."""
+    keep = mask.reshape(-1).tolist()
+    flat = values.reshape(-1)
+    shape = tuple(values.shape)
+    out = []
+    for k, selected in enumerate(keep):
+        if selected:
+            index = []
+            rest = k
+            for size in reversed(shape):
+                index.append(rest % size)
+                rest //= size
+            out.append((tuple(reversed(index)), flat[k]))
+    return out
+
+
+def masked_whiten(
+    values: Tensor,
+    mask: Tensor,
+    *,
+    shift_mean: bool = True,
+    unbiased: bool = True,
+    eps: float = 1e-8,
+) -> Tensor:
+    """Reference of rlobjectives.masked_whiten: (x - mean) / sqrt(var + eps) on selected entries."""
+    entries = _selected_entries(values, mask)
+    zero = torch.zeros((), dtype=torch.float64)
+    out = torch.zeros(values.shape, dtype=torch.float64)
+    count = len(entries)
+    if count == 0:
+        return out
+    mean = sum((v for _, v in entries), zero) / count
+    divisor = max(count - 1, 1) if unbiased else count
+    variance = sum(((v - mean) ** 2 for _, v in entries), zero) / divisor
+    if float(variance.detach()) + eps == 0:
+        return out
+    for index, v in entries:
+        w = (v - mean) / torch.sqrt(variance + eps)
+        out = out.index_put(
+            tuple(torch.tensor([i]) for i in index), (w + (0 if shift_mean else mean)).reshape(1)
+        )
+    return out
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    clip: float | None = 0.2,
+    reduction: str = "token_mean",
+    normalizer: float | None = None,
+    max_response_length: int | None = None,
+) -> Tensor:
+    """Reference of rlobjectives.value_loss(...).loss: 0.5 max((V-R)^2, (clip(V)-R)^2), reduced."""
+    m = _as_list_mask(mask)
+    losses: dict[tuple[int, int], Tensor] = {}
+    for i, row in enumerate(m):
+        for t, keep in enumerate(row):
+            if not keep:
+                continue
+            unclipped = (values[i, t] - returns[i, t]) ** 2
+            if clip is None:
+                losses[(i, t)] = 0.5 * unclipped
+                continue
+            low, high = old_values[i, t] - clip, old_values[i, t] + clip
+            clipped = (torch.clamp(values[i, t], float(low), float(high)) - returns[i, t]) ** 2
+            losses[(i, t)] = 0.5 * torch.maximum(unclipped, clipped)
+    return reduce_losses(
+        losses,
+        tuple(mask.shape),  # type: ignore[arg-type]
+        reduction=reduction,
+        normalizer=normalizer,
+        max_response_length=max_response_length,
+    )
+
+
+def value_loss_diagnostics(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None = 0.2
+) -> dict[str, float]:
+    """clip_fraction (clipped term strictly larger) and explained variance, as Python floats."""
+    m = _as_list_mask(mask)
+    v, old, ret = values.tolist(), old_values.tolist(), returns.tolist()
+    binding = 0
+    residuals: list[float] = []
+    targets: list[float] = []
+    for i, row in enumerate(m):
+        for t, keep in enumerate(row):
+            if not keep:
+                continue
+            residuals.append(ret[i][t] - v[i][t])
+            targets.append(ret[i][t])
+            if clip is not None:
+                clipped = min(max(v[i][t], old[i][t] - clip), old[i][t] + clip)
+                binding += (clipped - ret[i][t]) ** 2 > (v[i][t] - ret[i][t]) ** 2
+    count = len(targets)
+
+    def variance(xs: list[float]) -> float:
+        mean = sum(xs) / len(xs)
+        return sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)
+
+    explained = 1 - variance(residuals) / (variance(targets) + 1e-5) if count >= 2 else 0.0
+    return {"clip_fraction": binding / count if count else 0.0, "explained_variance": explained}
+
+
+def gae_with_options(
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    whiten: bool = False,
+    holes: str = "skip",
+) -> tuple[Tensor, Tensor]:
+    """Reference of rlobjectives.gae with whiten/holes.
+
+    ``holes="zero"``: OpenRLHF's loop over every position up to the last selected token, with
+    reward and value 0 at unselected positions.
+    """
+    if holes == "skip":
+        advantages, returns = gae(rewards, values, mask, gamma=gamma, lam=lam)
+    else:
+        m = _as_list_mask(mask)
+        zero = torch.zeros((), dtype=torch.float64)
+        entries: dict[tuple[int, int], Tensor] = {}
+        targets: dict[tuple[int, int], Tensor] = {}
+        for i, row in enumerate(m):
+            r = [rewards[i, t] if keep else zero for t, keep in enumerate(row)]
+            v = [values[i, t] if keep else zero for t, keep in enumerate(row)]
+            running = zero
+            for t in reversed(range(len(row))):
+                next_value = v[t + 1] if t + 1 < len(row) else zero
+                running = r[t] + gamma * next_value - v[t] + gamma * lam * running
+                if row[t]:
+                    entries[(i, t)] = running
+                    targets[(i, t)] = running + v[t]
+        shape = tuple(mask.shape)
+        advantages = _matrix(entries, shape)  # type: ignore[arg-type]
+        returns = _matrix(targets, shape)  # type: ignore[arg-type]
+    if whiten:
+        advantages = masked_whiten(advantages, mask)
+    return advantages, returns
+
+
+def group_labels(length: int, group_size: int | None, group_ids: object) -> list[object]:
+    """One hashable label per sequence: ``k // group_size``, or the given labels."""
+    if group_ids is None:
+        assert group_size is not None
+        return [k // group_size for k in range(length)]
+    if isinstance(group_ids, Tensor):
+        return [int(x) for x in group_ids.tolist()]
+    return list(group_ids)  # type: ignore[call-overload]
+
+
+def _members(labels: list[object]) -> dict[object, list[int]]:
+    groups: dict[object, list[int]] = {}
+    for k, label in enumerate(labels):
+        groups.setdefault(label, []).append(k)
+    return groups
+
+
+def _std(values: list[Tensor]) -> Tensor:
+    """Unbiased std of a list of 0-d tensors (0 for fewer than two)."""
+    zero = torch.zeros((), dtype=torch.float64)
+    if len(values) < 2:
+        return zero
+    mean = sum(values, zero) / len(values)
+    variance = sum(((x - mean) ** 2 for x in values), zero) / (len(values) - 1)
+    return torch.sqrt(variance) if float(variance.detach()) > 0 else zero
+
+
+def group_relative_advantages_grouped(
+    rewards: Tensor, labels: list[object], *, scale: str = "std", eps: float = 1e-6
+) -> Tensor:
+    """Reference of rlobjectives.group_relative_advantages with any grouping (loops)."""
+    zero = torch.zeros((), dtype=torch.float64)
+    items = [rewards[k] for k in range(rewards.shape[0])]
+    batch_std = _std(items)
+    out: list[Tensor] = [zero] * len(items)
+    for members in _members(labels).values():
+        group = [items[k] for k in members]
+        mean = sum(group, zero) / len(group)
+        std = _std(group) if scale == "std" else batch_std
+        for k in members:
+            centered = items[k] - mean
+            if len(members) == 1:
+                out[k] = zero
+            elif scale == "none":
+                out[k] = centered
+            elif float(std.detach()) + eps > 0:
+                out[k] = centered / (std + eps)
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def rloo_advantages_grouped(rewards: Tensor, labels: list[object]) -> Tensor:
+    """Reference of rlobjectives.rloo_advantages with any grouping: 0 for a group of one."""
+    zero = torch.zeros((), dtype=torch.float64)
+    out: list[Tensor] = [zero] * rewards.shape[0]
+    for members in _members(labels).values():
+        for k in members:
+            others = [rewards[j] for j in members if j != k]
+            if others:
+                out[k] = rewards[k] - sum(others, zero) / len(others)
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def passk_advantages(
+    rewards: Tensor, labels: list[object], *, scale: str = "std", eps: float = 1e-6
+) -> Tensor:
+    """Reference of rlobjectives.passk_advantages: (best - second best) at the first best."""
+    zero = torch.zeros((), dtype=torch.float64)
+    out: list[Tensor] = [zero] * rewards.shape[0]
+    for members in _members(labels).values():
+        if len(members) < 2:
+            continue
+        values = [float(rewards[k].detach()) for k in members]
+        best = members[values.index(max(values))]
+        rest = [k for k in members if k != best]
+        rest_values = [float(rewards[k].detach()) for k in rest]
+        second = rest[rest_values.index(max(rest_values))]
+        margin = rewards[best] - rewards[second]
+        if scale == "std":
+            std = _std([rewards[k] for k in members])
+            margin = margin / (std + eps) if float(std.detach()) + eps > 0 else zero
+        out[best] = margin
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def opo_advantages(rewards: Tensor, mask: Tensor, labels: list[object]) -> Tensor:
+    """Reference of rlobjectives.opo_advantages: r - sum(l r) / sum(l) over the group."""
+    zero = torch.zeros((), dtype=torch.float64)
+    lengths = [sum(1 for keep in row if keep) for row in _as_list_mask(mask)]
+    out: list[Tensor] = [zero] * rewards.shape[0]
+    for members in _members(labels).values():
+        total = sum(lengths[k] for k in members)
+        if total > 0:
+            baseline = sum((lengths[k] * rewards[k] for k in members), zero) / total
+        else:
+            baseline = sum((rewards[k] for k in members), zero) / len(members)
+        for k in members:
+            out[k] = rewards[k] - baseline
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def remax_advantages(rewards: Tensor, baseline: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Reference of rlobjectives.remax_advantages: (reward-to-go) minus the greedy reward."""
+    if mask is None:
+        return rewards - baseline.reshape(-1)
+    m = _as_list_mask(mask)
+    zero = torch.zeros((), dtype=torch.float64)
+    entries: dict[tuple[int, int], Tensor] = {}
+    for i, row in enumerate(m):
+        running = zero
+        for t in reversed(range(len(row))):
+            if row[t]:
+                running = running + rewards[i, t]
+                entries[(i, t)] = running - baseline.reshape(-1)[i]
+    return _matrix(entries, tuple(mask.shape))  # type: ignore[arg-type]
+
+
+def reinforce_plus_plus_grouped(
+    rewards: Tensor,
+    mask: Tensor,
+    *,
+    labels: list[object] | None = None,
+    token_rewards: Tensor | None = None,
+    gamma: float = 1.0,
+    unbiased: bool = False,
+    eps: float = 1e-8,
+) -> Tensor:
+    """Reference of rlobjectives.reinforce_plus_plus_advantages with group labels / unbiased."""
+    zero = torch.zeros((), dtype=torch.float64)
+    scores = [rewards.reshape(-1)[i] for i in range(mask.shape[0])]
+    if labels is not None:
+        baselined = list(scores)
+        for members in _members(labels).values():
+            mean = sum((scores[k] for k in members), zero) / len(members)
+            for k in members:
+                baselined[k] = scores[k] - mean
+        scores = baselined
+    returns: dict[tuple[int, int], Tensor] = {}
+    for i, row in enumerate(_as_list_mask(mask)):
+        selected = [t for t, keep in enumerate(row) if keep]
+        running = zero
+        for k in reversed(range(len(selected))):
+            t = selected[k]
+            reward = token_rewards[i, t] if token_rewards is not None else zero
+            if k == len(selected) - 1:
+                reward = reward + scores[i]
+            running = reward + gamma * running
+            returns[(i, t)] = running
+    count = len(returns)
+    if count == 0:
+        return torch.zeros(tuple(mask.shape), dtype=torch.float64)
+    mean = sum(returns.values(), zero) / count
+    divisor = max(count - 1, 1) if unbiased else count
+    variance = sum(((g - mean) ** 2 for g in returns.values()), zero) / divisor
+    std = torch.sqrt(variance) if float(variance.detach()) > 0 else zero
+    if float(std.detach()) + eps == 0:
+        return torch.zeros(tuple(mask.shape), dtype=torch.float64)
+    entries = {key: (g - mean) / (std + eps) for key, g in returns.items()}
+    return _matrix(entries, tuple(mask.shape))  # type: ignore[arg-type]
+
+
+def adaptive_kl_values(
+    init_kl_coef: float, target: float, horizon: float, updates: list[tuple[float, int]]
+) -> list[float]:
+    """The coefficient after each (current_kl, n_steps) update (Ziegler et al. 2019, Sec. 2.2)."""
+    value = init_kl_coef
+    out = []
+    for current_kl, n_steps in updates:
+        error = current_kl / target - 1
+        if error > 0.2:
+            error = 0.2
+        if error < -0.2:
+            error = -0.2
+        value = value * (1 + error * n_steps / horizon)
+        out.append(value)
+    return out

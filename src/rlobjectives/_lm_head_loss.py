@@ -132,7 +132,8 @@ def fused_policy_loss_from_hidden(
         diagnostics_normalizer: as :func:`policy_loss`.
         ref_log_probs: optional ``(B, T)`` reference-policy log-probabilities for the KL term.
         kl_coef: :math:`\beta \ge 0`; the KL term is added only with ``ref_log_probs``.
-        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``, as :func:`rlobjectives.kl_estimate`.
+        kl_estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"``, as
+            :func:`rlobjectives.kl_estimate`.
         kl_straight_through: value of ``kl_estimator`` with the gradient of ``k2`` (verl
             ``k3+``), as :func:`rlobjectives.kl_estimate`.
 
