@@ -501,7 +501,7 @@ def test_openrlhf_gspo_against_the_sampler() -> None:
 
 def test_presets_import_no_peer() -> None:
     code = (
-        "import sys, rlobjectives, rlobjectives.presets; "
+        "import sys, rlobjectives, rlobjectives.presets, rlobjectives.integrations; "
         "assert not any(m.split('.')[0] in ('trl', 'transformers', 'verl', 'openrlhf') "
         "for m in sys.modules), sorted(sys.modules)"
     )
