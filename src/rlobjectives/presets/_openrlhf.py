@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._masking import masked_mean
 from .._validation import validate_choice
 from ._common import ReductionArgs, not_yet, weighted_policy_loss
 
@@ -132,9 +133,7 @@ class OpenRLHFPolicyLoss:
         clip_ratio = diagnostics.clip_fraction_low + diagnostics.clip_fraction_high
         ppo_kl = diagnostics.approx_kl_k1
         if self.enable_vllm_is_correction:  # ppo_kl stays against old_log_probs in OpenRLHF
-            ppo_kl = weighted_policy_loss(
-                log_probs, old_log_probs, advantages, mask, options=row.options(self), args=args
-            ).diagnostics.approx_kl_k1
+            ppo_kl = masked_mean(old_log_probs - log_probs.detach(), mask)
         return OpenRLHFPolicyLossOutput(term.loss, clip_ratio, ppo_kl, None)
 
 
