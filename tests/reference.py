@@ -716,7 +716,8 @@ def fused_policy_loss_from_hidden(
     return loss
 
 
-# === PPO: whitening, value loss, GAE options, REINFORCE++ options, outcome advantages ==========
+# === PPO: whitening, value loss, GAE options, REINFORCE++ options, outcome advantages ===
+
 # (issue 14: rlobjectives._whitening, _value, _advantages, _outcome_advantages, _kl_control)
 
 
@@ -1042,3 +1043,193 @@ def adaptive_kl_values(
         value = value * (1 + error * n_steps / horizon)
         out.append(value)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Peer presets (rlobjectives.presets): each peer's loss written out from its formulas, as loops.
+
+
+def _selected(mask: Tensor) -> list[list[bool]]:
+    return _as_list_mask(mask != 0)
+
+
+def trl_grpo_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss_type: str,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    beta: float = 0.0,
+    ref_log_probs: Tensor | None = None,
+    level: str = "token",
+    delta: float | None = None,
+    max_completion_length: int | None = None,
+    use_bias_correction_kl: bool = True,
+    importance_sampling_ratio: Tensor | None = None,
+    num_items_in_batch: int | None = None,
+    num_processes: int = 1,
+    accumulation: int = 1,
+    steps_per_generation: int | None = None,
+) -> Tensor:
+    """TRL 1.16 ``GRPOTrainer._compute_loss`` (clipped loss types), token by token."""
+    high = epsilon if epsilon_high is None else epsilon_high
+    keep = _selected(mask)
+    rows, width = len(keep), len(keep[0]) if keep else 0
+    row_sums, counts = [], []
+    for i in range(rows):
+        tokens = [t for t in range(width) if keep[i][t]]
+        sequence_log_ratio = sum(
+            (log_probs[i, t] - old_log_probs[i, t] for t in tokens), torch.zeros(())
+        ) / max(len(tokens), 1)
+        total = torch.zeros((), dtype=torch.float64)
+        for t in tokens:
+            log_ratio = (
+                log_probs[i, t] - old_log_probs[i, t] if level == "token" else (sequence_log_ratio)
+            )
+            ratio = torch.exp(log_ratio)
+            clipped = torch.clamp(ratio, 1 - epsilon, 1 + high)
+            capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+            a = _advantage(advantages, i, t)
+            loss = -torch.minimum(capped * a, clipped * a)
+            if importance_sampling_ratio is not None:
+                loss = loss * _advantage(importance_sampling_ratio, i, t)
+            if beta != 0.0:
+                assert ref_log_probs is not None
+                d = ref_log_probs[i, t] - log_probs[i, t]
+                kl = torch.exp(d) - d - 1
+                loss = loss + beta * (kl * ratio if use_bias_correction_kl else kl)
+            total = total + loss
+        row_sums.append(total)
+        counts.append(len(tokens))
+    total = sum(row_sums, torch.zeros((), dtype=torch.float64))
+    ga = accumulation
+    if loss_type == "grpo":
+        means = [s / max(n, 1) for s, n in zip(row_sums, counts, strict=True)]
+        return sum(means, total * 0) / rows / ga
+    if loss_type == "bnpo":
+        return total / max(sum(counts), 1) / ga
+    if loss_type == "dr_grpo":
+        assert max_completion_length is not None
+        return total / (rows * max_completion_length) / ga
+    if loss_type == "dapo":
+        items = sum(counts) if num_items_in_batch is None else num_items_in_batch
+        spg = ga if steps_per_generation is None else steps_per_generation
+        return total / (max(items, 1) / num_processes * ga / spg)
+    assert loss_type == "luspo"
+    return total / rows / ga
+
+
+def verl_agg_loss(
+    losses: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    dp_size: int = 1,
+    batch_num_tokens: float | None = None,
+    global_batch_size: float | None = None,
+    loss_scale_factor: float | None = None,
+) -> Tensor:
+    """verl ``agg_loss`` (HEAD, after PRs #5366 and #5417), row by row."""
+    keep = _selected(mask)
+    rows = [[losses[i, t] for t in range(len(row)) if row[t]] for i, row in enumerate(keep)]
+    zero = torch.zeros((), dtype=torch.float64)
+    tokens = sum(len(r) for r in rows)
+    nonempty = sum(1 for r in rows if r)
+    if mode in ("token-mean", "token-sum"):
+        total = sum((v for r in rows for v in r), zero)
+        if mode == "token-sum":
+            return total * dp_size
+        return total / (tokens if batch_num_tokens is None else batch_num_tokens) * dp_size
+    count = nonempty if global_batch_size is None else global_batch_size
+    if mode == "seq-mean-token-mean":
+        means = [sum(r, zero) / (len(r) + 1e-8) for r in rows if r]
+        return sum(means, zero) / count * dp_size
+    sums = sum((sum(r, zero) for r in rows if r), zero) / count * dp_size
+    if mode == "seq-mean-token-sum-norm":
+        return sums / (mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    assert mode == "seq-mean-token-sum"
+    return sums
+
+
+def verl_policy_losses(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss_mode: str,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float = 3.0,
+) -> Tensor:
+    """verl's per-token ``pg_losses`` of vanilla / gspo / gpg, ``(B, T)`` (0 at unselected)."""
+    keep = _selected(mask)
+    out = torch.zeros_like(log_prob)
+    entries: dict[tuple[int, int], Tensor] = {}
+    for i, row in enumerate(keep):
+        tokens = [t for t in range(len(row)) if row[t]]
+        for t in tokens:
+            a = _advantage(advantages, i, t)
+            if loss_mode == "gpg":
+                entries[(i, t)] = -log_prob[i, t] * a
+                continue
+            if loss_mode == "gspo":
+                mean = sum((log_prob[i, u] - old_log_prob[i, u] for u in tokens), out[0, 0] * 0)
+                log_ratio = log_prob[i, t] - log_prob[i, t].detach() + (mean / len(tokens)).detach()
+                ratio = torch.exp(torch.clamp(log_ratio, max=10.0))
+            else:
+                ratio = torch.exp(torch.clamp(log_prob[i, t] - old_log_prob[i, t], -20.0, 20.0))
+            loss = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - clip_low, 1 + clip_high))
+            if loss_mode == "vanilla" and a < 0:
+                loss = torch.minimum(-a * clip_c, loss)
+            entries[(i, t)] = loss
+    return _matrix(entries, tuple(log_prob.shape)) if entries else out
+
+
+def openrlhf_policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    token_level_loss: bool = True,
+    policy_loss_type: str = "ppo",
+    dp_size: int = 1,
+    batch_num_tokens: float | None = None,
+    global_batch_size: float | None = None,
+) -> Tensor:
+    """OpenRLHF ``PolicyLoss.forward``'s loss (3c3be62), token by token."""
+    keep = _selected(mask)
+    zero = torch.zeros((), dtype=torch.float64)
+    row_losses: list[list[Tensor]] = []
+    for i, row in enumerate(keep):
+        tokens = [t for t in range(len(row)) if row[t]]
+        mean = sum((log_probs[i, t] - old_log_probs[i, t] for t in tokens), zero)
+        losses = []
+        for t in tokens:
+            a = _advantage(advantages, i, t)
+            if policy_loss_type == "gspo":  # the sequence ratio with its full gradient
+                ratio = torch.exp(mean / max(len(tokens), 1))
+            else:
+                ratio = torch.exp(torch.clamp(log_probs[i, t] - old_log_probs[i, t], -20.0, 20.0))
+            surrogate = torch.minimum(
+                ratio * a, torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * a
+            )
+            if dual_clip is not None and a < 0:
+                surrogate = torch.maximum(surrogate, dual_clip * a)
+            losses.append(-surrogate)
+        row_losses.append(losses)
+    if token_level_loss and policy_loss_type == "ppo":
+        total = sum((v for r in row_losses for v in r), zero)
+        count = sum(len(r) for r in row_losses)
+        return total / count if batch_num_tokens is None else total / batch_num_tokens * dp_size
+    means = [sum(r, zero) / (len(r) + 1e-8) for r in row_losses if r]
+    if global_batch_size is None:
+        return sum(means, zero) / len(means)
+    return sum(means, zero) / global_batch_size * dp_size

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 
@@ -63,6 +64,8 @@ def _modules() -> list[str]:
     for info in pkgutil.walk_packages(rlobjectives.__path__, "rlobjectives."):
         if ".demo" in info.name or info.name.endswith("__main__"):
             continue
+        if info.name == "rlobjectives.integrations.trl" and not importlib.util.find_spec("trl"):
+            continue  # the optional extra is not installed
         names.append(info.name)
     return names
 

@@ -49,6 +49,7 @@ import torch
 
 from ._masking import clamp, masked_fill_zero
 from ._reduction import Reduction, reduce, validate_reduction
+from ._spellings import check_estimator_spelling
 from ._validation import (
     ArrayLike,
     Scalar,
@@ -234,6 +235,7 @@ def validate_kl_options(
     estimator: str, straight_through: bool, log_ratio_bound: Scalar | None
 ) -> float | torch.Tensor | None:
     """Validate the estimator options; return the validated log-ratio bound (or None)."""
+    check_estimator_spelling(estimator, ESTIMATORS)  # verl's names: "did you mean"
     validate_choice(estimator, "estimator", ESTIMATORS)
     validate_bool(straight_through, "straight_through")
     if log_ratio_bound is None:

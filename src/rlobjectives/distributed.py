@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from ._masking import masked_fill_zero
 from ._reduction import REDUCTIONS
+from ._spellings import canonical_reduction
 from ._validation import (
     ArrayLike,
     Scalar,
@@ -254,8 +255,9 @@ def normalizer_for_reduction(normalizers: Normalizers, *, reduction: str) -> tor
             "normalizers must be the Normalizers returned by global_normalizers, got "
             f"{type(normalizers).__name__}"
         )
-    validate_choice(reduction, "reduction", REDUCTIONS)
-    if reduction == "none":
+    # peers' spellings: alias or "did you mean"
+    name = validate_choice(canonical_reduction(reduction), "reduction", REDUCTIONS)
+    if name == "none":
         raise ValueError(
             "reduction='none' takes no normalizer (it returns the (B, T) per-token values); "
             "expected one of ['token_mean', 'sequence_mean', 'sequence_sum_normalized']"
@@ -264,7 +266,7 @@ def normalizer_for_reduction(normalizers: Normalizers, *, reduction: str) -> tor
         "token_mean": normalizers.tokens,
         "sequence_mean": normalizers.sequences_nonempty,
         "sequence_sum_normalized": normalizers.sequences,
-    }[reduction]
+    }[name]
     return count.clamp(min=1)
 
 
