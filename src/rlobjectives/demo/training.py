@@ -30,7 +30,6 @@ import dataclasses
 import importlib
 import json
 import math
-import os
 import signal
 import sys
 import threading
@@ -52,6 +51,7 @@ from ..distributed import (
     normalizer_for_reduction,
     sum_diagnostics,
 )
+from . import _process_group
 from .model import TinyTransformer
 from .task import TASKS, DigitTask
 
@@ -460,12 +460,6 @@ class _Interrupt:
         raise KeyboardInterrupt
 
 
-def _setup_distributed() -> None:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1 and not _is_distributed():
-        dist.init_process_group("gloo")
-
-
 def train(
     config: DemoConfig,
     *,
@@ -487,7 +481,7 @@ def train(
         every step), the figure and ``summary.json`` with ``interrupted: true``.
     """
     tqdm, pyplot = _require_extras()
-    _setup_distributed()
+    created_group = _process_group.setup()
     rank, world_size = _rank_and_world_size()
     if config.prompts_per_step % world_size:
         raise ValueError(
@@ -606,7 +600,9 @@ def train(
     if writer:
         _write_outputs(pyplot, config, result, out, stream)
     if _is_distributed() and not interrupt.fired:
-        dist.destroy_process_group()
+        # After an interruption a peer may be gone: no more collectives then.
+        model = None  # the DistributedDataParallel wrapper references the process group
+        _process_group.shutdown(created=created_group)
     return result
 
 
