@@ -342,7 +342,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("the packed loss differs from the padded loss", file=sys.stderr)
             return 1
         step_function = packed_grpo_step
-    result = train(config, model=model, forward=hf_forward, step_function=step_function)
+    result = train(config, model=model, forward=hf_forward, custom_step=step_function)
     return 130 if result.interrupted else 0
 
 

@@ -96,6 +96,7 @@ def validate_cu_seqlens(
     device: torch.device,
     *,
     name: str = "cu_seqlens",
+    reference: str = "the per-token tensors",
 ) -> torch.Tensor:
     """Check ``cu_seqlens`` against ``N`` tokens; return it as int64 ``(S + 1,)`` on ``device``.
 
@@ -106,13 +107,15 @@ def validate_cu_seqlens(
         ValueError: naming ``name``, for a floating/bool dtype, a rank other than 1, no entry,
             another device, or values that are not 0 first, ``N`` last and non-decreasing.
     """
-    cu = _cu_tensor(cu_seqlens, device, name)
+    cu = _cu_tensor(cu_seqlens, device, name, reference)
     if not torch.compiler.is_compiling():
         _check_values(cu, num_tokens, name)
     return cu
 
 
-def _cu_tensor(cu_seqlens: ArrayLike, device: torch.device, name: str) -> torch.Tensor:
+def _cu_tensor(
+    cu_seqlens: ArrayLike, device: torch.device, name: str, reference: str
+) -> torch.Tensor:
     """``cu_seqlens`` as int64 ``(S + 1,)`` on ``device``: dtype, rank and device checks."""
     if isinstance(cu_seqlens, torch.Tensor):
         cu: torch.Tensor = cu_seqlens
@@ -133,7 +136,7 @@ def _cu_tensor(cu_seqlens: ArrayLike, device: torch.device, name: str) -> torch.
         )
     if cu.device != device:
         raise ValueError(
-            f"{name} must be on the device of the per-token tensors ({device}), got device "
+            f"{name} must be on the device of {reference} ({device}), got device "
             f"{cu.device}"
         )
     return cu.to(torch.int64)
@@ -343,7 +346,7 @@ def unpack(
     *,
     length: int | None = None,
     padding_side: str = "right",
-    padding_value: float = 0.0,
+    padding_value: float | bool = 0.0,
 ) -> UnpackedTokens:
     r"""Unpack a packed ``(N, ...)`` tensor into the padded ``(S, T, ...)`` layout.
 
@@ -358,7 +361,8 @@ def unpack(
         length: ``T``, the padded width (a static int >= the longest sequence); None uses the
             longest sequence (read once on the host).
         padding_side: ``"right"`` (``[tokens, pad]``) or ``"left"`` (``[pad, tokens]``).
-        padding_value: the value at padded positions.
+        padding_value: the value at padded positions (a Python number; a bool for bool
+            values, e.g. a mask).
 
     Returns:
         :class:`UnpackedTokens` ``(values, mask)``: ``(S, T, ...)`` values in the dtype of
@@ -367,7 +371,8 @@ def unpack(
     Raises:
         ValueError: on a malformed ``cu_seqlens`` (see :func:`rlobjectives.policy_loss`), an
             unknown ``padding_side``, or a ``length`` shorter than the longest sequence.
-        TypeError: on non-numeric values or a non-int ``length``.
+        TypeError: on non-numeric values, a non-int ``length`` or a non-number
+            ``padding_value``.
 
     Examples:
         >>> import torch
@@ -383,13 +388,18 @@ def unpack(
     values_t = as_tensor(values, "values")
     validate_choice(padding_side, "padding_side", PADDING_SIDES)
     device = values_t.device
-    raw = _cu_tensor(cu_seqlens, device, "cu_seqlens")
+    if not isinstance(padding_value, (int, float)):  # bool is an int
+        raise TypeError(
+            f"padding_value must be a Python number or bool, got "
+            f"{type(padding_value).__name__} ({padding_value!r})"
+        )
+    raw = _cu_tensor(cu_seqlens, device, "cu_seqlens", "values")
     total = int(raw[-1])  # N (host read: unpack is data preparation)
     if values_t.ndim >= 2 and values_t.shape[0] == 1 and values_t.shape[0] != total:
         values_t = values_t[0]  # (1, N, ...) as a model returns it
     if values_t.ndim < 1:
         raise ValueError(f"values must have shape (N, ...), got shape {tuple(values_t.shape)}")
-    cu = validate_cu_seqlens(raw, values_t.shape[0], device)
+    cu = validate_cu_seqlens(raw, values_t.shape[0], device, reference="values")
     tokens = values_t.shape[0]
     layout = layout_from_cu_seqlens(cu, tokens)
     ids = layout.sequence_ids

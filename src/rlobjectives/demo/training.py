@@ -30,7 +30,6 @@ import dataclasses
 import importlib
 import json
 import math
-import os
 import signal
 import sys
 import threading
@@ -52,6 +51,7 @@ from ..distributed import (
     normalizer_for_reduction,
     sum_diagnostics,
 )
+from . import _process_group
 from .model import TinyTransformer
 from .task import TASKS, DigitTask
 
@@ -73,6 +73,7 @@ Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 # One GRPO step with the signature of grpo_step (examples/ passes a packed-sequence step).
 Step = Callable[..., dict[str, float]]
 REDUCTIONS = ("token_mean", "sequence_mean", "sequence_sum_normalized")
+ALGORITHMS = ("grpo", "ppo")
 _MISSING_EXTRA = (
     "rlobjectives demo needs the optional packages tqdm and matplotlib, which are not "
     "installed ({error}); install them with: pip install 'rlobjectives[demo]'"
@@ -84,6 +85,7 @@ class DemoConfig:
     """Every setting of a demo run (the command-line options, see :func:`build_parser`)."""
 
     out: str = "rlobjectives-demo"
+    algorithm: str = "grpo"
     seed: int = 0
     task: str = "sort-unique"
     length: int = 6
@@ -411,8 +413,15 @@ def write_figure(
 ) -> None:
     """Save the reward, accuracy, KL and clip-fraction curves as one PNG."""
     steps = [entry["step"] for entry in history]
-    figure, axes = pyplot.subplots(2, 2, figsize=(10, 7), constrained_layout=True)
-    reward, accuracy, kl, clip = axes.flat
+    critic = "value_loss" in history[0]  # PPO: a third column for the critic and the KL coef
+    figure, axes = pyplot.subplots(
+        2, 3 if critic else 2, figsize=(15 if critic else 10, 7), constrained_layout=True
+    )
+    reward, accuracy, kl, clip = axes[:, :2].flat
+    if critic:
+        from .ppo import plot_critic
+
+        plot_critic(axes[0, 2], axes[1, 2], history)
     reward.plot(steps, [entry["reward"] for entry in history], label="mean reward (sampled)")
     reward.set_title("reward")
     evaluated = [entry for entry in history if entry.get("heldout_accuracy") is not None]
@@ -433,7 +442,7 @@ def write_figure(
     clip.plot(steps, [entry["clip_fraction_high"] for entry in history], label="high (A > 0)")
     clip.set_title("clip fraction")
     for axis in axes.flat:
-        axis.set_xlabel("GRPO step")
+        axis.set_xlabel("PPO step" if critic else "GRPO step")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     figure.savefig(path, dpi=100)
@@ -453,19 +462,13 @@ class _Interrupt:
         raise KeyboardInterrupt
 
 
-def _setup_distributed() -> None:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1 and not _is_distributed():
-        dist.init_process_group("gloo")
-
-
 def train(
     config: DemoConfig,
     *,
     model: nn.Module | None = None,
     forward: Forward = _default_forward,
     stream: TextIO | None = None,
-    step_function: Step | None = None,
+    custom_step: Step | None = None,
 ) -> DemoResult:
     """Run the demo: warm start, reference evaluation, GRPO, outputs in ``config.out``.
 
@@ -474,17 +477,17 @@ def train(
         model: the policy to train (default: a fresh :class:`TinyTransformer`); it must map token
             ids of the task's vocabulary to logits through ``forward``.
         forward: ``(model, tokens, attention_mask) -> logits``.
-        step_function: one GRPO step with the signature and metrics of :func:`grpo_step` (the
-            default);
-            ``examples/grpo_transformers.py --packed`` passes a packed-sequence step.
         stream: where the progress bars and the summary go (default: standard error / output).
+        custom_step: one training step with the signature and metrics of :func:`grpo_step`,
+            in place of the configured algorithm's (``examples/grpo_transformers.py --packed``
+            passes a packed-sequence step).
 
     Returns:
         :class:`DemoResult`. On Ctrl-C the run stops after writing ``metrics.jsonl`` (flushed
         every step), the figure and ``summary.json`` with ``interrupted: true``.
     """
     tqdm, pyplot = _require_extras()
-    _setup_distributed()
+    created_group = _process_group.setup()
     rank, world_size = _rank_and_world_size()
     if config.prompts_per_step % world_size:
         raise ValueError(
@@ -538,9 +541,17 @@ def train(
         # Prompts: same stream on every rank; sampling: one stream per rank.
         prompt_generator = torch.Generator().manual_seed(config.seed + 1)
         sample_generator = torch.Generator().manual_seed(config.seed * 1000 + 7 + rank)
-        with tqdm(total=config.steps, desc="GRPO", disable=not show, file=stream) as bar:
+        step_function: Callable[..., dict[str, float]] = grpo_step
+        if custom_step is not None:
+            step_function = custom_step
+        elif config.algorithm == "ppo":  # actor-critic: the critic and KL controller live there
+            from .ppo import PPOStep
+
+            step_function = PPOStep(policy, config, world_size=world_size)
+        desc = config.algorithm.upper()
+        with tqdm(total=config.steps, desc=desc, disable=not show, file=stream) as bar:
             for step in range(1, config.steps + 1):
-                metrics = (grpo_step if step_function is None else step_function)(
+                metrics = step_function(
                     model,
                     reference,
                     optimizer,
@@ -597,7 +608,9 @@ def train(
     if writer:
         _write_outputs(pyplot, config, result, out, stream)
     if _is_distributed() and not interrupt.fired:
-        dist.destroy_process_group()
+        # After an interruption a peer may be gone: no more collectives then.
+        model = None  # the DistributedDataParallel wrapper references the process group
+        _process_group.shutdown(created=created_group)
     return result
 
 
@@ -636,7 +649,7 @@ def _write_outputs(
     reference = _finite_or_none(result.reference_accuracy)
     final = result.final_accuracy if result.final_accuracy is not None else last_heldout
     print(
-        f"{status}: {result.steps_completed}/{config.steps} GRPO steps in "
+        f"{status}: {result.steps_completed}/{config.steps} {config.algorithm.upper()} steps in "
         f"{result.wall_time_s:.1f} s on {result.world_size} process(es); held-out exact match "
         f"{_percent(reference)} (reference) -> {_percent(final)} (policy); outputs in {out}/ "
         "(metrics.jsonl, metrics.png, summary.json)",
@@ -673,10 +686,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--out", default=defaults.out, help="output folder")
+    add(
+        "--algorithm",
+        choices=ALGORITHMS,
+        default=defaults.algorithm,
+        help="grpo (group-relative advantages) or ppo (critic, GAE, adaptive KL coefficient)",
+    )
     add("--seed", type=int, default=defaults.seed, help="random seed (model, data, sampling)")
     add("--task", choices=TASKS, default=defaults.task, help="the digit task")
     add("--length", type=int, default=defaults.length, help="digits per prompt")
-    add("--steps", type=int, default=defaults.steps, help="GRPO steps")
+    add("--steps", type=int, default=defaults.steps, help="RL steps (GRPO or PPO)")
     add(
         "--warmup-steps",
         type=int,
@@ -749,6 +768,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else 2
     config = DemoConfig(
         out=values.out,
+        algorithm=values.algorithm,
         seed=values.seed,
         task=values.task,
         length=values.length,
