@@ -136,8 +136,7 @@ def _cu_tensor(
         )
     if cu.device != device:
         raise ValueError(
-            f"{name} must be on the device of {reference} ({device}), got device "
-            f"{cu.device}"
+            f"{name} must be on the device of {reference} ({device}), got device {cu.device}"
         )
     return cu.to(torch.int64)
 
