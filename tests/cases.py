@@ -678,7 +678,8 @@ CASES: tuple[Case, ...] = (
         + per_token_wrongs("values")
         + mask_wrongs()
         + scalar_wrongs("gamma", below=-0.1, above=1.5, xfail=None)
-        + scalar_wrongs("lam", below=-0.1, above=1.5, xfail=None),
+        + scalar_wrongs("lam", below=-0.1, above=1.5, xfail=None)
+        + cu_seqlens_wrongs(),
     ),
     Case(
         "global_normalizers",
@@ -883,7 +884,8 @@ CASES: tuple[Case, ...] = (
         + per_token_wrongs("token_rewards")
         + scalar_wrongs("gamma", below=-0.1, above=1.5, xfail=None)
         + int_wrongs("group_size", minimum=1)
-        + hyper("eps", below=-0.1),
+        + hyper("eps", below=-0.1)
+        + cu_seqlens_wrongs(),
     ),
     Case(
         "response_alignment",

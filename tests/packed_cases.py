@@ -260,6 +260,27 @@ def _full_vocab_kl(reduction: str) -> Callable[[View], Outputs]:
     return run
 
 
+def _gae(**options: Any) -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        out = rlo.gae(v["token_rewards"], v["values"], v["mask"], **options, **v.layout)
+        return {"advantages": v.tokens(out.advantages), "returns": v.tokens(out.returns)}
+
+    return run
+
+
+def _reinforce_plus_plus(*, baseline: bool = False, **options: Any) -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        if baseline:  # two groups, interleaved: the group-mean baseline, unbiased whitening
+            sequences = v["rewards"].shape[0]
+            options.update(group_ids=torch.arange(sequences) % 2, unbiased=True)
+        out = rlo.reinforce_plus_plus_advantages(
+            v["rewards"], v["mask"], token_rewards=v["token_rewards"], **options, **v.layout
+        )
+        return {"advantages": v.tokens(out)}
+
+    return run
+
+
 def _normalizers(v: View) -> Outputs:
     counts = rlo.global_normalizers(v["mask"], cu_seqlens=v.cu_seqlens)
     return {name: value.double() for name, value in counts._asdict().items()}
@@ -305,4 +326,19 @@ CASES: list[Case] = [
         heavy=True,
     ),
     Case("global_normalizers", _normalizers, ()),
+    Case("gae", _gae(gamma=0.9, lam=0.8), ("values_leaf", "token_rewards_leaf")),
+    Case(
+        "gae-holes=zero-whiten",
+        _gae(gamma=0.97, lam=0.9, holes="zero", whiten=True),
+        ("values_leaf", "token_rewards_leaf"),
+    ),
+    Case("gae-gamma=lam=1", _gae(gamma=1.0, lam=1.0), ("values_leaf", "token_rewards_leaf")),
+    Case(
+        "reinforce_plus_plus_advantages", _reinforce_plus_plus(gamma=0.95), ("token_rewards_leaf",)
+    ),
+    Case(
+        "reinforce_plus_plus_advantages-baseline",
+        _reinforce_plus_plus(baseline=True),
+        ("token_rewards_leaf",),
+    ),
 ]

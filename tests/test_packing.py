@@ -129,6 +129,10 @@ CALLS: dict[str, Callable[[Any], object]] = {
         torch.zeros(N, 5), torch.zeros(N, 5), MASK, cu_seqlens=cu
     ),
     "global_normalizers": lambda cu: rlo.global_normalizers(MASK, cu_seqlens=cu),
+    "gae": lambda cu: rlo.gae(TOKENS, TOKENS, MASK, gamma=0.9, lam=0.9, cu_seqlens=cu),
+    "reinforce_plus_plus_advantages": lambda cu: rlo.reinforce_plus_plus_advantages(
+        SCORES, MASK, cu_seqlens=cu
+    ),
     "unpack": lambda cu: rlo.unpack(TOKENS, cu),
 }
 
@@ -204,6 +208,37 @@ def test_advantage_forms_and_default_constant() -> None:
     torch.testing.assert_close(per_sequence, padded.loss, **LAYOUT_TOLERANCE)
     explicit = rlo.policy_loss(lp, old, advantages, mask, max_response_length=5, **options)
     assert torch.equal(explicit.loss, per_sequence)
+
+
+# --------------------------------------------------------------------------------------------
+# Long sequences: the packed recursions (recursive doubling) vs the padded blocked scan
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("gamma", "lam", "holes"), [(0.9, 0.8, "skip"), (0.99, 0.95, "zero")])
+def test_packed_advantages_on_long_sequences(gamma: float, lam: float, holes: str) -> None:
+    # Hundreds of tokens: the padded scan works in several blocks (gamma * lam = 0.72: ~100
+    # tokens each) and the packed one in ceil(log2 N) doubling steps; they agree to rounding.
+    batch = make_batch([300, 0, 1, 517, 64], extra=3, side="right", seed=7)
+    tensors = make_tensors(batch, poison=True)
+    rewards, values, cu = tensors["token_rewards"], tensors["values"], batch.cu_seqlens
+    padded = rlo.gae(rewards, values, batch.mask, gamma=gamma, lam=lam, holes=holes)
+    packed = rlo.gae(
+        batch.pack(rewards), batch.pack(values), batch.pack(batch.mask), gamma=gamma, lam=lam,
+        holes=holes, cu_seqlens=cu,
+    )  # fmt: skip
+    for name in ("advantages", "returns"):
+        expected = batch.pack(getattr(padded, name))
+        torch.testing.assert_close(getattr(packed, name), expected, **LAYOUT_TOLERANCE)
+    scores = tensors["rewards"]
+    padded_rpp = rlo.reinforce_plus_plus_advantages(
+        scores, batch.mask, token_rewards=rewards, gamma=gamma
+    )
+    packed_rpp = rlo.reinforce_plus_plus_advantages(
+        scores, batch.pack(batch.mask), token_rewards=batch.pack(rewards), gamma=gamma,
+        cu_seqlens=cu,
+    )  # fmt: skip
+    torch.testing.assert_close(packed_rpp, batch.pack(padded_rpp), **LAYOUT_TOLERANCE)
 
 
 # --------------------------------------------------------------------------------------------

@@ -2,8 +2,9 @@ r"""Token-level advantage estimators: REINFORCE++ and masked GAE.
 
 They take ``(B, T)`` tensors and a mask; unselected tokens are not part of the trajectory
 (their rewards and values are ignored, their advantages are 0) and NaN/inf there never reaches
-the outputs. All results are float32 (float64 when an input is float64). The outcome-reward
-(one score per sequence) estimators are in ``_outcome_advantages``.
+the outputs. On packed sequences (``cu_seqlens``) the recursions restart at every sequence
+boundary (:mod:`rlobjectives._segments`). All results are float32 (float64 when an input is
+float64). The outcome-reward (one score per sequence) estimators are in ``_outcome_advantages``.
 """
 
 from __future__ import annotations
@@ -14,11 +15,13 @@ from typing import Any, Literal, NamedTuple
 import torch
 
 from ._groups import group_centered, grouped_rewards
-from ._masking import last_selected, masked_fill_zero
+from ._layout import Layout
+from ._masking import masked_fill_zero
+from ._packing import per_sequence, sequence_layout, token_matrix, token_output
+from ._segments import segment_discounted_sum, segment_next_selected
 from ._validation import (
     ArrayLike,
     Scalar,
-    as_batch_matrix,
     as_float_tensor,
     as_mask,
     check_same_device,
@@ -114,6 +117,22 @@ def _next_selected(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return padded.gather(-1, next_index)  # (B, T)
 
 
+def _discounted_sum(
+    values: torch.Tensor, chain: torch.Tensor, discount: float, layout: Layout
+) -> torch.Tensor:
+    """:func:`_masked_discounted_sum` per row, or per packed sequence (restarting at each)."""
+    if layout.sequence_ids is None:
+        return _masked_discounted_sum(values, chain, discount)
+    return segment_discounted_sum(values, chain, layout, discount)
+
+
+def _next_on_chain(values: torch.Tensor, chain: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """:func:`_next_selected` per row, or inside each packed sequence."""
+    if layout.sequence_ids is None:
+        return _next_selected(values, chain)
+    return segment_next_selected(values, chain, layout)
+
+
 def _max_abs(values: torch.Tensor) -> torch.Tensor:
     """0-d largest magnitude of ``values`` (0 for an empty tensor)."""
     return values.abs().amax() if values.numel() else values.new_zeros(())
@@ -129,6 +148,7 @@ def reinforce_plus_plus_advantages(
     group_ids: Any = None,
     unbiased: bool = False,
     eps: Scalar = 1e-8,
+    cu_seqlens: ArrayLike | None = None,
 ) -> torch.Tensor:
     r"""REINFORCE++ token advantages: discounted token returns, whitened over the whole batch.
 
@@ -153,7 +173,10 @@ def reinforce_plus_plus_advantages(
     :math:`A_{q,o_t}`). For global normalization across data-parallel ranks, call it on the
     gathered batch. An empty mask gives all zeros; unselected tokens get 0. Returns are
     computed on the inputs divided by a power of two near their largest magnitude, so scores of
-    :math:`10^{20}` or :math:`10^{-20}` in float32 neither overflow nor underflow.
+    :math:`10^{20}` or :math:`10^{-20}` in float32 neither overflow nor underflow. Packed
+    sequences (``cu_seqlens``): ``mask`` and ``token_rewards`` are ``(N,)`` or ``(1, N)``,
+    ``rewards`` ``(S,)``; each score lands on the last selected token of its sequence and the
+    discounted sum restarts at every boundary (the whitening is over the whole batch anyway).
 
     Peers: OpenRLHF ``reinforce`` / ``reinforce_baseline`` whiten with
     :math:`(G - \mu)\,\mathrm{rsqrt}(\max(\sigma^2, 10^{-8}))` (population variance); verl
@@ -176,15 +199,17 @@ def reinforce_plus_plus_advantages(
         unbiased: whiten with the Bessel-corrected variance (verl) instead of the population
             variance (OpenRLHF, the default).
         eps: :math:`\epsilon \ge 0` added to :math:`\sigma`.
+        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
 
     Returns:
-        ``(B, T)`` advantages on the device of ``mask``, float32 (float64 if an input is
-        float64), zeros at unselected tokens.
+        ``(B, T)`` advantages (packed: the shape of ``mask``) on the device of ``mask``,
+        float32 (float64 if an input is float64), zeros at unselected tokens.
 
     Raises:
         ValueError: on mismatched shapes/devices, an invalid grouping (``B`` not divisible by
             ``group_size``, both ``group_size`` and ``group_ids``, labels not one per row),
-            ``gamma`` outside [0, 1] or a negative ``eps``.
+            ``gamma`` outside [0, 1], a negative ``eps`` or a malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs or a non-bool ``unbiased``.
 
     References:
@@ -201,11 +226,17 @@ def reinforce_plus_plus_advantages(
     .. versionchanged:: 0.2.0
        ``unbiased``, ``group_ids``; magnitudes up to the float limits.
     """
-    mask_t = as_batch_matrix(as_mask(mask, "mask"), "mask")
+    packed = cu_seqlens is not None
+    mask_in = as_mask(mask, "mask")
+    flat = packed and mask_in.ndim == 1
+    mask_t = token_matrix(mask_in, "mask", packed)
     device = mask_t.device
-    batch = mask_t.shape[0]
+    layout = sequence_layout(cu_seqlens, mask_t)
+    batch = layout.num_sequences
     scores = as_float_tensor(rewards, "rewards", device)
     tensors = {"mask": mask_t, "rewards": scores}
+    if packed:
+        scores = per_sequence(scores, "rewards", layout, "cu_seqlens")
     if scores.ndim == 2 and scores.shape[1] == 1:
         scores = scores.squeeze(-1)
     if scores.ndim != 1 or scores.shape[0] != batch:
@@ -215,8 +246,8 @@ def reinforce_plus_plus_advantages(
         )
     extra = None
     if token_rewards is not None:
-        extra = as_batch_matrix(
-            as_float_tensor(token_rewards, "token_rewards", device), "token_rewards"
+        extra = token_matrix(
+            as_float_tensor(token_rewards, "token_rewards", device), "token_rewards", packed
         )
         check_shape(extra, "token_rewards", mask_t.shape, "mask")
         tensors["token_rewards"] = extra
@@ -236,14 +267,14 @@ def reinforce_plus_plus_advantages(
     if group_size is not None or group_ids is not None:
         scores, groups = grouped_rewards(scores, group_size, group_ids, minimum=1)
         scores = group_centered(scores, groups)  # (B,) (r_i - b_i) / unit
-    last = last_selected(mask_t)  # (B, T)
-    token_level = masked_fill_zero(scores.unsqueeze(-1).expand(mask_t.shape), last)
+    last = layout.last_selected(mask_t)  # (B, T)
+    token_level = masked_fill_zero(layout.expand(scores).expand(mask_t.shape), last)
     if extra_selected is not None:
         token_level = token_level + extra_selected / unit  # (B, T)
-    returns = _masked_discounted_sum(token_level, mask_t, discount)  # (B, T) G / unit
+    returns = _discounted_sum(token_level, mask_t, discount, layout)  # (B, T) G / unit
     moments = masked_moments(returns, mask_t, unbiased=unbiased)  # in units of unit * scale
     denominator = safe_sqrt(moments.variance) + epsilon / (unit * moments.scale)  # ()
-    return divide_or_zero(moments.centered, denominator)  # (B, T)
+    return token_output(divide_or_zero(moments.centered, denominator), flat)  # (B, T)
 
 
 class GAEOutput(NamedTuple):
@@ -269,6 +300,7 @@ def gae(
     lam: float,
     whiten: bool = False,
     holes: Holes = "skip",
+    cu_seqlens: ArrayLike | None = None,
 ) -> GAEOutput:
     r"""Masked generalized advantage estimation (GAE) over the selected tokens of each row.
 
@@ -296,8 +328,11 @@ def gae(
       the recursion over every position. Equal to ``"skip"`` when the mask has no holes.
 
     Trailing unselected tokens (padding) never matter: the bootstrap after the last selected
-    token is 0 (the response ended). With :math:`\gamma = \lambda = 1`,
-    :math:`\hat A_t = \sum_{s \ge t} M_s r_s - V_t` (reward-to-go minus value).
+    token is 0 (the response ended). Packed sequences (``cu_seqlens``): the tensors are
+    ``(N,)`` or ``(1, N)`` and the recursion restarts at every sequence boundary (a sequence
+    never bootstraps from the next one), equal to the padded call on the same sequences. With
+    :math:`\gamma = \lambda = 1`, :math:`\hat A_t = \sum_{s \ge t} M_s r_s - V_t`
+    (reward-to-go minus value).
 
     ``whiten=True`` whitens the advantages over the selected tokens of the batch with
     :func:`rlobjectives.masked_whiten` (unbiased variance, :math:`\epsilon = 10^{-8}`) and keeps
@@ -317,15 +352,18 @@ def gae(
         lam: GAE :math:`\lambda \in [0, 1]`.
         whiten: whiten the advantages (verl); the returns are not whitened.
         holes: ``"skip"`` (verl) or ``"zero"`` (OpenRLHF), see above.
+        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
 
     Returns:
-        :class:`GAEOutput` ``(advantages, returns)``, each ``(B, T)``, on the device of
-        ``rewards``, float32 (float64 if an input is float64), zeros at unselected tokens.
+        :class:`GAEOutput` ``(advantages, returns)``, each ``(B, T)`` (packed: the shape of
+        ``rewards``), on the device of ``rewards``, float32 (float64 if an input is float64),
+        zeros at unselected tokens.
         Differentiable in ``rewards`` and ``values`` (detach ``values`` for PPO targets).
 
     Raises:
         ValueError: on mismatched shapes/devices, inputs that are not ``(B, T)``, ``gamma`` or
-            ``lam`` outside [0, 1], an unknown ``holes``.
+            ``lam`` outside [0, 1], an unknown ``holes`` or a malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs, tensor-valued ``gamma``/``lam`` or a non-bool
             ``whiten``.
 
@@ -342,10 +380,13 @@ def gae(
     .. versionchanged:: 0.2.0
        ``whiten`` and ``holes``.
     """
-    rewards_t = as_batch_matrix(as_float_tensor(rewards, "rewards"), "rewards")
+    packed = cu_seqlens is not None
+    rewards_in = as_float_tensor(rewards, "rewards")
+    flat = packed and rewards_in.ndim == 1
+    rewards_t = token_matrix(rewards_in, "rewards", packed)
     device = rewards_t.device
-    values_t = as_batch_matrix(as_float_tensor(values, "values", device), "values")
-    mask_t = as_batch_matrix(as_mask(mask, "mask", device), "mask")
+    values_t = token_matrix(as_float_tensor(values, "values", device), "values", packed)
+    mask_t = token_matrix(as_mask(mask, "mask", device), "mask", packed)
     check_same_device({"rewards": rewards_t, "values": values_t, "mask": mask_t})
     check_shape(values_t, "values", rewards_t.shape, "rewards")
     check_shape(mask_t, "mask", rewards_t.shape, "rewards")
@@ -353,6 +394,7 @@ def gae(
     trace = _validate_discount(lam, "lam")
     validate_flag(whiten, "whiten")
     validate_choice(holes, "holes", HOLES)
+    layout = sequence_layout(cu_seqlens, rewards_t)
     dtype = compute_dtype(rewards_t, values_t)
 
     rewards_m = masked_fill_zero(rewards_t.to(dtype), mask_t)  # (B, T)
@@ -361,13 +403,13 @@ def gae(
         chain = mask_t  # the recursion visits the selected tokens only
     else:
         chain = torch.ones_like(mask_t)  # every position is a step; holes have r = V = 0
-    next_values = _next_selected(values_m, chain)  # (B, T) V_{n(t)}, 0 after the last step
+    next_values = _next_on_chain(values_m, chain, layout)  # (B, T) V_{n(t)}, 0 after the last
     deltas = masked_fill_zero(rewards_m + discount * next_values - values_m, chain)  # (B, T)
     # A_t = delta_t + gamma * lam * A_{n(t)}: the same masked reverse scan as the returns.
     advantages = masked_fill_zero(
-        _masked_discounted_sum(deltas, chain, discount * trace), mask_t
+        _discounted_sum(deltas, chain, discount * trace, layout), mask_t
     )  # (B, T)
     returns = masked_fill_zero(advantages + values_m, mask_t)  # (B, T)
     if whiten:
         advantages = masked_whiten(advantages, mask_t)
-    return GAEOutput(advantages=advantages, returns=returns)
+    return GAEOutput(advantages=token_output(advantages, flat), returns=token_output(returns, flat))
