@@ -281,6 +281,32 @@ def _reinforce_plus_plus(*, baseline: bool = False, **options: Any) -> Callable[
     return run
 
 
+def _value_loss(reduction: str) -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        out = rlo.value_loss(
+            v["values"], v["old_log_probs"], v["token_rewards"], v["mask"], clip=0.3,
+            reduction=reduction, max_response_length=9, **v.layout,
+        )  # fmt: skip
+        loss = v.tokens(out.loss) if out.loss.ndim else out.loss
+        return {
+            "loss": loss,
+            "per_token": v.tokens(out.per_token_loss),
+            **out.diagnostics._asdict(),
+        }
+
+    return run
+
+
+def _opo(v: View) -> Outputs:
+    groups = torch.arange(v["rewards"].shape[0]) % 2
+    return {"advantages": rlo.opo_advantages(v["rewards"], v["mask"], group_ids=groups, **v.layout)}
+
+
+def _remax(v: View) -> Outputs:
+    out = rlo.remax_advantages(v["token_rewards"], v["rewards"], mask=v["mask"], **v.layout)
+    return {"advantages": v.tokens(out)}
+
+
 def _normalizers(v: View) -> Outputs:
     counts = rlo.global_normalizers(v["mask"], cu_seqlens=v.cu_seqlens)
     return {name: value.double() for name, value in counts._asdict().items()}
@@ -326,6 +352,10 @@ CASES: list[Case] = [
         heavy=True,
     ),
     Case("global_normalizers", _normalizers, ()),
+    Case("value_loss-sequence_mean", _value_loss("sequence_mean"), ("values_leaf",)),
+    Case("value_loss-none", _value_loss("none"), ("values_leaf",)),
+    Case("opo_advantages", _opo, ()),
+    Case("remax_advantages", _remax, ("token_rewards_leaf",)),
     Case("gae", _gae(gamma=0.9, lam=0.8), ("values_leaf", "token_rewards_leaf")),
     Case(
         "gae-holes=zero-whiten",

@@ -112,6 +112,11 @@ def test_registry_covers_the_boundary_functions() -> None:
         "token_log_probs_from_hidden",
         "fused_policy_loss_from_hidden",
         "global_normalizers",
+        "gae",
+        "reinforce_plus_plus_advantages",
+        "value_loss",
+        "opo_advantages",
+        "remax_advantages",
     }
     assert expected <= names
 

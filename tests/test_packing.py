@@ -133,6 +133,9 @@ CALLS: dict[str, Callable[[Any], object]] = {
     "reinforce_plus_plus_advantages": lambda cu: rlo.reinforce_plus_plus_advantages(
         SCORES, MASK, cu_seqlens=cu
     ),
+    "value_loss": lambda cu: rlo.value_loss(TOKENS, TOKENS, TOKENS, MASK, cu_seqlens=cu),
+    "opo_advantages": lambda cu: rlo.opo_advantages(SCORES, MASK, 2, cu_seqlens=cu),
+    "remax_advantages": lambda cu: rlo.remax_advantages(TOKENS, SCORES, mask=MASK, cu_seqlens=cu),
     "unpack": lambda cu: rlo.unpack(TOKENS, cu),
 }
 

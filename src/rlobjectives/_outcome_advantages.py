@@ -28,6 +28,8 @@ from ._groups import (
     segment_sum,
 )
 from ._masking import masked_fill_zero
+from ._packing import per_sequence, sequence_layout, token_matrix, token_output
+from ._segments import segment_discounted_sum
 from ._validation import (
     ArrayLike,
     Scalar,
@@ -279,6 +281,7 @@ def opo_advantages(
     group_size: int | None = None,
     *,
     group_ids: Any = None,
+    cu_seqlens: ArrayLike | None = None,
 ) -> torch.Tensor:
     r"""OPO advantages: reward minus the response-length-weighted mean reward of the group.
 
@@ -300,13 +303,16 @@ def opo_advantages(
             lengths :math:`l_i` are its row sums.
         group_size: :math:`G \ge 1`, groups contiguous; or None with ``group_ids``.
         group_ids: ``(N,)`` group label per sequence (see :func:`group_relative_advantages`).
+        cu_seqlens: optional ``(N + 1,)`` boundaries of packed sequences: ``mask`` is then the
+            packed ``(M,)`` or ``(1, M)`` response mask of the ``N`` sequences, and
+            :math:`l_i` counts its selected tokens in the run ``cu_seqlens[i]:cu_seqlens[i+1]``.
 
     Returns:
         ``(N,)`` advantages, float32 (float64 for float64 input), on the device of ``rewards``.
 
     Raises:
-        ValueError: as :func:`group_relative_advantages`, or if ``mask`` is not ``(N, T)`` or
-            on another device.
+        ValueError: as :func:`group_relative_advantages`, if ``mask`` is not ``(N, T)`` or
+            on another device, or a malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs, a non-int ``group_size`` or invalid labels.
 
     References:
@@ -320,14 +326,18 @@ def opo_advantages(
     .. versionadded:: 0.2.0
     """
     values, groups = grouped_rewards(rewards, group_size, group_ids, minimum=1)  # (N,)
-    mask_t = as_batch_matrix(as_mask(mask, "mask", values.device), "mask")
+    packed = cu_seqlens is not None
+    mask_t = token_matrix(as_mask(mask, "mask", values.device), "mask", packed)
     check_same_device({"rewards": values, "mask": mask_t})
-    if mask_t.shape[0] != values.shape[0]:
+    layout = sequence_layout(cu_seqlens, mask_t)
+    if layout.num_sequences != values.shape[0]:
+        shape = "S + 1 boundaries in cu_seqlens" if packed else f"shape {tuple(mask_t.shape)}"
         raise ValueError(
-            f"mask must have shape (N, T) with N = {values.shape[0]} (one row per reward), got "
-            f"shape {tuple(mask_t.shape)}"
+            f"mask must have shape (N, T) with N = {values.shape[0]} (one row per reward), or "
+            f"packed sequences with N + 1 boundaries, got {shape}"
+            + (f" ({layout.num_sequences + 1})" if packed else "")
         )
-    lengths = mask_t.sum(dim=-1).to(values.dtype)  # (N,)
+    lengths = layout.row_counts(mask_t).to(values.dtype)  # (N,)
     unit = group_scale(values, groups)  # (N,)
     scaled = values / unit  # (N,)
     shifted = scaled - scaled[groups.first]  # (N,) exact 0 for identical rewards
@@ -339,7 +349,11 @@ def opo_advantages(
 
 
 def remax_advantages(
-    rewards: ArrayLike, baseline_rewards: ArrayLike, *, mask: ArrayLike | None = None
+    rewards: ArrayLike,
+    baseline_rewards: ArrayLike,
+    *,
+    mask: ArrayLike | None = None,
+    cu_seqlens: ArrayLike | None = None,
 ) -> torch.Tensor:
     r"""ReMax advantages: reward minus the reward of the greedy response to the same prompt.
 
@@ -359,6 +373,9 @@ def remax_advantages(
         baseline_rewards: ``(B,)`` or ``(B, 1)`` rewards of the greedy (argmax) responses.
         mask: ``(B, T)`` response mask for token-level ``rewards`` (required there, rejected
             for ``(B,)`` rewards).
+        cu_seqlens: optional ``(B + 1,)`` boundaries of packed sequences for token-level
+            rewards: ``rewards`` and ``mask`` are then ``(N,)`` or ``(1, N)`` and the
+            reward-to-go restarts at every boundary.
 
     Returns:
         ``(B,)`` or ``(B, T)`` advantages (the shape of ``rewards``), float32 (float64 if an
@@ -379,6 +396,8 @@ def remax_advantages(
 
     .. versionadded:: 0.2.0
     """
+    if cu_seqlens is not None:
+        return _packed_remax(rewards, baseline_rewards, mask, cu_seqlens)
     rewards_t = as_float_tensor(rewards, "rewards")
     device = rewards_t.device
     baseline = as_float_tensor(baseline_rewards, "baseline_rewards", device)
@@ -415,3 +434,28 @@ def remax_advantages(
     selected = masked_fill_zero(rewards_t.to(dtype), mask_t)  # (B, T)
     reward_to_go = selected.flip(-1).cumsum(-1).flip(-1)  # (B, T)
     return masked_fill_zero(reward_to_go - baseline.to(dtype).unsqueeze(-1), mask_t)
+
+
+def _packed_remax(
+    rewards: ArrayLike, baseline_rewards: ArrayLike, mask: ArrayLike | None, cu_seqlens: ArrayLike
+) -> torch.Tensor:
+    """:func:`remax_advantages` of packed token-level rewards ``(N,)`` / ``(1, N)``."""
+    if mask is None:
+        raise ValueError("mask is required with cu_seqlens (packed token-level rewards), got None")
+    rewards_in = as_float_tensor(rewards, "rewards")
+    rewards_t = token_matrix(rewards_in, "rewards", True)  # (1, N)
+    device = rewards_t.device
+    mask_t = token_matrix(as_mask(mask, "mask", device), "mask", True)
+    baseline = as_float_tensor(baseline_rewards, "baseline_rewards", device)
+    check_same_device({"rewards": rewards_t, "mask": mask_t, "baseline_rewards": baseline})
+    if tuple(mask_t.shape) != tuple(rewards_t.shape):
+        raise ValueError(
+            f"mask must have the same shape as rewards {tuple(rewards_t.shape)}, got shape "
+            f"{tuple(mask_t.shape)}"
+        )
+    layout = sequence_layout(cu_seqlens, rewards_t)
+    baseline = per_sequence(baseline, "baseline_rewards", layout, "cu_seqlens")
+    dtype = compute_dtype(rewards_t, baseline)
+    reward_to_go = segment_discounted_sum(rewards_t.to(dtype), mask_t, layout, 1.0)  # (1, N)
+    advantages = masked_fill_zero(reward_to_go - layout.expand(baseline.to(dtype)), mask_t)
+    return token_output(advantages, rewards_in.ndim == 1)

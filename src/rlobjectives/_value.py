@@ -6,12 +6,13 @@ from typing import NamedTuple
 
 import torch
 
+from ._layout import Layout
 from ._masking import masked_fill_zero, safe_divide
-from ._reduction import Reduction, reduce, validate_reduction
+from ._packing import sequence_layout, token_matrix, token_ndim, token_output
+from ._reduction import Reduction, reduce, validate_layout_reduction
 from ._validation import (
     ArrayLike,
     Scalar,
-    as_batch_matrix,
     as_float_tensor,
     as_mask,
     check_same_device,
@@ -69,16 +70,22 @@ class _ValueInputs(NamedTuple):
     returns: torch.Tensor  # (B, T)
     mask: torch.Tensor  # (B, T) bool
     output_dtype: torch.dtype
+    layout: Layout  # padded rows, or packed sequences (cu_seqlens)
 
 
 def _prepare(
-    values: ArrayLike, old_values: ArrayLike, returns: ArrayLike, mask: ArrayLike
+    values: ArrayLike,
+    old_values: ArrayLike,
+    returns: ArrayLike,
+    mask: ArrayLike,
+    cu_seqlens: ArrayLike | None,
 ) -> _ValueInputs:
-    values_t = as_batch_matrix(as_float_tensor(values, "values"), "values")
+    packed = cu_seqlens is not None
+    values_t = token_matrix(as_float_tensor(values, "values"), "values", packed)
     device = values_t.device
-    old_t = as_batch_matrix(as_float_tensor(old_values, "old_values", device), "old_values")
-    returns_t = as_batch_matrix(as_float_tensor(returns, "returns", device), "returns")
-    mask_t = as_batch_matrix(as_mask(mask, "mask", device), "mask")
+    old_t = token_matrix(as_float_tensor(old_values, "old_values", device), "old_values", packed)
+    returns_t = token_matrix(as_float_tensor(returns, "returns", device), "returns", packed)
+    mask_t = token_matrix(as_mask(mask, "mask", device), "mask", packed)
     check_same_device(
         {"values": values_t, "old_values": old_t, "returns": returns_t, "mask": mask_t}
     )
@@ -92,6 +99,7 @@ def _prepare(
         returns=masked_fill_zero(returns_t.to(dtype), mask_t).detach(),
         mask=mask_t,
         output_dtype=values_t.dtype,
+        layout=sequence_layout(cu_seqlens, values_t),
     )
 
 
@@ -117,6 +125,7 @@ def value_loss(
     reduction: Reduction = "token_mean",
     normalizer: Scalar | None = None,
     max_response_length: Scalar | None = None,
+    cu_seqlens: ArrayLike | None = None,
 ) -> ValueLossOutput:
     r"""Clipped PPO value loss: regress the critic onto the returns, never far from its old value.
 
@@ -154,7 +163,9 @@ def value_loss(
 
     Gradients flow into ``values`` only (``old_values`` and ``returns`` are constants).
     Computed in float32 (float64 for float64 inputs) also for bf16/fp16 values; NaN/inf at
-    unselected positions reaches no output and no gradient; nothing selected gives 0.
+    unselected positions reaches no output and no gradient; nothing selected gives 0. Packed
+    sequences (``cu_seqlens``): the tensors are ``(N,)`` or ``(1, N)`` and the per-sequence
+    reductions run over the runs ``cu_seqlens[i]:cu_seqlens[i + 1]``.
 
     Args:
         values: ``(B, T)`` current value predictions :math:`V` (differentiable).
@@ -168,15 +179,17 @@ def value_loss(
             :func:`rlobjectives.aggregate`.
         max_response_length: the ``"sequence_sum_normalized"`` constant :math:`C`
             (default ``T``).
+        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
 
     Returns:
         :class:`ValueLossOutput` ``(loss, per_token_loss, diagnostics)``; ``loss`` has the
-        dtype of ``values``.
+        dtype of ``values`` (per-token results: the shape of ``values``).
 
     Raises:
         ValueError: on mismatched shapes or devices, inputs that are not ``(B, T)``, a negative
             or non-finite ``clip``, an unknown ``reduction``, a non-positive ``normalizer`` or
-            ``max_response_length``.
+            ``max_response_length``, or a malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs.
 
     References:
@@ -193,11 +206,13 @@ def value_loss(
 
     .. versionadded:: 0.2.0
     """
-    inputs = _prepare(values, old_values, returns, mask)
-    spec = validate_reduction(
+    inputs = _prepare(values, old_values, returns, mask, cu_seqlens)
+    flat = cu_seqlens is not None and token_ndim(values) == 1
+    spec = validate_layout_reduction(
         reduction,
         normalizer=normalizer,
         max_response_length=max_response_length,
+        layout=inputs.layout,
         tokens=inputs.values.shape[-1],
     )
     bound = None if clip is None else validate_scalar(clip, "clip", minimum=0.0)
@@ -215,12 +230,14 @@ def value_loss(
         binding = (clipped_squared > error.square()) & inputs.mask  # (B, T)
         clip_fraction = safe_divide(binding.sum().to(squared.dtype), inputs.mask.sum())
     per_token = masked_fill_zero(0.5 * squared, inputs.mask)  # (B, T)
-    loss = reduce(per_token, inputs.mask, spec)
+    loss = reduce(per_token, inputs.mask, spec, inputs.layout)
     with torch.no_grad():
         diagnostics = ValueLossDiagnostics(
             clip_fraction=clip_fraction.detach(),
             explained_variance=_explained_variance(inputs.values, inputs.returns, inputs.mask),
         )
     return ValueLossOutput(
-        loss=loss.to(inputs.output_dtype), per_token_loss=per_token, diagnostics=diagnostics
+        loss=token_output(loss.to(inputs.output_dtype), flat and loss.ndim == 2),
+        per_token_loss=token_output(per_token, flat),
+        diagnostics=diagnostics,
     )
