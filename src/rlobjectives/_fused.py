@@ -234,26 +234,28 @@ def _surrogate_values_per_token(
     signs: tuple[torch.Tensor, torch.Tensor],
     spec: FusedSpec,
 ) -> torch.Tensor:
-    """:func:`_surrogate_values` for per-token advantages (packed rows, GAE), by bit selection.
+    """:func:`_surrogate_values` for per-token advantages (packed rows, GAE).
 
-    ``s = A v`` with ``v = min(r, H)`` where ``A > 0``, ``clip(r, L, c)`` where ``A < 0`` and
-    ``r`` elsewhere, the same products as the per-sign bounds; the three branches are merged
-    with integer AND/OR on the float bits, since per-token ``masked_fill`` / ``torch.where``
-    cost several times more on CPU. Overwrites ``ratio`` and the sign masks ``signs``.
+    ``min(rA, clip(r, L, H) A)``, then ``max(s, cA)`` where ``A < 0``: the same products as the
+    per-sign bounds of :func:`_surrogate_values` (the min and max pick one of two products),
+    in four passes without per-token bounds (``masked_fill`` / ``torch.where`` over ``(1, N)``
+    cost several times more on CPU); the dual clip merges by bit selection on ``A < 0``.
+    Overwrites ``ratio``.
     """
     options = spec.options
-    infinity = float("inf")
-    low: float | torch.Tensor = -infinity
-    high: float | torch.Tensor = infinity
+    clipped = None
     if options.clip_low is not None:
-        low, high = _band(options)
-    upper_negative = infinity if options.dual_clip is None else options.dual_clip
-    positive, negative = signs  # shape of A
-    value = select_(clamp(ratio, -infinity, high), positive).view(positive.dtype)  # A > 0
-    value |= select_(clamp(ratio, low, upper_negative), negative).view(positive.dtype)  # A < 0
-    neither = positive.bitwise_or_(negative).bitwise_not_()  # A == 0 or NaN
-    value |= select_(ratio, neither).view(positive.dtype)
-    return select_(value.view(ratio.dtype).mul_(advantages), selection)
+        clipped = clamp(ratio, *_band(options)).mul_(advantages)  # clip(r) A
+    surrogate = ratio.mul_(advantages)  # r A, in the ratio's buffer
+    if clipped is not None:
+        surrogate = torch.minimum(surrogate, clipped, out=surrogate)
+    if options.dual_clip is None:
+        return select_(surrogate, selection)
+    negative = signs[1]  # A < 0
+    raised = torch.maximum(surrogate, advantages * options.dual_clip)  # max(s, c A)
+    merged = select_(raised, negative).view(negative.dtype)
+    merged |= select(surrogate, negative.bitwise_not()).view(negative.dtype)
+    return select_(merged.view(ratio.dtype), selection)
 
 
 class _Reduced(NamedTuple):
