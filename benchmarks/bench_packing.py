@@ -2,13 +2,16 @@
 
 The batch of issue 15: 64 responses with lengths drawn uniformly from 1 to 4096 (seed 0), padded
 to ``B=64 T=4096`` (about half of the tokens are padding), or packed into one row of the ``N``
-response tokens (about 131k) with ``cu_seqlens``. The reference variant is our padded call, so
+response tokens (``N = 140210`` for this draw, 0.535 of ``B T``) with ``cu_seqlens``. The reference variant is our padded call, so
 the ``x ref`` column is packed time / padded time, to compare with the token fraction
 ``N / (B T)`` (the target: ``x ref <= 1.2 N / (B T)``). Cases: the default GRPO/DAPO loss
 (``token_mean``) and the per-sequence path (GSPO ``ratio_level="sequence"`` with
-``sequence_mean``), whose row sums go through the packed layout's ``index_add``. The packed
-calls include validating ``cu_seqlens`` (one host read) and broadcasting the ``(S,)``
+``sequence_mean``), whose row sums go through the packed layout's segment sums, and
+``token_mean`` with per-token advantages in both layouts (GAE / REINFORCE++), where both
+layouts do the same work per token. The packed calls include validating ``cu_seqlens`` (one host read) and broadcasting the ``(S,)``
 advantages. Backward with respect to the log-probabilities. Floor: a copy of the packed bytes.
+The float32 cases also time both layouts under ``torch.compile(fullgraph=True)`` (the packed
+call compiles with ``cu_seqlens``: its checks are skipped while tracing).
 """
 
 from __future__ import annotations
@@ -43,26 +46,37 @@ def _make(batch: int, tokens: int, dtype: torch.dtype):  # type: ignore[no-untyp
             "packed_mask": torch.ones(int(lengths.sum()), dtype=torch.bool),
             "cu_seqlens": rlobjectives.pack(mask, mask).cu_seqlens,
         }
+        # Per-token advantages (GAE, REINFORCE++): (B, T) padded, (1, N) packed.
+        token_advantages = tensors["advantages"][:, None].expand(batch, tokens).contiguous()
+        tensors["token_advantages"] = token_advantages
+        tensors["packed_token_advantages"] = rlobjectives.pack(token_advantages, mask).values[None]
         return {name: tensor.to(device) for name, tensor in tensors.items()}
 
     return make_inputs
 
 
 def _padded(options: dict[str, Any]):  # type: ignore[no-untyped-def]
+    options = dict(options)
+    advantages = options.pop("advantages", "advantages")
+
     def run(x: Inputs) -> torch.Tensor:
         return rlobjectives.policy_loss(
-            x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"], **options
+            x["log_probs"], x["old_log_probs"], x[advantages], x["mask"], **options
         ).loss
 
     return run
 
 
 def _packed(options: dict[str, Any]):  # type: ignore[no-untyped-def]
+    options = dict(options)
+    advantages = "packed_" + options.pop("advantages", "advantages")
+    advantages = "advantages" if advantages == "packed_advantages" else advantages
+
     def run(x: Inputs) -> torch.Tensor:
         return rlobjectives.policy_loss(
             x["packed_log_probs"],
             x["packed_old_log_probs"],
-            x["advantages"],
+            x[advantages],
             x["packed_mask"],
             cu_seqlens=x["cu_seqlens"],
             **options,
@@ -74,6 +88,7 @@ def _packed(options: dict[str, Any]):  # type: ignore[no-untyped-def]
 OPTIONS: dict[str, dict[str, Any]] = {
     "token_mean": {},
     "gspo sequence_mean": {"ratio_level": "sequence", "reduction": "sequence_mean"},
+    "token_mean, per-token advantages": {"advantages": "token_advantages"},
 }
 
 
@@ -96,6 +111,11 @@ def cases(*, quick: bool, device: str) -> list[harness.Case]:
                 harness.Variant("ours padded", _padded(options), role="reference"),
                 harness.Variant("ours packed", _packed(options)),
             )
+            if dtype == torch.float32 and not quick:  # the same under torch.compile
+                variants += (
+                    harness.Variant("ours padded", _padded(options), compile=True),
+                    harness.Variant("ours packed", _packed(options), compile=True),
+                )
             result.append(
                 harness.Case(
                     operation=f"policy_loss packed vs padded, {name}",

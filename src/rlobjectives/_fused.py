@@ -393,7 +393,9 @@ class ClippedSurrogateFunction(torch.autograd.Function):
         spec: FusedSpec,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         out = fused_forward(log_probs, old_log_probs, advantages, mask, spec)
-        ids = spec.layout.sequence_ids
+        # The sequence ids serve the row sums' gradient only: not kept when the caller discards
+        # the row sums (policy_loss), so a packed row saves what a padded one does per token.
+        ids = spec.layout.sequence_ids if spec.row_sums else None
         ctx.save_for_backward(out.coefficient, mask, out.row_weights, ids)
         ctx.per_token = spec.reduction.reduction == "none"
         ctx.input_dtype = log_probs.dtype
