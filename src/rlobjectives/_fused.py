@@ -398,6 +398,7 @@ class ClippedSurrogateFunction(torch.autograd.Function):
         ids = spec.layout.sequence_ids if spec.row_sums else None
         ctx.save_for_backward(out.coefficient, mask, out.row_weights, ids)
         ctx.per_token = spec.reduction.reduction == "none"
+        ctx.row_sums = spec.row_sums  # False: the row sums output is discarded (no gradient)
         ctx.input_dtype = log_probs.dtype
         ctx.mark_non_differentiable(out.diagnostics)
         # An unused output gets None, not zeros: a packed layout's (1, N) broadcast of the row
@@ -413,7 +414,7 @@ class ClippedSurrogateFunction(torch.autograd.Function):
         grad_diagnostics: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, None, None, None, None]:
         coefficient, mask, row_weights, sequence_ids = ctx.saved_tensors
-        if grad_loss is None and grad_row_sums is None:
+        if grad_loss is None and (grad_row_sums is None or not ctx.row_sums):
             return None, None, None, None, None
         differentiable = torch.is_grad_enabled()  # backward(create_graph=True)
         with torch.no_grad():
@@ -421,7 +422,8 @@ class ClippedSurrogateFunction(torch.autograd.Function):
             scale = torch.zeros((), dtype=coefficient.dtype, device=coefficient.device)
             if grad_loss is not None:
                 scale = grad_loss * row_weights
-            if grad_row_sums is not None:
+            # (torch.compile materialises the gradient of an unused output as zeros.)
+            if grad_row_sums is not None and ctx.row_sums:
                 layout = Layout(grad_row_sums.shape[0], sequence_ids)
                 scale = scale + layout.expand(grad_row_sums)
             grad = coefficient * scale  # (B, T)
