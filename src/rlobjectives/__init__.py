@@ -28,6 +28,8 @@ from ._masking import masked_mean, masked_sum
 from ._policy import policy_loss
 from ._policy_args import PolicyLossDiagnostics, PolicyLossOutput
 from ._reduction import Reduction, aggregate
+from ._rollout import RolloutCorrection, off_policy_sequence_mask, rollout_correction
+from ._rollout_metrics import RolloutCorrectionMetrics
 from ._specified import grpo_clipped_surrogate, kl_penalized_rewards
 from .distributed import (
     Normalizers,
@@ -52,6 +54,8 @@ __all__ = [
     "Reduction",
     "ResponseAlignment",
     "ResponseLogProbs",
+    "RolloutCorrection",
+    "RolloutCorrectionMetrics",
     "TokenLogProbsOutput",
     "__version__",
     "aggregate",
@@ -70,11 +74,13 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "normalizer_for_reduction",
+    "off_policy_sequence_mask",
     "policy_loss",
     "reinforce_plus_plus_advantages",
     "response_alignment",
     "response_log_probs",
     "rloo_advantages",
+    "rollout_correction",
     "sum_diagnostics",
     "token_entropy",
     "token_log_probs",
