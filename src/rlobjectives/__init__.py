@@ -25,10 +25,11 @@ from ._lm_head import TokenLogProbsOutput, token_log_probs_from_hidden
 from ._lm_head_loss import FusedPolicyLossOutput, fused_policy_loss_from_hidden
 from ._logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, token_log_probs
 from ._masking import masked_mean, masked_sum
+from ._off_policy import off_policy_sequence_mask
 from ._policy import policy_loss
 from ._policy_args import PolicyLossDiagnostics, PolicyLossOutput
 from ._reduction import Reduction, aggregate
-from ._rollout import RolloutCorrection, off_policy_sequence_mask, rollout_correction
+from ._rollout import RolloutCorrection, rollout_correction
 from ._rollout_metrics import RolloutCorrectionMetrics
 from ._specified import grpo_clipped_surrogate, kl_penalized_rewards
 from .distributed import (

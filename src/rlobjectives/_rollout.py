@@ -20,7 +20,6 @@ turns it into a weight :math:`w` and a mask:
   the mask when :math:`\rho \notin [L, U]` (rejection sampling);
 
 and ``veto`` :math:`v` removes a whole sequence with any token ratio :math:`e^{\delta_{it}} < v`.
-:func:`off_policy_sequence_mask` is TRL's off-policy sequence mask (DeepSeek-V3.2 OPSM).
 
 Every per-sequence operation goes through :class:`rlobjectives._layout.Layout`.
 """
@@ -45,7 +44,6 @@ from ._validation import (
     check_same_device,
     check_shape,
     compute_dtype,
-    expand_per_sequence,
     validate_choice,
     validate_scalar,
 )
@@ -57,7 +55,7 @@ __all__ = [
     "Level",
     "Mode",
     "RolloutCorrection",
-    "off_policy_sequence_mask",
+    "check_pair",
     "rollout_correction",
 ]
 
@@ -134,7 +132,9 @@ def _as_bound(value: Bound, like: torch.Tensor) -> torch.Tensor | None:
 
 
 def _truncate(ratio: torch.Tensor, lower: Bound, upper: Bound) -> _ModeResult:
-    weights = torch.clamp(ratio, min=_as_bound(lower, ratio), max=_as_bound(upper, ratio))
+    weights = ratio
+    if lower is not None or upper is not None:
+        weights = torch.clamp(ratio, min=_as_bound(lower, ratio), max=_as_bound(upper, ratio))
     return _ModeResult(weights, None, ~_inside(ratio, lower, upper), None)
 
 
@@ -156,7 +156,7 @@ _MODES: dict[str, Callable[[torch.Tensor, Bound, Bound], _ModeResult]] = {
 
 
 # ------------------------------------------------------------------------------- boundary
-def _pair(
+def check_pair(
     log_probs: ArrayLike, other: ArrayLike, mask: ArrayLike, names: tuple[str, str, str]
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Validated ``(B, T)`` log-probs, second log-probs and bool mask (same shape and device)."""
@@ -360,7 +360,7 @@ def rollout_correction(
 
     .. versionadded:: 0.2.0
     """
-    log_probs_t, rollout_t, mask_t = _pair(
+    log_probs_t, rollout_t, mask_t = check_pair(
         log_probs, rollout_log_probs, mask, ("log_probs", "rollout_log_probs", "mask")
     )
     validate_choice(level, "level", LEVELS)
@@ -377,76 +377,3 @@ def rollout_correction(
         lower=lower_v,
         veto=veto_v,
     )
-
-
-def off_policy_sequence_mask(
-    log_probs: ArrayLike,
-    sampling_log_probs: ArrayLike,
-    advantages: ArrayLike,
-    mask: ArrayLike,
-    *,
-    threshold: Scalar,
-) -> torch.Tensor:
-    r"""Off-policy sequence masking (DeepSeek-V3.2 OPSM; TRL ``off_policy_mask_threshold``).
-
-    Drops a sequence with a negative advantage whose mean per-token KL(sampler || current),
-    estimated with k1 on its selected tokens, exceeds the threshold :math:`\tau`:
-
-    .. math::
-
-        \bar k_i = \frac{1}{\max(n_i, 1)} \sum_t M_{it}\,(\ell^{samp}_{it} - \ell_{it}), \qquad
-        \text{keep}_{it} = M_{it} \wedge \big(A_{it} \ge 0 \vee \bar k_i \le \tau\big).
-
-    Exactly TRL's ``GRPOTrainer.get_off_policy_mask`` (1.16: a NaN difference counts as 0; the
-    mean in float32 or wider). TRL multiplies the per-token loss by the mask and keeps the
-    dropped sequences in every denominator; to reproduce it, pass the mask as 0/1 weights and
-    keep the original mask for the reduction:
-    ``policy_loss(..., mask, importance_weights=keep.to(torch.float32) * weights)``. Passing it
-    as the loss's ``mask`` instead removes the dropped tokens from the denominator too.
-
-    Args:
-        log_probs: ``(B, T)`` current-policy log-probabilities (detached here).
-        sampling_log_probs: ``(B, T)`` log-probabilities under the sampler (TRL:
-            ``sampling_per_token_logps``, or ``old_per_token_logps`` without vLLM).
-        advantages: ``(B,)``, ``(B, 1)`` or ``(B, T)`` advantages (TRL broadcasting).
-        mask: ``(B, T)``, bool or numeric; nonzero selects the token.
-        threshold: :math:`\tau`, a finite real (number or 0-d tensor), e.g. 0.5.
-
-    Returns:
-        ``(B, T)`` bool: the selected tokens of the kept sequences (no gradient).
-
-    Raises:
-        ValueError: on inputs that are not ``(B, T)``, mismatched shapes/devices, advantages of
-            another shape or a non-finite ``threshold``.
-        TypeError: on non-numeric inputs or threshold.
-
-    References:
-        DeepSeek-AI 2025, DeepSeek-V3.2, arXiv:2512.02556 §3.1 (off-policy sequence masking);
-        TRL ``GRPOConfig.off_policy_mask_threshold``.
-
-    Examples:
-        >>> import torch
-        >>> off_policy_sequence_mask(torch.zeros(2, 2), torch.tensor([[0.3, 0.3], [0.3, 0.3]]),
-        ...                          torch.tensor([1.0, -1.0]), torch.ones(2, 2), threshold=0.2)
-        tensor([[ True,  True],
-                [False, False]])
-
-    .. versionadded:: 0.2.0
-    """
-    log_probs_t, sampling_t, mask_t = _pair(
-        log_probs, sampling_log_probs, mask, ("log_probs", "sampling_log_probs", "mask")
-    )
-    advantages_t = as_float_tensor(advantages, "advantages", log_probs_t.device)
-    check_same_device({"log_probs": log_probs_t, "advantages": advantages_t})
-    shape = (log_probs_t.shape[0], log_probs_t.shape[1])
-    advantages_t = expand_per_sequence(advantages_t, "advantages", shape, "log_probs")
-    threshold_v = validate_scalar(threshold, "threshold", minimum=None)
-    layout = padded(shape[0])
-    dtype = compute_dtype(log_probs_t, sampling_t)
-    kl = masked_fill_zero(sampling_t.detach().to(dtype), mask_t) - masked_fill_zero(
-        log_probs_t.detach().to(dtype), mask_t
-    )  # (B, T)
-    kl = torch.nan_to_num(kl, nan=0.0)
-    mean_kl = layout.row_sums(kl) / layout.row_counts(mask_t).to(dtype).clamp(min=1)  # (S,)
-    keep = (advantages_t.detach() >= 0) | (layout.expand(mean_kl) <= threshold_v)
-    return mask_t & keep

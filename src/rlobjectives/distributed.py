@@ -306,7 +306,11 @@ def sum_diagnostics(
     micro-batches and ranks is the full-batch value (clip fractions, ratio mean, approximate KL).
     The fields are summed over the micro-batches locally, then over the ranks with one
     ``all_reduce(SUM)`` of the stacked fields; without an initialised process group only the
-    local sum is taken.
+    local sum is taken. Fields that are extremes rather than sums (the ``ratio_min`` and
+    ``ratio_max`` of :class:`rlobjectives.RolloutCorrectionMetrics`, declared by its
+    ``extremum_fields()``) are combined by min/max over the pieces that selected a token, with
+    one more ``all_reduce(MAX)``; sums and counts (from which the metrics derive means,
+    fractions and the effective sample size) add as above.
 
     .. math::
 
@@ -378,5 +382,53 @@ def sum_diagnostics(
         totals = stacked.sum(dim=0)  # (fields,)
         if active:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
+        rules = _extremum_rules(first)
+        if rules:
+            totals = _combine_extremes(stacked, totals, rules, active=active, group=group)
     values = [totals[k].to(first[k].dtype) for k in range(len(first))]
     return kind(*values)
+
+
+def _extremum_rules(item: tuple[torch.Tensor, ...]) -> list[tuple[int, bool, int]]:
+    """``(field index, is max, count field index)`` of the fields combined by min/max.
+
+    A NamedTuple declares them with a static ``extremum_fields()`` returning
+    ``{field: ("min" | "max", count_field)}`` (e.g.
+    :class:`rlobjectives.RolloutCorrectionMetrics`); other diagnostics have none.
+    """
+    declared = getattr(type(item), "extremum_fields", None)
+    if declared is None:
+        return []
+    fields: tuple[str, ...] = item._fields  # type: ignore[attr-defined]
+    return [
+        (fields.index(name), op == "max", fields.index(count))
+        for name, (op, count) in declared().items()
+    ]
+
+
+def _combine_extremes(
+    stacked: torch.Tensor,
+    totals: torch.Tensor,
+    rules: list[tuple[int, bool, int]],
+    *,
+    active: bool,
+    group: dist.ProcessGroup | None,
+) -> torch.Tensor:
+    """Replace the summed extremes of ``totals`` by the min/max over the non-empty pieces.
+
+    ``stacked`` is ``(pieces, fields)``. Minima are negated so that one ``all_reduce(MAX)``
+    serves every extreme; pieces (and ranks) whose count is 0 do not take part, and an extreme
+    with no piece at all is 0.
+    """
+    columns = []
+    for index, largest, count in rules:
+        signed = stacked[:, index] if largest else -stacked[:, index]  # (pieces,)
+        columns.append(torch.where(stacked[:, count] > 0, signed, -torch.inf).amax())
+    extremes = torch.stack(columns)  # (rules,)
+    if active:
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+    totals = totals.clone()
+    for k, (index, largest, count) in enumerate(rules):
+        value = extremes[k] if largest else -extremes[k]
+        totals[index] = torch.where(totals[count] > 0, value, torch.zeros_like(value))
+    return totals
