@@ -387,7 +387,7 @@ def kl_loss(
     References:
         Shao et al. 2024, GRPO, arXiv:2402.03300 Eq. 3-4; Schulman 2020, "Approximating KL
         divergence"; verl PR #2953; TRL ``GRPOConfig.use_bias_correction_kl`` (DeepSeek-V3.2,
-        arXiv:2512.02556 §3.1, unbiased KL estimate).
+        arXiv:2512.02556, the unbiased KL estimate).
 
     Examples:
         >>> import torch

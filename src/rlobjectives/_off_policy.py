@@ -67,7 +67,7 @@ def off_policy_sequence_mask(
         TypeError: on non-numeric inputs or threshold.
 
     References:
-        DeepSeek-AI 2025, DeepSeek-V3.2, arXiv:2512.02556 §3.1 (off-policy sequence masking);
+        DeepSeek-AI 2025, DeepSeek-V3.2, arXiv:2512.02556 Eq. 9 (off-policy sequence masking);
         TRL ``GRPOConfig.off_policy_mask_threshold``.
 
     Examples:
