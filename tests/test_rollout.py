@@ -13,6 +13,7 @@ import torch
 from hypothesis import given
 from hypothesis import strategies as st
 
+import eager_reference
 import reference
 from rlobjectives import (
     RolloutCorrection,
@@ -416,6 +417,24 @@ def test_bounds_as_tensors_and_numpy_lists() -> None:
         veto=torch.tensor(0.01),
     )
     assert_close(got.weights, expected.weights)
+
+
+@pytest.mark.parametrize(
+    ("level", "mode"), [("token", "truncate"), ("sequence", "mask"), ("geometric", "reject")]
+)
+def test_eager_benchmark_baseline_agrees(level: str, mode: str) -> None:
+    # tests/eager_reference.rollout_correction is the benchmark baseline: it must compute the same
+    generator = torch.Generator().manual_seed(7)
+    trainer = -torch.rand(6, 11, generator=generator)
+    rollout = trainer + 0.3 * torch.randn(6, 11, generator=generator)
+    mask = torch.rand(6, 11, generator=generator) < 0.7
+    options = {"level": level, "mode": mode, "lower": 0.8, "upper": 1.3}
+    weights, keep, metrics = eager_reference.rollout_correction(trainer, rollout, mask, **options)  # type: ignore[arg-type]
+    out = rollout_correction(trainer, rollout, mask, **options)  # type: ignore[arg-type]
+    assert_close(out.weights, weights)
+    assert torch.equal(out.mask, keep)
+    for name, value in metrics.items():
+        assert_close(out.metrics.summary()[name], value)
 
 
 # ------------------------------------------------------------------- micro-batches and ranks

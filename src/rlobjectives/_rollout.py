@@ -88,28 +88,41 @@ class RolloutCorrection(NamedTuple):
 
 
 class _ModeResult(NamedTuple):
-    weights: torch.Tensor  # (B, T) before the output mask is applied
-    keep: torch.Tensor | None  # (B, T) bool, tokens kept in the mask (None: all)
-    truncated: torch.Tensor | None  # (B, T) bool, weight truncated (None: none)
-    zeroed: torch.Tensor | None  # (B, T) bool, weight zeroed or token rejected (None: none)
+    """A mode's output, broadcastable to ``(B, T)`` (``(B, 1)`` for a sequence level)."""
+
+    weights: torch.Tensor  # before the output mask is applied
+    keep: torch.Tensor | None  # bool, tokens kept in the mask (None: all)
+    truncated: torch.Tensor | None  # bool, weight truncated (None: none)
+    zeroed: torch.Tensor | None  # bool, weight zeroed or token rejected (None: none)
 
 
 # ------------------------------------------------------------------------------------ levels
-def _token_level(delta: torch.Tensor, mask: torch.Tensor, layout: Layout) -> torch.Tensor:
-    return delta
+def _token_level(
+    delta: torch.Tensor, token_log_ratio: torch.Tensor, mask: torch.Tensor, layout: Layout
+) -> torch.Tensor:
+    return token_log_ratio  # (B, T), already clamped
 
 
-def _sequence_level(delta: torch.Tensor, mask: torch.Tensor, layout: Layout) -> torch.Tensor:
-    return layout.expand(layout.row_sums(delta))  # (B, 1): log of the product of the ratios
+def _sequence_level(
+    delta: torch.Tensor, token_log_ratio: torch.Tensor, mask: torch.Tensor, layout: Layout
+) -> torch.Tensor:
+    # log of the product of the (unclamped) ratios, then the clamp (verl's order); NaN from a
+    # sum that met +inf and -inf becomes 0
+    log_ratio = torch.nan_to_num(layout.row_sums(delta), nan=0.0)  # (S,)
+    return layout.expand(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))  # (B, 1)
 
 
-def _geometric_level(delta: torch.Tensor, mask: torch.Tensor, layout: Layout) -> torch.Tensor:
+def _geometric_level(
+    delta: torch.Tensor, token_log_ratio: torch.Tensor, mask: torch.Tensor, layout: Layout
+) -> torch.Tensor:
     counts = layout.row_counts(mask).to(delta.dtype).clamp(min=1)  # (S,)
-    return layout.expand(layout.row_sums(delta) / counts)  # (B, 1): mean log-ratio
+    log_ratio = torch.nan_to_num(layout.row_sums(delta), nan=0.0) / counts  # (S,) mean
+    return layout.expand(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))  # (B, 1)
 
 
-#: The log of the raw ratio of each level, broadcastable to the tokens (before the clamp).
-_LEVELS: dict[str, Callable[[torch.Tensor, torch.Tensor, Layout], torch.Tensor]] = {
+#: The clamped log of the raw ratio of each level: ``(B, T)`` per token, ``(B, 1)`` per
+#: sequence (padded layout; ``(1, N)`` packed), from the unclamped and the clamped token ratios.
+_LEVELS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Layout], torch.Tensor]] = {
     "token": _token_level,
     "sequence": _sequence_level,
     "geometric": _geometric_level,
@@ -117,14 +130,13 @@ _LEVELS: dict[str, Callable[[torch.Tensor, torch.Tensor, Layout], torch.Tensor]]
 
 
 # ------------------------------------------------------------------------------------- modes
-def _inside(ratio: torch.Tensor, lower: Bound, upper: Bound) -> torch.Tensor:
-    """``lower <= ratio <= upper`` (a None bound is open), bool ``(B, T)``."""
-    inside = torch.ones_like(ratio, dtype=torch.bool)
-    if lower is not None:
-        inside = inside & (ratio >= lower)
-    if upper is not None:
-        inside = inside & (ratio <= upper)
-    return inside
+def _outside(ratio: torch.Tensor, lower: Bound, upper: Bound) -> torch.Tensor | None:
+    """Bool ``ratio < lower or ratio > upper``; None when both bounds are open (none outside)."""
+    below = None if lower is None else ratio < lower
+    above = None if upper is None else ratio > upper
+    if below is None or above is None:
+        return above if below is None else below
+    return below | above
 
 
 def _as_bound(value: Bound, like: torch.Tensor) -> torch.Tensor | None:
@@ -132,20 +144,24 @@ def _as_bound(value: Bound, like: torch.Tensor) -> torch.Tensor | None:
 
 
 def _truncate(ratio: torch.Tensor, lower: Bound, upper: Bound) -> _ModeResult:
-    weights = ratio
-    if lower is not None or upper is not None:
-        weights = torch.clamp(ratio, min=_as_bound(lower, ratio), max=_as_bound(upper, ratio))
-    return _ModeResult(weights, None, ~_inside(ratio, lower, upper), None)
+    outside = _outside(ratio, lower, upper)
+    if outside is None:
+        return _ModeResult(ratio, None, None, None)
+    weights = torch.clamp(ratio, min=_as_bound(lower, ratio), max=_as_bound(upper, ratio))
+    return _ModeResult(weights, None, outside, None)
 
 
 def _mask(ratio: torch.Tensor, lower: Bound, upper: Bound) -> _ModeResult:
-    inside = _inside(ratio, lower, upper)
-    return _ModeResult(torch.where(inside, ratio, 0.0), None, None, ~inside)
+    outside = _outside(ratio, lower, upper)
+    if outside is None:
+        return _ModeResult(ratio, None, None, None)
+    return _ModeResult(torch.where(outside, 0.0, ratio), None, None, outside)
 
 
 def _reject(ratio: torch.Tensor, lower: Bound, upper: Bound) -> _ModeResult:
-    inside = _inside(ratio, lower, upper)
-    return _ModeResult(torch.ones_like(ratio), inside, None, ~inside)
+    outside = _outside(ratio, lower, upper)
+    one = torch.ones((), dtype=ratio.dtype, device=ratio.device)  # broadcast by the output mask
+    return _ModeResult(one, None if outside is None else ~outside, None, outside)
 
 
 _MODES: dict[str, Callable[[torch.Tensor, Bound, Bound], _ModeResult]] = {
@@ -206,10 +222,12 @@ def _log_ratio(
     return torch.nan_to_num(delta, nan=0.0)
 
 
-def _vetoed(delta: torch.Tensor, mask: torch.Tensor, layout: Layout, veto: Bound) -> torch.Tensor:
+def _vetoed(
+    delta: torch.Tensor, mask: torch.Tensor, layout: Layout, veto: Bound
+) -> torch.Tensor | None:
     """Bool ``(B, T)``: the selected tokens of sequences with a token ratio below ``veto``."""
     if veto is None:
-        return torch.zeros_like(mask)
+        return None
     log_veto = math.log(veto) if not isinstance(veto, torch.Tensor) else torch.log(veto)
     catastrophic = mask & (delta < log_veto)  # (B, T), unclamped log-ratio (verl's form)
     has_any = layout.row_counts(catastrophic) > 0  # (S,)
@@ -228,28 +246,32 @@ def _correct(
     lower: Bound,
     veto: Bound,
 ) -> RolloutCorrection:
-    """Unchecked :func:`rollout_correction` on validated tensors."""
+    """Unchecked :func:`rollout_correction` on validated tensors.
+
+    A sequence-level ratio stays ``(B, 1)`` (padded layout) until broadcasting against the mask
+    expands it: ``exp`` and the band tests run once per sequence.
+    """
     dtype = compute_dtype(log_probs, rollout_log_probs)
-    delta = _log_ratio(log_probs, rollout_log_probs, mask, dtype)  # (B, T)
-    level_log_ratio = torch.nan_to_num(_LEVELS[level](delta, mask, layout), nan=0.0)
-    level_log_ratio = torch.broadcast_to(
-        level_log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND), delta.shape
-    )  # (B, T)
-    applied = _MODES[mode](torch.exp(level_log_ratio), lower, upper)
-    survive = mask & ~_vetoed(delta, mask, layout, veto)  # (B, T)
-    if applied.keep is not None:
-        survive = survive & applied.keep
+    delta = _log_ratio(log_probs, rollout_log_probs, mask, dtype)  # (B, T), 0 unselected
+    token_log_ratio = delta.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
+    level_log_ratio = _LEVELS[level](delta, token_log_ratio, mask, layout)  # (B, T) or (B, 1)
+    ratio = torch.exp(level_log_ratio)
+    applied = _MODES[mode](ratio, lower, upper)
+    survive = mask if applied.keep is None else mask & applied.keep  # (B, T)
+    vetoed = _vetoed(delta, mask, layout, veto)
+    if vetoed is not None:
+        survive = survive & ~vetoed
     weights = masked_fill_zero(applied.weights, survive)  # (B, T)
-    removed = mask & ~survive
-    if applied.zeroed is not None:
-        removed = removed | (mask & applied.zeroed)
-    truncated = torch.zeros_like(mask) if applied.truncated is None else survive & applied.truncated
+    removed = None if applied.zeroed is None else mask & applied.zeroed
+    if vetoed is not None:
+        removed = vetoed if removed is None else removed | vetoed
     metrics = rollout_metrics(
-        log_ratio=delta.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND),
-        level_log_ratio=level_log_ratio,
+        log_ratio=token_log_ratio,
+        level_log_ratio=None if level == "token" else level_log_ratio,
+        ratio=ratio,
         weights=weights,
         mask=mask,
-        truncated=truncated,
+        truncated=None if applied.truncated is None else survive & applied.truncated,
         removed=removed,
     )
     return RolloutCorrection(weights=weights, mask=survive, metrics=metrics)

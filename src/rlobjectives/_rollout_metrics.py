@@ -132,55 +132,57 @@ class RolloutCorrectionMetrics(NamedTuple):
         }
 
 
-def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
-    """``e^d - 1 - d`` without cancellation of the leading 1 (``expm1``); rounding below 0 -> 0."""
-    return (torch.expm1(log_ratio) - log_ratio).clamp(min=0.0)
-
-
-def _extreme(
-    values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor, *, largest: bool
-) -> torch.Tensor:
-    """Min or max of ``values`` over ``mask`` (0 when nothing is selected); no host sync."""
-    zero = torch.zeros((), dtype=values.dtype, device=values.device)
-    if values.numel() == 0:
+def _smallest(values: torch.Tensor, mask: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """Min of ``values`` (broadcast to ``mask``) over ``mask``; 0 when nothing is selected."""
+    zero = torch.zeros((), dtype=count.dtype, device=count.device)
+    if mask.numel() == 0:
         return zero
-    fill = -torch.inf if largest else torch.inf
-    selected = torch.where(mask, values, fill)
-    extreme = selected.amax() if largest else selected.amin()
-    return torch.where(count > 0, extreme, zero)
+    smallest = torch.where(mask, values, torch.inf).amin()
+    return torch.where(count > 0, smallest, zero)
 
 
 def rollout_metrics(
     *,
     log_ratio: torch.Tensor,
-    level_log_ratio: torch.Tensor,
+    level_log_ratio: torch.Tensor | None,
+    ratio: torch.Tensor,
     weights: torch.Tensor,
     mask: torch.Tensor,
-    truncated: torch.Tensor,
-    removed: torch.Tensor,
+    truncated: torch.Tensor | None,
+    removed: torch.Tensor | None,
 ) -> RolloutCorrectionMetrics:
-    r"""The metrics of one call (all inputs ``(B, T)``, detached, validated).
+    r"""The metrics of one call (detached, validated inputs).
 
     Args:
-        log_ratio: token log-ratios :math:`\delta`, clamped to ``[-20, 20]``.
-        level_log_ratio: log of the raw level ratio at every token, clamped to ``[-20, 20]``.
-        weights: applied weights (0 at unselected, rejected and vetoed tokens).
-        mask: the input selection (bool).
-        truncated: bool, selected tokens whose weight was truncated.
-        removed: bool, selected tokens zeroed or removed from the mask.
+        log_ratio: ``(B, T)`` token log-ratios :math:`\delta`, clamped to ``[-20, 20]``, exact 0
+            at unselected tokens (so sums of functions that vanish at 0 need no mask).
+        level_log_ratio: the clamped log of a sequence level's raw ratio, broadcastable to
+            ``(B, T)`` (``(B, 1)``), or None for the token level (then it is ``log_ratio``).
+        ratio: the raw ratio, ``exp`` of the level's log-ratio, same shape.
+        weights: ``(B, T)`` applied weights (0 at unselected, rejected and vetoed tokens).
+        mask: ``(B, T)`` the input selection (bool).
+        truncated: bool ``(B, T)``, selected tokens whose weight was truncated, or None (none).
+        removed: bool ``(B, T)``, selected tokens zeroed or removed from the mask, or None.
     """
-    count = mask.sum().to(weights.dtype)
-    ratio = torch.exp(level_log_ratio)  # (B, T)
+    dtype = weights.dtype
+    count = mask.sum().to(dtype)
+    zero = torch.zeros((), dtype=dtype, device=weights.device)
+    excess = torch.expm1(log_ratio)  # (B, T) rho_t - 1, 0 at unselected tokens
+    if level_log_ratio is None:  # token level: rho^2 - 1 = (rho - 1)(rho + 1), no cancellation
+        square_excess = (excess * (excess + 2.0)).sum()
+    else:
+        square_excess = masked_fill_zero(torch.expm1(2.0 * level_log_ratio), mask).sum()
+    selected_ratio = masked_fill_zero(ratio, mask)  # (B, T), 0 unselected (ratios are > 0)
     return RolloutCorrectionMetrics(
         token_count=count,
-        ratio_sum=masked_fill_zero(ratio, mask).sum(),
-        ratio_min=_extreme(ratio, mask, count, largest=False),
-        ratio_max=_extreme(ratio, mask, count, largest=True),
-        ratio_square_excess_sum=masked_fill_zero(torch.expm1(2.0 * level_log_ratio), mask).sum(),
+        ratio_sum=selected_ratio.sum(),
+        ratio_min=_smallest(ratio, mask, count),
+        ratio_max=selected_ratio.amax() if selected_ratio.numel() else zero,
+        ratio_square_excess_sum=square_excess,
         weight_sum=weights.sum(),
         weight_square_sum=weights.square().sum(),
-        truncated_count=truncated.sum().to(weights.dtype),
-        masked_count=removed.sum().to(weights.dtype),
-        kl_k1_sum=masked_fill_zero(-log_ratio, mask).sum(),
-        kl_k3_sum=masked_fill_zero(_k3(log_ratio), mask).sum(),
+        truncated_count=zero if truncated is None else truncated.sum().to(dtype),
+        masked_count=zero if removed is None else removed.sum().to(dtype),
+        kl_k1_sum=-log_ratio.sum(),
+        kl_k3_sum=(excess - log_ratio).clamp(min=0.0).sum(),
     )
