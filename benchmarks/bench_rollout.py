@@ -22,6 +22,9 @@ import harness
 import rlobjectives
 
 Inputs = harness.Inputs
+# One code object per variant function serves every case (options x shapes x dtypes): each case
+# is a new guard set, so the default limit of 8 compiled versions is too small here.
+torch._dynamo.config.recompile_limit = 64
 SETTINGS = {
     "token truncate": {"level": "token", "mode": "truncate", "upper": 2.0},
     "sequence mask": {"level": "sequence", "mode": "mask", "upper": 3.0},

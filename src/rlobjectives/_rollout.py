@@ -274,6 +274,8 @@ def _correct(
         truncated=None if applied.truncated is None else survive & applied.truncated,
         removed=removed,
     )
+    # A new tensor even when nothing was removed: the result never aliases the caller's mask.
+    survive = survive.clone() if survive is mask else survive
     return RolloutCorrection(weights=weights, mask=survive, metrics=metrics)
 
 
