@@ -451,7 +451,7 @@ def write_figure(
     clip.plot(steps, [entry["clip_fraction_low"] for entry in history], label="low (A < 0)")
     clip.plot(steps, [entry["clip_fraction_high"] for entry in history], label="high (A > 0)")
     clip.set_title("clip fraction")
-    for axis in axes.flat:
+    for axis in (reward, accuracy, kl, clip, correction):
         axis.set_xlabel("GRPO step")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
