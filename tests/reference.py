@@ -427,6 +427,8 @@ def kl_token(
     k2 = d * d / 2
     if estimator == "k1":
         k = d
+    elif estimator == "abs":
+        k = torch.abs(d)
     elif estimator == "k2":
         k = k2
     else:
@@ -716,6 +718,525 @@ def fused_policy_loss_from_hidden(
             **reduce,  # type: ignore[arg-type]
         )
     return loss
+
+
+# === PPO: whitening, value loss, GAE options, REINFORCE++ options, outcome advantages ===
+
+# (issue 14: rlobjectives._whitening, _value, _advantages, _outcome_advantages, _kl_control)
+
+
+def _selected_entries(values: Tensor, mask: Tensor) -> list[tuple[tuple[int, ...], Tensor]]:
+    """[(index, value)] of the selected entries of a tensor of any shape, in row-major order."""
+    keep = mask.reshape(-1).tolist()
+    flat = values.reshape(-1)
+    shape = tuple(values.shape)
+    out = []
+    for k, selected in enumerate(keep):
+        if selected:
+            index = []
+            rest = k
+            for size in reversed(shape):
+                index.append(rest % size)
+                rest //= size
+            out.append((tuple(reversed(index)), flat[k]))
+    return out
+
+
+def masked_whiten(
+    values: Tensor,
+    mask: Tensor,
+    *,
+    shift_mean: bool = True,
+    unbiased: bool = True,
+    eps: float = 1e-8,
+) -> Tensor:
+    """Reference of rlobjectives.masked_whiten: (x - mean) / sqrt(var + eps) on selected entries."""
+    entries = _selected_entries(values, mask)
+    zero = torch.zeros((), dtype=torch.float64)
+    out = torch.zeros(values.shape, dtype=torch.float64)
+    count = len(entries)
+    if count == 0:
+        return out
+    mean = sum((v for _, v in entries), zero) / count
+    divisor = max(count - 1, 1) if unbiased else count
+    variance = sum(((v - mean) ** 2 for _, v in entries), zero) / divisor
+    if float(variance.detach()) + eps == 0:
+        return out
+    for index, v in entries:
+        w = (v - mean) / torch.sqrt(variance + eps)
+        out = out.index_put(
+            tuple(torch.tensor([i]) for i in index), (w + (0 if shift_mean else mean)).reshape(1)
+        )
+    return out
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    *,
+    clip: float | None = 0.2,
+    reduction: str = "token_mean",
+    normalizer: float | None = None,
+    max_response_length: int | None = None,
+) -> Tensor:
+    """Reference of rlobjectives.value_loss(...).loss: 0.5 max((V-R)^2, (clip(V)-R)^2), reduced."""
+    m = _as_list_mask(mask)
+    losses: dict[tuple[int, int], Tensor] = {}
+    for i, row in enumerate(m):
+        for t, keep in enumerate(row):
+            if not keep:
+                continue
+            unclipped = (values[i, t] - returns[i, t]) ** 2
+            if clip is None:
+                losses[(i, t)] = 0.5 * unclipped
+                continue
+            low, high = old_values[i, t] - clip, old_values[i, t] + clip
+            clipped = (torch.clamp(values[i, t], float(low), float(high)) - returns[i, t]) ** 2
+            losses[(i, t)] = 0.5 * torch.maximum(unclipped, clipped)
+    return reduce_losses(
+        losses,
+        tuple(mask.shape),  # type: ignore[arg-type]
+        reduction=reduction,
+        normalizer=normalizer,
+        max_response_length=max_response_length,
+    )
+
+
+def value_loss_diagnostics(
+    values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *, clip: float | None = 0.2
+) -> dict[str, float]:
+    """clip_fraction (clipped term strictly larger) and explained variance, as Python floats."""
+    m = _as_list_mask(mask)
+    v, old, ret = values.tolist(), old_values.tolist(), returns.tolist()
+    binding = 0
+    residuals: list[float] = []
+    targets: list[float] = []
+    for i, row in enumerate(m):
+        for t, keep in enumerate(row):
+            if not keep:
+                continue
+            residuals.append(ret[i][t] - v[i][t])
+            targets.append(ret[i][t])
+            if clip is not None:
+                clipped = min(max(v[i][t], old[i][t] - clip), old[i][t] + clip)
+                binding += (clipped - ret[i][t]) ** 2 > (v[i][t] - ret[i][t]) ** 2
+    count = len(targets)
+
+    def variance(xs: list[float]) -> float:
+        mean = sum(xs) / len(xs)
+        return sum((x - mean) ** 2 for x in xs) / (len(xs) - 1)
+
+    explained = 1 - variance(residuals) / (variance(targets) + 1e-5) if count >= 2 else 0.0
+    return {"clip_fraction": binding / count if count else 0.0, "explained_variance": explained}
+
+
+def gae_with_options(
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    *,
+    gamma: float,
+    lam: float,
+    whiten: bool = False,
+    holes: str = "skip",
+) -> tuple[Tensor, Tensor]:
+    """Reference of rlobjectives.gae with whiten/holes.
+
+    ``holes="zero"``: OpenRLHF's loop over every position up to the last selected token, with
+    reward and value 0 at unselected positions.
+    """
+    if holes == "skip":
+        advantages, returns = gae(rewards, values, mask, gamma=gamma, lam=lam)
+    else:
+        m = _as_list_mask(mask)
+        zero = torch.zeros((), dtype=torch.float64)
+        entries: dict[tuple[int, int], Tensor] = {}
+        targets: dict[tuple[int, int], Tensor] = {}
+        for i, row in enumerate(m):
+            r = [rewards[i, t] if keep else zero for t, keep in enumerate(row)]
+            v = [values[i, t] if keep else zero for t, keep in enumerate(row)]
+            running = zero
+            for t in reversed(range(len(row))):
+                next_value = v[t + 1] if t + 1 < len(row) else zero
+                running = r[t] + gamma * next_value - v[t] + gamma * lam * running
+                if row[t]:
+                    entries[(i, t)] = running
+                    targets[(i, t)] = running + v[t]
+        shape = tuple(mask.shape)
+        advantages = _matrix(entries, shape)  # type: ignore[arg-type]
+        returns = _matrix(targets, shape)  # type: ignore[arg-type]
+    if whiten:
+        advantages = masked_whiten(advantages, mask)
+    return advantages, returns
+
+
+def group_labels(length: int, group_size: int | None, group_ids: object) -> list[object]:
+    """One hashable label per sequence: ``k // group_size``, or the given labels."""
+    if group_ids is None:
+        assert group_size is not None
+        return [k // group_size for k in range(length)]
+    if isinstance(group_ids, Tensor):
+        return [int(x) for x in group_ids.tolist()]
+    return list(group_ids)  # type: ignore[call-overload]
+
+
+def _members(labels: list[object]) -> dict[object, list[int]]:
+    groups: dict[object, list[int]] = {}
+    for k, label in enumerate(labels):
+        groups.setdefault(label, []).append(k)
+    return groups
+
+
+def _std(values: list[Tensor]) -> Tensor:
+    """Unbiased std of a list of 0-d tensors (0 for fewer than two)."""
+    zero = torch.zeros((), dtype=torch.float64)
+    if len(values) < 2:
+        return zero
+    mean = sum(values, zero) / len(values)
+    variance = sum(((x - mean) ** 2 for x in values), zero) / (len(values) - 1)
+    return torch.sqrt(variance) if float(variance.detach()) > 0 else zero
+
+
+def group_relative_advantages_grouped(
+    rewards: Tensor, labels: list[object], *, scale: str = "std", eps: float = 1e-6
+) -> Tensor:
+    """Reference of rlobjectives.group_relative_advantages with any grouping (loops)."""
+    zero = torch.zeros((), dtype=torch.float64)
+    items = [rewards[k] for k in range(rewards.shape[0])]
+    batch_std = _std(items)
+    out: list[Tensor] = [zero] * len(items)
+    for members in _members(labels).values():
+        group = [items[k] for k in members]
+        mean = sum(group, zero) / len(group)
+        std = _std(group) if scale == "std" else batch_std
+        for k in members:
+            centered = items[k] - mean
+            if len(members) == 1:
+                out[k] = zero
+            elif scale == "none":
+                out[k] = centered
+            elif float(std.detach()) + eps > 0:
+                out[k] = centered / (std + eps)
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def rloo_advantages_grouped(rewards: Tensor, labels: list[object]) -> Tensor:
+    """Reference of rlobjectives.rloo_advantages with any grouping: 0 for a group of one."""
+    zero = torch.zeros((), dtype=torch.float64)
+    out: list[Tensor] = [zero] * rewards.shape[0]
+    for members in _members(labels).values():
+        for k in members:
+            others = [rewards[j] for j in members if j != k]
+            if others:
+                out[k] = rewards[k] - sum(others, zero) / len(others)
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def passk_advantages(
+    rewards: Tensor, labels: list[object], *, scale: str = "std", eps: float = 1e-6
+) -> Tensor:
+    """Reference of rlobjectives.passk_advantages: (best - second best) at the first best."""
+    zero = torch.zeros((), dtype=torch.float64)
+    out: list[Tensor] = [zero] * rewards.shape[0]
+    for members in _members(labels).values():
+        if len(members) < 2:
+            continue
+        values = [float(rewards[k].detach()) for k in members]
+        best = members[values.index(max(values))]
+        rest = [k for k in members if k != best]
+        rest_values = [float(rewards[k].detach()) for k in rest]
+        second = rest[rest_values.index(max(rest_values))]
+        margin = rewards[best] - rewards[second]
+        if scale == "std":
+            std = _std([rewards[k] for k in members])
+            margin = margin / (std + eps) if float(std.detach()) + eps > 0 else zero
+        out[best] = margin
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def opo_advantages(rewards: Tensor, mask: Tensor, labels: list[object]) -> Tensor:
+    """Reference of rlobjectives.opo_advantages: r - sum(l r) / sum(l) over the group."""
+    zero = torch.zeros((), dtype=torch.float64)
+    lengths = [sum(1 for keep in row if keep) for row in _as_list_mask(mask)]
+    out: list[Tensor] = [zero] * rewards.shape[0]
+    for members in _members(labels).values():
+        total = sum(lengths[k] for k in members)
+        if total > 0:
+            baseline = sum((lengths[k] * rewards[k] for k in members), zero) / total
+        else:
+            baseline = sum((rewards[k] for k in members), zero) / len(members)
+        for k in members:
+            out[k] = rewards[k] - baseline
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def remax_advantages(rewards: Tensor, baseline: Tensor, mask: Tensor | None = None) -> Tensor:
+    """Reference of rlobjectives.remax_advantages: (reward-to-go) minus the greedy reward."""
+    if mask is None:
+        return rewards - baseline.reshape(-1)
+    m = _as_list_mask(mask)
+    zero = torch.zeros((), dtype=torch.float64)
+    entries: dict[tuple[int, int], Tensor] = {}
+    for i, row in enumerate(m):
+        running = zero
+        for t in reversed(range(len(row))):
+            if row[t]:
+                running = running + rewards[i, t]
+                entries[(i, t)] = running - baseline.reshape(-1)[i]
+    return _matrix(entries, tuple(mask.shape))  # type: ignore[arg-type]
+
+
+def reinforce_plus_plus_grouped(
+    rewards: Tensor,
+    mask: Tensor,
+    *,
+    labels: list[object] | None = None,
+    token_rewards: Tensor | None = None,
+    gamma: float = 1.0,
+    unbiased: bool = False,
+    eps: float = 1e-8,
+) -> Tensor:
+    """Reference of rlobjectives.reinforce_plus_plus_advantages with group labels / unbiased."""
+    zero = torch.zeros((), dtype=torch.float64)
+    scores = [rewards.reshape(-1)[i] for i in range(mask.shape[0])]
+    if labels is not None:
+        baselined = list(scores)
+        for members in _members(labels).values():
+            mean = sum((scores[k] for k in members), zero) / len(members)
+            for k in members:
+                baselined[k] = scores[k] - mean
+        scores = baselined
+    returns: dict[tuple[int, int], Tensor] = {}
+    for i, row in enumerate(_as_list_mask(mask)):
+        selected = [t for t, keep in enumerate(row) if keep]
+        running = zero
+        for k in reversed(range(len(selected))):
+            t = selected[k]
+            reward = token_rewards[i, t] if token_rewards is not None else zero
+            if k == len(selected) - 1:
+                reward = reward + scores[i]
+            running = reward + gamma * running
+            returns[(i, t)] = running
+    count = len(returns)
+    if count == 0:
+        return torch.zeros(tuple(mask.shape), dtype=torch.float64)
+    mean = sum(returns.values(), zero) / count
+    divisor = max(count - 1, 1) if unbiased else count
+    variance = sum(((g - mean) ** 2 for g in returns.values()), zero) / divisor
+    std = torch.sqrt(variance) if float(variance.detach()) > 0 else zero
+    if float(std.detach()) + eps == 0:
+        return torch.zeros(tuple(mask.shape), dtype=torch.float64)
+    entries = {key: (g - mean) / (std + eps) for key, g in returns.items()}
+    return _matrix(entries, tuple(mask.shape))  # type: ignore[arg-type]
+
+
+def adaptive_kl_values(
+    init_kl_coef: float, target: float, horizon: float, updates: list[tuple[float, int]]
+) -> list[float]:
+    """The coefficient after each (current_kl, n_steps) update (Ziegler et al. 2019, Sec. 2.2)."""
+    value = init_kl_coef
+    out = []
+    for current_kl, n_steps in updates:
+        error = current_kl / target - 1
+        if error > 0.2:
+            error = 0.2
+        if error < -0.2:
+            error = -0.2
+        value = value * (1 + error * n_steps / horizon)
+        out.append(value)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Peer presets (rlobjectives.presets): each peer's loss written out from its formulas, as loops.
+
+
+def _selected(mask: Tensor) -> list[list[bool]]:
+    return _as_list_mask(mask != 0)
+
+
+def trl_grpo_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss_type: str,
+    epsilon: float = 0.2,
+    epsilon_high: float | None = None,
+    beta: float = 0.0,
+    ref_log_probs: Tensor | None = None,
+    level: str = "token",
+    delta: float | None = None,
+    max_completion_length: int | None = None,
+    use_bias_correction_kl: bool = True,
+    importance_sampling_ratio: Tensor | None = None,
+    num_items_in_batch: int | None = None,
+    num_processes: int = 1,
+    accumulation: int = 1,
+    steps_per_generation: int | None = None,
+) -> Tensor:
+    """TRL 1.16 ``GRPOTrainer._compute_loss`` (clipped loss types), token by token."""
+    high = epsilon if epsilon_high is None else epsilon_high
+    keep = _selected(mask)
+    rows, width = len(keep), len(keep[0]) if keep else 0
+    row_sums, counts = [], []
+    for i in range(rows):
+        tokens = [t for t in range(width) if keep[i][t]]
+        sequence_log_ratio = sum(
+            (log_probs[i, t] - old_log_probs[i, t] for t in tokens), torch.zeros(())
+        ) / max(len(tokens), 1)
+        total = torch.zeros((), dtype=torch.float64)
+        for t in tokens:
+            log_ratio = (
+                log_probs[i, t] - old_log_probs[i, t] if level == "token" else (sequence_log_ratio)
+            )
+            ratio = torch.exp(log_ratio)
+            clipped = torch.clamp(ratio, 1 - epsilon, 1 + high)
+            capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+            a = _advantage(advantages, i, t)
+            loss = -torch.minimum(capped * a, clipped * a)
+            if importance_sampling_ratio is not None:
+                loss = loss * _advantage(importance_sampling_ratio, i, t)
+            if beta != 0.0:
+                assert ref_log_probs is not None
+                d = ref_log_probs[i, t] - log_probs[i, t]
+                kl = torch.exp(d) - d - 1
+                loss = loss + beta * (kl * ratio if use_bias_correction_kl else kl)
+            total = total + loss
+        row_sums.append(total)
+        counts.append(len(tokens))
+    total = sum(row_sums, torch.zeros((), dtype=torch.float64))
+    ga = accumulation
+    if loss_type == "grpo":
+        means = [s / max(n, 1) for s, n in zip(row_sums, counts, strict=True)]
+        return sum(means, total * 0) / rows / ga
+    if loss_type == "bnpo":
+        return total / max(sum(counts), 1) / ga
+    if loss_type == "dr_grpo":
+        assert max_completion_length is not None
+        return total / (rows * max_completion_length) / ga
+    if loss_type == "dapo":
+        items = sum(counts) if num_items_in_batch is None else num_items_in_batch
+        spg = ga if steps_per_generation is None else steps_per_generation
+        return total / (max(items, 1) / num_processes * ga / spg)
+    assert loss_type == "luspo"
+    return total / rows / ga
+
+
+def verl_agg_loss(
+    losses: Tensor,
+    mask: Tensor,
+    mode: str,
+    *,
+    dp_size: int = 1,
+    batch_num_tokens: float | None = None,
+    global_batch_size: float | None = None,
+    loss_scale_factor: float | None = None,
+) -> Tensor:
+    """verl ``agg_loss`` (HEAD, after PRs #5366 and #5417), row by row."""
+    keep = _selected(mask)
+    rows = [[losses[i, t] for t in range(len(row)) if row[t]] for i, row in enumerate(keep)]
+    zero = torch.zeros((), dtype=torch.float64)
+    tokens = sum(len(r) for r in rows)
+    nonempty = sum(1 for r in rows if r)
+    if mode in ("token-mean", "token-sum"):
+        total = sum((v for r in rows for v in r), zero)
+        if mode == "token-sum":
+            return total * dp_size
+        return total / (tokens if batch_num_tokens is None else batch_num_tokens) * dp_size
+    count = nonempty if global_batch_size is None else global_batch_size
+    if mode == "seq-mean-token-mean":
+        means = [sum(r, zero) / (len(r) + 1e-8) for r in rows if r]
+        return sum(means, zero) / count * dp_size
+    sums = sum((sum(r, zero) for r in rows if r), zero) / count * dp_size
+    if mode == "seq-mean-token-sum-norm":
+        return sums / (mask.shape[-1] if loss_scale_factor is None else loss_scale_factor)
+    assert mode == "seq-mean-token-sum"
+    return sums
+
+
+def verl_policy_losses(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss_mode: str,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    clip_c: float = 3.0,
+) -> Tensor:
+    """verl's per-token ``pg_losses`` of vanilla / gspo / gpg, ``(B, T)`` (0 at unselected)."""
+    keep = _selected(mask)
+    out = torch.zeros_like(log_prob)
+    entries: dict[tuple[int, int], Tensor] = {}
+    for i, row in enumerate(keep):
+        tokens = [t for t in range(len(row)) if row[t]]
+        for t in tokens:
+            a = _advantage(advantages, i, t)
+            if loss_mode == "gpg":
+                entries[(i, t)] = -log_prob[i, t] * a
+                continue
+            if loss_mode == "gspo":
+                mean = sum((log_prob[i, u] - old_log_prob[i, u] for u in tokens), out[0, 0] * 0)
+                log_ratio = log_prob[i, t] - log_prob[i, t].detach() + (mean / len(tokens)).detach()
+                ratio = torch.exp(torch.clamp(log_ratio, max=10.0))
+            else:
+                ratio = torch.exp(torch.clamp(log_prob[i, t] - old_log_prob[i, t], -20.0, 20.0))
+            loss = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - clip_low, 1 + clip_high))
+            if loss_mode == "vanilla" and a < 0:
+                loss = torch.minimum(-a * clip_c, loss)
+            entries[(i, t)] = loss
+    return _matrix(entries, tuple(log_prob.shape)) if entries else out
+
+
+def openrlhf_policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_eps_low: float = 0.2,
+    clip_eps_high: float = 0.2,
+    dual_clip: float | None = None,
+    token_level_loss: bool = True,
+    policy_loss_type: str = "ppo",
+    dp_size: int = 1,
+    batch_num_tokens: float | None = None,
+    global_batch_size: float | None = None,
+) -> Tensor:
+    """OpenRLHF ``PolicyLoss.forward``'s loss (3c3be62), token by token."""
+    keep = _selected(mask)
+    zero = torch.zeros((), dtype=torch.float64)
+    row_losses: list[list[Tensor]] = []
+    for i, row in enumerate(keep):
+        tokens = [t for t in range(len(row)) if row[t]]
+        mean = sum((log_probs[i, t] - old_log_probs[i, t] for t in tokens), zero)
+        losses = []
+        for t in tokens:
+            a = _advantage(advantages, i, t)
+            if policy_loss_type == "gspo":  # the sequence ratio with its full gradient
+                ratio = torch.exp(mean / max(len(tokens), 1))
+            else:
+                ratio = torch.exp(torch.clamp(log_probs[i, t] - old_log_probs[i, t], -20.0, 20.0))
+            surrogate = torch.minimum(
+                ratio * a, torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * a
+            )
+            if dual_clip is not None and a < 0:
+                surrogate = torch.maximum(surrogate, dual_clip * a)
+            losses.append(-surrogate)
+        row_losses.append(losses)
+    if token_level_loss and policy_loss_type == "ppo":
+        total = sum((v for r in row_losses for v in r), zero)
+        count = sum(len(r) for r in row_losses)
+        return total / count if batch_num_tokens is None else total / batch_num_tokens * dp_size
+    means = [sum(r, zero) / (len(r) + 1e-8) for r in row_losses if r]
+    if global_batch_size is None:
+        return sum(means, zero) / len(means)
+    return sum(means, zero) / global_batch_size * dp_size
 
 
 # --- rollout correction and off-policy sequence masking (issue 12, rlobjectives._rollout) -------

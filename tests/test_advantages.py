@@ -16,8 +16,10 @@ from rlobjectives import (
     gae,
     group_relative_advantages,
     kl_estimate,
+    masked_whiten,
     reinforce_plus_plus_advantages,
     rloo_advantages,
+    value_loss,
 )
 from tolerances import assert_close
 
@@ -144,7 +146,9 @@ def test_group_relative_errors() -> None:
         group_relative_advantages(torch.zeros(4), 2.0)  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"rewards must have shape \(B\*G,\).*got shape \(2, 2\)"):
         group_relative_advantages(torch.zeros(2, 2), 2)
-    with pytest.raises(ValueError, match=r"scale must be one of \['std', 'none'\], got 'mad'"):
+    with pytest.raises(
+        ValueError, match=r"scale must be one of \['std', 'batch', 'none'\], got 'mad'"
+    ):
         group_relative_advantages(torch.zeros(4), 2, scale="mad")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"eps must be >= 0.0, got -1e-06"):
         group_relative_advantages(torch.zeros(4), 2, eps=-1e-6)
@@ -498,18 +502,105 @@ def test_gae_errors() -> None:
         gae(torch.zeros(3), zeros, mask, gamma=0.9, lam=0.9)
 
 
+# --------------------------------------------------------------------------- GAE options (PPO)
+
+
+def test_gae_whiten_golden_verl() -> None:
+    # rewards [0, 0, 1], values [0.5, 0.6, 0.7], gamma 0.9, lam 0.8 (test_gae_golden):
+    # A = [0.21712, 0.246, 0.3], returns [0.71712, 0.846, 1.0]. verl whitens A over the mask:
+    # mean 0.254373, deviations [-0.037253, -0.008373, 0.045627], unbiased var
+    # (0.00138779 + 0.0000701 + 0.00208182) / 2 = 0.00176986 -> /sqrt(var + 1e-8).
+    out = gae([[0.0, 0.0, 1.0]], [[0.5, 0.6, 0.7]], [[1, 1, 1]], gamma=0.9, lam=0.8, whiten=True)
+    raw = [0.21712, 0.246, 0.3]
+    mean = sum(raw) / 3
+    variance = sum((a - mean) ** 2 for a in raw) / 2
+    assert_close(out.advantages, [[(a - mean) / math.sqrt(variance + 1e-8) for a in raw]])
+    assert_close(out.returns, [[0.71712, 0.846, 1.0]])  # returns of the raw advantages
+
+
+def test_gae_holes_zero_golden_openrlhf() -> None:
+    # OpenRLHF runs the recursion through a hole with r = V = 0 there (gamma 0.9, lam 0.8):
+    # mask [1, 0, 1, 1], rewards [0, -, 0, 1], values [0.5, -, 0.6, 0.7]
+    # t=3: delta = 1 - 0.7 = 0.3;               A_3 = 0.3
+    # t=2: delta = 0.9*0.7 - 0.6 = 0.03;        A_2 = 0.03 + 0.72*0.3 = 0.246
+    # t=1 (hole): delta = 0.9*0.6 - 0 = 0.54;   A_1 = 0.54 + 0.72*0.246 = 0.71712
+    # t=0: delta = 0 + 0.9*0 - 0.5 = -0.5;      A_0 = -0.5 + 0.72*0.71712 = 0.0163264
+    # "skip" (verl, default) jumps over the hole: A_0 = 0.21712 as without it.
+    rewards = [[0.0, float("nan"), 0.0, 1.0]]
+    values = [[0.5, float("inf"), 0.6, 0.7]]
+    mask = [[1, 0, 1, 1]]
+    zero = gae(rewards, values, mask, gamma=0.9, lam=0.8, holes="zero")
+    assert_close(zero.advantages, [[0.0163264, 0.0, 0.246, 0.3]])
+    assert_close(zero.returns, [[0.5163264, 0.0, 0.846, 1.0]])
+    skip = gae(rewards, values, mask, gamma=0.9, lam=0.8)
+    assert_close(skip.advantages, [[0.21712, 0.0, 0.246, 0.3]])
+    # Without holes (trailing padding only) both are the same.
+    padded = ([[0.0, 0.0, 1.0, 9.0]], [[0.5, 0.6, 0.7, 9.0]], [[1, 1, 1, 0]])
+    for name in ("advantages", "returns"):
+        assert torch.equal(
+            getattr(gae(*padded, gamma=0.9, lam=0.8, holes="zero"), name),
+            getattr(gae(*padded, gamma=0.9, lam=0.8), name),
+        )
+
+
+@given(
+    shape=token_shapes,
+    seed=st.integers(0, 2**16),
+    gamma=st.sampled_from([1.0, 0.9, 0.0]),
+    lam=st.sampled_from([1.0, 0.95, 0.0]),
+    whiten=st.booleans(),
+    holes=st.sampled_from(["skip", "zero"]),
+)
+def test_gae_options_match_reference(
+    shape: tuple[int, int], seed: int, gamma: float, lam: float, whiten: bool, holes: str
+) -> None:
+    rewards, values, mask = _token_inputs(seed, *shape)
+    rewards_in = torch.where(mask, rewards, float("nan")).requires_grad_(True)
+    values_in = torch.where(mask, values, float("inf")).requires_grad_(True)
+    out = gae(rewards_in, values_in, mask, gamma=gamma, lam=lam, whiten=whiten, holes=holes)  # type: ignore[arg-type]
+    weights = torch.randn(shape, generator=_generator(seed + 9), dtype=torch.float64)
+    grads = _grads((out.advantages + 2 * out.returns) * weights, rewards_in, values_in)
+    rewards_ref = rewards.clone().requires_grad_(True)
+    values_ref = values.clone().requires_grad_(True)
+    advantages, returns = reference.gae_with_options(
+        rewards_ref, values_ref, mask, gamma=gamma, lam=lam, whiten=whiten, holes=holes
+    )
+    expected_grads = _grads((advantages + 2 * returns) * weights, rewards_ref, values_ref)
+    assert_close(out.advantages, advantages)
+    assert_close(out.returns, returns)
+    for got, expected in zip(grads, expected_grads, strict=True):
+        assert torch.isfinite(got).all() and bool((got[~mask] == 0).all())
+        assert_close(got, expected)
+    if whiten:  # the documented composition
+        raw = gae(rewards, values, mask, gamma=gamma, lam=lam, holes=holes)  # type: ignore[arg-type]
+        assert torch.equal(out.advantages, masked_whiten(raw.advantages, mask))
+        assert torch.equal(out.returns, raw.returns)
+
+
+def test_gae_option_errors() -> None:
+    zeros, mask = torch.zeros(2, 3), torch.ones(2, 3)
+    with pytest.raises(ValueError, match=r"holes must be one of \['skip', 'zero'\], got 'carry'"):
+        gae(zeros, zeros, mask, gamma=1.0, lam=1.0, holes="carry")  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"whiten must be a bool, got str"):
+        gae(zeros, zeros, mask, gamma=1.0, lam=1.0, whiten="yes")  # type: ignore[arg-type]
+
+
 # --------------------------------------------------------------------------- compile
 
 
 @pytest.mark.compile
 def test_gae_and_reinforce_plus_plus_under_torch_compile() -> None:
     rewards, values, mask = _token_inputs(13, 3, 6)
+    ids = torch.tensor([4, 1, 4])
     rewards = rewards.float()
     values = values.float()
 
     def step(r: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out = gae(r, v, mask, gamma=0.99, lam=0.95)
-        return out.advantages + reinforce_plus_plus_advantages(r[:, 0], mask, token_rewards=r)
+        out = gae(r, v, mask, gamma=0.99, lam=0.95, whiten=True, holes="zero")
+        advantages = reinforce_plus_plus_advantages(r[:, 0], mask, token_rewards=r, group_size=3)
+        critic = value_loss(v, v.detach() + 0.1, out.returns, mask)
+        outcome = group_relative_advantages(r[:, 1], group_ids=ids)  # segment ops
+        return out.advantages + advantages + critic.loss + outcome.unsqueeze(-1)
 
     compiled = torch.compile(step, fullgraph=True)
     assert_close(compiled(rewards, values), step(rewards, values))

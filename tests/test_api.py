@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import doctest
 import importlib
+import importlib.util
 import inspect
 import pkgutil
 
@@ -14,6 +15,15 @@ import rlobjectives
 PUBLIC = [name for name in rlobjectives.__all__ if name != "__version__"]
 # The two seed functions take their arguments positionally, as the specification writes them.
 SEED_FUNCTIONS = {"grpo_clipped_surrogate", "kl_penalized_rewards"}
+# The grouping of the outcome-advantage functions is data, not a hyperparameter: `group_size`
+# stays positional (`group_relative_advantages(rewards, 8)`, as since 0.1.0) and defaults to
+# None so that `group_relative_advantages(rewards, group_ids=ids)` works.
+POSITIONAL_GROUPING = {
+    ("group_relative_advantages", "group_size"),
+    ("rloo_advantages", "group_size"),
+    ("passk_advantages", "group_size"),
+    ("opo_advantages", "group_size"),
+}
 
 
 def test_all_is_explicit_and_importable() -> None:
@@ -40,6 +50,9 @@ def test_hyperparameters_are_keyword_only(name: str) -> None:
     if not inspect.isfunction(obj) or name in SEED_FUNCTIONS:
         return
     for parameter in inspect.signature(obj).parameters.values():
+        if (name, parameter.name) in POSITIONAL_GROUPING:
+            assert parameter.default is None
+            continue
         if parameter.default is not inspect.Parameter.empty:
             assert parameter.kind is inspect.Parameter.KEYWORD_ONLY, (
                 f"{name}({parameter.name}=...) should be keyword-only"
@@ -51,6 +64,8 @@ def _modules() -> list[str]:
     for info in pkgutil.walk_packages(rlobjectives.__path__, "rlobjectives."):
         if ".demo" in info.name or info.name.endswith("__main__"):
             continue
+        if info.name == "rlobjectives.integrations.trl" and not importlib.util.find_spec("trl"):
+            continue  # the optional extra is not installed
         names.append(info.name)
     return names
 

@@ -21,7 +21,7 @@ from rlobjectives import (
 from tolerances import assert_close
 
 REDUCTIONS = ["token_mean", "sequence_mean", "sequence_sum_normalized", "none"]
-ESTIMATORS = ["k1", "k2", "k3"]
+ESTIMATORS = ["k1", "k2", "k3", "abs"]
 
 
 def _inputs(
@@ -63,6 +63,23 @@ def test_kl_estimate_golden() -> None:
     # bound 0.5: d -> [0, 0.5, -0.5]; k3 = e^-0.5 + 0.5 - 1 = 0.10653066, e^0.5 - 1.5 = 0.14872127
     bounded = kl_estimate(log_probs, ref_log_probs, mask, estimator="k3", log_ratio_bound=0.5)
     assert_close(bounded, [[0.0, math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5, 0.0]])
+
+
+def test_kl_estimate_abs_golden_verl() -> None:
+    # verl kl_penalty="abs": |log pi - log ref|. d = [0.5, -1.5, (masked)] -> [0.5, 1.5, 0];
+    # gradient sign(d) w.r.t. log pi: [1, -1, 0].
+    log_probs = torch.tensor([[-1.0, -2.5, float("nan")]], requires_grad=True)
+    ref_log_probs = torch.tensor([[-1.5, -1.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    out = kl_estimate(log_probs, ref_log_probs, mask, estimator="abs")
+    assert_close(out, [[0.5, 1.5, 0.0]])
+    (grad,) = torch.autograd.grad(out.sum(), log_probs)
+    assert_close(grad, [[1.0, -1.0, 0.0]])
+    with pytest.warns(BiasedGradientWarning, match="abs penalty"):
+        rewards = kl_penalized_token_rewards(
+            log_probs.detach(), ref_log_probs, [2.0], mask, kl_coef=0.1, estimator="abs"
+        )
+    assert_close(rewards, [[-0.05, 2.0 - 0.15, 0.0]])
 
 
 def test_kl_loss_golden_reductions() -> None:
@@ -514,7 +531,7 @@ def test_does_not_mutate_inputs() -> None:
 
 @pytest.mark.parametrize(
     ("estimator", "match"),
-    [("k1", "zero expected gradient"), ("k3", "biased gradient")],
+    [("k1", "zero expected gradient"), ("k3", "biased gradient"), ("abs", "biased gradient")],
 )
 def test_kl_loss_warns_for_biased_combinations(estimator: str, match: str) -> None:
     with pytest.warns(BiasedGradientWarning, match=match) as record:
@@ -690,7 +707,7 @@ def test_errors() -> None:
     zeros = torch.zeros(2, 3)
     mask = torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(
-        ValueError, match=r"estimator must be one of \['k1', 'k2', 'k3'\], got 'k4'"
+        ValueError, match=r"estimator must be one of \['k1', 'k2', 'k3', 'abs'\], got 'k4'"
     ):
         kl_estimate(zeros, zeros, mask, estimator="k4")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match=r"ref_log_probs must have the same shape as log_probs"):

@@ -6,13 +6,7 @@ H hidden size. Masks have the shape of the log-probabilities and True/nonzero se
 
 from importlib.metadata import PackageNotFoundError, version
 
-from ._advantages import (
-    GAEOutput,
-    gae,
-    group_relative_advantages,
-    reinforce_plus_plus_advantages,
-    rloo_advantages,
-)
+from ._advantages import GAEOutput, gae, reinforce_plus_plus_advantages
 from ._alignment import (
     ResponseAlignment,
     ResponseLogProbs,
@@ -20,21 +14,32 @@ from ._alignment import (
     response_log_probs,
 )
 from ._kl import BiasedGradientWarning, kl_estimate, kl_loss
+from ._kl_control import AdaptiveKLController, FixedKLController
 from ._kl_rewards import kl_penalized_token_rewards
 from ._lm_head import TokenLogProbsOutput, token_log_probs_from_hidden
 from ._lm_head_loss import FusedPolicyLossOutput, fused_policy_loss_from_hidden
 from ._logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, token_log_probs
 from ._masking import masked_mean, masked_sum
 from ._off_policy import off_policy_sequence_mask
+from ._outcome_advantages import (
+    group_relative_advantages,
+    opo_advantages,
+    passk_advantages,
+    remax_advantages,
+    rloo_advantages,
+)
 from ._policy import policy_loss
 from ._policy_args import PolicyLossDiagnostics, PolicyLossOutput
 from ._reduction import Reduction, aggregate
 from ._rollout import RolloutCorrection, rollout_correction
 from ._rollout_metrics import RolloutCorrectionMetrics
 from ._specified import grpo_clipped_surrogate, kl_penalized_rewards
+from ._value import ValueLossDiagnostics, ValueLossOutput, value_loss
+from ._whitening import masked_whiten
 from .distributed import (
     Normalizers,
     data_parallel_loss_scale,
+    global_masked_whiten,
     global_normalizers,
     normalizer_for_reduction,
     sum_diagnostics,
@@ -46,7 +51,9 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
+    "AdaptiveKLController",
     "BiasedGradientWarning",
+    "FixedKLController",
     "FusedPolicyLossOutput",
     "GAEOutput",
     "Normalizers",
@@ -58,6 +65,8 @@ __all__ = [
     "RolloutCorrection",
     "RolloutCorrectionMetrics",
     "TokenLogProbsOutput",
+    "ValueLossDiagnostics",
+    "ValueLossOutput",
     "__version__",
     "aggregate",
     "data_parallel_loss_scale",
@@ -65,6 +74,7 @@ __all__ = [
     "full_vocab_kl_loss",
     "fused_policy_loss_from_hidden",
     "gae",
+    "global_masked_whiten",
     "global_normalizers",
     "group_relative_advantages",
     "grpo_clipped_surrogate",
@@ -74,10 +84,14 @@ __all__ = [
     "kl_penalized_token_rewards",
     "masked_mean",
     "masked_sum",
+    "masked_whiten",
     "normalizer_for_reduction",
     "off_policy_sequence_mask",
+    "opo_advantages",
+    "passk_advantages",
     "policy_loss",
     "reinforce_plus_plus_advantages",
+    "remax_advantages",
     "response_alignment",
     "response_log_probs",
     "rloo_advantages",
@@ -86,4 +100,5 @@ __all__ = [
     "token_entropy",
     "token_log_probs",
     "token_log_probs_from_hidden",
+    "value_loss",
 ]

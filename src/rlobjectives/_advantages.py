@@ -1,20 +1,20 @@
-r"""Advantage estimators: GRPO / Dr. GRPO, RLOO, REINFORCE++ and masked GAE.
+r"""Token-level advantage estimators: REINFORCE++ and masked GAE.
 
-Group-based estimators take a flat ``(B*G,)`` reward vector whose groups (the G responses to one
-prompt) are contiguous: ``rewards[g*G:(g+1)*G]`` is group ``g``. Token-level estimators take
-``(B, T)`` tensors and a mask; unselected tokens are not part of the trajectory (their rewards
-and values are ignored, their advantages are 0) and NaN/inf there never reaches the outputs.
-All results are float32 (float64 when an input is float64).
+They take ``(B, T)`` tensors and a mask; unselected tokens are not part of the trajectory
+(their rewards and values are ignored, their advantages are 0) and NaN/inf there never reaches
+the outputs. All results are float32 (float64 when an input is float64). The outcome-reward
+(one score per sequence) estimators are in ``_outcome_advantages``.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Literal, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import torch
 
-from ._masking import last_selected, masked_fill_zero, masked_mean, masked_sum, safe_divide
+from ._groups import group_centered, grouped_rewards
+from ._masking import last_selected, masked_fill_zero
 from ._validation import (
     ArrayLike,
     Scalar,
@@ -27,166 +27,19 @@ from ._validation import (
     validate_choice,
     validate_scalar,
 )
+from ._whitening import (
+    divide_or_zero,
+    masked_moments,
+    masked_whiten,
+    power_of_two_scale,
+    safe_sqrt,
+    validate_flag,
+)
 
-__all__ = [
-    "GAEOutput",
-    "gae",
-    "group_relative_advantages",
-    "reinforce_plus_plus_advantages",
-    "rloo_advantages",
-]
+__all__ = ["HOLES", "GAEOutput", "Holes", "gae", "reinforce_plus_plus_advantages"]
 
-AdvantageScale = Literal["std", "none"]
-SCALES: tuple[str, ...] = ("std", "none")
-
-
-def _validate_group_size(group_size: object, minimum: int) -> int:
-    if isinstance(group_size, bool) or not isinstance(group_size, int):
-        raise TypeError(
-            f"group_size must be an int, got {type(group_size).__name__} ({group_size!r})"
-        )
-    if group_size < minimum:
-        raise ValueError(f"group_size must be >= {minimum}, got {group_size}")
-    return group_size
-
-
-def _grouped_rewards(rewards: ArrayLike, group_size: object, minimum: int) -> torch.Tensor:
-    """Validate a flat ``(B*G,)`` reward vector and return it as ``(B, G)`` in compute dtype."""
-    rewards_t = as_float_tensor(rewards, "rewards")
-    size = _validate_group_size(group_size, minimum)
-    if rewards_t.ndim != 1:
-        raise ValueError(
-            f"rewards must have shape (B*G,) (1 dimension, groups contiguous), got shape "
-            f"{tuple(rewards_t.shape)}"
-        )
-    length = rewards_t.shape[0]
-    if length % size != 0:
-        raise ValueError(
-            f"rewards length {length} is not divisible by group_size {size}; expected B*G "
-            f"rewards with the G responses of each prompt contiguous"
-        )
-    return rewards_t.to(compute_dtype(rewards_t)).reshape(length // size, size)  # (B, G)
-
-
-def _centered(grouped: torch.Tensor) -> torch.Tensor:
-    """``r - mean_g(r)`` per group, ``(B, G)``; exactly 0 for a group of identical rewards.
-
-    The mean is taken of the differences to the group's first reward, so identical rewards give
-    exact zeros (``mean([0.1] * 3) != 0.1`` in floating point, while ``0.1 - 0.1 == 0``).
-    """
-    shifted = grouped - grouped[:, :1]  # (B, G)
-    return shifted - shifted.mean(dim=-1, keepdim=True)  # (B, G)
-
-
-def _safe_sqrt(values: torch.Tensor) -> torch.Tensor:
-    """``sqrt`` with gradient 0 (not inf/NaN) at 0."""
-    positive = values > 0
-    return torch.where(positive, torch.sqrt(torch.where(positive, values, 1.0)), 0.0)
-
-
-def group_relative_advantages(
-    rewards: ArrayLike,
-    group_size: int,
-    *,
-    scale: AdvantageScale = "std",
-    eps: Scalar = 1e-6,
-) -> torch.Tensor:
-    r"""GRPO (and Dr. GRPO) group-relative advantages of a flat ``(B*G,)`` reward vector.
-
-    For response :math:`j` of group :math:`g` (``rewards[g*G + j]``), with
-    :math:`\mu_g = \frac1G \sum_j r_{gj}` and the Bessel-corrected (unbiased) standard deviation
-    :math:`\sigma_g = \sqrt{\frac{1}{G-1}\sum_j (r_{gj} - \mu_g)^2}`,
-
-    .. math::
-
-        A_{gj} = \frac{r_{gj} - \mu_g}{\sigma_g + \epsilon} \;(\texttt{"std"}, \text{GRPO}),
-        \qquad A_{gj} = r_{gj} - \mu_g \;(\texttt{"none"}, \text{Dr. GRPO}).
-
-    A group of identical rewards gives exactly 0 (never NaN, also with ``eps=0``); for
-    ``group_size=1`` :math:`\sigma := 0`, so every advantage is 0 (verl instead uses
-    :math:`\mu = 0, \sigma = 1` there, i.e. returns the raw reward). Broadcast the result over
-    tokens by passing it as ``advantages`` (``(B*G,)``) to :func:`rlobjectives.policy_loss`.
-    verl ``grpo`` uses unbiased std and :math:`\epsilon = 10^{-6}`, TRL unbiased std and
-    :math:`10^{-4}`, OpenRLHF ``group_norm`` :math:`10^{-9}`.
-
-    Args:
-        rewards: ``(B*G,)`` rewards, the G responses of each prompt contiguous.
-        group_size: :math:`G \ge 1`.
-        scale: ``"std"`` (divide by :math:`\sigma_g + \epsilon`) or ``"none"`` (mean only).
-        eps: :math:`\epsilon \ge 0` (number or 0-d tensor), used with ``"std"``.
-
-    Returns:
-        ``(B*G,)`` advantages on the device of ``rewards``, float32 (float64 for float64 input).
-
-    Raises:
-        ValueError: if ``rewards`` is not 1-D, its length is not divisible by ``group_size``,
-            ``group_size < 1``, ``scale`` is unknown or ``eps`` is negative/non-finite.
-        TypeError: on non-numeric rewards or a non-int ``group_size``.
-
-    References:
-        Shao et al. 2024, DeepSeekMath/GRPO, arXiv:2402.03300 Sec. 4.1.2 (outcome supervision,
-        :math:`\tilde r_i = (r_i - \mathrm{mean}(r)) / \mathrm{std}(r)`); Liu et al. 2025,
-        Dr. GRPO, arXiv:2503.20783 (Dr. GRPO objective: no std normalization).
-
-    Examples:
-        >>> group_relative_advantages([1.0, 0.0, 1.0, 1.0], 2)
-        tensor([ 0.7071, -0.7071,  0.0000,  0.0000])
-
-    .. versionadded:: 0.1.0
-    """
-    grouped = _grouped_rewards(rewards, group_size, minimum=1)  # (B, G)
-    validate_choice(scale, "scale", SCALES)
-    epsilon = validate_scalar(eps, "eps", minimum=0.0)
-    centered = _centered(grouped)  # (B, G)
-    if scale == "none":
-        return centered.reshape(-1)
-    size = grouped.shape[1]
-    variance = centered.square().sum(dim=-1, keepdim=True) / max(size - 1, 1)  # (B, 1)
-    denominator = _safe_sqrt(variance) + epsilon  # (B, 1)
-    positive = denominator > 0
-    advantages = torch.where(
-        positive, centered / torch.where(positive, denominator, 1.0), 0.0
-    )  # (B, G)
-    return advantages.reshape(-1)
-
-
-def rloo_advantages(rewards: ArrayLike, group_size: int) -> torch.Tensor:
-    r"""REINFORCE leave-one-out (RLOO) advantages of a flat ``(B*G,)`` reward vector.
-
-    .. math::
-
-        A_{gj} = r_{gj} - \frac{1}{G-1} \sum_{k \ne j} r_{gk}
-               = \frac{G}{G-1}\,(r_{gj} - \mu_g).
-
-    A group of identical rewards gives exactly 0. TRL's RLOO applies this to the KL-penalized
-    sequence reward (:func:`rlobjectives.kl_penalized_rewards`).
-
-    Args:
-        rewards: ``(B*G,)`` rewards, the G responses of each prompt contiguous.
-        group_size: :math:`G \ge 2` (the leave-one-out baseline needs another sample).
-
-    Returns:
-        ``(B*G,)`` advantages on the device of ``rewards``, float32 (float64 for float64 input).
-
-    Raises:
-        ValueError: if ``rewards`` is not 1-D, its length is not divisible by ``group_size`` or
-            ``group_size < 2``.
-        TypeError: on non-numeric rewards or a non-int ``group_size``.
-
-    References:
-        Kool et al. 2019, "Buy 4 REINFORCE samples, get a baseline for free!" (ICLR 2019
-        DeepRLStructPred workshop); Ahmadian et al. 2024, "Back to Basics", arXiv:2402.14740
-        (the RLOO estimator).
-
-    Examples:
-        >>> rloo_advantages([1.0, 0.0, 0.0], 3)
-        tensor([ 1.0000, -0.5000, -0.5000])
-
-    .. versionadded:: 0.1.0
-    """
-    grouped = _grouped_rewards(rewards, group_size, minimum=2)  # (B, G)
-    size = grouped.shape[1]
-    return (_centered(grouped) * (size / (size - 1))).reshape(-1)
+Holes = Literal["skip", "zero"]
+HOLES: tuple[str, ...] = ("skip", "zero")
 
 
 def _validate_discount(value: Scalar, name: str) -> float:
@@ -261,6 +114,11 @@ def _next_selected(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return padded.gather(-1, next_index)  # (B, T)
 
 
+def _max_abs(values: torch.Tensor) -> torch.Tensor:
+    """0-d largest magnitude of ``values`` (0 for an empty tensor)."""
+    return values.abs().amax() if values.numel() else values.new_zeros(())
+
+
 def reinforce_plus_plus_advantages(
     rewards: ArrayLike,
     mask: ArrayLike,
@@ -268,6 +126,8 @@ def reinforce_plus_plus_advantages(
     token_rewards: ArrayLike | None = None,
     gamma: float = 1.0,
     group_size: int | None = None,
+    group_ids: Any = None,
+    unbiased: bool = False,
     eps: Scalar = 1e-8,
 ) -> torch.Tensor:
     r"""REINFORCE++ token advantages: discounted token returns, whitened over the whole batch.
@@ -283,16 +143,25 @@ def reinforce_plus_plus_advantages(
         A_{it} = \frac{G_{it} - \mu}{\sigma + \epsilon},
 
     where :math:`n_{ts} = |\{u : t < u \le s,\ M_{iu} = 1\}|` counts selected tokens only (the
-    discount skips unselected ones), :math:`b_i` is 0, or with ``group_size`` the mean score of
-    the sequence's group (REINFORCE++-baseline), and :math:`\mu`, :math:`\sigma` are the mean and
-    the population (biased, as in OpenRLHF) standard deviation of :math:`G` over **all selected
-    tokens of the batch** (global normalization). With :math:`\gamma = 1`,
+    discount skips unselected ones), :math:`b_i` is 0, or with ``group_size`` / ``group_ids``
+    the mean score of the sequence's group (REINFORCE++-baseline), and :math:`\mu`,
+    :math:`\sigma` are the mean and standard deviation of :math:`G` over **all selected tokens
+    of the batch** (global normalization): the population standard deviation (divisor
+    :math:`N`, as OpenRLHF) by default, the Bessel-corrected one (divisor :math:`N - 1`, as
+    verl's ``masked_whiten``) with ``unbiased=True``. With :math:`\gamma = 1`,
     :math:`G_{it} = r_i - \beta\sum_{s \ge t} \mathrm{KL}_s` (the paper's Eq. for
     :math:`A_{q,o_t}`). For global normalization across data-parallel ranks, call it on the
-    gathered batch. An empty mask gives all zeros; unselected tokens get 0. OpenRLHF
-    (``reinforce`` / ``reinforce_baseline``) whitens with :math:`(G - \mu)
-    \cdot \mathrm{rsqrt}(\max(\sigma^2, 10^{-8}))`, which equals this whenever
-    :math:`\sigma \gg 10^{-4}`.
+    gathered batch. An empty mask gives all zeros; unselected tokens get 0. Returns are
+    computed on the inputs divided by a power of two near their largest magnitude, so scores of
+    :math:`10^{20}` or :math:`10^{-20}` in float32 neither overflow nor underflow.
+
+    Peers: OpenRLHF ``reinforce`` / ``reinforce_baseline`` whiten with
+    :math:`(G - \mu)\,\mathrm{rsqrt}(\max(\sigma^2, 10^{-8}))` (population variance); verl
+    ``reinforce_plus_plus`` / ``reinforce_plus_plus_baseline`` with
+    :math:`(G - \mu)\,\mathrm{rsqrt}(\sigma^2 + 10^{-8})` (unbiased variance: ``unbiased=True``).
+    Both equal this to a relative :math:`\epsilon/\sigma` (:math:`10^{-8}/\sigma`). verl's
+    baseline variant broadcasts the baselined score to every selected token, i.e. its token
+    rewards are 0 and :math:`\gamma = 1` here.
 
     Args:
         rewards: ``(B,)`` or ``(B, 1)`` sequence scores.
@@ -302,6 +171,10 @@ def reinforce_plus_plus_advantages(
         gamma: discount :math:`\gamma \in [0, 1]` (REINFORCE++ uses 1).
         group_size: optional :math:`G \ge 1`: subtract the group-mean score first (groups
             contiguous, ``B`` divisible by ``G``), the paper's "REINFORCE++ w/ baseline".
+        group_ids: optional ``(B,)`` group label per sequence instead of ``group_size`` (verl's
+            ``index``; see :func:`rlobjectives.group_relative_advantages`).
+        unbiased: whiten with the Bessel-corrected variance (verl) instead of the population
+            variance (OpenRLHF, the default).
         eps: :math:`\epsilon \ge 0` added to :math:`\sigma`.
 
     Returns:
@@ -309,9 +182,10 @@ def reinforce_plus_plus_advantages(
         float64), zeros at unselected tokens.
 
     Raises:
-        ValueError: on mismatched shapes/devices, ``B`` not divisible by ``group_size``,
+        ValueError: on mismatched shapes/devices, an invalid grouping (``B`` not divisible by
+            ``group_size``, both ``group_size`` and ``group_ids``, labels not one per row),
             ``gamma`` outside [0, 1] or a negative ``eps``.
-        TypeError: on non-numeric inputs.
+        TypeError: on non-numeric inputs or a non-bool ``unbiased``.
 
     References:
         Hu et al. 2025, REINFORCE++, arXiv:2501.03262: token advantage
@@ -324,6 +198,8 @@ def reinforce_plus_plus_advantages(
                 [-1.4142,  0.0000]])
 
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.2.0
+       ``unbiased``, ``group_ids``; magnitudes up to the float limits.
     """
     mask_t = as_batch_matrix(as_mask(mask, "mask"), "mask")
     device = mask_t.device
@@ -346,38 +222,38 @@ def reinforce_plus_plus_advantages(
         tensors["token_rewards"] = extra
     check_same_device(tensors)
     discount = _validate_discount(gamma, "gamma")
+    validate_flag(unbiased, "unbiased")
     epsilon = validate_scalar(eps, "eps", minimum=0.0)
     dtype = compute_dtype(*tensors.values())
 
     scores = scores.to(dtype)  # (B,)
-    if group_size is not None:
-        size = _validate_group_size(group_size, 1)
-        if batch % size != 0:
-            raise ValueError(
-                f"rewards length {batch} is not divisible by group_size {size}; expected B*G "
-                f"scores with the G responses of each prompt contiguous"
-            )
-        scores = _centered(scores.reshape(batch // size, size)).reshape(batch)  # (B,)
+    extra_selected = None if extra is None else masked_fill_zero(extra.to(dtype), mask_t)
+    magnitude = _max_abs(scores)
+    if extra_selected is not None:
+        magnitude = torch.maximum(magnitude, _max_abs(extra_selected))
+    unit = power_of_two_scale(magnitude)  # () returns are computed in units of `unit`
+    scores = scores / unit  # (B,)
+    if group_size is not None or group_ids is not None:
+        scores, groups = grouped_rewards(scores, group_size, group_ids, minimum=1)
+        scores = group_centered(scores, groups)  # (B,) (r_i - b_i) / unit
     last = last_selected(mask_t)  # (B, T)
-    token_level = masked_fill_zero(scores.unsqueeze(-1).expand(mask_t.shape), last)  # (B, T)
-    if extra is not None:
-        token_level = token_level + masked_fill_zero(extra.to(dtype), mask_t)  # (B, T)
-    returns = _masked_discounted_sum(token_level, mask_t, discount)  # (B, T)
-
-    mean = masked_mean(returns, mask_t)  # ()
-    centered = masked_fill_zero(returns - mean, mask_t)  # (B, T)
-    variance = safe_divide(masked_sum(centered.square(), mask_t), mask_t.sum())  # ()
-    denominator = _safe_sqrt(variance) + epsilon  # ()
-    positive = denominator > 0
-    return torch.where(positive, centered / torch.where(positive, denominator, 1.0), 0.0)
+    token_level = masked_fill_zero(scores.unsqueeze(-1).expand(mask_t.shape), last)
+    if extra_selected is not None:
+        token_level = token_level + extra_selected / unit  # (B, T)
+    returns = _masked_discounted_sum(token_level, mask_t, discount)  # (B, T) G / unit
+    moments = masked_moments(returns, mask_t, unbiased=unbiased)  # in units of unit * scale
+    denominator = safe_sqrt(moments.variance) + epsilon / (unit * moments.scale)  # ()
+    return divide_or_zero(moments.centered, denominator)  # (B, T)
 
 
 class GAEOutput(NamedTuple):
     r"""Result of :func:`gae`.
 
     Attributes:
-        advantages: ``(B, T)`` GAE advantages :math:`\hat A_t`, zeros at unselected tokens.
-        returns: ``(B, T)`` value targets :math:`\hat A_t + V_t`, zeros at unselected tokens.
+        advantages: ``(B, T)`` GAE advantages :math:`\hat A_t` (whitened with ``whiten=True``),
+            zeros at unselected tokens.
+        returns: ``(B, T)`` value targets :math:`\hat A_t + V_t` (from the advantages before
+            whitening), zeros at unselected tokens.
     """
 
     advantages: torch.Tensor
@@ -391,6 +267,8 @@ def gae(
     *,
     gamma: float,
     lam: float,
+    whiten: bool = False,
+    holes: Holes = "skip",
 ) -> GAEOutput:
     r"""Masked generalized advantage estimation (GAE) over the selected tokens of each row.
 
@@ -404,11 +282,31 @@ def gae(
                  = \sum_{l \ge 0} (\gamma\lambda)^l \delta_{t+l}, \qquad
         \hat R_t = \hat A_t + V_t .
 
-    Unselected tokens are not part of the trajectory: their rewards and values are ignored
-    (NaN/inf there is harmless), the chain skips them (a masked token in the middle, e.g. a tool
-    observation, does not break it, as in verl's multi-turn GAE), and the bootstrap after the
-    last selected token is 0 (the response ended). With :math:`\gamma = \lambda = 1`,
+    ``holes`` says what an unselected token *between* two selected ones (a hole: a tool
+    observation, a masked turn) is:
+
+    - ``"skip"`` (default): not part of the trajectory. Its reward and value are ignored
+      (NaN/inf there is harmless) and the chain jumps over it: :math:`n(t)` is the next
+      *selected* token, with no extra discount. verl's ``compute_gae_advantage_return`` does
+      the same (it carries ``nextvalues`` and ``lastgaelam`` through masked tokens).
+    - ``"zero"``: a step with reward 0 and value 0 that the recursion runs through (so
+      :math:`n(t) = t + 1` and every hole costs one factor :math:`\gamma\lambda`, and the token
+      before a hole bootstraps from :math:`V = 0`): OpenRLHF's
+      ``get_advantages_and_returns``, which multiplies rewards and values by the mask and runs
+      the recursion over every position. Equal to ``"skip"`` when the mask has no holes.
+
+    Trailing unselected tokens (padding) never matter: the bootstrap after the last selected
+    token is 0 (the response ended). With :math:`\gamma = \lambda = 1`,
     :math:`\hat A_t = \sum_{s \ge t} M_s r_s - V_t` (reward-to-go minus value).
+
+    ``whiten=True`` whitens the advantages over the selected tokens of the batch with
+    :func:`rlobjectives.masked_whiten` (unbiased variance, :math:`\epsilon = 10^{-8}`) and keeps
+    the returns of the raw advantages: exactly verl's ``compute_gae_advantage_return``
+    (``adv_estimator="gae"``), i.e. the composition
+    ``out = gae(...); masked_whiten(out.advantages, mask)``. OpenRLHF whitens its GAE
+    advantages over the rollout batch with the population variance
+    (``masked_whiten(out.advantages, mask, unbiased=False)``); across data-parallel ranks use
+    :func:`rlobjectives.distributed.global_masked_whiten`.
 
     Args:
         rewards: ``(B, T)`` per-token rewards (e.g. from
@@ -417,6 +315,8 @@ def gae(
         mask: ``(B, T)``, bool or numeric; nonzero selects the token.
         gamma: discount :math:`\gamma \in [0, 1]`.
         lam: GAE :math:`\lambda \in [0, 1]`.
+        whiten: whiten the advantages (verl); the returns are not whitened.
+        holes: ``"skip"`` (verl) or ``"zero"`` (OpenRLHF), see above.
 
     Returns:
         :class:`GAEOutput` ``(advantages, returns)``, each ``(B, T)``, on the device of
@@ -425,8 +325,9 @@ def gae(
 
     Raises:
         ValueError: on mismatched shapes/devices, inputs that are not ``(B, T)``, ``gamma`` or
-            ``lam`` outside [0, 1].
-        TypeError: on non-numeric inputs or tensor-valued ``gamma``/``lam``.
+            ``lam`` outside [0, 1], an unknown ``holes``.
+        TypeError: on non-numeric inputs, tensor-valued ``gamma``/``lam`` or a non-bool
+            ``whiten``.
 
     References:
         Schulman et al. 2016, GAE, arXiv:1506.02438 Eq. 16; Ouyang et al. 2022,
@@ -438,6 +339,8 @@ def gae(
         tensor([[0.5000, 0.5000]])
 
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.2.0
+       ``whiten`` and ``holes``.
     """
     rewards_t = as_batch_matrix(as_float_tensor(rewards, "rewards"), "rewards")
     device = rewards_t.device
@@ -448,13 +351,23 @@ def gae(
     check_shape(mask_t, "mask", rewards_t.shape, "rewards")
     discount = _validate_discount(gamma, "gamma")
     trace = _validate_discount(lam, "lam")
+    validate_flag(whiten, "whiten")
+    validate_choice(holes, "holes", HOLES)
     dtype = compute_dtype(rewards_t, values_t)
 
     rewards_m = masked_fill_zero(rewards_t.to(dtype), mask_t)  # (B, T)
     values_m = masked_fill_zero(values_t.to(dtype), mask_t)  # (B, T)
-    next_values = _next_selected(values_m, mask_t)  # (B, T) V_{n(t)}, 0 after the last token
-    deltas = rewards_m + discount * next_values - values_m  # (B, T)
+    if holes == "skip":
+        chain = mask_t  # the recursion visits the selected tokens only
+    else:
+        chain = torch.ones_like(mask_t)  # every position is a step; holes have r = V = 0
+    next_values = _next_selected(values_m, chain)  # (B, T) V_{n(t)}, 0 after the last step
+    deltas = masked_fill_zero(rewards_m + discount * next_values - values_m, chain)  # (B, T)
     # A_t = delta_t + gamma * lam * A_{n(t)}: the same masked reverse scan as the returns.
-    advantages = _masked_discounted_sum(deltas, mask_t, discount * trace)  # (B, T)
+    advantages = masked_fill_zero(
+        _masked_discounted_sum(deltas, chain, discount * trace), mask_t
+    )  # (B, T)
     returns = masked_fill_zero(advantages + values_m, mask_t)  # (B, T)
+    if whiten:
+        advantages = masked_whiten(advantages, mask_t)
     return GAEOutput(advantages=advantages, returns=returns)

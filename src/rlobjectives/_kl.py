@@ -23,6 +23,8 @@ estimator x placement x gradient matrix:
 - ``k3``: reward: biased, warns; loss: **biased**, its expectation
   :math:`-E_\pi[\rho\,\nabla\log\pi]` is :math:`\nabla\mathrm{KL}(\pi_{ref}\|\pi)`, the reverse
   direction; warns.
+- ``abs`` (:math:`|d|`, verl ``kl_penalty="abs"``; not an unbiased estimate of the KL value):
+  reward: biased, warns; loss: biased (gradient :math:`\mathrm{sign}(d)\nabla\log\pi`), warns.
 - any estimator with ``straight_through=True`` (value of the estimator, gradient of ``k2``;
   verl ``k3+``): loss: unbiased. (As a reward it is irrelevant: rewards are detached.)
 
@@ -47,6 +49,7 @@ import torch
 
 from ._masking import clamp, masked_fill_zero
 from ._reduction import Reduction, reduce, validate_reduction
+from ._spellings import check_estimator_spelling
 from ._validation import (
     ArrayLike,
     Scalar,
@@ -78,7 +81,7 @@ __all__ = [
     "warn_biased_kl_loss",
 ]
 
-Estimator = Literal["k1", "k2", "k3"]
+Estimator = Literal["k1", "k2", "k3", "abs"]
 ESTIMATORS: tuple[str, ...] = get_args(Estimator)
 
 
@@ -129,6 +132,7 @@ ESTIMATOR_FUNCTIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "k1": _k1,
     "k2": _k2,
     "k3": _k3,
+    "abs": torch.abs,
 }
 
 #: Their derivatives with respect to d (used by the fused hidden-state path): 1, d, 1 - e^{-d}.
@@ -136,6 +140,7 @@ ESTIMATOR_GRADIENTS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "k1": torch.ones_like,
     "k2": lambda log_ratio: log_ratio,
     "k3": lambda log_ratio: -torch.expm1(-log_ratio),
+    "abs": torch.sign,  # torch.abs passes gradient 0 at d = 0, as sign(0) = 0
 }
 
 
@@ -231,6 +236,7 @@ def validate_kl_options(
     estimator: str, straight_through: bool, log_ratio_bound: Scalar | None
 ) -> float | torch.Tensor | None:
     """Validate the estimator options; return the validated log-ratio bound (or None)."""
+    check_estimator_spelling(estimator, ESTIMATORS)  # verl's names: "did you mean"
     validate_choice(estimator, "estimator", ESTIMATORS)
     validate_bool(straight_through, "straight_through")
     if log_ratio_bound is None:
@@ -253,8 +259,10 @@ def kl_estimate(
 
     .. math::
 
-        k_1 = d, \qquad k_2 = \tfrac12 d^2, \qquad k_3 = e^{-d} + d - 1 .
+        k_1 = d, \qquad k_2 = \tfrac12 d^2, \qquad k_3 = e^{-d} + d - 1,
+        \qquad k_{abs} = |d| .
 
+    ``"abs"`` is verl's ``kl_penalty="abs"`` (a distance, not an unbiased KL estimate).
     ``straight_through=True`` returns the value of the chosen estimator with the gradient of
     :math:`k_2`, i.e. :math:`\mathrm{sg}(k) + k_2 - \mathrm{sg}(k_2)` (verl's ``k3+`` /
     ``low_var_kl+``), whose expected gradient on on-policy samples,
@@ -267,7 +275,7 @@ def kl_estimate(
             (differentiable).
         ref_log_probs: ``(B, T)`` log-probabilities under the reference policy.
         mask: ``(B, T)``, bool or numeric; nonzero selects the token.
-        estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+        estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"``.
         straight_through: value of ``estimator``, gradient of ``k2``.
         log_ratio_bound: :math:`b > 0`, clamp on :math:`d` before ``exp`` (the gradient is zero
             where it fires), or None for no clamp.
@@ -359,7 +367,7 @@ def kl_loss(
         log_probs: ``(B, T)`` log-probabilities under the current policy (differentiable).
         ref_log_probs: ``(B, T)`` log-probabilities under the reference policy.
         mask: ``(B, T)``, bool or numeric; nonzero selects the token.
-        estimator: ``"k1"``, ``"k2"`` or ``"k3"``.
+        estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"``.
         straight_through: value of ``estimator``, gradient of ``k2``.
         reduction: ``"token_mean"``, ``"sequence_mean"``, ``"sequence_sum_normalized"`` or
             ``"none"``.
@@ -454,6 +462,10 @@ def warn_biased_kl_loss(estimator: str, straight_through: bool, caller: str) -> 
 
 
 _BIASED_AS_LOSS = {
+    "abs": (
+        "has a biased gradient (sign(d) grad log pi, not the gradient of a KL); use "
+        'estimator="k2" or straight_through=True'
+    ),
     "k1": (
         'has zero expected gradient on-policy (E[grad log pi] = 0); use estimator="k2", or '
         "straight_through=True, or k1 as a reward penalty (kl_penalized_token_rewards)"

@@ -25,6 +25,7 @@ from ._masking import masked_fill_zero
 from ._policy import run_autograd, run_fused, validate_policy_call
 from ._policy_args import PolicyCall, PolicyLossDiagnostics, RatioLevel, SurrogateOptions
 from ._reduction import Reduction, ReductionSpec, reduce, row_weights, token_gradient_weights
+from ._spellings import check_estimator_spelling
 from ._validation import (
     ArrayLike,
     Scalar,
@@ -132,7 +133,8 @@ def fused_policy_loss_from_hidden(
         diagnostics_normalizer: as :func:`policy_loss`.
         ref_log_probs: optional ``(B, T)`` reference-policy log-probabilities for the KL term.
         kl_coef: :math:`\beta \ge 0`; the KL term is added only with ``ref_log_probs``.
-        kl_estimator: ``"k1"``, ``"k2"`` or ``"k3"``, as :func:`rlobjectives.kl_estimate`.
+        kl_estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"``, as
+            :func:`rlobjectives.kl_estimate`.
         kl_straight_through: value of ``kl_estimator`` with the gradient of ``k2`` (verl
             ``k3+``), as :func:`rlobjectives.kl_estimate`.
 
@@ -224,6 +226,7 @@ def _validate_kl_term(
 ) -> _KLTerm | None:
     """The KL term's arguments; None when there is no reference (a zero KL loss is reported)."""
     beta = float(validate_scalar(kl_coef, "kl_coef", minimum=0.0, allow_tensor=False))
+    check_estimator_spelling(kl_estimator, ESTIMATORS, prefix="kl_")
     validate_choice(kl_estimator, "kl_estimator", ESTIMATORS)
     validate_bool(kl_straight_through, "kl_straight_through")
     if ref_log_probs is None:

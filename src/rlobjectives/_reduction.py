@@ -30,6 +30,7 @@ import torch
 
 from ._layout import Layout, padded
 from ._masking import masked_fill_zero
+from ._spellings import canonical_reduction
 from ._validation import (
     ArrayLike,
     Scalar,
@@ -91,6 +92,7 @@ def validate_reduction(
     tokens: int,
 ) -> ReductionSpec:
     """Validate the reduction arguments of a public function (``tokens`` = T)."""
+    reduction = canonical_reduction(reduction)  # peers' spellings: alias or "did you mean"
     validate_choice(reduction, "reduction", REDUCTIONS)
     normalizer_value = validate_normalizer(normalizer, "normalizer")
     if max_response_length is None:

@@ -29,7 +29,13 @@ import torch
 
 from ._masking import masked_fill_zero, safe_divide
 
-__all__ = ["RolloutCorrectionMetrics", "rollout_metrics"]
+__all__ = [
+    "RolloutCorrectionMetrics",
+    "combine_extremes",
+    "extremum_rules",
+    "place_extremes",
+    "rollout_metrics",
+]
 
 
 class RolloutCorrectionMetrics(NamedTuple):
@@ -186,3 +192,45 @@ def rollout_metrics(
         kl_k1_sum=-log_ratio.sum(),
         kl_k3_sum=(excess - log_ratio).clamp(min=0.0).sum(),
     )
+
+
+# ------------------------------------------------ combination by sum_diagnostics (extremes)
+def extremum_rules(item: tuple[torch.Tensor, ...]) -> list[tuple[int, bool, int]]:
+    """``(field index, is max, count field index)`` of the fields combined by min/max.
+
+    A NamedTuple declares them with a static ``extremum_fields()`` returning
+    ``{field: ("min" | "max", count_field)}`` (:class:`RolloutCorrectionMetrics`); other
+    diagnostics have none.
+    """
+    declared = getattr(type(item), "extremum_fields", None)
+    if declared is None:
+        return []
+    fields: tuple[str, ...] = item._fields  # type: ignore[attr-defined]
+    return [
+        (fields.index(name), op == "max", fields.index(count))
+        for name, (op, count) in declared().items()
+    ]
+
+
+def combine_extremes(stacked: torch.Tensor, rules: list[tuple[int, bool, int]]) -> torch.Tensor:
+    """Local extremes ``(rules,)`` of the ``(pieces, fields)`` stack, minima negated.
+
+    Negated minima let one ``all_reduce(MAX)`` serve every extreme; a piece whose count is 0
+    does not take part (``-inf``).
+    """
+    columns = []
+    for index, largest, count in rules:
+        signed = stacked[:, index] if largest else -stacked[:, index]  # (pieces,)
+        columns.append(torch.where(stacked[:, count] > 0, signed, -torch.inf).amax())
+    return torch.stack(columns)
+
+
+def place_extremes(
+    totals: torch.Tensor, extremes: torch.Tensor, rules: list[tuple[int, bool, int]]
+) -> torch.Tensor:
+    """``totals`` with the summed extremes replaced by the (reduced) ``extremes``; 0 if empty."""
+    totals = totals.clone()
+    for k, (index, largest, count) in enumerate(rules):
+        value = extremes[k] if largest else -extremes[k]
+        totals[index] = torch.where(totals[count] > 0, value, torch.zeros_like(value))
+    return totals

@@ -45,12 +45,25 @@ def describe(value: object) -> str:
     return type(value).__name__
 
 
-def _nested_shape(value: object, name: str, path: str = "") -> tuple[int, ...]:
-    """Shape of a nested list/tuple of numbers; raises for ragged or non-numeric data."""
+def _nested_shape(value: object, name: str, path: str = "", depth: int = 0) -> tuple[int, ...]:
+    """Shape of a nested list/tuple of numbers; raises for ragged, non-numeric or hostile data.
+
+    Nesting deeper than 64 levels and integers outside the int64 range raise ``ValueError``
+    naming the argument, instead of a ``RecursionError`` or ``OverflowError`` from deep inside
+    the conversion. The walk recurses at most 64 levels, whatever the input.
+    """
+    max_depth = 64  # more dimensions than any tensor argument of this library can have
     if isinstance(value, (list, tuple)):
+        if depth >= max_depth:
+            raise ValueError(
+                f"{name} is a nested list more than {max_depth} levels deep; expected an array "
+                f"of at most {max_depth} dimensions"
+            )
         if len(value) == 0:
             return (0,)
-        shapes = [_nested_shape(item, name, f"{path}[{i}]") for i, item in enumerate(value)]
+        shapes = [
+            _nested_shape(item, name, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)
+        ]
         first = shapes[0]
         for i, shape in enumerate(shapes):
             if shape != first:
@@ -59,11 +72,19 @@ def _nested_shape(value: object, name: str, path: str = "") -> tuple[int, ...]:
                     f"{name}{path}[{i}] has shape {shape}; expected a rectangular array"
                 )
         return (len(value), *first)
+    if isinstance(value, numbers.Integral) and not -(2**63) <= int(value) < 2**63:
+        # Never format the integer itself: str() of a huge int is slow or raises ValueError.
+        raise ValueError(
+            f"{name}{path} is an integer of {int(value).bit_length()} bits, outside the range "
+            "a tensor can hold ([-2**63, 2**63)); pass a float or a smaller value"
+        )
     if isinstance(value, (bool, numbers.Real)) and not isinstance(value, (str, bytes)):
         return ()
+    import reprlib  # bounded repr: the offending item may itself be huge or deeply nested
+
     raise TypeError(
         f"{name} must contain only numbers or bools, got {type(value).__name__} "
-        f"({value!r}) at {name}{path}"
+        f"({reprlib.repr(value)}) at {name}{path}"
     )
 
 
@@ -75,20 +96,21 @@ def as_tensor(value: ArrayLike, name: str, device: torch.device | None = None) -
 
     Raises:
         TypeError: for non-numeric data (strings, objects, complex numbers) or unsupported types.
-        ValueError: for ragged nested lists.
+        ValueError: for ragged nested lists, lists nested more than 64 levels deep and integers
+            outside the int64 range (never ``RecursionError`` or ``OverflowError``).
     """
     if isinstance(value, torch.Tensor):
         if value.is_complex():
             raise TypeError(f"{name} must be a real tensor, got dtype {value.dtype}")
         return value
-    if isinstance(value, (list, tuple)):
+    if isinstance(value, (list, tuple)) or (
+        isinstance(value, (bool, numbers.Real)) and not isinstance(value, (str, bytes))
+    ):
         _nested_shape(value, name)
         try:
             return torch.tensor(value, device=device)
-        except (TypeError, ValueError, RuntimeError) as error:  # pragma: no cover - defensive
+        except (TypeError, ValueError, RuntimeError, OverflowError) as error:
             raise TypeError(f"{name} could not be converted to a tensor: {error}") from None
-    if isinstance(value, (bool, numbers.Real)) and not isinstance(value, (str, bytes)):
-        return torch.tensor(value, device=device)
     module = type(value).__module__
     if module == "numpy" or hasattr(value, "__array__"):
         import numpy as np

@@ -72,21 +72,46 @@ def _to_json(value: torch.Tensor) -> Any:
     return clean(data)
 
 
-def _read_json(path: str | None) -> dict[str, Any]:
+def _read_bytes(path: str | None) -> bytes:
+    """The raw input: the file at ``path``, or standard input for ``None`` or ``-``."""
+    if path is None or path == "-":
+        stream = sys.stdin
+        if stream is None:  # started with standard input closed (e.g. ``<&-``)
+            raise _UsageError("cannot read standard input: it is closed")
+        try:
+            buffer = getattr(stream, "buffer", None)
+            if buffer is not None:
+                return bytes(buffer.read())
+            return str(stream.read()).encode("utf-8", "surrogatepass")
+        except (OSError, ValueError) as error:  # ValueError: I/O operation on closed file
+            raise _UsageError(f"cannot read standard input: {error}") from None
     try:
-        if path is None or path == "-":
-            text = sys.stdin.read()
-        else:
-            with open(path, encoding="utf-8") as handle:
-                text = handle.read()
+        with open(path, "rb") as handle:
+            return handle.read()
     except OSError as error:
         raise _UsageError(f"cannot read input {path!r}: {error.strerror}") from None
+
+
+def _read_json(path: str | None) -> dict[str, Any]:
+    raw = _read_bytes(path)
+    source = "standard input" if path is None or path == "-" else f"input file {path!r}"
+    try:
+        text = raw.decode("utf-8-sig")  # JSON is UTF-8 (RFC 8259); a leading BOM is tolerated
+    except UnicodeDecodeError as error:
+        raise _UsageError(
+            f"{source} is not valid UTF-8: byte 0x{raw[error.start]:02x} at offset {error.start}"
+        ) from None
     try:
         data = json.loads(text)
     except json.JSONDecodeError as error:
         raise _UsageError(
             f"malformed JSON input: {error.msg} at line {error.lineno} column {error.colno}"
         ) from None
+    except RecursionError:
+        raise _UsageError("malformed JSON input: nested too deeply") from None
+    except ValueError as error:  # e.g. an integer literal beyond Python's 4300-digit limit
+        reason = str(error).split(";")[0]  # drop the advice meant for Python programmers
+        raise _UsageError(f"malformed JSON input: {reason}") from None
     if not isinstance(data, dict):
         raise _UsageError(f"the JSON input must be an object, got {type(data).__name__}")
     return data
@@ -107,14 +132,20 @@ def _run_function(command: str, data: dict[str, Any], dtype: torch.dtype) -> dic
         if isinstance(value, list) and name not in _MASKS:
             try:
                 value = torch.tensor(value, dtype=dtype)
-            except (TypeError, ValueError, RuntimeError):
+            except (TypeError, ValueError, RuntimeError, OverflowError):
                 pass  # let the function raise its own, named, error
         elif isinstance(value, (int, float)) and not isinstance(value, bool) and name not in _MASKS:
-            value = float(value)
+            try:
+                value = float(value)
+            except OverflowError:
+                raise _UsageError(
+                    f"invalid input: {name} must be a finite real number, got an integer of "
+                    f"{int(value).bit_length()} bits"
+                ) from None
         arguments[name] = value
     try:
         outputs = function(**arguments)
-    except (TypeError, ValueError) as error:
+    except (TypeError, ValueError, OverflowError, RecursionError) as error:
         raise _UsageError(f"invalid input: {error}") from None
     return {key: _to_json(tensor) for key, tensor in outputs.items()}
 

@@ -43,12 +43,28 @@ from typing import NamedTuple, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from ._masking import masked_fill_zero
 from ._reduction import REDUCTIONS
-from ._validation import ArrayLike, as_batch_matrix, as_mask, validate_choice
+from ._rollout_metrics import combine_extremes, extremum_rules, place_extremes
+from ._spellings import canonical_reduction
+from ._validation import (
+    ArrayLike,
+    Scalar,
+    as_batch_matrix,
+    as_float_tensor,
+    as_mask,
+    check_same_device,
+    check_shape,
+    compute_dtype,
+    validate_choice,
+    validate_scalar,
+)
+from ._whitening import combine_moments, local_moments, validate_flag
 
 __all__ = [
     "Normalizers",
     "data_parallel_loss_scale",
+    "global_masked_whiten",
     "global_normalizers",
     "normalizer_for_reduction",
     "sum_diagnostics",
@@ -240,8 +256,9 @@ def normalizer_for_reduction(normalizers: Normalizers, *, reduction: str) -> tor
             "normalizers must be the Normalizers returned by global_normalizers, got "
             f"{type(normalizers).__name__}"
         )
-    validate_choice(reduction, "reduction", REDUCTIONS)
-    if reduction == "none":
+    # peers' spellings: alias or "did you mean"
+    name = validate_choice(canonical_reduction(reduction), "reduction", REDUCTIONS)
+    if name == "none":
         raise ValueError(
             "reduction='none' takes no normalizer (it returns the (B, T) per-token values); "
             "expected one of ['token_mean', 'sequence_mean', 'sequence_sum_normalized']"
@@ -250,7 +267,7 @@ def normalizer_for_reduction(normalizers: Normalizers, *, reduction: str) -> tor
         "token_mean": normalizers.tokens,
         "sequence_mean": normalizers.sequences_nonempty,
         "sequence_sum_normalized": normalizers.sequences,
-    }[reduction]
+    }[name]
     return count.clamp(min=1)
 
 
@@ -382,53 +399,99 @@ def sum_diagnostics(
         totals = stacked.sum(dim=0)  # (fields,)
         if active:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
-        rules = _extremum_rules(first)
+        rules = extremum_rules(first)
         if rules:
-            totals = _combine_extremes(stacked, totals, rules, active=active, group=group)
+            extremes = combine_extremes(stacked, rules)  # (rules,), minima negated
+            if active:
+                dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+            totals = place_extremes(totals, extremes, rules)
     values = [totals[k].to(first[k].dtype) for k in range(len(first))]
     return kind(*values)
 
 
-def _extremum_rules(item: tuple[torch.Tensor, ...]) -> list[tuple[int, bool, int]]:
-    """``(field index, is max, count field index)`` of the fields combined by min/max.
-
-    A NamedTuple declares them with a static ``extremum_fields()`` returning
-    ``{field: ("min" | "max", count_field)}`` (e.g.
-    :class:`rlobjectives.RolloutCorrectionMetrics`); other diagnostics have none.
-    """
-    declared = getattr(type(item), "extremum_fields", None)
-    if declared is None:
-        return []
-    fields: tuple[str, ...] = item._fields  # type: ignore[attr-defined]
-    return [
-        (fields.index(name), op == "max", fields.index(count))
-        for name, (op, count) in declared().items()
-    ]
-
-
-def _combine_extremes(
-    stacked: torch.Tensor,
-    totals: torch.Tensor,
-    rules: list[tuple[int, bool, int]],
+def global_masked_whiten(
+    values: ArrayLike,
+    mask: ArrayLike,
     *,
-    active: bool,
-    group: dist.ProcessGroup | None,
+    group: dist.ProcessGroup | None = None,
+    shift_mean: bool = True,
+    unbiased: bool = True,
+    eps: Scalar = 1e-8,
 ) -> torch.Tensor:
-    """Replace the summed extremes of ``totals`` by the min/max over the non-empty pieces.
+    r""":func:`rlobjectives.masked_whiten` with the statistics of every rank's selected values.
 
-    ``stacked`` is ``(pieces, fields)``. Minima are negated so that one ``all_reduce(MAX)``
-    serves every extreme; pieces (and ranks) whose count is 0 do not take part, and an extreme
-    with no piece at all is 0.
+    Each rank passes its shard (any shape, e.g. its ``(B, T)`` GAE advantages). With
+    :math:`N = \sum_r N_r` the selected entries of all ranks of ``group``, :math:`\mu` their
+    mean and :math:`\sigma^2` their variance (divisor :math:`N - 1` when ``unbiased``, as verl;
+    :math:`N` otherwise, as OpenRLHF), every rank returns
+
+    .. math::
+
+        w = (x - \mu)\,(\sigma^2 + \epsilon)^{-1/2} \;(+\,\mu \text{ when }
+        \texttt{shift\_mean=False}),
+
+    exactly what :func:`rlobjectives.masked_whiten` gives on the concatenation of all shards.
+    Each rank computes its local ``[count, mean, M2]`` in float64 and writes it into its row of
+    a zero ``(W, 3)`` tensor; **one** ``all_reduce(SUM)`` gathers the rows (adding zeros is
+    exact), and the rows are combined with Chan et al.'s pairwise formula, which has no
+    cancellation. Without an initialised process group the local statistics are used (equal to
+    :func:`rlobjectives.masked_whiten`). It is a collective: every rank of ``group`` must call
+    it, also with nothing selected.
+
+    The statistics are data preparation, as in every peer (advantage whitening runs under
+    ``torch.no_grad`` there): the result is computed without autograd and has no gradient.
+
+    Args:
+        values: this rank's values, any shape.
+        mask: bool or numeric, the shape of ``values``; nonzero selects the entry.
+        group: the data-parallel process group (None: the default group).
+        shift_mean: False adds the global mean back after scaling.
+        unbiased: Bessel-corrected global variance (verl); False for the population variance.
+        eps: :math:`\epsilon \ge 0` added to the variance.
+
+    Returns:
+        The whitened values, the shape of ``values``, zeros at unselected entries, float32
+        (float64 for float64 input), on the device of ``values``; no gradient.
+
+    Raises:
+        ValueError: if ``mask`` has another shape or device, ``eps`` is negative/non-finite, or
+            ``group`` is given without an initialised process group.
+        TypeError: on non-numeric inputs or non-bool ``shift_mean``/``unbiased``.
+
+    References:
+        Chan, Golub and LeVeque 1979, "Updating formulae and a pairwise algorithm for computing
+        sample variances"; Hu et al. 2025, REINFORCE++, arXiv:2501.03262 Eq. 10 (global batch
+        normalization); verl ``masked_whiten``.
+
+    Examples:
+        >>> import torch
+        >>> global_masked_whiten(torch.tensor([1.0, 2.0, 3.0]), torch.tensor([1, 1, 1]))
+        tensor([-1.,  0.,  1.])
+
+    .. versionadded:: 0.2.0
     """
-    columns = []
-    for index, largest, count in rules:
-        signed = stacked[:, index] if largest else -stacked[:, index]  # (pieces,)
-        columns.append(torch.where(stacked[:, count] > 0, signed, -torch.inf).amax())
-    extremes = torch.stack(columns)  # (rules,)
-    if active:
-        dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
-    totals = totals.clone()
-    for k, (index, largest, count) in enumerate(rules):
-        value = extremes[k] if largest else -extremes[k]
-        totals[index] = torch.where(totals[count] > 0, value, torch.zeros_like(value))
-    return totals
+    values_t = as_float_tensor(values, "values")
+    mask_t = as_mask(mask, "mask", values_t.device)
+    check_same_device({"values": values_t, "mask": mask_t})
+    check_shape(mask_t, "mask", tuple(values_t.shape), "values")
+    validate_flag(shift_mean, "shift_mean")
+    validate_flag(unbiased, "unbiased")
+    epsilon = validate_scalar(eps, "eps", minimum=0.0)
+    active = _process_group_active(group)
+    dtype = compute_dtype(values_t)
+    with torch.no_grad():
+        local = local_moments(values_t.detach(), mask_t)  # (3,) float64
+        if active:
+            rows = local.new_zeros(dist.get_world_size(group), 3)  # (W, 3)
+            rows[dist.get_rank(group)] = local
+            dist.all_reduce(rows, op=dist.ReduceOp.SUM, group=group)
+        else:
+            rows = local.unsqueeze(0)  # (1, 3)
+        total, mean, m2 = combine_moments(rows)
+        divisor = (total - 1).clamp(min=1) if unbiased else total.clamp(min=1)
+        denominator = m2 / divisor + float(epsilon)  # () float64
+        positive = denominator > 0
+        inverse = torch.where(positive, torch.rsqrt(torch.where(positive, denominator, 1.0)), 0.0)
+        centered = values_t.to(torch.float64) - mean
+        whitened = centered * inverse + (0.0 if shift_mean else mean)
+        return masked_fill_zero(whitened.to(dtype), mask_t)

@@ -69,10 +69,14 @@ class TinyTransformer(nn.Module):
         self.final_norm = nn.LayerNorm(hidden_size)
         self.head = nn.Linear(hidden_size, vocab_size)
 
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits ``(B, S, V)`` of the next token at every position of ``tokens`` ``(B, S)``."""
+    def hidden_states(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Hidden states ``(B, S, H)`` after the final norm (the head's input) of ``tokens``."""
         positions = torch.arange(tokens.shape[1], device=tokens.device)  # (S,)
         hidden = self.token_embedding(tokens) + self.position_embedding(positions)  # (B, S, H)
         for block in self.blocks:
             hidden = block(hidden)
-        return self.head(self.final_norm(hidden))  # type: ignore[no-any-return]  # (B, S, V)
+        return self.final_norm(hidden)  # type: ignore[no-any-return]  # (B, S, H)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits ``(B, S, V)`` of the next token at every position of ``tokens`` ``(B, S)``."""
+        return self.head(self.hidden_states(tokens))  # type: ignore[no-any-return]  # (B, S, V)

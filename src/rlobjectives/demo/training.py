@@ -34,7 +34,6 @@ import dataclasses
 import importlib
 import json
 import math
-import os
 import signal
 import sys
 import threading
@@ -56,7 +55,7 @@ from ..distributed import (
     normalizer_for_reduction,
     sum_diagnostics,
 )
-from . import rollout
+from . import _process_group, rollout
 from .model import TinyTransformer
 from .task import TASKS, DigitTask
 
@@ -76,6 +75,7 @@ __all__ = [
 # The demo's model ignores the mask; examples/ passes it to a Hugging Face model.
 Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 REDUCTIONS = ("token_mean", "sequence_mean", "sequence_sum_normalized")
+ALGORITHMS = ("grpo", "ppo")
 _MISSING_EXTRA = (
     "rlobjectives demo needs the optional packages tqdm and matplotlib, which are not "
     "installed ({error}); install them with: pip install 'rlobjectives[demo]'"
@@ -87,6 +87,7 @@ class DemoConfig:
     """Every setting of a demo run (the command-line options, see :func:`build_parser`)."""
 
     out: str = "rlobjectives-demo"
+    algorithm: str = "grpo"
     seed: int = 0
     task: str = "sort-unique"
     length: int = 6
@@ -428,10 +429,20 @@ def write_figure(
 ) -> None:
     """Save the reward, accuracy, KL, clip-fraction and rollout-correction curves as one PNG."""
     steps = [entry["step"] for entry in history]
-    figure, axes = pyplot.subplots(2, 3, figsize=(15, 7), constrained_layout=True)
-    reward, accuracy, kl, clip, correction, spare = axes.flat
-    rollout.plot_rollout(correction, history)
-    spare.set_visible(False)
+    critic = "value_loss" in history[0]  # PPO: a third column for the critic and the KL coef
+    corrected = "rollout_effective_sample_size" in history[0]  # GRPO: the rollout correction
+    columns = 3 if critic or corrected else 2
+    figure, axes = pyplot.subplots(
+        2, columns, figsize=(15 if columns == 3 else 10, 7), constrained_layout=True
+    )
+    reward, accuracy, kl, clip = axes[:, :2].flat
+    if critic:
+        from .ppo import plot_critic
+
+        plot_critic(axes[0, 2], axes[1, 2], history)
+    elif corrected:
+        rollout.plot_rollout(axes[0, 2], history)
+        axes[1, 2].set_visible(False)
     reward.plot(steps, [entry["reward"] for entry in history], label="mean reward (sampled)")
     reward.set_title("reward")
     evaluated = [entry for entry in history if entry.get("heldout_accuracy") is not None]
@@ -451,8 +462,10 @@ def write_figure(
     clip.plot(steps, [entry["clip_fraction_low"] for entry in history], label="low (A < 0)")
     clip.plot(steps, [entry["clip_fraction_high"] for entry in history], label="high (A > 0)")
     clip.set_title("clip fraction")
-    for axis in (reward, accuracy, kl, clip, correction):
-        axis.set_xlabel("GRPO step")
+    for axis in axes.flat:
+        if not axis.get_visible():
+            continue
+        axis.set_xlabel("PPO step" if critic else "GRPO step")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
     figure.savefig(path, dpi=100)
@@ -470,12 +483,6 @@ class _Interrupt:
             return
         self.fired = True
         raise KeyboardInterrupt
-
-
-def _setup_distributed() -> None:
-    world_size = int(os.environ.get("WORLD_SIZE", "1"))
-    if world_size > 1 and not _is_distributed():
-        dist.init_process_group("gloo")
 
 
 def train(
@@ -499,7 +506,7 @@ def train(
         every step), the figure and ``summary.json`` with ``interrupted: true``.
     """
     tqdm, pyplot = _require_extras()
-    _setup_distributed()
+    created_group = _process_group.setup()
     rank, world_size = _rank_and_world_size()
     if config.prompts_per_step % world_size:
         raise ValueError(
@@ -553,9 +560,15 @@ def train(
         # Prompts: same stream on every rank; sampling: one stream per rank.
         prompt_generator = torch.Generator().manual_seed(config.seed + 1)
         sample_generator = torch.Generator().manual_seed(config.seed * 1000 + 7 + rank)
-        with tqdm(total=config.steps, desc="GRPO", disable=not show, file=stream) as bar:
+        step_function: Callable[..., dict[str, float]] = grpo_step
+        if config.algorithm == "ppo":  # actor-critic: the critic and KL controller live there
+            from .ppo import PPOStep
+
+            step_function = PPOStep(policy, config, world_size=world_size)
+        desc = config.algorithm.upper()
+        with tqdm(total=config.steps, desc=desc, disable=not show, file=stream) as bar:
             for step in range(1, config.steps + 1):
-                metrics = grpo_step(
+                metrics = step_function(
                     model,
                     reference,
                     optimizer,
@@ -612,7 +625,9 @@ def train(
     if writer:
         _write_outputs(pyplot, config, result, out, stream)
     if _is_distributed() and not interrupt.fired:
-        dist.destroy_process_group()
+        # After an interruption a peer may be gone: no more collectives then.
+        model = None  # the DistributedDataParallel wrapper references the process group
+        _process_group.shutdown(created=created_group)
     return result
 
 
@@ -651,7 +666,7 @@ def _write_outputs(
     reference = _finite_or_none(result.reference_accuracy)
     final = result.final_accuracy if result.final_accuracy is not None else last_heldout
     print(
-        f"{status}: {result.steps_completed}/{config.steps} GRPO steps in "
+        f"{status}: {result.steps_completed}/{config.steps} {config.algorithm.upper()} steps in "
         f"{result.wall_time_s:.1f} s on {result.world_size} process(es); held-out exact match "
         f"{_percent(reference)} (reference) -> {_percent(final)} (policy); outputs in {out}/ "
         "(metrics.jsonl, metrics.png, summary.json)",
@@ -688,10 +703,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     add = parser.add_argument
     add("--out", default=defaults.out, help="output folder")
+    add(
+        "--algorithm",
+        choices=ALGORITHMS,
+        default=defaults.algorithm,
+        help="grpo (group-relative advantages) or ppo (critic, GAE, adaptive KL coefficient)",
+    )
     add("--seed", type=int, default=defaults.seed, help="random seed (model, data, sampling)")
     add("--task", choices=TASKS, default=defaults.task, help="the digit task")
     add("--length", type=int, default=defaults.length, help="digits per prompt")
-    add("--steps", type=int, default=defaults.steps, help="GRPO steps")
+    add("--steps", type=int, default=defaults.steps, help="RL steps (GRPO or PPO)")
     add(
         "--warmup-steps",
         type=int,
@@ -778,6 +799,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_.code if isinstance(exit_.code, int) else 2
     config = DemoConfig(
         out=values.out,
+        algorithm=values.algorithm,
         seed=values.seed,
         task=values.task,
         length=values.length,

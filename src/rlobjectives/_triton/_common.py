@@ -1,0 +1,133 @@
+"""Host-side helpers of the launchers: argument checks, indexed layouts, launch sizes."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import Any, NamedTuple, TypeVar, cast
+
+import torch
+
+_Function = TypeVar("_Function", bound=Callable[..., Any])
+
+__all__ = [
+    "KERNEL_DTYPES",
+    "on_tensor_device",
+    "Indexed",
+    "check_mask",
+    "check_tokens",
+    "grid_blocks",
+    "indexed",
+    "mask_bytes",
+]
+
+# Input dtypes the kernels read (the math is float32 for all of them).
+KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+class Indexed(NamedTuple):
+    """A tensor read as ``tensor[(i // divisor) * stride]`` for flat token index ``i``.
+
+    Per token ``(N,)``: ``divisor=1, stride=1``; per row ``(B,)`` of a ``(B, T)`` batch:
+    ``divisor=T, stride=1``; one value (0-d or ``(1,)``): ``stride=0``.
+    """
+
+    tensor: torch.Tensor
+    divisor: int
+    stride: int
+
+
+def _describe(value: object) -> str:
+    if isinstance(value, torch.Tensor):
+        return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
+    return type(value).__name__
+
+
+def check_tokens(tensor: object, name: str, count: int, device: torch.device) -> torch.Tensor:
+    """A contiguous float16/bfloat16/float32 ``(N,)`` tensor on ``device`` (else raise).
+
+    Raises:
+        TypeError: not a tensor, or an unsupported dtype.
+        ValueError: wrong shape or device.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype not in KERNEL_DTYPES:
+        raise TypeError(
+            f"{name} must be a float16, bfloat16 or float32 tensor, got {_describe(tensor)}"
+        )
+    if tuple(tensor.shape) != (count,) or tensor.device != device:
+        raise ValueError(f"{name} must have shape ({count},) on {device}, got {_describe(tensor)}")
+    return tensor.contiguous()
+
+
+def check_mask(mask: object, count: int, device: torch.device) -> torch.Tensor:
+    """The bool ``(N,)`` mask on ``device`` (else raise)."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool:
+        raise TypeError(f"mask must be a bool tensor, got {_describe(mask)}")
+    if tuple(mask.shape) != (count,) or mask.device != device:
+        raise ValueError(f"mask must have shape ({count},) on {device}, got {_describe(mask)}")
+    return mask.contiguous()
+
+
+def mask_bytes(mask: torch.Tensor) -> torch.Tensor:
+    """The bool mask viewed as uint8 (no copy): kernels test ``!= 0``."""
+    return mask.view(torch.uint8)
+
+
+def indexed(
+    tensor: object, name: str, count: int, row_length: int | None, device: torch.device
+) -> Indexed:
+    """Check a per-token ``(N,)``, per-row ``(B,)`` (needs ``row_length``) or scalar tensor.
+
+    Raises:
+        TypeError: not a floating tensor of a kernel dtype.
+        ValueError: a shape that fits none of the three layouts, or another device.
+    """
+    if not isinstance(tensor, torch.Tensor) or tensor.dtype not in KERNEL_DTYPES:
+        raise TypeError(
+            f"{name} must be a float16, bfloat16 or float32 tensor, got {_describe(tensor)}"
+        )
+    if tensor.device != device:
+        raise ValueError(f"{name} must be on {device}, got {_describe(tensor)}")
+    if tensor.numel() == 1 and tensor.ndim <= 1:
+        return Indexed(tensor.reshape(1), 1, 0)
+    if tensor.ndim == 1 and tensor.shape[0] == count:
+        return Indexed(tensor.contiguous(), 1, 1)
+    if (
+        tensor.ndim == 1
+        and row_length is not None
+        and row_length > 0
+        and tensor.shape[0] * row_length == count
+    ):
+        return Indexed(tensor.contiguous(), row_length, 1)
+    raise ValueError(
+        f"{name} must have shape ({count},) (per token), (N / row_length,) (per row, with "
+        f"row_length={row_length}) or hold one value, got {_describe(tensor)}"
+    )
+
+
+def grid_blocks(count: int, block: int) -> int:
+    """Number of programs for ``count`` items in blocks of ``block`` (at least one)."""
+    return max(1, -(-count // block))
+
+
+def on_tensor_device(function: _Function) -> _Function:
+    """Run a launcher with its first tensor's CUDA device current.
+
+    Triton launches on ``torch.cuda.current_device()``; a tensor on another GPU would be read
+    through the wrong context. The check costs one ``current_device()`` call.
+    """
+
+    @functools.wraps(function)
+    def wrapper(first: Any, *args: Any, **kwargs: Any) -> Any:
+        device = first.device if isinstance(first, torch.Tensor) else None
+        if (
+            device is not None
+            and device.type == "cuda"
+            and device.index is not None
+            and device.index != torch.cuda.current_device()
+        ):
+            with torch.cuda.device(device):
+                return function(first, *args, **kwargs)
+        return function(first, *args, **kwargs)
+
+    return cast(_Function, wrapper)

@@ -1,0 +1,292 @@
+r"""verl's registered policy losses (``core_algos.py``, verl HEAD 1dda039) as library calls.
+
+:func:`verl_policy_loss` returns a function with verl's registered signature
+``(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
+rollout_is_weights=None) -> (loss, metrics)``; register it with
+``verl.trainer.ppo.core_algos.register_policy_loss(name)(fn)``. One row per ``loss_mode`` in
+:data:`VERL_LOSS_MODES`, one per ``loss_agg_mode`` in :data:`VERL_AGGREGATIONS`.
+
+``agg_loss`` with ``dp_size`` D, global tokens N, global sequences G and scale factor C (from
+``config.global_batch_info``; the local fallbacks count this call's mask):
+
+- ``token-mean``: :math:`\sum M L / N \cdot D` = ``token_mean``, ``normalizer = N/D``
+  (local: the selected tokens);
+- ``token-sum``: :math:`\sum M L \cdot D` = ``token_mean``, ``normalizer = 1/D``;
+- ``seq-mean-token-sum``: :math:`\sum_i \sum_t M L / G \cdot D` = ``sequence_sum_normalized``,
+  ``max_response_length=1``, ``normalizer = G/D`` (local: the **non-empty** rows, not B);
+- ``seq-mean-token-sum-norm``: the same divided by C (``loss_scale_factor``, default the padded
+  T): ``normalizer = G·C/D`` (verl PR #5417; before it, PR #5366 did not divide by G);
+- ``seq-mean-token-mean``: :math:`\sum_i \frac{1}{n_i}\sum_t M L / G \cdot D` =
+  ``sequence_mean``, ``normalizer = G/D`` (local: the non-empty rows).
+
+verl divides the per-row token mean by :math:`n_i + 10^{-8}` and its masked means by the count
+:math:`+10^{-8}` (relative differences below :math:`10^{-8}`); a fully masked local call gives 0
+here, NaN in verl.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import torch
+
+from .._masking import clamp, masked_fill_zero, masked_mean
+from .._policy_args import PolicyLossDiagnostics
+from .._validation import validate_choice
+from ._common import (
+    ReductionArgs,
+    WeightedPolicyTerm,
+    as_bool_mask,
+    nonempty_rows,
+    not_yet,
+    option,
+    reduce_terms,
+    weighted_policy_loss,
+)
+
+__all__ = ["VERL_AGGREGATIONS", "VERL_LOSS_MODES", "VERL_PENDING", "VerlPolicyLoss"]
+__all__ += ["VerlLossOutput", "verl_policy_loss"]
+
+
+class VerlLossOutput(NamedTuple):
+    """``(loss, metrics)`` with verl's metric keys (``actor/pg_clipfrac``, ...), 0-d tensors.
+
+    verl's own functions return Python floats (``.item()``); verl's ``Metric`` accepts tensors
+    and reads them itself, so no host sync happens inside the loss.
+    """
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+class _Call(NamedTuple):
+    old_log_prob: torch.Tensor
+    log_prob: torch.Tensor
+    advantages: torch.Tensor
+    mask: torch.Tensor  # bool
+    config: object
+    weights: torch.Tensor | None
+
+
+def _global_info(config: object) -> dict[str, Any]:
+    info = option(config, "global_batch_info", {})
+    return dict(info) if info else {}
+
+
+def _count_or_local(info: dict[str, Any], key: str, local: Callable[[], Any], dp_size: Any) -> Any:
+    value = info.get(key)
+    if value is not None:
+        return value / dp_size
+    if not (isinstance(dp_size, (int, float)) and dp_size == 1):
+        raise ValueError(f"loss_agg_mode needs global_batch_info[{key!r}] when dp_size > 1")
+    return local()
+
+
+def _token_mean(mask: torch.Tensor, info: dict[str, Any]) -> ReductionArgs:
+    dp = info.get("dp_size", 1)
+    return ReductionArgs("token_mean", _count_or_local(info, "batch_num_tokens", lambda: None, dp))
+
+
+def _token_sum(mask: torch.Tensor, info: dict[str, Any]) -> ReductionArgs:
+    return ReductionArgs("token_mean", normalizer=1 / info.get("dp_size", 1))
+
+
+def _sequence_sum(mask: torch.Tensor, info: dict[str, Any], scale: Any = 1) -> ReductionArgs:
+    dp = info.get("dp_size", 1)
+    rows = _count_or_local(info, "global_batch_size", lambda: nonempty_rows(mask), dp)
+    return ReductionArgs("sequence_sum_normalized", normalizer=rows * scale, max_response_length=1)
+
+
+def _sequence_sum_norm(mask: torch.Tensor, info: dict[str, Any]) -> ReductionArgs:
+    scale = info.get("loss_scale_factor")
+    return _sequence_sum(mask, info, mask.shape[-1] if scale is None else scale)
+
+
+def _sequence_mean(mask: torch.Tensor, info: dict[str, Any]) -> ReductionArgs:
+    dp = info.get("dp_size", 1)
+    rows = _count_or_local(info, "global_batch_size", lambda: None, dp)
+    return ReductionArgs("sequence_mean", normalizer=rows)
+
+
+#: verl ``loss_agg_mode`` -> the library reduction (see the module docstring).
+VERL_AGGREGATIONS: dict[str, Callable[[torch.Tensor, dict[str, Any]], ReductionArgs]] = {
+    "token-mean": _token_mean,
+    "token-sum": _token_sum,
+    "seq-mean-token-sum": _sequence_sum,
+    "seq-mean-token-sum-norm": _sequence_sum_norm,
+    "seq-mean-token-mean": _sequence_mean,
+}
+
+
+def _clip_band(config: object) -> dict[str, Any]:
+    ratio = option(config, "clip_ratio", 0.2)
+    return {
+        "clip_low": option(config, "clip_ratio_low", ratio),
+        "clip_high": option(config, "clip_ratio_high", ratio),
+    }
+
+
+def _k1(call: _Call, bound: float | None) -> torch.Tensor:
+    """The ``ppo_kl`` of verl: masked mean of ``-(log_prob - old_log_prob)`` (clamped if bound)."""
+    log_ratio = masked_fill_zero(call.log_prob.detach() - call.old_log_prob, call.mask)
+    if bound is not None:
+        log_ratio = clamp(log_ratio, -bound, bound)
+    return masked_mean(-log_ratio.float(), call.mask)
+
+
+def _vanilla(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+    """PPO clip with verl's always-on dual clip ``clip_ratio_c`` and the ±20 log-ratio clamp."""
+    options = {**_clip_band(call.config), "dual_clip": option(call.config, "clip_ratio_c", 3.0)}
+    term = _policy_term(call, args, {**options, "log_ratio_bound": 20.0})
+    metrics = {
+        "actor/pg_clipfrac": _pg_clipfrac(term.diagnostics),
+        "actor/ppo_kl": _k1(call, 20.0),
+        "actor/pg_clipfrac_lower": term.diagnostics.dual_clip_fraction.float(),
+    }
+    return VerlLossOutput(term.loss, metrics)
+
+
+def _gspo(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+    """GSPO-token (the stop-gradient form, as verl), sequence log-ratio bounded by 10."""
+    options = {**_clip_band(call.config), "ratio_level": "sequence", "log_ratio_bound": 10.0}
+    term = _policy_term(call, args, options)
+    zero = torch.zeros((), dtype=torch.float32, device=call.log_prob.device)
+    metrics = {
+        "actor/pg_clipfrac": _pg_clipfrac(term.diagnostics),
+        "actor/ppo_kl": _k1(call, None),
+        "actor/pg_clipfrac_lower": zero,
+    }
+    return VerlLossOutput(term.loss, metrics)
+
+
+def _gpg(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+    """GPG: ``-A·log_prob`` (times the weights), aggregated; no metrics."""
+    advantages = call.advantages.unsqueeze(-1) if call.advantages.ndim == 1 else call.advantages
+    per_token = -masked_fill_zero(advantages.expand_as(call.log_prob), call.mask) * (
+        masked_fill_zero(call.log_prob, call.mask)
+    )  # (B, T)
+    if call.weights is not None:
+        per_token = per_token * masked_fill_zero(call.weights.detach(), call.mask)
+    return VerlLossOutput(reduce_terms(per_token, call.mask, args), {})
+
+
+def _policy_term(call: _Call, args: ReductionArgs, options: dict[str, Any]) -> WeightedPolicyTerm:
+    return weighted_policy_loss(
+        call.log_prob,
+        call.old_log_prob,
+        call.advantages,
+        call.mask,
+        options=options,
+        args=args,
+        weights=call.weights,
+    )
+
+
+def _pg_clipfrac(diagnostics: PolicyLossDiagnostics) -> torch.Tensor:
+    """The ``pg_clipfrac`` of verl = the binding clips: ``(A>0, r>1+ε_h) ∪ (A<0, r<1-ε_l)``."""
+    return (diagnostics.clip_fraction_low + diagnostics.clip_fraction_high).float()
+
+
+class _Mode(NamedTuple):
+    """One verl ``loss_mode``: its formula and the aggregation it forces (None = the user's)."""
+
+    loss: Callable[[_Call, ReductionArgs], VerlLossOutput]
+    forced_aggregation: str | None
+
+
+#: verl ``loss_mode`` -> (formula, forced aggregation). cispo / sapo / geo_mean are one row each
+#: once ``policy_loss(surrogate=)`` exists (issue 13): cispo (band clip_ratio_low/high, user
+#: mode), sapo (tau_pos / tau_neg, forced "seq-mean-token-mean"), geo_mean ("gmpo", mean over B).
+VERL_LOSS_MODES: dict[str, _Mode] = {
+    "vanilla": _Mode(_vanilla, None),
+    "gspo": _Mode(_gspo, "seq-mean-token-mean"),
+    "gpg": _Mode(_gpg, None),
+}
+
+#: verl loss modes this version cannot reproduce: mode -> what it needs.
+VERL_PENDING: dict[str, str] = {
+    "cispo": "policy_loss(surrogate='cispo') with the clip_low/clip_high band (issue 13)",
+    "sapo": "policy_loss(surrogate='sapo', sapo_temperature_pos/neg) (issue 13)",
+    "geo_mean": "policy_loss(surrogate='gmpo') (issue 13)",
+}
+
+
+@dataclass(frozen=True)
+class VerlPolicyLoss:
+    """A verl policy loss (built by :func:`verl_policy_loss`), callable with verl's signature."""
+
+    loss_mode: str
+
+    def __call__(
+        self,
+        old_log_prob: torch.Tensor,
+        log_prob: torch.Tensor,
+        advantages: torch.Tensor,
+        response_mask: torch.Tensor,
+        loss_agg_mode: str = "token-mean",
+        config: object = None,
+        rollout_is_weights: torch.Tensor | None = None,
+    ) -> VerlLossOutput:
+        """The ``(pg_loss, pg_metrics)`` of verl for these tensors (:func:`verl_policy_loss`)."""
+        mode = VERL_LOSS_MODES[self.loss_mode]
+        aggregation = mode.forced_aggregation or loss_agg_mode
+        validate_choice(aggregation, "loss_agg_mode", tuple(VERL_AGGREGATIONS))
+        mask = as_bool_mask(response_mask, log_prob)
+        args = VERL_AGGREGATIONS[aggregation](mask, _global_info(config))
+        call = _Call(old_log_prob, log_prob, advantages, mask, config, rollout_is_weights)
+        return mode.loss(call, args)
+
+
+def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
+    r"""The registered verl policy loss ``loss_mode``, built from library calls.
+
+    The returned function has verl's signature ``(old_log_prob, log_prob, advantages,
+    response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None) ->
+    (loss, metrics)`` and can be registered with ``register_policy_loss``. ``config`` is any
+    object (or mapping) with verl's names: ``clip_ratio``, ``clip_ratio_low``,
+    ``clip_ratio_high``, ``clip_ratio_c`` and ``global_batch_info`` (``dp_size``,
+    ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``); missing values take
+    verl's defaults (0.2, 0.2, 0.2, 3.0, local counts).
+
+    - ``"vanilla"``: ``policy_loss(clip_low=clip_ratio_low, clip_high=clip_ratio_high,
+      dual_clip=clip_ratio_c, log_ratio_bound=20)``; metrics ``actor/pg_clipfrac`` (the
+      binding clips), ``actor/ppo_kl`` (mean of the clamped ``-Δ``),
+      ``actor/pg_clipfrac_lower`` (the dual clip binds).
+    - ``"gspo"``: ``policy_loss(ratio_level="sequence", log_ratio_bound=10)`` aggregated as
+      ``"seq-mean-token-mean"`` whatever ``loss_agg_mode`` says (as verl). verl clamps the
+      sequence log-ratio from above only; the library bound is symmetric, so the two differ
+      only for a sequence ratio below :math:`e^{-10}`. Equal to verl for per-token advantages
+      too (both use the GSPO-token form). ``actor/pg_clipfrac_lower`` is 0.
+    - ``"gpg"``: ``aggregate(-A·log_prob, mask)``; no metrics.
+
+    ``rollout_is_weights`` multiplies the per-token loss before the aggregation (verl's
+    placement). The metric values are 0-d float32 tensors.
+
+    Args:
+        loss_mode: ``"vanilla"``, ``"gspo"`` or ``"gpg"`` (``"cispo"``, ``"sapo"``,
+            ``"geo_mean"`` raise ``NotImplementedError`` until ``policy_loss(surrogate=)``
+            exists).
+
+    Returns:
+        A :class:`VerlPolicyLoss`.
+
+    Raises:
+        ValueError: an unknown ``loss_mode``; at call time an unknown ``loss_agg_mode``, or
+            ``dp_size > 1`` without the global count the mode needs (as verl).
+        NotImplementedError: a mode listed in :data:`VERL_PENDING`.
+
+    Examples:
+        >>> import torch
+        >>> loss_fn = verl_policy_loss("vanilla")
+        >>> log_prob = torch.zeros(1, 2, requires_grad=True)
+        >>> mask = torch.ones(1, 2)
+        >>> loss, metrics = loss_fn(torch.zeros(1, 2), log_prob, torch.ones(1, 2), mask)
+        >>> loss
+        tensor(-1., grad_fn=<...>)
+    """
+    validate_choice(loss_mode, "loss_mode", (*VERL_LOSS_MODES, *VERL_PENDING))
+    if loss_mode in VERL_PENDING:
+        raise not_yet(f"verl loss_mode={loss_mode!r}", VERL_PENDING[loss_mode])
+    return VerlPolicyLoss(loss_mode)

@@ -1,0 +1,880 @@
+"""The error-contract registry: one row per public function (PyTorch ``error_inputs`` style).
+
+Each :class:`Case` says how to build a set of valid arguments and, for every argument, which
+wrong inputs to try (wrong shape or rank, wrong dtype or non-numeric data, wrong device through
+``meta``, bad values: negative, NaN, infinite, out of range, wrong type), with the exception type
+expected and a regular expression that must name the argument. ``tests/test_error_contract.py``
+runs the whole table and checks that every public function has a row, so the next function is
+covered by adding one row here, and a new option by adding its wrong inputs to its row.
+
+The contract (the brief's "validate once, at the public boundary"): ``ValueError`` or
+``TypeError`` whose message *starts* with the argument's name (the subject of the sentence), or
+for the first tensor argument (which defines the shape and device the others must match) at
+least names it. Rows that fail today carry ``xfail`` with the reason (the issue item).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+import rlobjectives as rlo
+
+B, T, V, H, G = 2, 3, 5, 4, 2
+Arguments = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Wrong:
+    """One wrong input: ``argument`` replaced by ``make(valid_arguments)``."""
+
+    argument: str
+    kind: str  # "shape", "dtype", "device", "value", "type"
+    label: str
+    make: Callable[[Arguments], Any]
+    error: type[Exception] | tuple[type[Exception], ...]
+    match: str
+    xfail: str | None = None
+    # Other arguments to change consistently (e.g. H = 0 changes ``hidden`` and ``weight``).
+    also: Callable[[Arguments], Arguments] | None = None
+
+
+@dataclass(frozen=True)
+class Case:
+    """A public function, a builder of valid arguments (by name) and its wrong inputs."""
+
+    name: str
+    function: Callable[..., Any]
+    valid: Callable[[], Arguments]
+    wrong: tuple[Wrong, ...] = field(default_factory=tuple)
+
+
+# --- messages ---------------------------------------------------------------------------------
+
+
+def subject(argument: str) -> str:
+    """The message starts with the argument (``mask must ...``, ``mask[0] is ...``)."""
+    return rf"^{re.escape(argument)}\b"
+
+
+def mention(argument: str) -> str:
+    """The message names the argument somewhere (used for the reference tensor)."""
+    return rf"\b{re.escape(argument)}\b"
+
+
+# Known failures of the contract today; the coordinator removes them as fixes land. (The
+# issue 10 items themselves are fixed on main; these are the same classes, found by this table.)
+META_SCALAR = (
+    "issue 10 class 'raw torch errors': a 0-d meta tensor hyperparameter raises "
+    "NotImplementedError (found by the error contract)"
+)
+FLAG = (
+    "issue 10 class 'silent misuse': a non-bool check_layout is accepted (found by the error "
+    "contract)"
+)
+RAW_DEVICE = (
+    "issue 10 class 'raw torch errors': an unknown device string raises RuntimeError "
+    "(found by the error contract)"
+)
+RPP_BLAME = (
+    "issue 10 class 'errors blame the wrong argument': reinforce_plus_plus_advantages blames "
+    "rewards for a mask with one row too many (found by the error contract)"
+)
+# Known failures of the scalar rows of hyperparameters that accept 0-d tensors.
+TENSOR_SCALAR = {"tensor-meta": META_SCALAR}
+
+
+# --- wrong inputs by kind of argument ---------------------------------------------------------
+
+
+def zeros(*shape: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    return torch.zeros(*shape, dtype=dtype)
+
+
+def tensor_wrongs(
+    argument: str,
+    *,
+    shapes: tuple[tuple[int, ...], ...],
+    dtype: torch.dtype = torch.float64,
+    reference: bool = False,
+    kinds: str = "shape dtype device type",
+    xfail: dict[str, str] | None = None,
+) -> tuple[Wrong, ...]:
+    """Wrong inputs of a tensor argument of ``dtype`` (float, bool mask or int64 ids).
+
+    ``shapes`` are wrong shapes (rank or size) for this argument given the others. For the
+    reference argument (the one the others are compared with) the message need only name it.
+    """
+    named = mention(argument) if reference else subject(argument)
+    xfail = xfail or {}
+    rows: list[Wrong] = []
+    if "shape" in kinds:
+        for shape in shapes:
+            rows.append(
+                Wrong(
+                    argument,
+                    "shape",
+                    f"shape{shape}",
+                    lambda a, s=shape: torch.zeros(s, dtype=dtype),
+                    ValueError,
+                    named,
+                    xfail.get(f"shape{shape}", xfail.get("shape")),
+                )
+            )
+    if "dtype" in kinds:
+        if dtype == torch.int64:  # token ids / lengths: floats are not indices
+            rows.append(
+                Wrong(
+                    argument,
+                    "dtype",
+                    "float",
+                    lambda a: a[argument].to(torch.float64) + 0.5,
+                    TypeError,
+                    subject(argument),
+                    xfail.get("dtype"),
+                )
+            )
+        else:
+            rows.append(
+                Wrong(
+                    argument,
+                    "dtype",
+                    "complex",
+                    lambda a: torch.as_tensor(a[argument]).to(torch.complex64),
+                    TypeError,
+                    subject(argument),
+                    xfail.get("dtype"),
+                )
+            )
+        rows.append(
+            Wrong(
+                argument,
+                "dtype",
+                "strings",
+                lambda a: [["x"] * T] * B,
+                TypeError,
+                subject(argument),
+                xfail.get("strings"),
+            )
+        )
+    if "device" in kinds:
+        rows.append(
+            Wrong(
+                argument,
+                "device",
+                "meta",
+                lambda a: torch.as_tensor(a[argument]).to("meta"),
+                ValueError,
+                named,
+                xfail.get("device"),
+            )
+        )
+    if "type" in kinds:
+        rows.append(
+            Wrong(
+                argument,
+                "type",
+                "str",
+                lambda a: "not a tensor",
+                TypeError,
+                subject(argument),
+                xfail.get("type"),
+            )
+        )
+    return tuple(rows)
+
+
+def scalar_wrongs(
+    argument: str,
+    *,
+    below: float | None,
+    above: float | None = None,
+    tensors: bool = True,
+    xfail: dict[str, str] | None = None,
+) -> tuple[Wrong, ...]:
+    """Wrong values of a real hyperparameter: out of range, NaN, inf, wrong types.
+
+    ``below``/``above`` are out-of-range values (None: no such bound). ``tensors``: whether a
+    0-d tensor is accepted (then 1-d, bool, complex and meta tensors are tried).
+    """
+    xfail = xfail or {}
+    values: list[tuple[str, str, Any, Any]] = [
+        ("value", "nan", float("nan"), ValueError),
+        ("value", "inf", float("inf"), ValueError),
+        ("value", "huge-int", 10**400, ValueError),
+        ("type", "str", "0.5", TypeError),
+        ("type", "bool", True, TypeError),
+        ("type", "list", [0.5], TypeError),
+    ]
+    if below is not None:
+        values.append(("value", f"below({below})", below, ValueError))
+    if above is not None:
+        values.append(("value", f"above({above})", above, ValueError))
+    if tensors:
+        values += [
+            ("type", "tensor-1d", torch.tensor([0.5]), TypeError),
+            ("dtype", "tensor-bool", torch.tensor(True), TypeError),
+            ("dtype", "tensor-complex", torch.tensor(0.5 + 0j), TypeError),
+            ("device", "tensor-meta", torch.tensor(0.5, device="meta"), (TypeError, ValueError)),
+        ]
+    return tuple(
+        Wrong(
+            argument,
+            kind,
+            label,
+            lambda a, v=value: v,
+            error,
+            subject(argument),
+            xfail.get(label),
+        )
+        for kind, label, value, error in values
+    )
+
+
+def int_wrongs(
+    argument: str, *, minimum: int, fractional: bool = True, xfail: dict[str, str] | None = None
+) -> tuple[Wrong, ...]:
+    """Wrong values of an integer option (group size, chunk size, lengths)."""
+    xfail = xfail or {}
+    values: list[tuple[str, str, Any, type[Exception]]] = [
+        ("value", f"below({minimum - 1})", minimum - 1, ValueError),
+        ("value", "negative", -3, ValueError),
+        ("type", "bool", True, TypeError),
+        ("type", "str", "2", TypeError),
+    ]
+    if fractional:
+        values.append(("type", "float", 2.5, TypeError))
+    return tuple(
+        Wrong(
+            argument, kind, label, lambda a, v=value: v, error, subject(argument), xfail.get(label)
+        )
+        for kind, label, value, error in values
+    )
+
+
+def choice_wrongs(argument: str) -> tuple[Wrong, ...]:
+    """An unknown name and a non-string for a ``Literal`` option."""
+    return (
+        Wrong(
+            argument, "value", "unknown", lambda a: "no-such-option", ValueError, subject(argument)
+        ),
+        Wrong(argument, "type", "int", lambda a: 3, (TypeError, ValueError), subject(argument)),
+    )
+
+
+def flag_wrongs(argument: str, xfail: str | None = None) -> tuple[Wrong, ...]:
+    """A bool option given a non-bool (a truthy string must not silently switch it on)."""
+    return (Wrong(argument, "type", "str", lambda a: "yes", TypeError, subject(argument), xfail),)
+
+
+# --- shared argument builders -----------------------------------------------------------------
+
+
+def per_token() -> torch.Tensor:
+    return torch.randn(B, T, dtype=torch.float64)
+
+
+def token_mask() -> torch.Tensor:
+    return torch.tensor([[True, True, False], [True, False, True]])
+
+
+def logits() -> torch.Tensor:
+    return torch.randn(B, T, V, dtype=torch.float64)
+
+
+def token_ids() -> torch.Tensor:
+    return torch.randint(0, V, (B, T))
+
+
+# Wrong shapes of a (B, T) argument when the first (B, T) argument fixes (B, T).
+MATRIX_SHAPES = ((B, T + 1), (B + 1, T), (B, T, 1))
+PER_SEQUENCE_SHAPES = ((B + 1,), (B, T + 1), (B, T, 1))
+
+
+def per_token_wrongs(argument: str, *, reference: bool = False, **kw: Any) -> tuple[Wrong, ...]:
+    shapes = ((B, T, 1), (B * T,)) if reference else MATRIX_SHAPES
+    return tensor_wrongs(argument, shapes=shapes, reference=reference, **kw)
+
+
+def mask_wrongs(argument: str = "mask", **kw: Any) -> tuple[Wrong, ...]:
+    return tensor_wrongs(argument, shapes=MATRIX_SHAPES, dtype=torch.bool, **kw)
+
+
+def reduction_wrongs(*, normalizer: bool = True, max_length: bool = True) -> tuple[Wrong, ...]:
+    rows = choice_wrongs("reduction")
+    if normalizer:
+        rows += scalar_wrongs("normalizer", below=0.0, xfail=TENSOR_SCALAR)
+    if max_length:
+        # A fractional length is a value error (decided for issue 10), not a type error.
+        rows += int_wrongs("max_response_length", minimum=1, fractional=False) + (
+            Wrong(
+                "max_response_length",
+                "value",
+                "fractional",
+                lambda a: 2.5,
+                ValueError,
+                subject("max_response_length"),
+            ),
+        )
+    return rows
+
+
+def with_reduction(valid: Callable[[], Arguments]) -> Callable[[], Arguments]:
+    """Valid arguments with ``sequence_sum_normalized`` (so ``max_response_length`` is read)."""
+    return lambda: {**valid(), "reduction": "sequence_sum_normalized"}
+
+
+def hyper(argument: str, *, below: float | None, above: float | None = None) -> tuple[Wrong, ...]:
+    """A real hyperparameter that accepts 0-d tensors (known failures attached)."""
+    return scalar_wrongs(argument, below=below, above=above, xfail=TENSOR_SCALAR)
+
+
+TEMPERATURE = scalar_wrongs("temperature", below=0.0)
+CHUNK = int_wrongs("chunk_size", minimum=1)
+
+
+def policy_options(*, clip_above: float = 1.0) -> tuple[Wrong, ...]:
+    """The hyperparameters shared by ``policy_loss`` and ``fused_policy_loss_from_hidden``."""
+    return (
+        hyper("clip_low", below=-0.1, above=clip_above)
+        + hyper("clip_high", below=-0.1)
+        + hyper("dual_clip", below=1.0)
+        + choice_wrongs("ratio_level")
+        + hyper("log_ratio_bound", below=0.0)
+        + reduction_wrongs()
+        + hyper("diagnostics_normalizer", below=0.0)
+    )
+
+
+# --- the registry: one row per public function ------------------------------------------------
+
+
+def _policy_arguments() -> Arguments:
+    return {
+        "log_probs": per_token(),
+        "old_log_probs": per_token(),
+        "advantages": torch.randn(B, dtype=torch.float64),
+        "mask": token_mask(),
+        "reduction": "sequence_sum_normalized",
+    }
+
+
+def _hidden_arguments() -> Arguments:
+    return {
+        "hidden": torch.randn(B, T, H, dtype=torch.float64),
+        "weight": torch.randn(V, H, dtype=torch.float64),
+        "tokens": token_ids(),
+        "bias": torch.randn(V, dtype=torch.float64),
+    }
+
+
+def _fused_hidden_arguments() -> Arguments:
+    return {
+        **_hidden_arguments(),
+        "old_log_probs": per_token(),
+        "advantages": torch.randn(B, dtype=torch.float64),
+        "mask": token_mask(),
+        "ref_log_probs": per_token(),
+        "kl_coef": 0.1,
+        "kl_estimator": "k2",
+        "reduction": "sequence_sum_normalized",
+    }
+
+
+def _zero_vocabulary(a: Arguments) -> Arguments:
+    return {
+        "bias": torch.zeros(0, dtype=torch.float64),
+        "tokens": torch.zeros(B, T, dtype=torch.int64),
+    }
+
+
+def _zero_hidden(a: Arguments) -> Arguments:
+    return {"weight": torch.zeros(V, 0, dtype=torch.float64)}
+
+
+HIDDEN_WRONGS = (
+    tensor_wrongs("hidden", shapes=((B, T), (B, T, H + 1)), reference=True)
+    + tensor_wrongs("weight", shapes=((V, H + 1), (V,)))
+    + tensor_wrongs("tokens", shapes=MATRIX_SHAPES, dtype=torch.int64)
+    + tensor_wrongs("bias", shapes=((V + 1,), (V, 1)))
+    + TEMPERATURE
+    + CHUNK
+    + (
+        Wrong(
+            "weight",
+            "shape",
+            "V=0",
+            lambda a: torch.zeros(0, H, dtype=torch.float64),
+            ValueError,
+            subject("weight"),
+            also=_zero_vocabulary,
+        ),
+        Wrong(
+            "hidden",
+            "shape",
+            "H=0",
+            lambda a: torch.zeros(B, T, 0, dtype=torch.float64),
+            ValueError,
+            subject("hidden"),
+            also=_zero_hidden,
+        ),
+    )
+)
+
+
+def _alignment_arguments() -> Arguments:
+    # Right-padded rows of length L = 4: prompt 2 tokens, response 2 and 1 tokens.
+    return {
+        "input_ids": torch.tensor([[1, 2, 3, 4], [1, 2, 3, 0]]),
+        "prompt_lengths": torch.tensor([2, 2]),
+        "attention_mask": torch.tensor([[1, 1, 1, 1], [1, 1, 1, 0]]),
+        "response_length": 2,
+    }
+
+
+def _start_instead(a: Arguments) -> Arguments:
+    """Give ``response_start`` instead of ``prompt_lengths`` (exactly one of them)."""
+    return {"prompt_lengths": None}
+
+
+def _start(label: str, kind: str, value: Any, error: Any) -> Wrong:
+    return Wrong(
+        "response_start",
+        kind,
+        label,
+        lambda a: value,
+        error,
+        subject("response_start"),
+        also=_start_instead,
+    )
+
+
+RESPONSE_START = (
+    _start("zero", "value", 0, ValueError),
+    _start("beyond-row", "value", torch.tensor([2, 5]), ValueError),
+    _start("float", "type", 2.5, TypeError),
+    _start("bool", "type", True, TypeError),
+    _start("str", "type", "2", TypeError),
+    _start("shape(3,)", "shape", torch.tensor([2, 2, 2]), ValueError),
+    _start("meta", "device", torch.tensor([2, 2], device="meta"), ValueError),
+    # Both or neither of prompt_lengths and response_start.
+    Wrong("response_start", "value", "with-prompt_lengths", lambda a: 2, ValueError,
+          mention("response_start")),
+    Wrong("prompt_lengths", "value", "neither", lambda a: None, ValueError,
+          mention("prompt_lengths")),
+)  # fmt: skip
+
+ALIGNMENT_WRONGS = RESPONSE_START + (
+    tensor_wrongs("input_ids", shapes=((B, 4, 1), (B * 4,)), dtype=torch.int64, reference=True)
+    + tensor_wrongs("prompt_lengths", shapes=((B + 1,), (B, 1, 1)), dtype=torch.int64)
+    + tensor_wrongs("attention_mask", shapes=((B, 5), (B + 1, 4), (B, 4, 1)), dtype=torch.bool)
+    + int_wrongs("response_length", minimum=1)
+    + flag_wrongs("check_layout", FLAG)
+    + (
+        Wrong(
+            "prompt_lengths",
+            "value",
+            "zero",
+            lambda a: torch.tensor([0, 2]),
+            ValueError,
+            subject("prompt_lengths"),
+        ),
+        Wrong(
+            "prompt_lengths",
+            "value",
+            "beyond-row",
+            lambda a: torch.tensor([2, 5]),
+            ValueError,
+            subject("prompt_lengths"),
+        ),
+    )
+)
+
+
+def _diagnostics() -> Any:
+    return rlo.policy_loss(torch.zeros(B, T), torch.zeros(B, T), torch.ones(B), token_mask())[2]
+
+
+CASES: tuple[Case, ...] = (
+    Case(
+        "aggregate",
+        rlo.aggregate,
+        lambda: {
+            "values": per_token(),
+            "mask": token_mask(),
+            "reduction": "sequence_sum_normalized",
+        },
+        per_token_wrongs("values", reference=True) + mask_wrongs() + reduction_wrongs(),
+    ),
+    Case(
+        "data_parallel_loss_scale",
+        rlo.data_parallel_loss_scale,
+        lambda: {},
+        (Wrong("group", "type", "str", lambda a: "x", (TypeError, ValueError), subject("group")),),
+    ),
+    Case(
+        "full_vocab_kl",
+        rlo.full_vocab_kl,
+        lambda: {"logits": logits(), "ref_logits": logits(), "mask": token_mask()},
+        tensor_wrongs("logits", shapes=((B, T), (B, T, V, 1)), reference=True)
+        + tensor_wrongs("ref_logits", shapes=((B, T, V + 1), (B, T + 1, V), (B, T)))
+        + mask_wrongs()
+        + TEMPERATURE
+        + CHUNK,
+    ),
+    Case(
+        "full_vocab_kl_loss",
+        rlo.full_vocab_kl_loss,
+        lambda: {
+            "logits": logits(),
+            "ref_logits": logits(),
+            "mask": token_mask(),
+            "reduction": "sequence_sum_normalized",
+        },
+        tensor_wrongs("logits", shapes=((B, T), (B, T, V, 1)), reference=True)
+        + tensor_wrongs("ref_logits", shapes=((B, T, V + 1), (B, T + 1, V), (B, T)))
+        + mask_wrongs()
+        + reduction_wrongs()
+        + TEMPERATURE
+        + CHUNK,
+    ),
+    Case(
+        "fused_policy_loss_from_hidden",
+        rlo.fused_policy_loss_from_hidden,
+        _fused_hidden_arguments,
+        HIDDEN_WRONGS
+        + per_token_wrongs("old_log_probs")
+        + tensor_wrongs("advantages", shapes=PER_SEQUENCE_SHAPES)
+        + mask_wrongs()
+        + per_token_wrongs("ref_log_probs")
+        + policy_options()
+        + scalar_wrongs("kl_coef", below=-0.1)  # a Python number: 0-d tensors are rejected
+        + choice_wrongs("kl_estimator")
+        + flag_wrongs("kl_straight_through"),
+    ),
+    Case(
+        "gae",
+        rlo.gae,
+        lambda: {
+            "rewards": per_token(),
+            "values": per_token(),
+            "mask": token_mask(),
+            "gamma": 0.9,
+            "lam": 0.8,
+        },
+        per_token_wrongs("rewards", reference=True)
+        + per_token_wrongs("values")
+        + mask_wrongs()
+        + scalar_wrongs("gamma", below=-0.1, above=1.5, xfail=None)
+        + scalar_wrongs("lam", below=-0.1, above=1.5, xfail=None),
+    ),
+    Case(
+        "global_normalizers",
+        rlo.global_normalizers,
+        lambda: {"masks": [token_mask(), token_mask()]},
+        (
+            Wrong(
+                "masks",
+                "shape",
+                "3-d",
+                lambda a: [torch.ones(B, T, 1, dtype=torch.bool)],
+                ValueError,
+                subject("masks"),
+            ),
+            Wrong("masks", "dtype", "strings", lambda a: [[["x"]]], TypeError, subject("masks")),
+            Wrong("masks", "type", "str", lambda a: "x", TypeError, subject("masks")),
+            Wrong("group", "type", "str", lambda a: "x", (TypeError, ValueError), subject("group")),
+            Wrong(
+                "device",
+                "value",
+                "unknown",
+                lambda a: "nope",
+                ValueError,
+                subject("device"),
+                RAW_DEVICE,
+            ),
+        ),
+    ),
+    Case(
+        "group_relative_advantages",
+        rlo.group_relative_advantages,
+        lambda: {"rewards": torch.randn(B * G, dtype=torch.float64), "group_size": G},
+        tensor_wrongs("rewards", shapes=((B * G, 1, 1),), reference=True, kinds="shape dtype type")
+        + int_wrongs("group_size", minimum=1)
+        + choice_wrongs("scale")
+        + hyper("eps", below=-0.1),
+    ),
+    Case(
+        "grpo_clipped_surrogate",
+        rlo.grpo_clipped_surrogate,
+        lambda: {
+            "new_log_probs": per_token(),
+            "old_log_probs": per_token(),
+            "advantages": torch.randn(B, dtype=torch.float64),
+            "token_mask": token_mask(),
+            "clip_epsilon": 0.2,
+        },
+        per_token_wrongs("new_log_probs", reference=True)
+        + per_token_wrongs("old_log_probs")
+        + tensor_wrongs("advantages", shapes=PER_SEQUENCE_SHAPES)
+        + mask_wrongs("token_mask")
+        + hyper("clip_epsilon", below=-0.1),
+    ),
+    Case(
+        "kl_estimate",
+        rlo.kl_estimate,
+        lambda: {"log_probs": per_token(), "ref_log_probs": per_token(), "mask": token_mask()},
+        per_token_wrongs("log_probs", reference=True)
+        + per_token_wrongs("ref_log_probs")
+        + mask_wrongs()
+        + choice_wrongs("estimator")
+        + flag_wrongs("straight_through")
+        + hyper("log_ratio_bound", below=0.0),
+    ),
+    Case(
+        "kl_loss",
+        rlo.kl_loss,
+        lambda: {
+            "log_probs": per_token(),
+            "ref_log_probs": per_token(),
+            "mask": token_mask(),
+            "estimator": "k2",
+            "reduction": "sequence_sum_normalized",
+            "importance_weights": torch.rand(B, T, dtype=torch.float64),
+        },
+        per_token_wrongs("log_probs", reference=True)
+        + per_token_wrongs("ref_log_probs")
+        + mask_wrongs()
+        + choice_wrongs("estimator")
+        + flag_wrongs("straight_through")
+        + hyper("log_ratio_bound", below=0.0)
+        + reduction_wrongs()
+        + tensor_wrongs("importance_weights", shapes=PER_SEQUENCE_SHAPES),
+    ),
+    Case(
+        "rollout_correction",
+        rlo.rollout_correction,
+        lambda: {
+            "log_probs": per_token(),
+            "rollout_log_probs": per_token(),
+            "mask": token_mask(),
+            "lower": 0.5,
+            "veto": 0.01,
+        },
+        per_token_wrongs("log_probs", reference=True)
+        + per_token_wrongs("rollout_log_probs")
+        + mask_wrongs()
+        + choice_wrongs("level")
+        + choice_wrongs("mode")
+        + hyper("upper", below=0.0)
+        + hyper("lower", below=-0.1, above=5.0)  # above upper = 2
+        + hyper("veto", below=0.0),
+    ),
+    Case(
+        "off_policy_sequence_mask",
+        rlo.off_policy_sequence_mask,
+        lambda: {
+            "log_probs": per_token(),
+            "sampling_log_probs": per_token(),
+            "advantages": torch.randn(B, dtype=torch.float64),
+            "mask": token_mask(),
+            "threshold": 0.1,
+        },
+        per_token_wrongs("log_probs", reference=True)
+        + per_token_wrongs("sampling_log_probs")
+        + tensor_wrongs("advantages", shapes=PER_SEQUENCE_SHAPES)
+        + mask_wrongs()
+        + hyper("threshold", below=None),
+    ),
+    Case(
+        "kl_penalized_rewards",
+        rlo.kl_penalized_rewards,
+        lambda: {
+            "policy_log_probs": per_token(),
+            "reference_log_probs": per_token(),
+            "rewards": torch.randn(B, dtype=torch.float64),
+            "response_mask": token_mask(),
+            "beta": 0.1,
+        },
+        per_token_wrongs("policy_log_probs", reference=True)
+        + per_token_wrongs("reference_log_probs")
+        + tensor_wrongs("rewards", shapes=PER_SEQUENCE_SHAPES)
+        + mask_wrongs("response_mask")
+        + hyper("beta", below=-0.1),
+    ),
+    Case(
+        "kl_penalized_token_rewards",
+        rlo.kl_penalized_token_rewards,
+        lambda: {
+            "log_probs": per_token(),
+            "ref_log_probs": per_token(),
+            "scores": torch.randn(B, dtype=torch.float64),
+            "mask": token_mask(),
+            "kl_coef": 0.1,
+        },
+        per_token_wrongs("log_probs", reference=True)
+        + per_token_wrongs("ref_log_probs")
+        + tensor_wrongs("scores", shapes=PER_SEQUENCE_SHAPES)
+        + mask_wrongs()
+        + hyper("kl_coef", below=-0.1)
+        + choice_wrongs("estimator")
+        + hyper("log_ratio_bound", below=0.0),
+    ),
+    *(
+        Case(
+            name,
+            getattr(rlo, name),
+            lambda: {"values": per_token(), "mask": token_mask()},
+            tensor_wrongs("values", shapes=(), reference=True)
+            + mask_wrongs()
+            + (
+                Wrong(
+                    "mask",
+                    "shape",
+                    "broadcastable",
+                    lambda a: torch.ones(T, dtype=torch.bool),
+                    ValueError,
+                    subject("mask"),
+                ),
+                Wrong(
+                    "dim",
+                    "value",
+                    "out-of-range",
+                    lambda a: 5,
+                    ValueError,
+                    subject("dim"),
+                ),
+                Wrong(
+                    "dim",
+                    "type",
+                    "float",
+                    lambda a: 1.0,
+                    TypeError,
+                    subject("dim"),
+                ),
+            ),
+        )
+        for name in ("masked_mean", "masked_sum")
+    ),
+    Case(
+        "normalizer_for_reduction",
+        rlo.normalizer_for_reduction,
+        lambda: {"normalizers": rlo.global_normalizers([token_mask()]), "reduction": "token_mean"},
+        (
+            Wrong(
+                "normalizers",
+                "type",
+                "tuple",
+                lambda a: (1, 2, 3),
+                TypeError,
+                subject("normalizers"),
+            ),
+            *choice_wrongs("reduction"),
+        ),
+    ),
+    Case(
+        "policy_loss",
+        rlo.policy_loss,
+        _policy_arguments,
+        per_token_wrongs("log_probs", reference=True)
+        + per_token_wrongs("old_log_probs")
+        + tensor_wrongs("advantages", shapes=PER_SEQUENCE_SHAPES)
+        + mask_wrongs()
+        + policy_options()
+        + flag_wrongs("return_per_token"),
+    ),
+    Case(
+        "reinforce_plus_plus_advantages",
+        rlo.reinforce_plus_plus_advantages,
+        lambda: {
+            "rewards": torch.randn(B, dtype=torch.float64),
+            "mask": token_mask(),
+            "token_rewards": per_token(),
+            "group_size": 1,
+        },
+        tensor_wrongs("rewards", shapes=((B + 1,), (B, 2), (B, 1, 1)), reference=True)
+        + tensor_wrongs(
+            "mask",
+            shapes=((B + 1, T), (B, T, 1)),
+            dtype=torch.bool,
+            xfail={"shape(3, 3)": RPP_BLAME},
+        )
+        + per_token_wrongs("token_rewards")
+        + scalar_wrongs("gamma", below=-0.1, above=1.5, xfail=None)
+        + int_wrongs("group_size", minimum=1)
+        + hyper("eps", below=-0.1),
+    ),
+    Case("response_alignment", rlo.response_alignment, _alignment_arguments, ALIGNMENT_WRONGS),
+    Case(
+        "response_log_probs",
+        rlo.response_log_probs,
+        lambda: {**_alignment_arguments(), "logits": torch.randn(B, 4, V, dtype=torch.float64)},
+        tensor_wrongs("logits", shapes=((B, 5, V), (B, 4)), reference=True)
+        + ALIGNMENT_WRONGS
+        + TEMPERATURE
+        + CHUNK,
+    ),
+    Case(
+        "rloo_advantages",
+        rlo.rloo_advantages,
+        lambda: {"rewards": torch.randn(B * G, dtype=torch.float64), "group_size": G},
+        tensor_wrongs("rewards", shapes=((B * G, 1, 1),), reference=True, kinds="shape dtype type")
+        + int_wrongs("group_size", minimum=2),
+    ),
+    Case(
+        "sum_diagnostics",
+        rlo.sum_diagnostics,
+        lambda: {"diagnostics": [_diagnostics(), _diagnostics()]},
+        (
+            Wrong(
+                "diagnostics", "value", "empty", lambda a: [], ValueError, subject("diagnostics")
+            ),
+            Wrong(
+                "diagnostics",
+                "type",
+                "ints",
+                lambda a: [1, 2],
+                (TypeError, ValueError),
+                subject("diagnostics"),
+            ),
+            Wrong(
+                "diagnostics",
+                "type",
+                "mixed",
+                lambda a: [_diagnostics(), rlo.global_normalizers([token_mask()])],
+                (TypeError, ValueError),
+                subject("diagnostics"),
+            ),
+            Wrong("group", "type", "str", lambda a: "x", (TypeError, ValueError), subject("group")),
+        ),
+    ),
+    Case(
+        "token_entropy",
+        rlo.token_entropy,
+        lambda: {"logits": logits(), "mask": token_mask()},
+        tensor_wrongs("logits", shapes=((B, T), (B * T * V,)), reference=True)
+        + mask_wrongs()
+        + TEMPERATURE
+        + CHUNK,
+    ),
+    Case(
+        "token_log_probs",
+        rlo.token_log_probs,
+        lambda: {"logits": logits(), "tokens": token_ids(), "mask": token_mask()},
+        tensor_wrongs("logits", shapes=((B, T), (B * T * V,)), reference=True)
+        + tensor_wrongs("tokens", shapes=MATRIX_SHAPES, dtype=torch.int64)
+        + mask_wrongs()
+        + TEMPERATURE
+        + CHUNK,
+    ),
+    Case(
+        "token_log_probs_from_hidden",
+        rlo.token_log_probs_from_hidden,
+        lambda: {**_hidden_arguments(), "mask": token_mask()},
+        HIDDEN_WRONGS + mask_wrongs() + flag_wrongs("return_entropy"),
+    ),
+)

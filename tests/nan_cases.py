@@ -1,0 +1,476 @@
+"""The NaN-property registry: one row per public function that takes a mask.
+
+A row draws (with hypothesis) a batch, a mask and one combination of the function's options,
+and says which entries of which arguments must not matter (the poison mask: tokens the mask
+leaves out, logits/hidden rows of those tokens, per-sequence values of sequences with no
+selected token where the function ignores them) and which arguments to differentiate.
+``tests/test_nan_property.py`` fills those entries with NaN/+inf/-inf and checks that values
+and gradients equal those of the same batch with finite fills. A new function is one row; a
+new option is one more ``draw`` in its row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from hypothesis import strategies as st
+
+import rlobjectives as rlo
+
+Draw = Callable[[st.SearchStrategy[Any]], Any]
+F64 = torch.float64
+REDUCTIONS = ("token_mean", "sequence_mean", "sequence_sum_normalized", "none")
+
+
+@dataclass
+class Batch:
+    """Arguments of one call, the entries that must not matter, what to differentiate."""
+
+    arguments: dict[str, Any]
+    poison: dict[str, torch.Tensor]  # argument -> bool tensor of its shape
+    differentiate: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class NanCase:
+    name: str
+    function: Callable[..., Any]
+    draw: Callable[[Draw], Batch]
+    max_examples: int = 12
+
+
+@dataclass(frozen=True)
+class Exempt:
+    """A public function with a mask argument but no floating per-token input to poison."""
+
+    name: str
+    reason: str
+
+
+# --- drawing batches --------------------------------------------------------------------------
+
+
+@dataclass
+class Tokens:
+    """A drawn ``(B, T)`` batch: generator, mask and the poison masks derived from it."""
+
+    generator: torch.Generator
+    mask: torch.Tensor  # (B, T) bool
+    partial_rows: bool = field(default=False)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.mask.shape[0], self.mask.shape[1])
+
+    def randn(self, *shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=self.generator, dtype=F64)
+
+    def log_probs(self) -> torch.Tensor:
+        return -2.0 * torch.rand(*self.shape, generator=self.generator, dtype=F64)
+
+    @property
+    def unselected(self) -> torch.Tensor:  # (B, T)
+        return ~self.mask
+
+    @property
+    def empty_rows(self) -> torch.Tensor:  # (B,)
+        return ~self.mask.any(-1)
+
+    def unselected_rows(self, width: int) -> torch.Tensor:
+        """Poison of a ``(B, T, width)`` tensor: rows (or some entries) of unselected tokens."""
+        poison = self.unselected.unsqueeze(-1).expand(*self.shape, width)
+        if self.partial_rows:
+            poison = poison & (torch.rand(*self.shape, width, generator=self.generator) < 0.5)
+        return poison.clone()
+
+
+def draw_tokens(draw: Draw, *, batch_multiple: int = 1, max_batch: int = 4) -> Tokens:
+    """A ``(B, T)`` mask with empty, full and ragged rows, and a seeded generator."""
+    batch = batch_multiple * draw(st.integers(1, max(1, max_batch // batch_multiple)))
+    tokens = draw(st.integers(1, 6))
+    generator = torch.Generator().manual_seed(draw(st.integers(0, 2**31 - 1)))
+    density = draw(st.sampled_from((0.0, 0.4, 0.8, 1.0)))
+    mask = torch.rand(batch, tokens, generator=generator) < density
+    if batch > 1 and draw(st.booleans()):
+        mask[-1] = False  # a sequence with no selected token
+    return Tokens(generator, mask, partial_rows=draw(st.booleans()))
+
+
+def draw_reduction(draw: Draw, t: Tokens, *, none: bool = True) -> dict[str, Any]:
+    reduction = draw(st.sampled_from(REDUCTIONS if none else REDUCTIONS[:3]))
+    options: dict[str, Any] = {"reduction": reduction}
+    if reduction != "none" and draw(st.booleans()):
+        options["normalizer"] = draw(st.sampled_from((0.5, 3.0, 7.0)))
+    if reduction == "sequence_sum_normalized" and draw(st.booleans()):
+        options["max_response_length"] = t.shape[1] + draw(st.integers(0, 3))
+    return options
+
+
+def draw_advantages(draw: Draw, t: Tokens) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-sequence ``(B,)``/``(B, 1)`` or per-token advantages, and their poison."""
+    batch, tokens = t.shape
+    level = draw(st.sampled_from(("sequence", "sequence-column", "token")))
+    if level == "token":
+        return t.randn(batch, tokens), t.unselected.clone()
+    advantages, poison = t.randn(batch), t.empty_rows.clone()
+    if level == "sequence-column":
+        return advantages.unsqueeze(-1), poison.unsqueeze(-1)
+    return advantages, poison
+
+
+def draw_policy_options(draw: Draw, t: Tokens) -> dict[str, Any]:
+    """Every option of the clipped surrogate: clips, dual clip, ratio level, bound, reductions."""
+    options: dict[str, Any] = draw_reduction(draw, t)
+    options["clip_low"] = draw(st.sampled_from((None, 0.0, 0.2)))
+    if options["clip_low"] is not None:
+        options["clip_high"] = draw(st.sampled_from((None, 0.28)))
+    options["dual_clip"] = draw(st.sampled_from((None, 3.0)))
+    options["ratio_level"] = draw(st.sampled_from(("token", "sequence")))
+    options["log_ratio_bound"] = draw(st.sampled_from((None, 20.0, 0.5)))
+    if draw(st.booleans()):
+        options["diagnostics_normalizer"] = draw(st.sampled_from((0.5, 9.0)))
+    return options
+
+
+def draw_logits_options(draw: Draw) -> dict[str, Any]:
+    return {
+        "temperature": draw(st.sampled_from((1.0, 0.7))),
+        "chunk_size": draw(st.sampled_from((None, 1, 2, 5))),
+    }
+
+
+def draw_kl_options(draw: Draw, *, straight_through: bool = True) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "estimator": draw(st.sampled_from(("k1", "k2", "k3"))),
+        "log_ratio_bound": draw(st.sampled_from((None, 20.0, 0.5))),
+    }
+    if straight_through:
+        options["straight_through"] = draw(st.booleans())
+    return options
+
+
+# --- rows -------------------------------------------------------------------------------------
+
+
+def _aggregate(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    return Batch(
+        {"values": t.randn(*t.shape), "mask": t.mask, **draw_reduction(draw, t)},
+        {"values": t.unselected},
+        ("values",),
+    )
+
+
+def _masked_reduction(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    return Batch(
+        {
+            "values": t.randn(*t.shape),
+            "mask": t.mask,
+            "dim": draw(st.sampled_from((None, 0, 1, -1))),
+        },
+        {"values": t.unselected},
+        ("values",),
+    )
+
+
+def _policy_loss(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    advantages, advantages_poison = draw_advantages(draw, t)
+    options = draw_policy_options(draw, t)
+    options["return_per_token"] = draw(st.booleans())
+    # Only log_probs requires grad: the fused path; old_log_probs/advantages too: autograd path.
+    fused = draw(st.booleans())
+    return Batch(
+        {
+            "log_probs": t.log_probs(),
+            "old_log_probs": t.log_probs(),
+            "advantages": advantages,
+            "mask": t.mask,
+            **options,
+        },
+        {
+            "log_probs": t.unselected,
+            "old_log_probs": t.unselected,
+            "advantages": advantages_poison,
+        },
+        ("log_probs",) if fused else ("log_probs", "old_log_probs", "advantages"),
+    )
+
+
+def _grpo_clipped_surrogate(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    advantages, advantages_poison = draw_advantages(draw, t)
+    return Batch(
+        {
+            "new_log_probs": t.log_probs(),
+            "old_log_probs": t.log_probs(),
+            "advantages": advantages,
+            "token_mask": t.mask,
+            "clip_epsilon": draw(st.sampled_from((0.0, 0.2, 10.0))),
+        },
+        {
+            "new_log_probs": t.unselected,
+            "old_log_probs": t.unselected,
+            "advantages": advantages_poison,
+        },
+        ("new_log_probs",) if draw(st.booleans()) else ("new_log_probs", "old_log_probs"),
+    )
+
+
+def _kl(with_reduction: bool) -> Callable[[Draw], Batch]:
+    def draw_batch(draw: Draw) -> Batch:
+        t = draw_tokens(draw)
+        options = draw_kl_options(draw)
+        poison = {"log_probs": t.unselected, "ref_log_probs": t.unselected}
+        differentiate: tuple[str, ...] = ("log_probs", "ref_log_probs")
+        if with_reduction:
+            options.update(draw_reduction(draw, t))
+            if draw(st.booleans()):  # kl_loss(importance_weights=): (B, T), differentiable
+                options["importance_weights"] = torch.rand(*t.shape, generator=t.generator)
+                poison["importance_weights"] = t.unselected
+                differentiate += ("importance_weights",)
+        return Batch(
+            {"log_probs": t.log_probs(), "ref_log_probs": t.log_probs(), "mask": t.mask, **options},
+            poison,
+            differentiate,
+        )
+
+    return draw_batch
+
+
+def _rollout_correction(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    options = {
+        "level": draw(st.sampled_from(("token", "sequence", "geometric"))),
+        "mode": draw(st.sampled_from(("truncate", "mask", "reject"))),
+        "upper": draw(st.sampled_from((None, 2.0, 1.1))),
+        "lower": draw(st.sampled_from((None, 0.8))),
+        "veto": draw(st.sampled_from((None, 0.5))),
+    }
+    return Batch(
+        {"log_probs": t.log_probs(), "rollout_log_probs": t.log_probs(), "mask": t.mask, **options},
+        {"log_probs": t.unselected, "rollout_log_probs": t.unselected},
+        (),  # the weights carry no gradient
+    )
+
+
+def _off_policy_sequence_mask(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    advantages, advantages_poison = draw_advantages(draw, t)
+    return Batch(
+        {
+            "log_probs": t.log_probs(),
+            "sampling_log_probs": t.log_probs(),
+            "advantages": advantages,
+            "mask": t.mask,
+            "threshold": draw(st.sampled_from((-0.1, 0.0, 0.3))),
+        },
+        {
+            "log_probs": t.unselected,
+            "sampling_log_probs": t.unselected,
+            "advantages": advantages_poison,
+        },
+        (),
+    )
+
+
+def _kl_penalized_rewards(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    return Batch(
+        {
+            "policy_log_probs": t.log_probs(),
+            "reference_log_probs": t.log_probs(),
+            "rewards": t.randn(t.shape[0]),
+            "response_mask": t.mask,
+            "beta": draw(st.sampled_from((0.0, 0.1, 2.0))),
+        },
+        {"policy_log_probs": t.unselected, "reference_log_probs": t.unselected},
+        ("policy_log_probs", "reference_log_probs"),
+    )
+
+
+def _kl_penalized_token_rewards(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    return Batch(
+        {
+            "log_probs": t.log_probs(),
+            "ref_log_probs": t.log_probs(),
+            "scores": t.randn(t.shape[0]),
+            "mask": t.mask,
+            "kl_coef": draw(st.sampled_from((0.0, 0.1))),
+            **draw_kl_options(draw, straight_through=False),
+        },
+        {"log_probs": t.unselected, "ref_log_probs": t.unselected},
+        ("log_probs", "ref_log_probs", "scores"),
+    )
+
+
+def _gae(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    return Batch(
+        {
+            "rewards": t.randn(*t.shape),
+            "values": t.randn(*t.shape),
+            "mask": t.mask,
+            "gamma": draw(st.sampled_from((1.0, 0.9, 0.0))),
+            "lam": draw(st.sampled_from((1.0, 0.95, 0.0))),
+        },
+        {"rewards": t.unselected, "values": t.unselected},
+        ("rewards", "values"),
+    )
+
+
+def _reinforce_plus_plus(draw: Draw) -> Batch:
+    group = draw(st.sampled_from((None, 1, 2)))
+    t = draw_tokens(draw, batch_multiple=group or 1)
+    arguments: dict[str, Any] = {
+        "rewards": t.randn(t.shape[0]),
+        "mask": t.mask,
+        "gamma": draw(st.sampled_from((1.0, 0.9))),
+        "group_size": group,
+        "eps": draw(st.sampled_from((1e-8, 0.0))),
+    }
+    poison: dict[str, torch.Tensor] = {}
+    if draw(st.booleans()):
+        arguments["token_rewards"] = t.randn(*t.shape)
+        poison["token_rewards"] = t.unselected
+    return Batch(arguments, poison, ("rewards", *poison))
+
+
+def _logits_case(kind: str) -> Callable[[Draw], Batch]:
+    """token_log_probs, token_entropy, full_vocab_kl(_loss): poisoned logits rows."""
+
+    def draw_batch(draw: Draw) -> Batch:
+        t = draw_tokens(draw)
+        vocabulary = draw(st.integers(2, 7))
+        arguments: dict[str, Any] = {
+            "logits": t.randn(*t.shape, vocabulary) * 3,
+            "mask": t.mask,
+            **draw_logits_options(draw),
+        }
+        poison = {"logits": t.unselected_rows(vocabulary)}
+        if kind == "token_log_probs":
+            arguments["tokens"] = torch.randint(0, vocabulary, t.shape, generator=t.generator)
+        if kind.startswith("full_vocab_kl"):
+            arguments["ref_logits"] = t.randn(*t.shape, vocabulary) * 3
+            poison["ref_logits"] = t.unselected_rows(vocabulary)
+        if kind == "full_vocab_kl_loss":
+            arguments.update(draw_reduction(draw, t, none=False))
+        return Batch(arguments, poison, tuple(poison))
+
+    return draw_batch
+
+
+def _hidden(draw: Draw, t: Tokens) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """hidden ``(B, T, H)`` (rows of unselected tokens poisoned), weight, bias, tokens."""
+    width, vocabulary = draw(st.integers(1, 4)), draw(st.integers(2, 6))
+    arguments: dict[str, Any] = {
+        "hidden": t.randn(*t.shape, width),
+        "weight": t.randn(vocabulary, width),
+        "tokens": torch.randint(0, vocabulary, t.shape, generator=t.generator),
+        "bias": t.randn(vocabulary) if draw(st.booleans()) else None,
+        **draw_logits_options(draw),
+    }
+    return arguments, {"hidden": t.unselected_rows(width)}
+
+
+def _token_log_probs_from_hidden(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    arguments, poison = _hidden(draw, t)
+    arguments.update(mask=t.mask, return_entropy=draw(st.booleans()))
+    differentiate = ("hidden", "weight") + (("bias",) if arguments["bias"] is not None else ())
+    return Batch(arguments, poison, differentiate)
+
+
+def _fused_policy_loss_from_hidden(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    arguments, poison = _hidden(draw, t)
+    advantages, advantages_poison = draw_advantages(draw, t)
+    arguments.update(
+        old_log_probs=t.log_probs(),
+        advantages=advantages,
+        mask=t.mask,
+        **draw_policy_options(draw, t),
+    )
+    poison.update(old_log_probs=t.unselected, advantages=advantages_poison)
+    if draw(st.booleans()):  # with the KL term
+        arguments.update(
+            ref_log_probs=t.log_probs(),
+            kl_coef=draw(st.sampled_from((0.0, 0.1))),
+            kl_estimator=draw(st.sampled_from(("k1", "k2", "k3"))),
+            kl_straight_through=draw(st.booleans()),
+        )
+        poison["ref_log_probs"] = t.unselected
+    differentiate = ("hidden", "weight") + (("bias",) if arguments["bias"] is not None else ())
+    return Batch(arguments, poison, differentiate)
+
+
+def _response_log_probs(draw: Draw) -> Batch:
+    """Right-padded ``[prompt, response, pad]`` rows; rows that score no response token poisoned."""
+    t = draw_tokens(draw)  # only its generator and batch size are used
+    batch, vocabulary = t.shape[0], draw(st.integers(2, 6))
+    prompts = [draw(st.integers(1, 3)) for _ in range(batch)]
+    responses = [draw(st.integers(0, 4)) for _ in range(batch)]
+    length = max(p + r for p, r in zip(prompts, responses, strict=True)) + draw(st.integers(0, 2))
+    attention = torch.zeros(batch, length, dtype=torch.bool)
+    scoring = torch.zeros(batch, length, dtype=torch.bool)  # rows j that predict token j + 1
+    for b, (p, r) in enumerate(zip(prompts, responses, strict=True)):
+        attention[b, : p + r] = True
+        scoring[b, p - 1 : p + r - 1] = True
+    arguments = {
+        "logits": t.randn(batch, length, vocabulary) * 3,
+        "input_ids": torch.randint(0, vocabulary, (batch, length), generator=t.generator),
+        "prompt_lengths": torch.tensor(prompts),
+        "attention_mask": attention,
+        "response_length": max(1, *responses) + draw(st.integers(0, 1)),
+        **draw_logits_options(draw),
+    }
+    poison = (~scoring).unsqueeze(-1).expand(batch, length, vocabulary).clone()
+    return Batch(arguments, {"logits": poison}, ("logits",))
+
+
+NAN_CASES: tuple[NanCase, ...] = (
+    NanCase("aggregate", rlo.aggregate, _aggregate),
+    NanCase("masked_sum", rlo.masked_sum, _masked_reduction, max_examples=8),
+    NanCase("masked_mean", rlo.masked_mean, _masked_reduction, max_examples=8),
+    NanCase("policy_loss", rlo.policy_loss, _policy_loss, max_examples=40),
+    NanCase("grpo_clipped_surrogate", rlo.grpo_clipped_surrogate, _grpo_clipped_surrogate),
+    NanCase("kl_estimate", rlo.kl_estimate, _kl(with_reduction=False)),
+    NanCase("kl_loss", rlo.kl_loss, _kl(with_reduction=True), max_examples=20),
+    NanCase("kl_penalized_rewards", rlo.kl_penalized_rewards, _kl_penalized_rewards),
+    NanCase("rollout_correction", rlo.rollout_correction, _rollout_correction, max_examples=20),
+    NanCase("off_policy_sequence_mask", rlo.off_policy_sequence_mask, _off_policy_sequence_mask, 8),
+    NanCase(
+        "kl_penalized_token_rewards", rlo.kl_penalized_token_rewards, _kl_penalized_token_rewards
+    ),
+    NanCase("gae", rlo.gae, _gae),
+    NanCase(
+        "reinforce_plus_plus_advantages", rlo.reinforce_plus_plus_advantages, _reinforce_plus_plus
+    ),
+    NanCase("token_log_probs", rlo.token_log_probs, _logits_case("token_log_probs")),
+    NanCase("token_entropy", rlo.token_entropy, _logits_case("token_entropy")),
+    NanCase("full_vocab_kl", rlo.full_vocab_kl, _logits_case("full_vocab_kl")),
+    NanCase("full_vocab_kl_loss", rlo.full_vocab_kl_loss, _logits_case("full_vocab_kl_loss"), 16),
+    NanCase(
+        "token_log_probs_from_hidden",
+        rlo.token_log_probs_from_hidden,
+        _token_log_probs_from_hidden,
+        16,
+    ),
+    NanCase(
+        "fused_policy_loss_from_hidden",
+        rlo.fused_policy_loss_from_hidden,
+        _fused_policy_loss_from_hidden,
+        40,
+    ),
+    NanCase("response_log_probs", rlo.response_log_probs, _response_log_probs),
+)
+
+EXEMPT: tuple[Exempt, ...] = (
+    Exempt("global_normalizers", "counts selected tokens: masks only, no values"),
+    Exempt("response_alignment", "integer token ids and positions only, no floating values"),
+)

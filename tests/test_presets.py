@@ -1,0 +1,508 @@
+"""Peer presets: TRL, verl and OpenRLHF losses as library calls (golden values and references).
+
+The golden values are the peers' own numbers on small hand-built batches (the arithmetic is in
+the comments); the float64 references in ``tests/reference.py`` are the peers' formulas written
+out token by token and are compared on random batches with padding, an empty row and NaN at
+unselected positions, values and gradients.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import reference as ref
+from rlobjectives.presets import openrlhf_policy_loss, trl_grpo_loss, verl_policy_loss
+from tolerances import assert_close
+
+# ---------------------------------------------------------------------------------------------
+# TRL. Batch: B=2, T=3, the last token of row 2 is padding.
+#   log-ratio Δ = [[0.3, -0.1, 0.0], [-0.4, 0.1, 0.7(pad)]], r = exp(Δ)
+#   row 1 (A=+1): r = [1.3498588, 0.9048374, 1]; clip(r) = [1.2, 0.9048374, 1] -> L = -min
+#                 = [-1.2 (high clip), -0.9048374, -1.0], ΣL = -3.1048374
+#   row 2 (A=-.5): r = [0.6703200, 1.1051709]; L = [0.4 (low clip), 0.5525855], ΣL = 0.9525855
+TRL_LOG_PROBS = [[-1.0, -2.0, -0.5], [-0.7, -1.2, -3.0]]
+TRL_LOG_RATIO = [[0.3, -0.1, 0.0], [-0.4, 0.1, 0.7]]
+TRL_MASK = [[1, 1, 1], [1, 1, 0]]
+TRL_ADVANTAGES = [1.0, -0.5]
+TRL_REF = [[-1.2, -1.8, -0.5], [-0.9, -1.0, -2.0]]
+
+
+def _trl_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    log_probs = torch.tensor(TRL_LOG_PROBS, dtype=torch.float64, requires_grad=True)
+    old = torch.tensor(TRL_LOG_PROBS, dtype=torch.float64) - torch.tensor(
+        TRL_LOG_RATIO, dtype=torch.float64
+    )
+    return log_probs, old, torch.tensor(TRL_ADVANTAGES, dtype=torch.float64), torch.tensor(TRL_MASK)
+
+
+TRL_GOLDEN = [
+    # grpo: mean_i(ΣL_i / n_i) = mean(-3.1048374/3, 0.9525855/2)
+    ("grpo", "token", {}, -0.2793265382),
+    # bnpo and dapo (N = 5): (-3.1048374 + 0.9525855) / 5
+    ("bnpo", "token", {}, -0.4304503918),
+    ("dapo", "token", {"num_items_in_batch": 5}, -0.4304503918),
+    # dr_grpo: -2.1522519 / (B=2 · max_completion_length=4)
+    ("dr_grpo", "token", {}, -0.2690314949),
+    # luspo (TRL >= 1.10): mean_i Σ_t M L = -2.1522519 / 2
+    ("luspo", "token", {}, -1.0761259795),
+    # GA = 2: grpo / 2; dapo with spg = 1 divides by N·GA/spg = 10, with spg = 2 by 5
+    ("grpo", "token", {"gradient_accumulation_steps": 2}, -0.1396632691),
+    (
+        "dapo",
+        "token",
+        {"num_items_in_batch": 5, "gradient_accumulation_steps": 2, "steps_per_generation": 1},
+        -0.2152251959,
+    ),  # fmt: skip
+    ("dapo", "token", {"num_items_in_batch": 5, "gradient_accumulation_steps": 2}, -0.4304503918),
+    # sequence level: s = exp(mean Δ) = [1.0689391, 0.8607080] (inside the band);
+    # L = [-1.0689391, +0.4303540] per token
+    ("grpo", "sequence", {}, -0.3192925588),  # mean(L)
+    ("dapo", "sequence", {"num_items_in_batch": 5}, -0.4692218682),  # (3 L1 + 2 L2) / 5
+    ("bnpo", "sequence", {}, -0.4692218682),
+    ("dr_grpo", "sequence", {}, -0.2932636676),  # (3 L1 + 2 L2) / 8
+    ("luspo", "sequence", {}, -1.1730546704),  # (3 L1 + 2 L2) / 2
+]
+
+
+@pytest.mark.parametrize(("loss_type", "level", "call", "expected"), TRL_GOLDEN)
+def test_trl_golden(loss_type: str, level: str, call: dict[str, int], expected: float) -> None:
+    log_probs, old, advantages, mask = _trl_batch()
+    loss_fn = trl_grpo_loss(
+        loss_type=loss_type, importance_sampling_level=level, max_completion_length=4
+    )
+    assert_close(loss_fn(log_probs, old, advantages, mask, **call).loss, expected)
+
+
+@pytest.mark.parametrize(
+    ("loss_type", "expected"),
+    [
+        # grpo: -A·r/(n_i·B) at unclipped tokens: row 1 [0, -0.9048374/6, -1/6], row 2
+        # [0 (clipped), 0.5·1.1051709/4]
+        ("grpo", [[0, -0.1508062363, -0.1666666667], [0, 0.1381463648, 0]]),
+        ("dapo", [[0, -0.1809674836, -0.2], [0, 0.1105170918, 0]]),  # -A·r/5
+        ("luspo", [[0, -0.452418709, -0.5], [0, 0.2762927295, 0]]),  # -A·r/2
+    ],
+)
+def test_trl_golden_gradients(loss_type: str, expected: list[list[float]]) -> None:
+    log_probs, old, advantages, mask = _trl_batch()
+    trl_grpo_loss(loss_type=loss_type)(log_probs, old, advantages, mask).loss.backward()
+    assert log_probs.grad is not None
+    assert_close(log_probs.grad, expected)
+
+
+def test_trl_golden_options_and_metrics() -> None:
+    log_probs, old, advantages, mask = _trl_batch()
+    # epsilon_high=0.28: row 1 token 0 becomes -min(1.3498588, 1.28) = -1.28
+    high = trl_grpo_loss(loss_type="grpo", epsilon_high=0.28)(log_probs, old, advantages, mask)
+    assert_close(high.loss, -0.2926598716)
+    # delta = 1.3 > 1 + eps_high: the dual clip at 1.3; no token of the batch reaches it
+    out = trl_grpo_loss(loss_type="grpo", delta=1.3)(log_probs, old, advantages, mask)
+    assert_close(out.loss, -0.2793265382)
+    # low: row 2 token 0 (r = 0.67 < 0.8, A < 0): 1/5; high: row 1 token 0: 1/5;
+    # per-sequence low fractions [0, 1/2] -> min 0; high fractions [1/3, 0] -> max 1/3
+    metrics = out.metrics
+    assert_close(metrics["clip_ratio/low_mean"], 0.2, torch.float32)
+    assert_close(metrics["clip_ratio/high_mean"], 0.2, torch.float32)
+    assert_close(metrics["clip_ratio/region_mean"], 0.4, torch.float32)
+    assert_close(metrics["clip_ratio/low_min"], 0.0, torch.float32)
+    assert_close(metrics["clip_ratio/high_max"], 1 / 3, torch.float32)
+    assert "kl" not in metrics
+
+
+def test_trl_golden_kl() -> None:
+    log_probs, old, advantages, mask = _trl_batch()
+    ref_log_probs = torch.tensor(TRL_REF, dtype=torch.float64)
+    # k3 = e^d - d - 1, d = ref - logp: row 1 [0.0187308, 0.0214028, 0], row 2 [0.0187308,
+    # 0.0214028]; ΣM k3 = 0.0802671
+    plain = trl_grpo_loss(loss_type="dapo", beta=0.1, use_bias_correction_kl=False)
+    out = plain(log_probs, old, advantages, mask, ref_log_probs=ref_log_probs)
+    assert_close(out.loss, -0.4288450514)  # (-2.1522519 + 0.1·0.0802671)/5
+    assert_close(out.metrics["kl"], 0.0160534045, torch.float32)  # 0.0802671/5
+    grpo = trl_grpo_loss(loss_type="grpo", beta=0.1, use_bias_correction_kl=False)
+    assert_close(grpo(log_probs, old, advantages, mask, ref_log_probs=ref_log_probs).loss,
+                 -0.2776543086)  # fmt: skip
+    # bias correction (TRL's default): k3·r = [0.0252838, 0.0193661, 0, 0.0125556, 0.0236537]
+    corrected = trl_grpo_loss(loss_type="dapo", beta=0.1)
+    out = corrected(log_probs, old, advantages, mask, ref_log_probs=ref_log_probs)
+    assert_close(out.loss, -0.4288332079)
+    assert_close(out.metrics["kl"], 0.0161718387, torch.float32)
+    # luspo + KL (no correction): (-2.1522519 + 0.0080267)/2; sequence level (-2.3461093 + ...)/2
+    for level, expected in (("token", -1.0721126284), ("sequence", -1.1690413193)):
+        luspo = trl_grpo_loss(
+            loss_type="luspo", beta=0.1, use_bias_correction_kl=False,
+            importance_sampling_level=level,
+        )  # fmt: skip
+        assert_close(luspo(log_probs, old, advantages, mask, ref_log_probs=ref_log_probs).loss,
+                     expected)  # fmt: skip
+
+
+def test_trl_golden_importance_sampling_ratio_and_edges() -> None:
+    log_probs, old, advantages, mask = _trl_batch()
+    ratio = torch.tensor([[0.9, 1.5, 1.0], [0.0, 1.2, 1.0]], dtype=torch.float64)
+    dapo = trl_grpo_loss(loss_type="dapo", beta=0.1, use_bias_correction_kl=False)
+    # (-1.2·0.9 - 0.9048374·1.5 - 1.0 + 0.4·0 + 0.5525855·1.2)/5; the KL is not weighted
+    out = trl_grpo_loss(loss_type="dapo")(
+        log_probs, old, advantages, mask, importance_sampling_ratio=ratio
+    )
+    assert_close(out.loss, -0.5548307152)
+    ref_log_probs = torch.tensor(TRL_REF, dtype=torch.float64)
+    out = dapo(log_probs, old, advantages, mask, ref_log_probs=ref_log_probs,
+               importance_sampling_ratio=ratio)  # fmt: skip
+    assert_close(out.loss, -0.5532253748)
+    # an empty row counts in grpo's mean over rows: mean(-1.0349458, 0)
+    empty = torch.tensor([[1, 1, 1], [0, 0, 0]])
+    assert_close(trl_grpo_loss(loss_type="grpo")(log_probs, old, advantages, empty).loss,
+                 -0.5174729030)  # fmt: skip
+    # nothing selected: 0, metrics 0 and NaN extremes (TRL drops NaN when logging)
+    out = trl_grpo_loss(loss_type="dapo")(log_probs, old, advantages, torch.zeros(2, 3))
+    assert out.loss.item() == 0.0
+    assert out.metrics["clip_ratio/low_mean"].item() == 0.0
+    assert math.isnan(out.metrics["clip_ratio/low_min"].item())
+
+
+def _random_batch(
+    seed: int, rows: int = 5, tokens: int = 7
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(seed)
+    log_probs = -torch.rand(rows, tokens, generator=generator, dtype=torch.float64) * 3
+    old = log_probs + 0.4 * torch.randn(rows, tokens, generator=generator, dtype=torch.float64)
+    advantages = torch.randn(rows, generator=generator, dtype=torch.float64)
+    lengths = torch.randint(1, tokens + 1, (rows,), generator=generator)
+    lengths[1] = 0  # an empty row
+    mask = torch.arange(tokens) < lengths[:, None]
+    return log_probs, old, advantages, mask
+
+
+def _with_nan_padding(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return torch.where(mask, values, torch.full_like(values, math.nan))
+
+
+TRL_CASES = [
+    {"loss_type": "grpo"},
+    {"loss_type": "bnpo", "epsilon_high": 0.28},
+    {"loss_type": "dr_grpo", "max_completion_length": 9},
+    {"loss_type": "dapo", "beta": 0.04},
+    {"loss_type": "luspo", "importance_sampling_level": "sequence", "beta": 0.04},
+    {"loss_type": "grpo", "importance_sampling_level": "sequence", "epsilon": 0.1, "delta": 1.5},
+    {"loss_type": "dapo", "delta": 1.4, "beta": 0.04, "use_bias_correction_kl": False},
+]
+
+
+@pytest.mark.parametrize("options", TRL_CASES)
+def test_trl_matches_reference(options: dict[str, object]) -> None:
+    log_probs, old, advantages, mask = _random_batch(3)
+    ref_log_probs = log_probs + 0.3 * torch.randn_like(log_probs)
+    weights = torch.rand_like(log_probs) + 0.5
+    call = {"num_items_in_batch": 40, "num_processes": 2, "gradient_accumulation_steps": 2}
+    level = str(options.get("importance_sampling_level", "token"))
+    weights_arg = weights[:, :1] if level == "sequence" else weights
+    inputs = [log_probs.clone().requires_grad_(True) for _ in range(2)]
+    loss_fn = trl_grpo_loss(**options)  # type: ignore[arg-type]
+    actual = loss_fn(
+        _with_nan_padding(inputs[0], mask), _with_nan_padding(old, mask), advantages, mask,
+        ref_log_probs=_with_nan_padding(ref_log_probs, mask), importance_sampling_ratio=weights_arg,
+        **call,
+    ).loss  # fmt: skip
+    reference_options = {k: v for k, v in options.items() if k != "importance_sampling_level"}
+    expected = ref.trl_grpo_loss(
+        inputs[1], old, advantages, mask, level=level, ref_log_probs=ref_log_probs,
+        importance_sampling_ratio=weights_arg, num_items_in_batch=40, num_processes=2,
+        accumulation=2, **reference_options,  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert_close(actual, expected.detach())
+    actual.backward()
+    expected.backward()
+    assert inputs[0].grad is not None and inputs[1].grad is not None
+    assert_close(inputs[0].grad, inputs[1].grad)
+
+
+def test_trl_errors() -> None:
+    for loss_type in ("cispo", "sapo", "vespo"):
+        with pytest.raises(NotImplementedError, match=f"loss_type='{loss_type}'.*issue 13"):
+            trl_grpo_loss(loss_type=loss_type)
+    with pytest.raises(NotImplementedError, match=r"delta <= 1 \+ epsilon_high.*delta="):
+        trl_grpo_loss(loss_type="grpo", delta=1.1)
+    with pytest.raises(NotImplementedError, match="top_entropy_mask"):
+        trl_grpo_loss(loss_type="grpo", top_entropy_quantile=0.2)
+    with pytest.raises(NotImplementedError, match="off_policy_sequence_mask"):
+        trl_grpo_loss(loss_type="grpo", off_policy_mask_threshold=0.5)
+    with pytest.raises(NotImplementedError, match="entropy_coef"):
+        trl_grpo_loss(loss_type="grpo", entropy_coef=0.01)
+    with pytest.raises(ValueError, match="loss_type must be one of"):
+        trl_grpo_loss(loss_type="ppo")
+    with pytest.raises(ValueError, match="max_completion_length"):
+        trl_grpo_loss(loss_type="dr_grpo")
+    with pytest.raises(ValueError, match="importance_sampling_level must be one of"):
+        trl_grpo_loss(loss_type="grpo", importance_sampling_level="sequence_token")
+    log_probs, old, advantages, mask = _trl_batch()
+    with pytest.raises(ValueError, match="needs ref_log_probs"):
+        trl_grpo_loss(loss_type="grpo", beta=0.1)(log_probs, old, advantages, mask)
+    sequence = trl_grpo_loss(loss_type="grpo", importance_sampling_level="sequence")
+    with pytest.raises(ValueError, match="per-token advantages"):
+        sequence(log_probs, old, advantages[:, None].expand(2, 3), mask)
+
+
+# ---------------------------------------------------------------------------------------------
+# verl. Batch: M = [[1,1,1],[1,1,0]], old p = [[.4,.6,.5],[.2,.8,.5]], new p = [[.6,.3,.5],
+# [.8,.6,.5]] -> r = [[1.5, 0.5, 1], [4, 0.75, ·]]; A = [[1]*3, [-1]*3]; clip 0.2, c = 3.
+
+
+def _verl_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    old = torch.tensor([[0.4, 0.6, 0.5], [0.2, 0.8, 0.5]], dtype=torch.float64).log()
+    new = torch.tensor([[0.6, 0.3, 0.5], [0.8, 0.6, 0.5]], dtype=torch.float64).log()
+    advantages = torch.tensor([[1.0] * 3, [-1.0] * 3], dtype=torch.float64)
+    return old, new.requires_grad_(True), advantages, torch.tensor(TRL_MASK, dtype=torch.bool)
+
+
+def test_verl_vanilla_golden() -> None:
+    old, log_prob, advantages, mask = _verl_batch()
+    loss, metrics = verl_policy_loss("vanilla")(old, log_prob, advantages, mask)
+    # row 1: [-max(1.5, 1.2), -max(0.5, 0.8), -1] = [-1.2, -0.5, -1]; row 2: t0 r = 4 -> dual
+    # clip min(3, 4) = 3, t1 max(0.75, 0.8) = 0.8. (-1.2 - 0.5 - 1 + 3 + 0.8)/5 = 0.22
+    assert_close(loss, 0.22)
+    assert_close(metrics["actor/pg_clipfrac"], 0.4, torch.float32)  # row 1 t0, row 2 t1
+    assert_close(metrics["actor/pg_clipfrac_lower"], 0.2, torch.float32)  # row 2 t0
+    assert_close(metrics["actor/ppo_kl"], -math.log(2.25) / 5, torch.float32)
+    loss.backward()
+    assert log_prob.grad is not None
+    assert_close(log_prob.grad, [[0, -0.1, -0.2], [0, 0, 0]])  # -A r / 5 where unclipped
+    # seq-mean-token-mean: row means [-0.9, 1.9] -> 0.5
+    assert_close(verl_policy_loss()(old, log_prob, advantages, mask, "seq-mean-token-mean")[0], 0.5)
+    # rollout_is_weights multiply the per-token losses: [-1.8, -0.25, -1, 6, 0.6]/5 = 0.71
+    weights = torch.tensor([[1.5, 0.5, 1.0], [2.0, 0.75, 0.0]], dtype=torch.float64)
+    out = verl_policy_loss()(old, log_prob, advantages, mask, rollout_is_weights=weights)
+    assert_close(out.loss, 0.71)
+
+
+def test_verl_gspo_and_gpg_golden() -> None:
+    old, log_prob, advantages, mask = _verl_batch()
+    # s = [0.75^(1/3), sqrt(3)] = [0.9085603, 1.7320508]; forced seq-mean-token-mean:
+    # (-0.9085603 + 1.7320508)/2 = 0.41174525
+    loss, metrics = verl_policy_loss("gspo")(old, log_prob, advantages, mask, "token-sum")
+    assert_close(loss, 0.41174525)
+    assert metrics["actor/pg_clipfrac"].item() == 0.0
+    assert metrics["actor/pg_clipfrac_lower"].item() == 0.0
+    loss.backward()
+    assert log_prob.grad is not None
+    # row 1: -s1/(3·2); row 2: +s2/(2·2)
+    assert_close(log_prob.grad, [[-0.1514267] * 3, [0.4330127] * 2 + [0.0]], torch.float32)
+    log_prob.grad = None
+    loss, metrics = verl_policy_loss("gpg")(old, log_prob, advantages, mask)
+    # -(ln .6 + ln .3 + ln .5) + (ln .8 + ln .6) = 1.6739764 -> / 5
+    assert_close(loss, 0.33479529, torch.float32)
+    assert metrics == {}
+    loss.backward()
+    assert_close(log_prob.grad, [[-0.2] * 3, [0.2, 0.2, 0.0]])
+
+
+AGG_GOLDEN = [
+    # L = [[1,2,3],[4,5,99(pad)]], local: token-mean 15/5, token-sum 15, seq-mean-token-sum
+    # (6+9)/2, seq-mean-token-mean (2+4.5)/2, seq-mean-token-sum-norm 7.5/T(=3)
+    ("token-mean", [[1, 1, 1], [1, 1, 0]], {}, 3.0),
+    ("token-sum", [[1, 1, 1], [1, 1, 0]], {}, 15.0),
+    ("seq-mean-token-sum", [[1, 1, 1], [1, 1, 0]], {}, 7.5),
+    ("seq-mean-token-mean", [[1, 1, 1], [1, 1, 0]], {}, 3.25),
+    ("seq-mean-token-sum-norm", [[1, 1, 1], [1, 1, 0]], {}, 2.5),
+    ("seq-mean-token-sum-norm", [[1, 1, 1], [1, 1, 0]], {"loss_scale_factor": 4}, 1.875),
+    # global counts, dp_size 2, N = 10, G = 4: 15/10·2, 15/4·2, 6.5/4·2, 15/4·2/3
+    ("token-mean", [[1, 1, 1], [1, 1, 0]], {"dp_size": 2, "batch_num_tokens": 10}, 3.0),
+    ("token-sum", [[1, 1, 1], [1, 1, 0]], {"dp_size": 2}, 30.0),
+    ("seq-mean-token-sum", [[1, 1, 1], [1, 1, 0]], {"dp_size": 2, "global_batch_size": 4}, 7.5),
+    ("seq-mean-token-mean", [[1, 1, 1], [1, 1, 0]], {"dp_size": 2, "global_batch_size": 4}, 3.25),
+    (
+        "seq-mean-token-sum-norm",
+        [[1, 1, 1], [1, 1, 0]],
+        {"dp_size": 2, "global_batch_size": 4},
+        2.5,
+    ),  # fmt: skip
+    # an empty row: the local seq-mean-token-sum* divide by the NON-EMPTY rows (6/1, 6/1/3),
+    # the engine's global_batch_size counts every row (6/2, 6/2/3)
+    ("seq-mean-token-sum", [[1, 1, 1], [0, 0, 0]], {}, 6.0),
+    ("seq-mean-token-sum", [[1, 1, 1], [0, 0, 0]], {"global_batch_size": 2}, 3.0),
+    ("seq-mean-token-sum-norm", [[1, 1, 1], [0, 0, 0]], {}, 2.0),
+    ("seq-mean-token-sum-norm", [[1, 1, 1], [0, 0, 0]], {"global_batch_size": 2}, 1.0),
+    ("token-mean", [[1, 1, 1], [0, 0, 0]], {}, 2.0),
+]
+
+
+@pytest.mark.parametrize(("mode", "mask", "info", "expected"), AGG_GOLDEN)
+def test_verl_loss_agg_modes_golden(
+    mode: str, mask: list[list[int]], info: dict[str, int], expected: float
+) -> None:
+    # gpg with A = -1 makes the per-token loss the log-probs themselves: -(-1)·L = L
+    values = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 99.0]], dtype=torch.float64)
+    config = {"global_batch_info": info}
+    loss, _ = verl_policy_loss("gpg")(values, values, -torch.ones(2, 3), torch.tensor(mask), mode,
+                                      config)  # fmt: skip
+    assert_close(loss, expected)
+    assert_close(loss, ref.verl_agg_loss(values, torch.tensor(mask), mode, **info))
+
+
+class _ActorConfig:
+    """Any object with verl's attribute names works as ``config``."""
+
+    clip_ratio = 0.2
+    clip_ratio_low = 0.15
+    clip_ratio_high = 0.28
+    clip_ratio_c = 2.5
+
+    def __init__(self, info: dict[str, int]) -> None:
+        self.global_batch_info = info
+
+
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo", "gpg"])
+@pytest.mark.parametrize(
+    ("mode", "info"),
+    [
+        ("token-mean", {}),
+        ("seq-mean-token-mean", {"dp_size": 2, "global_batch_size": 9}),
+        (
+            "seq-mean-token-sum-norm",
+            {"dp_size": 2, "global_batch_size": 9, "loss_scale_factor": 11},
+        ),
+        ("token-mean", {"dp_size": 4, "batch_num_tokens": 30, "global_batch_size": 9}),
+    ],
+)
+def test_verl_matches_reference(loss_mode: str, mode: str, info: dict[str, int]) -> None:
+    log_prob, old, _, mask = _random_batch(5)
+    advantages = torch.randn(5, 7, dtype=torch.float64)
+    inputs = [log_prob.clone().requires_grad_(True) for _ in range(2)]
+    config = _ActorConfig(info)
+    loss, _ = verl_policy_loss(loss_mode)(
+        _with_nan_padding(old, mask), _with_nan_padding(inputs[0], mask), advantages, mask, mode,
+        config,
+    )  # fmt: skip
+    losses = ref.verl_policy_losses(
+        old, inputs[1], advantages, mask, loss_mode=loss_mode, clip_low=0.15, clip_high=0.28,
+        clip_c=2.5,
+    )  # fmt: skip
+    forced = "seq-mean-token-mean" if loss_mode == "gspo" else mode
+    expected = ref.verl_agg_loss(losses, mask, forced, **info)
+    assert_close(loss, expected.detach())
+    loss.backward()
+    expected.backward()
+    assert inputs[0].grad is not None and inputs[1].grad is not None
+    assert_close(inputs[0].grad, inputs[1].grad)
+
+
+def test_verl_errors() -> None:
+    for mode in ("cispo", "sapo", "geo_mean"):
+        with pytest.raises(NotImplementedError, match=f"loss_mode='{mode}'.*issue 13"):
+            verl_policy_loss(mode)
+    with pytest.raises(ValueError, match="loss_mode must be one of"):
+        verl_policy_loss("clip_cov")
+    old, log_prob, advantages, mask = _verl_batch()
+    with pytest.raises(ValueError, match="loss_agg_mode must be one of"):
+        verl_policy_loss()(old, log_prob, advantages, mask, "token_mean")
+    with pytest.raises(ValueError, match="batch_num_tokens"):
+        verl_policy_loss()(old, log_prob, advantages, mask, "token-mean",
+                           {"global_batch_info": {"dp_size": 2}})  # fmt: skip
+
+
+# ---------------------------------------------------------------------------------------------
+# OpenRLHF. Batch: old = -1, r = [[1.5, 0.7, 1.0], [0.5, 3.0, 10(pad)]], A = [[1]*3, [-2]*3].
+
+
+def _openrlhf_batch() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    old = -torch.ones(2, 3, dtype=torch.float64)
+    ratio = torch.tensor([[1.5, 0.7, 1.0], [0.5, 3.0, 10.0]], dtype=torch.float64)
+    advantages = torch.tensor([[1.0] * 3, [-2.0] * 3], dtype=torch.float64)
+    return (old + ratio.log()).requires_grad_(True), old, advantages, torch.tensor(TRL_MASK)
+
+
+def test_openrlhf_golden() -> None:
+    log_probs, old, advantages, mask = _openrlhf_batch()
+    # token mode: [-1.2 (clipped), -0.7, -1.0, 1.6 (clipped), 6.0] -> 4.7/5
+    out = openrlhf_policy_loss()(log_probs, old, advantages, mask)
+    assert_close(out.loss, 0.94)
+    assert_close(out.clip_ratio, 0.4, torch.float32)
+    assert_close(out.ppo_kl, -math.log(1.5 * 0.7 * 0.5 * 3.0) / 5)
+    assert out.vllm_kl is None
+    out.loss.backward()
+    assert log_probs.grad is not None
+    assert_close(log_probs.grad, [[0, -0.14, -0.2], [0, 1.2, 0]])
+    # token_level_loss with the trainer's global count N of the step and dp_size: Σ L / N · dp
+    # (4.7/10·2); every micro-batch of a step uses the same N, so their losses add up
+    global_out = openrlhf_policy_loss()(
+        log_probs, old, advantages, mask, dp_size=2, batch_num_tokens=10
+    )
+    assert_close(global_out.loss, 0.94)
+    # sample mode: mean(-2.9/3, 7.6/2)
+    sample = openrlhf_policy_loss(token_level_loss=False)(log_probs, old, advantages, mask)
+    assert_close(sample.loss, 1.4166666667)
+    # dual clip 2.5: the r = 3 token (A = -2) becomes max(-6, -5) -> loss 5: (-2.9+1.6+5)/5
+    log_probs.grad = None
+    dual = openrlhf_policy_loss(dual_clip=2.5)(log_probs, old, advantages, mask)
+    assert_close(dual.loss, 0.74)
+    dual.loss.backward()
+    assert_close(log_probs.grad, [[0, -0.14, -0.2], [0, 0, 0]])
+    # gspo: s = [exp(mean log r)] = [1.0163964, sqrt(1.5)]: mean(-1.0163964, 2.4494897)
+    log_probs.grad = None
+    gspo = openrlhf_policy_loss(policy_loss_type="gspo")(log_probs, old, advantages, mask)
+    assert_close(gspo.loss, 0.7165467, torch.float32)
+    assert gspo.clip_ratio.item() == 0.0
+    gspo.loss.backward()
+    assert_close(log_probs.grad, [[-0.1693994] * 3, [0.6123724] * 2 + [0.0]], torch.float32)
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {},
+        {"clip_eps_low": 0.1, "clip_eps_high": 0.28, "dual_clip": 3.0},
+        {"token_level_loss": False},
+        {"policy_loss_type": "gspo", "dual_clip": 2.0},
+    ],
+)
+def test_openrlhf_matches_reference(options: dict[str, object]) -> None:
+    log_probs, old, advantages, mask = _random_batch(7)
+    advantages = advantages[:, None].expand(5, 7)  # OpenRLHF's per-token advantages
+    inputs = [log_probs.clone().requires_grad_(True) for _ in range(2)]
+    counts = {"dp_size": 2, "batch_num_tokens": 31, "global_batch_size": 8}
+    loss = openrlhf_policy_loss(**options)(  # type: ignore[arg-type]
+        _with_nan_padding(inputs[0], mask), _with_nan_padding(old, mask), advantages, mask,
+        **counts,
+    ).loss  # fmt: skip
+    expected = ref.openrlhf_policy_loss(inputs[1], old, advantages, mask, **options, **counts)  # type: ignore[arg-type]
+    assert_close(loss, expected.detach())
+    loss.backward()
+    expected.backward()
+    assert inputs[0].grad is not None and inputs[1].grad is not None
+    assert_close(inputs[0].grad, inputs[1].grad)
+
+
+def test_openrlhf_errors() -> None:
+    for kind in ("tis", "icepop", "seq-mask-tis"):
+        with pytest.raises(NotImplementedError, match=f"'{kind}'.*rollout_correction"):
+            openrlhf_policy_loss(enable_vllm_is_correction=True, vllm_is_correction_type=kind)
+    with pytest.raises(ValueError, match="vllm_is_correction_type must be one of"):
+        openrlhf_policy_loss(vllm_is_correction_type="mis")
+    with pytest.raises(ValueError, match="dual_clip must be > 1.0"):
+        openrlhf_policy_loss(dual_clip=1.0)
+    with pytest.raises(ValueError, match="policy_loss_type must be one of"):
+        openrlhf_policy_loss(policy_loss_type="cispo")
+
+
+def test_openrlhf_gspo_against_the_sampler() -> None:
+    # gspo with enable_vllm_is_correction: the sequence ratio is taken against rollout_log_probs
+    log_probs, old, advantages, mask = _openrlhf_batch()
+    rollout = old.detach() - 0.1
+    loss_fn = openrlhf_policy_loss(policy_loss_type="gspo", enable_vllm_is_correction=True)
+    out = loss_fn(log_probs, old, advantages, mask, rollout_log_probs=rollout)
+    plain = openrlhf_policy_loss(policy_loss_type="gspo")(log_probs, rollout, advantages, mask)
+    assert_close(out.loss, plain.loss.detach())
+    assert_close(out.ppo_kl, -math.log(1.5 * 0.7 * 0.5 * 3.0) / 5)  # still against old
+
+
+def test_presets_import_no_peer() -> None:
+    code = (
+        "import sys, rlobjectives, rlobjectives.presets, rlobjectives.integrations; "
+        "assert not any(m.split('.')[0] in ('trl', 'transformers', 'verl', 'openrlhf') "
+        "for m in sys.modules), sorted(sys.modules)"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

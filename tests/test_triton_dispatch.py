@@ -1,0 +1,111 @@
+"""Backend dispatch: RLOBJECTIVES_KERNELS, lazy triton import, interpreter in any import order."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from backends import requires_triton
+from rlobjectives._triton._dispatch import (
+    ENV_VAR,
+    interpreted,
+    kernel_backend,
+    requested_backend,
+    use_kernels,
+)
+
+
+def test_default_is_auto_and_cpu_keeps_torch(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert requested_backend() == "auto"
+    assert kernel_backend("cpu") == "torch"
+    monkeypatch.setenv(ENV_VAR, " Auto ")
+    assert kernel_backend(torch.device("cpu")) == "torch"
+
+
+def test_torch_overrides_everything() -> None:
+    with use_kernels("torch"):
+        assert kernel_backend("cpu") == "torch"
+        assert kernel_backend("cuda") == "torch"
+
+
+@requires_triton
+def test_auto_uses_triton_for_cuda_tensors() -> None:
+    with use_kernels("auto"):
+        assert kernel_backend("cuda") == "triton"
+        assert kernel_backend("cuda", dtype=torch.float64) == "torch"
+
+
+@requires_triton
+def test_triton_on_cpu_means_the_interpreter() -> None:
+    with use_kernels("triton"):
+        assert kernel_backend("cpu") == "triton"
+        assert kernel_backend("cpu", dtype=torch.bfloat16) == "triton"
+        assert kernel_backend("cpu", dtype=torch.float64) == "torch"  # kernels are float32
+    assert interpreted("cpu")
+
+
+def test_invalid_value_names_the_variable(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "cuda")
+    with pytest.raises(ValueError, match=ENV_VAR):
+        kernel_backend("cpu")
+    with pytest.raises(ValueError, match="backend must be one of"):
+        with use_kernels("fast"):
+            pass
+
+
+def test_use_kernels_restores_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "torch")
+    with use_kernels("triton"):
+        assert os.environ[ENV_VAR] == "triton"
+    assert os.environ[ENV_VAR] == "torch"
+    monkeypatch.delenv(ENV_VAR)
+    with use_kernels("auto"):
+        pass
+    assert ENV_VAR not in os.environ
+
+
+def _run(code: str) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in (ENV_VAR, "TRITON_INTERPRET")}
+    return subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)], capture_output=True, text=True, env=env,
+        timeout=120,
+    )  # fmt: skip
+
+
+def test_importing_the_library_does_not_import_triton() -> None:
+    result = _run(
+        """
+        import sys
+        import rlobjectives
+        import rlobjectives._triton
+        import rlobjectives._triton._dispatch
+        assert "triton" not in sys.modules, "triton imported"
+        """
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@requires_triton
+def test_interpreter_works_after_triton_was_imported_in_compiled_mode() -> None:
+    # torch._dynamo imports triton (compiled mode) before the kernels are first needed.
+    result = _run(
+        """
+        import torch, torch._dynamo, sys
+        assert "triton" in sys.modules
+        from rlobjectives._triton._dispatch import use_kernels
+        from rlobjectives._triton._token_loss import token_loss_forward
+        with use_kernels("triton"):
+            out = token_loss_forward(torch.zeros(3), torch.zeros(3), torch.ones(3),
+                                     torch.ones(3, dtype=torch.bool))
+        assert float(out.sums.weighted_loss) == -3.0, out.sums
+        import triton.runtime.jit as jit
+        assert jit.JITFunction.__call__.__name__ == "__call__"  # restored after the launch
+        """
+    )
+    assert result.returncode == 0, result.stderr

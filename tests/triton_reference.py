@@ -1,0 +1,197 @@
+"""Float64 references of the Triton kernels' contracts (plain autograd, flat token layout).
+
+Written from the math in ``rlobjectives._triton`` docstrings, mirroring autograd's conventions
+(``torch.clamp`` passes the gradient on the closed interval, ``torch.minimum``/``maximum`` split
+ties, selection with ``torch.where``). Nothing here imports the kernels.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import torch
+
+Tensor = torch.Tensor
+F64 = torch.float64
+
+
+def _clamp(values: Tensor, low: float, high: float) -> Tensor:
+    return torch.clamp(values, low, high)
+
+
+def _where(mask: Tensor, values: Tensor) -> Tensor:
+    return torch.where(mask, values, torch.zeros((), dtype=values.dtype))
+
+
+class TokenReference(NamedTuple):
+    per_token: Tensor  # (N,) total loss L
+    loss: Tensor  # sum w L
+    sums: dict[str, Tensor]
+
+
+def _clip_surrogate(ratio: Tensor, advantages: Tensor, options: Any) -> tuple[Tensor, Tensor]:
+    unclipped = ratio
+    if options.delta is not None:
+        unclipped = torch.clamp(ratio, max=options.delta)
+    surrogate = unclipped * advantages
+    if options.clip_low is not None:
+        high = options.clip_low if options.clip_high is None else options.clip_high
+        clipped = _clamp(ratio, 1.0 - options.clip_low, 1.0 + high) * advantages
+        surrogate = torch.minimum(surrogate, clipped)
+    pre_dual = surrogate
+    if options.dual_clip is not None:
+        floor = options.dual_clip * advantages
+        surrogate = torch.where(advantages < 0, torch.maximum(surrogate, floor), surrogate)
+    dual = (
+        (advantages < 0) & (pre_dual < options.dual_clip * advantages)
+        if options.dual_clip
+        else None
+    )
+    return surrogate, torch.zeros_like(ratio, dtype=torch.bool) if dual is None else dual
+
+
+def _kl(d: Tensor, estimator: str, straight_through: bool) -> Tensor:
+    values = {
+        "k1": lambda: d,
+        "k2": lambda: 0.5 * d.square(),
+        "k3": lambda: torch.expm1(-d) + d,
+        "abs": lambda: d.abs(),
+    }[estimator]()
+    if straight_through:
+        k2 = 0.5 * d.square()
+        values = values.detach() + (k2 - k2.detach())
+    return values
+
+
+def token_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor | None,
+    advantages: Tensor | None,
+    mask: Tensor,
+    options: Any,
+    *,
+    weights: Tensor | None = None,
+    sequence_log_ratio: Tensor | None = None,
+    importance_weights: Tensor | None = None,
+    ref_log_probs: Tensor | None = None,
+    entropy: Tensor | None = None,
+) -> TokenReference:
+    """Float64 per-token loss, weighted loss and sums; ``log_probs``/``entropy`` may be leaves.
+
+    Per-row tensors must already be expanded to ``(N,)``.
+    """
+    n = mask.shape[0]
+    lp = _where(mask, log_probs.to(F64))
+    zeros = torch.zeros(n, dtype=F64)
+    policy = zeros
+    sums: dict[str, Tensor] = {}
+    bound = options.log_ratio_bound
+    if options.surrogate != "none":
+        assert old_log_probs is not None and advantages is not None
+        old = _where(mask, old_log_probs.to(F64))
+        adv = _where(mask, advantages.to(F64).expand(n))
+        token_log_ratio = lp - old
+        log_ratio = token_log_ratio
+        if sequence_log_ratio is not None:  # value of the sequence's, gradient 1
+            seq = _where(mask, sequence_log_ratio.to(F64).expand(n))
+            log_ratio = _where(mask, lp - lp.detach() + seq)
+        fired = torch.zeros(n, dtype=torch.bool)
+        if bound is not None:
+            fired = mask & (log_ratio.detach().abs() > bound)
+            log_ratio = _clamp(log_ratio, -bound, bound)
+        ratio = torch.exp(log_ratio)
+        flag = torch.zeros(n, dtype=torch.bool)
+        if options.surrogate == "clip":
+            surrogate, flag = _clip_surrogate(ratio, adv, options)
+        elif options.surrogate == "cispo":
+            if options.cispo_cap is not None:
+                weight = torch.clamp(ratio, max=options.cispo_cap).detach()
+            else:
+                high = options.clip_low if options.clip_high is None else options.clip_high
+                weight = _clamp(ratio, 1 - options.clip_low, 1 + high).detach()
+            surrogate = weight * adv * lp
+            flag = weight != ratio.detach()
+        else:
+            tau = torch.where(adv > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)
+            gate = torch.sigmoid(tau * (ratio - 1))
+            surrogate = 4 / tau * gate * adv
+            flag = (4 * gate * (1 - gate)).detach() < 0.5
+        policy = _where(mask, -surrogate)
+        if importance_weights is not None:
+            policy = policy * _where(mask, importance_weights.to(F64))
+        r = ratio.detach()
+        if options.clip_low is not None:
+            high = options.clip_low if options.clip_high is None else options.clip_high
+            below, above = r < 1 - options.clip_low, r > 1 + high
+        else:
+            below = above = torch.zeros(n, dtype=torch.bool)
+        diag = options.diagnostic_bound or (20.0 if bound is None else bound)
+        x = _clamp(token_log_ratio.detach(), -diag, diag)
+        sums.update(
+            out_of_band=(mask & (below | above)).sum(),
+            binding_low=(mask & below & (adv < 0)).sum(),
+            binding_high=(mask & above & (adv > 0)).sum(),
+            dual_binding=(mask & flag).sum() if options.surrogate == "clip" else 0,
+            bound_fired=fired.sum(),
+            ratio_sum=_where(mask, r).sum(),
+            k1_sum=-token_log_ratio.detach().sum(),
+            k3_sum=_where(mask, torch.expm1(x) - x).sum(),
+            capped=(mask & flag).sum() if options.surrogate == "cispo" else 0,
+            gate_low=(mask & flag).sum() if options.surrogate == "sapo" else 0,
+        )
+    total = policy
+    kl = zeros
+    if ref_log_probs is not None:
+        d = lp - _where(mask, ref_log_probs.to(F64))
+        if bound is not None:
+            d = _clamp(d, -bound, bound)
+        kl = _kl(d, options.kl_estimator, options.kl_straight_through)
+        if options.kl_importance_weighted:
+            kl = kl * _where(mask, importance_weights.to(F64))
+        kl = _where(mask, kl)
+        total = total + options.kl_coef * kl
+    ent = zeros
+    if entropy is not None:
+        ent = _where(mask, entropy.to(F64))
+        total = total - options.entropy_coef * ent
+    total = _where(mask, total)
+    w = _where(mask, torch.ones(n, dtype=F64) if weights is None else weights.to(F64).expand(n))
+    loss = (w * total).sum()
+    sums.update(
+        weighted_loss=loss.detach(),
+        weighted_policy=(w * policy).sum().detach(),
+        weighted_kl=(w * kl).sum().detach(),
+        weighted_entropy=(w * ent).sum().detach(),
+        policy_sum=policy.sum().detach(),
+        kl_sum=kl.sum().detach(),
+        entropy_sum=ent.sum().detach(),
+        selected=mask.sum(),
+    )
+    return TokenReference(total, loss, sums)
+
+
+def head_log_probs(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    mask: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+) -> tuple[Tensor, Tensor]:
+    """Float64 ``(log_probs, entropy)`` via ``log_softmax`` (leaves may require grad).
+
+    Masked rows are zeroed before the product (so NaN there reaches nothing); the entropy uses
+    ``xlogy``-style ``p log p = 0`` at ``p = 0``.
+    """
+    h = _where(mask[:, None], hidden.to(F64))
+    logits = h @ weight.to(F64).T
+    if bias is not None:
+        logits = logits + bias.to(F64)
+    log_p = torch.log_softmax(logits / temperature, dim=-1)
+    p = log_p.exp()
+    finite_log_p = torch.where(p > 0, log_p, torch.zeros((), dtype=F64))  # no 0 * -inf
+    entropy = -(p * finite_log_p).sum(-1)
+    safe_tokens = torch.where(mask, tokens, 0)
+    chosen = log_p.gather(1, safe_tokens[:, None])[:, 0]
+    return _where(mask, chosen), _where(mask, entropy)
