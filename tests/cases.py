@@ -68,24 +68,8 @@ def mention(argument: str) -> str:
 
 # Known failures of the contract today; the coordinator removes them as fixes land. (The
 # issue 10 items themselves are fixed on main; these are the same classes, found by this table.)
-META_SCALAR = (
-    "issue 10 class 'raw torch errors': a 0-d meta tensor hyperparameter raises "
-    "NotImplementedError (found by the error contract)"
-)
-FLAG = (
-    "issue 10 class 'silent misuse': a non-bool check_layout is accepted (found by the error "
-    "contract)"
-)
-RAW_DEVICE = (
-    "issue 10 class 'raw torch errors': an unknown device string raises RuntimeError "
-    "(found by the error contract)"
-)
-RPP_BLAME = (
-    "issue 10 class 'errors blame the wrong argument': reinforce_plus_plus_advantages blames "
-    "rewards for a mask with one row too many (found by the error contract)"
-)
 # Known failures of the scalar rows of hyperparameters that accept 0-d tensors.
-TENSOR_SCALAR = {"tensor-meta": META_SCALAR}
+TENSOR_SCALAR: dict[str, str] = {}
 
 
 # --- wrong inputs by kind of argument ---------------------------------------------------------
@@ -473,7 +457,7 @@ ALIGNMENT_WRONGS = RESPONSE_START + (
     + tensor_wrongs("prompt_lengths", shapes=((B + 1,), (B, 1, 1)), dtype=torch.int64)
     + tensor_wrongs("attention_mask", shapes=((B, 5), (B + 1, 4), (B, 4, 1)), dtype=torch.bool)
     + int_wrongs("response_length", minimum=1)
-    + flag_wrongs("check_layout", FLAG)
+    + flag_wrongs("check_layout")
     + (
         Wrong(
             "prompt_lengths",
@@ -493,6 +477,51 @@ ALIGNMENT_WRONGS = RESPONSE_START + (
         ),
     )
 )
+
+
+def group_ids_wrongs(*, size_argument: str | None = "group_size") -> tuple[Wrong, ...]:
+    """``group_ids`` (one label per sequence) instead of ``group_size``: wrong length, rank,
+    and both given."""
+
+    def instead(a: Arguments) -> Arguments:
+        return {size_argument: None} if size_argument else {}
+
+    rows = (
+        Wrong(
+            "group_ids",
+            "shape",
+            "one-too-many",
+            lambda a: list(range(B * G + 1)),
+            ValueError,
+            subject("group_ids"),
+            also=instead,
+        ),
+        Wrong(
+            "group_ids",
+            "shape",
+            "2-d",
+            lambda a: torch.zeros(B * G, 2, dtype=torch.int64),
+            ValueError,
+            subject("group_ids"),
+            also=instead,
+        ),
+    )
+    if size_argument:
+        rows += (
+            Wrong(
+                "group_ids",
+                "value",
+                f"with-{size_argument}",
+                lambda a: list(range(B * G)),
+                ValueError,
+                mention("group_ids"),
+            ),
+        )
+    return rows  # fmt: skip
+
+
+def _group_arguments() -> Arguments:
+    return {"rewards": torch.randn(B * G, dtype=torch.float64), "group_size": G}
 
 
 def _diagnostics() -> Any:
@@ -570,7 +599,9 @@ CASES: tuple[Case, ...] = (
         + per_token_wrongs("values")
         + mask_wrongs()
         + scalar_wrongs("gamma", below=-0.1, above=1.5, xfail=None)
-        + scalar_wrongs("lam", below=-0.1, above=1.5, xfail=None),
+        + scalar_wrongs("lam", below=-0.1, above=1.5, xfail=None)
+        + flag_wrongs("whiten")
+        + choice_wrongs("holes"),
     ),
     Case(
         "global_normalizers",
@@ -595,7 +626,6 @@ CASES: tuple[Case, ...] = (
                 lambda a: "nope",
                 ValueError,
                 subject("device"),
-                RAW_DEVICE,
             ),
         ),
     ),
@@ -605,6 +635,7 @@ CASES: tuple[Case, ...] = (
         lambda: {"rewards": torch.randn(B * G, dtype=torch.float64), "group_size": G},
         tensor_wrongs("rewards", shapes=((B * G, 1, 1),), reference=True, kinds="shape dtype type")
         + int_wrongs("group_size", minimum=1)
+        + group_ids_wrongs()
         + choice_wrongs("scale")
         + hyper("eps", below=-0.1),
     ),
@@ -801,11 +832,12 @@ CASES: tuple[Case, ...] = (
             "mask",
             shapes=((B + 1, T), (B, T, 1)),
             dtype=torch.bool,
-            xfail={"shape(3, 3)": RPP_BLAME},
         )
         + per_token_wrongs("token_rewards")
         + scalar_wrongs("gamma", below=-0.1, above=1.5, xfail=None)
         + int_wrongs("group_size", minimum=1)
+        + group_ids_wrongs()
+        + flag_wrongs("unbiased")
         + hyper("eps", below=-0.1),
     ),
     Case("response_alignment", rlo.response_alignment, _alignment_arguments, ALIGNMENT_WRONGS),
@@ -823,7 +855,8 @@ CASES: tuple[Case, ...] = (
         rlo.rloo_advantages,
         lambda: {"rewards": torch.randn(B * G, dtype=torch.float64), "group_size": G},
         tensor_wrongs("rewards", shapes=((B * G, 1, 1),), reference=True, kinds="shape dtype type")
-        + int_wrongs("group_size", minimum=2),
+        + int_wrongs("group_size", minimum=2)
+        + group_ids_wrongs(),
     ),
     Case(
         "sum_diagnostics",
@@ -870,6 +903,91 @@ CASES: tuple[Case, ...] = (
         + mask_wrongs()
         + TEMPERATURE
         + CHUNK,
+    ),
+    Case(
+        "value_loss",
+        rlo.value_loss,
+        lambda: {
+            "values": per_token(),
+            "old_values": per_token(),
+            "returns": per_token(),
+            "mask": token_mask(),
+            "reduction": "sequence_sum_normalized",
+        },
+        per_token_wrongs("values", reference=True)
+        + per_token_wrongs("old_values")
+        + per_token_wrongs("returns")
+        + mask_wrongs()
+        + hyper("clip", below=-0.1)
+        + reduction_wrongs(),
+    ),
+    *(
+        Case(
+            name,
+            getattr(rlo, name),
+            lambda: {"values": per_token(), "mask": token_mask()},
+            tensor_wrongs("values", shapes=(), reference=True)
+            + mask_wrongs()
+            + (
+                Wrong(
+                    "mask",
+                    "shape",
+                    "broadcastable",
+                    lambda a: torch.ones(T, dtype=torch.bool),
+                    ValueError,
+                    subject("mask"),
+                ),
+            )
+            + flag_wrongs("shift_mean")
+            + flag_wrongs("unbiased")
+            + hyper("eps", below=-0.1)
+            + (
+                (
+                    Wrong(
+                        "group",
+                        "type",
+                        "str",
+                        lambda a: "x",
+                        (TypeError, ValueError),
+                        subject("group"),
+                    ),
+                )
+                if name == "global_masked_whiten"
+                else ()
+            ),
+        )
+        for name in ("masked_whiten", "global_masked_whiten")
+    ),
+    Case(
+        "opo_advantages",
+        rlo.opo_advantages,
+        lambda: {**_group_arguments(), "mask": torch.ones(B * G, T, dtype=torch.bool)},
+        tensor_wrongs("rewards", shapes=((B * G, 1, 1),), reference=True, kinds="shape dtype type")
+        + tensor_wrongs("mask", shapes=((B * G + 1, T), (B * G, T, 1)), dtype=torch.bool)
+        + int_wrongs("group_size", minimum=1)
+        + group_ids_wrongs(),
+    ),
+    Case(
+        "passk_advantages",
+        rlo.passk_advantages,
+        _group_arguments,
+        tensor_wrongs("rewards", shapes=((B * G, 1, 1),), reference=True, kinds="shape dtype type")
+        + int_wrongs("group_size", minimum=1)
+        + group_ids_wrongs()
+        + choice_wrongs("scale")
+        + hyper("eps", below=-0.1),
+    ),
+    Case(
+        "remax_advantages",
+        rlo.remax_advantages,
+        lambda: {
+            "rewards": per_token(),
+            "baseline_rewards": torch.randn(B, dtype=torch.float64),
+            "mask": token_mask(),
+        },
+        per_token_wrongs("rewards", reference=True)
+        + tensor_wrongs("baseline_rewards", shapes=PER_SEQUENCE_SHAPES)
+        + mask_wrongs(),
     ),
     Case(
         "token_log_probs_from_hidden",

@@ -318,6 +318,8 @@ def _gae(draw: Draw) -> Batch:
             "mask": t.mask,
             "gamma": draw(st.sampled_from((1.0, 0.9, 0.0))),
             "lam": draw(st.sampled_from((1.0, 0.95, 0.0))),
+            "whiten": draw(st.booleans()),
+            "holes": draw(st.sampled_from(("skip", "zero"))),
         },
         {"rewards": t.unselected, "values": t.unselected},
         ("rewards", "values"),
@@ -339,6 +341,46 @@ def _reinforce_plus_plus(draw: Draw) -> Batch:
         arguments["token_rewards"] = t.randn(*t.shape)
         poison["token_rewards"] = t.unselected
     return Batch(arguments, poison, ("rewards", *poison))
+
+
+def _value_loss(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    return Batch(
+        {
+            "values": t.randn(*t.shape),
+            "old_values": t.randn(*t.shape),
+            "returns": t.randn(*t.shape),
+            "mask": t.mask,
+            "clip": draw(st.sampled_from((None, 0.0, 0.2))),
+            **draw_reduction(draw, t),
+        },
+        {"values": t.unselected, "old_values": t.unselected, "returns": t.unselected},
+        ("values", "old_values", "returns"),
+    )
+
+
+def _whiten(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    return Batch(
+        {
+            "values": t.randn(*t.shape),
+            "mask": t.mask,
+            "shift_mean": draw(st.booleans()),
+            "unbiased": draw(st.booleans()),
+            "eps": draw(st.sampled_from((1e-8, 0.0, 1.0))),
+        },
+        {"values": t.unselected},
+        ("values",),
+    )
+
+
+def _remax(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    return Batch(
+        {"rewards": t.randn(*t.shape), "baseline_rewards": t.randn(t.shape[0]), "mask": t.mask},
+        {"rewards": t.unselected},
+        ("rewards", "baseline_rewards"),
+    )
 
 
 def _logits_case(kind: str) -> Callable[[Draw], Batch]:
@@ -468,9 +510,14 @@ NAN_CASES: tuple[NanCase, ...] = (
         40,
     ),
     NanCase("response_log_probs", rlo.response_log_probs, _response_log_probs),
+    NanCase("value_loss", rlo.value_loss, _value_loss, max_examples=16),
+    NanCase("masked_whiten", rlo.masked_whiten, _whiten),
+    NanCase("global_masked_whiten", rlo.global_masked_whiten, _whiten, max_examples=6),
+    NanCase("remax_advantages", rlo.remax_advantages, _remax, max_examples=8),
 )
 
 EXEMPT: tuple[Exempt, ...] = (
     Exempt("global_normalizers", "counts selected tokens: masks only, no values"),
     Exempt("response_alignment", "integer token ids and positions only, no floating values"),
+    Exempt("opo_advantages", "per-sequence rewards; the mask only gives the response lengths"),
 )

@@ -131,8 +131,9 @@ def test_split_layout_with_response_start() -> None:
         assert torch.equal(out.log_probs, expected.log_probs)
     alignment = response_alignment(ids, None, attention, response_start=4, response_length=5)
     assert alignment.tokens[0].tolist() == [1, 2, 3, 0, 0]
-    wrong = response_alignment(ids, [4, 4, 4], attention, response_length=5)  # the misuse
-    assert wrong.tokens[0].tolist() == [3, 0, 0, 0, 0]
+    # the misuse is caught: row 0 is padded on both sides, so all responses start at one column
+    with pytest.raises(ValueError, match=r"^prompt_lengths: .*starts \[6, 4, 7\]"):
+        response_alignment(ids, [4, 4, 4], attention, response_length=5)
 
 
 @pytest.mark.parametrize(

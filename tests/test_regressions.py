@@ -134,7 +134,6 @@ def test_fused_approx_kl_k3_is_computed_without_cancellation() -> None:
     )
 
 
-@refactor("advantages of rewards around 1e20 are zero in float32")
 def test_advantages_with_extreme_reward_magnitudes() -> None:
     """``group_relative_advantages`` and ``reinforce_plus_plus_advantages`` return zeros for
     rewards around 1e20 (the float32 variance overflows): scale before squaring, or compute in
@@ -316,21 +315,23 @@ def test_policy_loss_treats_advantages_and_old_log_probs_as_constants() -> None:
     assert re.search(r"constant", doc, re.IGNORECASE), "the docstring says they are constants"
 
 
-@refactor("response_alignment drops response tokens for a padded prompt width")
 def test_response_alignment_with_the_padded_prompt_width() -> None:
     """``response_alignment`` with a left-padded prompt and ``prompt_lengths`` set to the padded
     width silently drops response tokens: validate against the layout or offer an explicit
     response-start argument."""
-    # verl/TRL layout: prompts left-padded to width 3, responses right-padded to width 3.
-    input_ids = torch.tensor([[0, 11, 12, 21, 22, 23], [13, 14, 15, 24, 25, 0]])
-    attention_mask = torch.tensor([[0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 1, 0]])
-    try:
-        alignment = rlo.response_alignment(input_ids, [3, 3], attention_mask, response_length=3)
-    except ValueError as error:
-        assert re.match(r"prompt_lengths\b", str(error)), error
-        return
-    assert alignment.tokens.tolist() == [[21, 22, 23], [24, 25, 0]]
-    assert alignment.mask.tolist() == [[True, True, True], [True, True, False]]
+    # verl/TRL layout: prompts left-padded to width 3, responses right-padded to width 3; row 0
+    # is padded on both sides, which only this layout does (rows padded on one side alone are
+    # ambiguous: each row may be left- or right-padded on its own, a supported layout).
+    input_ids = torch.tensor([[0, 11, 12, 21, 22, 0], [13, 14, 15, 24, 25, 26]])
+    attention_mask = torch.tensor([[0, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1]])
+    with pytest.raises(ValueError, match=r"^prompt_lengths\b.*response_start"):
+        rlo.response_alignment(input_ids, [3, 3], attention_mask, response_length=3)
+    # The explicit response start (the padded prompt width) gives every response token.
+    alignment = rlo.response_alignment(
+        input_ids, None, attention_mask, response_start=3, response_length=3
+    )
+    assert alignment.tokens.tolist() == [[21, 22, 0], [24, 25, 26]]
+    assert alignment.mask.tolist() == [[True, True, False], [True, True, True]]
 
 
 def test_clip_low_of_one_or_more_is_rejected() -> None:

@@ -119,6 +119,30 @@ def _max_abs(values: torch.Tensor) -> torch.Tensor:
     return values.abs().amax() if values.numel() else values.new_zeros(())
 
 
+def _check_batch(
+    scores: torch.Tensor, mask: torch.Tensor, token_rewards: torch.Tensor | None
+) -> None:
+    """One B for ``rewards`` (B,), ``mask`` and ``token_rewards`` (B, T): the odd one is blamed.
+
+    The batch size of the majority is the reference (ties: the mask's).
+    """
+    sizes = {"mask": mask.shape[0]}
+    if token_rewards is not None:
+        sizes["token_rewards"] = token_rewards.shape[0]
+    if scores.ndim == 1:
+        sizes["rewards"] = scores.shape[0]
+    values = list(sizes.values())
+    batch = max(values, key=lambda size: (values.count(size), -values.index(size)))
+    if scores.ndim != 1 or scores.shape[0] != batch:
+        raise ValueError(
+            f"rewards must have shape (B,) or (B, 1) with B = {batch} (one score per row of "
+            f"mask), got shape {tuple(scores.shape)}"
+        )
+    for name, size in sizes.items():
+        if size != batch:
+            raise ValueError(f"{name} must have B = {batch} rows like rewards, got {size} rows")
+
+
 def reinforce_plus_plus_advantages(
     rewards: ArrayLike,
     mask: ArrayLike,
@@ -203,23 +227,19 @@ def reinforce_plus_plus_advantages(
     """
     mask_t = as_batch_matrix(as_mask(mask, "mask"), "mask")
     device = mask_t.device
-    batch = mask_t.shape[0]
     scores = as_float_tensor(rewards, "rewards", device)
     tensors = {"mask": mask_t, "rewards": scores}
     if scores.ndim == 2 and scores.shape[1] == 1:
         scores = scores.squeeze(-1)
-    if scores.ndim != 1 or scores.shape[0] != batch:
-        raise ValueError(
-            f"rewards must have shape (B,) or (B, 1) with B = {batch} (one score per row of "
-            f"mask), got shape {tuple(scores.shape)}"
-        )
     extra = None
     if token_rewards is not None:
         extra = as_batch_matrix(
             as_float_tensor(token_rewards, "token_rewards", device), "token_rewards"
         )
-        check_shape(extra, "token_rewards", mask_t.shape, "mask")
         tensors["token_rewards"] = extra
+    _check_batch(scores, mask_t, extra)
+    if extra is not None:
+        check_shape(extra, "token_rewards", mask_t.shape, "mask")
     check_same_device(tensors)
     discount = _validate_discount(gamma, "gamma")
     validate_flag(unbiased, "unbiased")

@@ -24,6 +24,7 @@ from ._validation import (
     check_same_device,
     check_shape,
     compute_dtype,
+    validate_bool,
 )
 
 __all__ = [
@@ -89,6 +90,22 @@ def _start_argument(
     return name, value
 
 
+def _split_layout_with_unequal_starts(
+    attention_mask: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor, end: torch.Tensor
+) -> torch.Tensor:
+    """Whether responses start at different columns in a verl/TRL-layout batch.
+
+    A row padded on both sides marks that layout (left-padded prompts, right-padded
+    responses), where every response starts at one column. Rows padded on one side only are
+    ambiguous (each row may have its own layout), so they are never flagged.
+    """
+    nonempty = lengths > 0  # (B,)
+    both_sides = nonempty & (attention_mask[:, 0] == 0) & (end < attention_mask.shape[1])
+    low = torch.where(nonempty, start, start.max()).min()
+    high = torch.where(nonempty, start, start.min()).max()
+    return both_sides.any() & (low != high)
+
+
 def _check_layout(
     attention_mask: torch.Tensor,
     prompt_lengths: torch.Tensor,
@@ -108,6 +125,7 @@ def _check_layout(
             (prompt_lengths < 1).any(),
             (prompt_lengths > lengths).any(),
             ((end - start) > response_length).any(),
+            _split_layout_with_unequal_starts(attention_mask, lengths, start, end),
         ]
     ).tolist()
     if checks[0]:
@@ -132,6 +150,13 @@ def _check_layout(
         raise ValueError(f"{name} {too_short}, got {given}")
     if checks[2]:
         raise ValueError(f"{name} {too_long}, got {given}")
+    if checks[4] and name == "prompt_lengths":
+        raise ValueError(
+            "prompt_lengths: this batch has left-padded prompts and right-padded responses (the "
+            "verl/TRL layout), where every response starts at the same column, but "
+            f"first attended position + prompt_lengths gives starts {start.tolist()}; pass the "
+            "real prompt lengths (padding excluded), or response_start=<padded prompt width>"
+        )
     if checks[3]:
         raise ValueError(
             f"response_length={response_length} is shorter than the longest response "
@@ -242,7 +267,7 @@ def response_alignment(
     # absolute position of the first response token, and the equivalent prompt lengths
     start = first + starts if name == "prompt_lengths" else starts.expand(batch)  # (B,)
     end = first + lengths  # (B,) one past the last attended position
-    if check_layout and not torch.compiler.is_compiling():
+    if validate_bool(check_layout, "check_layout") and not torch.compiler.is_compiling():
         _check_layout(attention, start - first, lengths, start, end, response_length, name)
     offsets = torch.arange(response_length, device=device)  # (R,)
     absolute = start.unsqueeze(-1) + offsets  # (B, R) positions j

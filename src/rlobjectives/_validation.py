@@ -237,6 +237,8 @@ def _scalar_value(value: Scalar, name: str, allow_tensor: bool) -> float | None:
             )
         if torch.compiler.is_compiling():
             return None
+        if value.device.type == "meta":
+            raise ValueError(f"{name} must hold a value, got a tensor on the meta device")
         return float(value.detach().cpu())
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise TypeError(f"{name} must be a real number, got {describe(value)} ({value!r})")

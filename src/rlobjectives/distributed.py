@@ -196,7 +196,12 @@ def global_normalizers(
     tensors = _as_mask_list(masks)
     active = _process_group_active(group)
     if device is not None:
-        target = torch.device(device)
+        try:
+            target = torch.device(device)
+        except (RuntimeError, TypeError) as error:
+            raise ValueError(
+                f"device must be a torch.device or a device string, got {device!r} ({error})"
+            ) from None
     elif tensors:
         target = tensors[0].device
     else:
