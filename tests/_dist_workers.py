@@ -31,6 +31,11 @@ from rlobjectives.distributed import (
     sum_diagnostics,
 )
 
+try:  # the rollout correction (issue 12); the tests run without it if it is not there yet
+    from rlobjectives import rollout_correction
+except ImportError:  # pragma: no cover - depends on what is merged
+    rollout_correction = None
+
 try:  # the KL loss term (family issue); the tests run without it if it is not there yet
     from rlobjectives import kl_loss
 except ImportError:  # pragma: no cover - depends on what is merged
@@ -202,6 +207,20 @@ def train_step(
     }
 
 
+def rollout_metrics(micro_batches: Sequence[Batch], group: dist.ProcessGroup | None) -> Any:
+    """Rollout-correction metrics of the step (old vs ref log-probs as trainer vs sampler),
+    combined over this rank's micro-batches and all ranks (sums added, extremes min/max)."""
+    if rollout_correction is None:
+        return None
+    pieces = [
+        rollout_correction(
+            mb.old_log_probs, mb.ref_log_probs, mb.mask, mode="mask", lower=0.7
+        ).metrics
+        for mb in micro_batches
+    ]
+    return sum_diagnostics(pieces, group=group)
+
+
 def rank_results(rank: int) -> dict[str, Any]:
     problem = make_problem()
     micro_batches = [micro_batch(problem, rows) for rows in SPLITS[rank]]
@@ -214,6 +233,8 @@ def rank_results(rank: int) -> dict[str, Any]:
             "global": train_step(micro_batches, reduction=reduction, naive=False, group=group),
             "naive": train_step(micro_batches, reduction=reduction, naive=True, group=group),
         }
+    metrics = rollout_metrics(micro_batches, None)
+    results["rollout"] = None if metrics is None else dict(metrics._asdict())
     return results
 
 

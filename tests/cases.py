@@ -675,6 +675,7 @@ CASES: tuple[Case, ...] = (
             "mask": token_mask(),
             "estimator": "k2",
             "reduction": "sequence_sum_normalized",
+            "importance_weights": torch.rand(B, T, dtype=torch.float64),
         },
         per_token_wrongs("log_probs", reference=True)
         + per_token_wrongs("ref_log_probs")
@@ -682,7 +683,43 @@ CASES: tuple[Case, ...] = (
         + choice_wrongs("estimator")
         + flag_wrongs("straight_through")
         + hyper("log_ratio_bound", below=0.0)
-        + reduction_wrongs(),
+        + reduction_wrongs()
+        + tensor_wrongs("importance_weights", shapes=PER_SEQUENCE_SHAPES),
+    ),
+    Case(
+        "rollout_correction",
+        rlo.rollout_correction,
+        lambda: {
+            "log_probs": per_token(),
+            "rollout_log_probs": per_token(),
+            "mask": token_mask(),
+            "lower": 0.5,
+            "veto": 0.01,
+        },
+        per_token_wrongs("log_probs", reference=True)
+        + per_token_wrongs("rollout_log_probs")
+        + mask_wrongs()
+        + choice_wrongs("level")
+        + choice_wrongs("mode")
+        + hyper("upper", below=0.0)
+        + hyper("lower", below=-0.1, above=5.0)  # above upper = 2
+        + hyper("veto", below=0.0),
+    ),
+    Case(
+        "off_policy_sequence_mask",
+        rlo.off_policy_sequence_mask,
+        lambda: {
+            "log_probs": per_token(),
+            "sampling_log_probs": per_token(),
+            "advantages": torch.randn(B, dtype=torch.float64),
+            "mask": token_mask(),
+            "threshold": 0.1,
+        },
+        per_token_wrongs("log_probs", reference=True)
+        + per_token_wrongs("sampling_log_probs")
+        + tensor_wrongs("advantages", shapes=PER_SEQUENCE_SHAPES)
+        + mask_wrongs()
+        + hyper("threshold", below=None),
     ),
     Case(
         "kl_penalized_rewards",

@@ -225,15 +225,57 @@ def _kl(with_reduction: bool) -> Callable[[Draw], Batch]:
     def draw_batch(draw: Draw) -> Batch:
         t = draw_tokens(draw)
         options = draw_kl_options(draw)
+        poison = {"log_probs": t.unselected, "ref_log_probs": t.unselected}
+        differentiate: tuple[str, ...] = ("log_probs", "ref_log_probs")
         if with_reduction:
             options.update(draw_reduction(draw, t))
+            if draw(st.booleans()):  # kl_loss(importance_weights=): (B, T), differentiable
+                options["importance_weights"] = torch.rand(*t.shape, generator=t.generator)
+                poison["importance_weights"] = t.unselected
+                differentiate += ("importance_weights",)
         return Batch(
             {"log_probs": t.log_probs(), "ref_log_probs": t.log_probs(), "mask": t.mask, **options},
-            {"log_probs": t.unselected, "ref_log_probs": t.unselected},
-            ("log_probs", "ref_log_probs"),
+            poison,
+            differentiate,
         )
 
     return draw_batch
+
+
+def _rollout_correction(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    options = {
+        "level": draw(st.sampled_from(("token", "sequence", "geometric"))),
+        "mode": draw(st.sampled_from(("truncate", "mask", "reject"))),
+        "upper": draw(st.sampled_from((None, 2.0, 1.1))),
+        "lower": draw(st.sampled_from((None, 0.8))),
+        "veto": draw(st.sampled_from((None, 0.5))),
+    }
+    return Batch(
+        {"log_probs": t.log_probs(), "rollout_log_probs": t.log_probs(), "mask": t.mask, **options},
+        {"log_probs": t.unselected, "rollout_log_probs": t.unselected},
+        (),  # the weights carry no gradient
+    )
+
+
+def _off_policy_sequence_mask(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    advantages, advantages_poison = draw_advantages(draw, t)
+    return Batch(
+        {
+            "log_probs": t.log_probs(),
+            "sampling_log_probs": t.log_probs(),
+            "advantages": advantages,
+            "mask": t.mask,
+            "threshold": draw(st.sampled_from((-0.1, 0.0, 0.3))),
+        },
+        {
+            "log_probs": t.unselected,
+            "sampling_log_probs": t.unselected,
+            "advantages": advantages_poison,
+        },
+        (),
+    )
 
 
 def _kl_penalized_rewards(draw: Draw) -> Batch:
@@ -442,6 +484,8 @@ NAN_CASES: tuple[NanCase, ...] = (
     NanCase("kl_estimate", rlo.kl_estimate, _kl(with_reduction=False)),
     NanCase("kl_loss", rlo.kl_loss, _kl(with_reduction=True), max_examples=20),
     NanCase("kl_penalized_rewards", rlo.kl_penalized_rewards, _kl_penalized_rewards),
+    NanCase("rollout_correction", rlo.rollout_correction, _rollout_correction, max_examples=20),
+    NanCase("off_policy_sequence_mask", rlo.off_policy_sequence_mask, _off_policy_sequence_mask, 8),
     NanCase(
         "kl_penalized_token_rewards", rlo.kl_penalized_token_rewards, _kl_penalized_token_rewards
     ),

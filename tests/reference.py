@@ -475,8 +475,10 @@ def kl_loss(
     normalizer: float | None = None,
     max_response_length: int | None = None,
     log_ratio_bound: float | None = 20.0,
+    importance_weights: Tensor | None = None,
 ) -> Tensor:
-    """Reference of rlobjectives.kl_loss: the per-token estimates reduced by reduce_losses."""
+    """Reference of rlobjectives.kl_loss: the per-token estimates (times the weights, which keep
+    their gradient) reduced by reduce_losses."""
     m = _as_list_mask(mask)
     losses = {
         (i, t): kl_token(
@@ -490,6 +492,8 @@ def kl_loss(
         for t, keep in enumerate(row)
         if keep
     }
+    if importance_weights is not None:
+        losses = {(i, t): v * _advantage(importance_weights, i, t) for (i, t), v in losses.items()}
     return reduce_losses(
         losses,
         tuple(mask.shape),  # type: ignore[arg-type]
@@ -1233,3 +1237,115 @@ def openrlhf_policy_loss(
     if global_batch_size is None:
         return sum(means, zero) / len(means)
     return sum(means, zero) / global_batch_size * dp_size
+
+
+# --- rollout correction and off-policy sequence masking (issue 12, rlobjectives._rollout) -------
+
+ROLLOUT_BOUND = 20.0
+
+
+def rollout_correction(
+    log_probs: Tensor,
+    rollout_log_probs: Tensor,
+    mask: Tensor,
+    *,
+    level: str = "token",
+    mode: str = "truncate",
+    upper: float | None = 2.0,
+    lower: float | None = None,
+    veto: float | None = None,
+) -> dict[str, object]:
+    """Reference of rlobjectives.rollout_correction, in Python floats, one token at a time.
+
+    Returns {"weights": (B, T) float64, "mask": (B, T) bool, "metrics": {name: float}} with the
+    derived metric values (ratio_mean, ratio_min, ratio_max, effective_sample_size,
+    truncated_fraction, masked_fraction, kl_k1, kl_k3, chi_square).
+    """
+    m = _as_list_mask(mask)
+    batch, tokens = mask.shape
+    weights = [[0.0] * tokens for _ in range(batch)]
+    keep_mask = [[False] * tokens for _ in range(batch)]
+    ratios: list[float] = []
+    applied: list[float] = []
+    kl1: list[float] = []
+    kl3: list[float] = []
+    truncated = removed = 0
+
+    def clip(x: float) -> float:
+        return min(max(x, -ROLLOUT_BOUND), ROLLOUT_BOUND)
+
+    for i, row in enumerate(m):
+        selected = [t for t, keep in enumerate(row) if keep]
+        delta = {}
+        for t in selected:
+            d = float(log_probs[i, t]) - float(rollout_log_probs[i, t])
+            delta[t] = 0.0 if math.isnan(d) else d  # a missing sampler log-prob: ratio 1
+        if level == "sequence":
+            row_log = clip(sum(delta.values()))
+        elif level == "geometric":
+            row_log = clip(sum(delta.values()) / len(selected)) if selected else 0.0
+        vetoed = veto is not None and any(d < math.log(veto) for d in delta.values())
+        for t in selected:
+            log_ratio = clip(delta[t]) if level == "token" else row_log
+            rho = math.exp(log_ratio)
+            inside = (lower is None or rho >= lower) and (upper is None or rho <= upper)
+            keep = not vetoed
+            if mode == "truncate":
+                w = rho if lower is None else max(rho, lower)
+                w = w if upper is None else min(w, upper)
+                truncated += int(keep and not inside)
+            elif mode == "mask":
+                w = rho if inside else 0.0
+            else:  # reject
+                w = 1.0
+                keep = keep and inside
+            zeroed = (mode == "mask" and not inside) or not keep
+            removed += int(zeroed)
+            w = w if keep else 0.0
+            weights[i][t] = w
+            keep_mask[i][t] = keep
+            ratios.append(rho)
+            applied.append(w)
+            d = clip(delta[t])
+            kl1.append(-d)
+            kl3.append(math.exp(d) - 1.0 - d)
+    n = len(ratios)
+    square_sum = sum(w * w for w in applied)
+    metrics = {
+        "ratio_mean": sum(ratios) / n if n else 0.0,
+        "ratio_min": min(ratios) if n else 0.0,
+        "ratio_max": max(ratios) if n else 0.0,
+        "effective_sample_size": sum(applied) ** 2 / (n * square_sum) if square_sum else 0.0,
+        "truncated_fraction": truncated / n if n else 0.0,
+        "masked_fraction": removed / n if n else 0.0,
+        "kl_k1": sum(kl1) / n if n else 0.0,
+        "kl_k3": sum(kl3) / n if n else 0.0,
+        "chi_square": sum(r * r - 1.0 for r in ratios) / n if n else 0.0,
+    }
+    return {
+        "weights": torch.tensor(weights, dtype=torch.float64).reshape(batch, tokens),
+        "mask": torch.tensor(keep_mask, dtype=torch.bool).reshape(batch, tokens),
+        "metrics": metrics,
+    }
+
+
+def off_policy_sequence_mask(
+    log_probs: Tensor,
+    sampling_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    threshold: float,
+) -> Tensor:
+    """Reference of rlobjectives.off_policy_sequence_mask (TRL get_off_policy_mask), (B, T) bool."""
+    m = _as_list_mask(mask)
+    batch, tokens = mask.shape
+    out = [[False] * tokens for _ in range(batch)]
+    for i, row in enumerate(m):
+        selected = [t for t, keep in enumerate(row) if keep]
+        kl = [float(sampling_log_probs[i, t]) - float(log_probs[i, t]) for t in selected]
+        kl = [0.0 if math.isnan(k) else k for k in kl]
+        mean_kl = sum(kl) / max(len(selected), 1)
+        for t in selected:
+            out[i][t] = float(_advantage(advantages, i, t)) >= 0 or mean_kl <= threshold
+    return torch.tensor(out, dtype=torch.bool).reshape(batch, tokens)

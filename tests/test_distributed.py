@@ -33,7 +33,12 @@ from _dist_workers import (
     micro_batch,
     step_loss,
 )
-from rlobjectives import PolicyLossDiagnostics, policy_loss
+from rlobjectives import (
+    PolicyLossDiagnostics,
+    RolloutCorrectionMetrics,
+    policy_loss,
+    rollout_correction,
+)
 from rlobjectives.distributed import (
     Normalizers,
     data_parallel_loss_scale,
@@ -421,6 +426,25 @@ def test_ddp_global_diagnostics_equal_full_batch(ddp_results: list[dict[str, Any
         assert not math.isclose(
             float(naive["clipped_fraction"]), float(full["clipped_fraction"]), rel_tol=1e-3
         )
+
+
+@pytest.mark.distributed
+def test_ddp_rollout_metrics_equal_full_batch(ddp_results: list[dict[str, Any]]) -> None:
+    # Sums and counts add over micro-batches and ranks; ratio_min/ratio_max combine by
+    # all_reduce(MAX) (minima negated), skipping empty pieces (rank 0's second micro-batch is
+    # the empty row 3).
+    if ddp_results[0]["rollout"] is None:
+        pytest.skip("rollout_correction is not available")
+    problem = make_problem()
+    full = rollout_correction(
+        problem.old_log_probs, problem.ref_log_probs, problem.mask, mode="mask", lower=0.7
+    ).metrics
+    assert 0 < float(full.masked_fraction) < 1
+    for rank_result in ddp_results:
+        combined = RolloutCorrectionMetrics(**rank_result["rollout"])
+        for name, value in full.summary().items():
+            assert_close(combined.summary()[name], value)
+        assert float(combined.token_count) == 45
 
 
 @pytest.mark.distributed

@@ -20,6 +20,7 @@ from ._lm_head import TokenLogProbsOutput, token_log_probs_from_hidden
 from ._lm_head_loss import FusedPolicyLossOutput, fused_policy_loss_from_hidden
 from ._logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, token_log_probs
 from ._masking import masked_mean, masked_sum
+from ._off_policy import off_policy_sequence_mask
 from ._outcome_advantages import (
     group_relative_advantages,
     opo_advantages,
@@ -30,6 +31,8 @@ from ._outcome_advantages import (
 from ._policy import policy_loss
 from ._policy_args import PolicyLossDiagnostics, PolicyLossOutput
 from ._reduction import Reduction, aggregate
+from ._rollout import RolloutCorrection, rollout_correction
+from ._rollout_metrics import RolloutCorrectionMetrics
 from ._specified import grpo_clipped_surrogate, kl_penalized_rewards
 from ._value import ValueLossDiagnostics, ValueLossOutput, value_loss
 from ._whitening import masked_whiten
@@ -59,6 +62,8 @@ __all__ = [
     "Reduction",
     "ResponseAlignment",
     "ResponseLogProbs",
+    "RolloutCorrection",
+    "RolloutCorrectionMetrics",
     "TokenLogProbsOutput",
     "ValueLossDiagnostics",
     "ValueLossOutput",
@@ -81,6 +86,7 @@ __all__ = [
     "masked_sum",
     "masked_whiten",
     "normalizer_for_reduction",
+    "off_policy_sequence_mask",
     "opo_advantages",
     "passk_advantages",
     "policy_loss",
@@ -89,6 +95,7 @@ __all__ = [
     "response_alignment",
     "response_log_probs",
     "rloo_advantages",
+    "rollout_correction",
     "sum_diagnostics",
     "token_entropy",
     "token_log_probs",

@@ -45,6 +45,7 @@ import torch.distributed as dist
 
 from ._masking import masked_fill_zero
 from ._reduction import REDUCTIONS
+from ._rollout_metrics import combine_extremes, extremum_rules, place_extremes
 from ._spellings import canonical_reduction
 from ._validation import (
     ArrayLike,
@@ -327,7 +328,11 @@ def sum_diagnostics(
     micro-batches and ranks is the full-batch value (clip fractions, ratio mean, approximate KL).
     The fields are summed over the micro-batches locally, then over the ranks with one
     ``all_reduce(SUM)`` of the stacked fields; without an initialised process group only the
-    local sum is taken.
+    local sum is taken. Fields that are extremes rather than sums (the ``ratio_min`` and
+    ``ratio_max`` of :class:`rlobjectives.RolloutCorrectionMetrics`, declared by its
+    ``extremum_fields()``) are combined by min/max over the pieces that selected a token, with
+    one more ``all_reduce(MAX)``; sums and counts (from which the metrics derive means,
+    fractions and the effective sample size) add as above.
 
     .. math::
 
@@ -399,6 +404,12 @@ def sum_diagnostics(
         totals = stacked.sum(dim=0)  # (fields,)
         if active:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
+        rules = extremum_rules(first)
+        if rules:
+            extremes = combine_extremes(stacked, rules)  # (rules,), minima negated
+            if active:
+                dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+            totals = place_extremes(totals, extremes, rules)
     values = [totals[k].to(first[k].dtype) for k in range(len(first))]
     return kind(*values)
 
