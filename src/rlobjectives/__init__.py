@@ -13,6 +13,7 @@ from ._alignment import (
     response_alignment,
     response_log_probs,
 )
+from ._entropy import top_entropy_mask
 from ._kl import BiasedGradientWarning, kl_estimate, kl_loss
 from ._kl_control import AdaptiveKLController, FixedKLController
 from ._kl_rewards import kl_penalized_token_rewards
@@ -93,5 +94,6 @@ __all__ = [
     "token_entropy",
     "token_log_probs",
     "token_log_probs_from_hidden",
+    "top_entropy_mask",
     "value_loss",
 ]

@@ -43,6 +43,7 @@ from typing import NamedTuple, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from ._distributed_entropy import global_top_entropy_mask
 from ._masking import masked_fill_zero
 from ._reduction import REDUCTIONS
 from ._spellings import canonical_reduction
@@ -65,6 +66,7 @@ __all__ = [
     "data_parallel_loss_scale",
     "global_masked_whiten",
     "global_normalizers",
+    "global_top_entropy_mask",
     "normalizer_for_reduction",
     "sum_diagnostics",
 ]
@@ -231,6 +233,7 @@ def normalizer_for_reduction(normalizers: Normalizers, *, reduction: str) -> tor
     - ``"sequence_sum_normalized"``: ``normalizers.sequences`` (:math:`B`); also pass the same
       explicit ``max_response_length`` :math:`C` to every micro-batch (the default, the padded
       length :math:`T` of each micro-batch, differs between micro-batches).
+    - ``"length_weighted"``: ``normalizers.sequences`` (:math:`B`).
 
     A count of zero (nothing selected anywhere in the step) is raised to 1: every numerator is
     then 0 and the loss is 0, as in the full-batch reductions (0/0 gives 0), instead of an
@@ -238,7 +241,8 @@ def normalizer_for_reduction(normalizers: Normalizers, *, reduction: str) -> tor
 
     Args:
         normalizers: the result of :func:`global_normalizers`.
-        reduction: ``"token_mean"``, ``"sequence_mean"`` or ``"sequence_sum_normalized"``.
+        reduction: ``"token_mean"``, ``"sequence_mean"``, ``"sequence_sum_normalized"`` or
+            ``"length_weighted"``.
 
     Returns:
         A 0-d ``int64`` tensor :math:`\max(\text{count}, 1)`, on the device of ``normalizers``.
@@ -265,12 +269,14 @@ def normalizer_for_reduction(normalizers: Normalizers, *, reduction: str) -> tor
     if name == "none":
         raise ValueError(
             "reduction='none' takes no normalizer (it returns the (B, T) per-token values); "
-            "expected one of ['token_mean', 'sequence_mean', 'sequence_sum_normalized']"
+            "expected one of ['token_mean', 'sequence_mean', 'sequence_sum_normalized', "
+            "'length_weighted']"
         )
     count = {
         "token_mean": normalizers.tokens,
         "sequence_mean": normalizers.sequences_nonempty,
         "sequence_sum_normalized": normalizers.sequences,
+        "length_weighted": normalizers.sequences,
     }[name]
     return count.clamp(min=1)
 
