@@ -900,14 +900,16 @@ def fused_policy_loss_from_hidden(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     kl_straight_through: bool = False,
+    entropy_coef: float = 0.0,
     **options: object,
 ) -> Tensor:
     """Reference of rlobjectives.fused_policy_loss_from_hidden(...).loss: the unfused composition.
 
-    log_probs from the loop above, then policy_loss(...) + kl_coef * kl_loss(...) with the same
-    reduction, normalizer and log-ratio bound.
+    log_probs and entropies H from the loop above, then policy_loss(..., entropy=H,
+    entropy_coef=...) + kl_coef * kl_loss(...) with the same reduction, normalizer and
+    log-ratio bound.
     """
-    log_probs, _ = token_log_probs_from_hidden(
+    log_probs, entropy = token_log_probs_from_hidden(
         hidden, weight, tokens, bias=bias, temperature=temperature, mask=mask
     )
     reduce = {
@@ -915,7 +917,10 @@ def fused_policy_loss_from_hidden(
         "normalizer": normalizer,
         "max_response_length": max_response_length,
     }
-    loss = policy_loss(log_probs, old_log_probs, advantages, mask, **reduce, **options)
+    loss = policy_loss(
+        log_probs, old_log_probs, advantages, mask, **reduce, entropy=entropy,
+        entropy_coef=entropy_coef, **options,  # type: ignore[arg-type]
+    )  # fmt: skip
     if ref_log_probs is not None and kl_coef > 0:
         bound = options.get("log_ratio_bound", 20.0)
         loss = loss + kl_coef * kl_loss(
@@ -1447,44 +1452,6 @@ def openrlhf_policy_loss(
     if global_batch_size is None:
         return sum(means, zero) / len(means)
     return sum(means, zero) / global_batch_size * dp_size
-
-
-def fused_policy_loss_from_hidden_with_entropy(
-    hidden: Tensor,
-    weight: Tensor,
-    tokens: Tensor,
-    old_log_probs: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    *,
-    entropy_coef: float,
-    bias: Tensor | None = None,
-    temperature: float = 1.0,
-    reduction: str = "token_mean",
-    normalizer: float | None = None,
-    max_response_length: int | None = None,
-    **options: object,
-) -> Tensor:
-    """Reference of fused_policy_loss_from_hidden(..., entropy_coef=c).loss (no KL term).
-
-    The composition policy_loss(log_probs, ..., entropy=H, entropy_coef=c) with the log-probs and
-    entropies H of the same loop (both differentiable).
-    """
-    log_probs, entropy = token_log_probs_from_hidden(
-        hidden, weight, tokens, bias=bias, temperature=temperature, mask=mask
-    )
-    return policy_loss(
-        log_probs,
-        old_log_probs,
-        advantages,
-        mask,
-        reduction=reduction,
-        normalizer=normalizer,
-        max_response_length=max_response_length,
-        entropy=entropy,
-        entropy_coef=entropy_coef,
-        **options,
-    )
 
 
 # --- entropy mask (issue 13) ------------------------------------------------------------------

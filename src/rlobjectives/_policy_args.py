@@ -61,7 +61,8 @@ class PolicyLossDiagnostics(NamedTuple):
     and divided by the local selected-token count, or by ``diagnostics_normalizer`` when given
     (used exactly as given, so that the values of micro-batches add up to the full-batch
     values). All are float32 (float64 for float64 inputs). They describe the ratio and the
-    surrogate; ``importance_weights`` do not enter them.
+    surrogate: ``importance_weights`` do not enter them (except VESPO's ``weight_mean``, whose
+    gamma weight takes them in).
 
     The clip fields have one meaning for every ``surrogate``, with ``r`` the ratio after the
     log-ratio bound: ``clipped_fraction`` counts ``r`` outside the variant's band, any sign of
