@@ -54,6 +54,9 @@ SURROGATES: tuple[str, ...] = get_args(Surrogate)
 _OWN_SEQUENCE_RATIO = ("gmpo", "vespo")
 
 
+_ZERO = torch.zeros(())  # default of a diagnostic added after version 0.1 (never modified)
+
+
 class PolicyLossDiagnostics(NamedTuple):
     """Detached, masked, NaN-proof diagnostics of a policy-loss call.
 
@@ -116,7 +119,7 @@ class PolicyLossDiagnostics(NamedTuple):
     ratio_mean: torch.Tensor
     approx_kl_k1: torch.Tensor
     approx_kl_k3: torch.Tensor
-    weight_mean: torch.Tensor
+    weight_mean: torch.Tensor = _ZERO  # a default keeps 8-field constructions working
 
 
 class PolicyLossOutput(NamedTuple):
