@@ -43,7 +43,7 @@ from typing import NamedTuple, TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from ._distributed_entropy import global_top_entropy_mask
+from ._distributed_entropy import top_entropy_mask_over_ranks
 from ._masking import masked_fill_zero
 from ._reduction import REDUCTIONS
 from ._spellings import canonical_reduction
@@ -495,3 +495,55 @@ def global_masked_whiten(
         centered = values_t.to(torch.float64) - mean
         whitened = centered * inverse + (0.0 if shift_mean else mean)
         return masked_fill_zero(whitened.to(dtype), mask_t)
+
+
+def global_top_entropy_mask(
+    entropy: ArrayLike,
+    mask: ArrayLike,
+    *,
+    quantile: float,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    r""":func:`rlobjectives.top_entropy_mask` with the quantile over the tokens of every rank.
+
+    .. math::
+
+        K^{(r)}_{it} = M^{(r)}_{it} \wedge \big(H^{(r)}_{it} \ge
+            Q_q(\{H^{(s)}_{js} : M^{(s)}_{js},\ s = 1..W\})\big)
+
+    The threshold is the linear-interpolation quantile of the selected entropies of all ``W``
+    ranks of ``group`` (TRL's ``get_high_entropy_mask`` with several processes, which gathers
+    them); each rank gets the mask of its own tokens. One ``all_gather`` of the per-rank counts
+    (read on the host to size the next one), one of the entropies padded with ``+inf``, one
+    ``all_reduce`` of the count. Without an initialised process group it is
+    :func:`rlobjectives.top_entropy_mask`. It is a collective: every rank must call it (a rank
+    with nothing selected too). TRL's ``top_entropy_quantile=ρ`` is ``quantile=1 - ρ``.
+
+    Args:
+        entropy: ``(B, T)`` this rank's per-token entropies (B and T may differ between ranks;
+            the dtype must be the same on every rank).
+        mask: ``(B, T)`` bool/numeric; nonzero selects the token.
+        quantile: the quantile level :math:`q`, ``0 <= q <= 1`` (a Python number).
+        group: the data-parallel process group (None: the default group).
+
+    Returns:
+        ``(B, T)`` bool mask, a subset of ``mask``; the threshold is the same on every rank.
+
+    Raises:
+        ValueError: as :func:`rlobjectives.top_entropy_mask`, or ``group`` given without an
+            initialised process group.
+        TypeError: on non-numeric inputs.
+
+    References:
+        Wang et al. 2025, arXiv:2506.01939 Sec. 4; TRL ``GRPOTrainer.get_high_entropy_mask``.
+
+    Examples:
+        >>> import torch
+        >>> entropy = torch.tensor([[0.5, 2.0, 1.0]])
+        >>> global_top_entropy_mask(entropy, torch.ones(1, 3), quantile=0.5)  # one process
+        tensor([[False,  True,  True]])
+
+    .. versionadded:: 0.2.0
+    """
+    active = _process_group_active(group)
+    return top_entropy_mask_over_ranks(entropy, mask, quantile=quantile, group=group, active=active)
