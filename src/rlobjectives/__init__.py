@@ -39,6 +39,7 @@ from .distributed import (
     data_parallel_loss_scale,
     global_masked_whiten,
     global_normalizers,
+    global_top_entropy_mask,
     normalizer_for_reduction,
     sum_diagnostics,
 )
@@ -72,6 +73,7 @@ __all__ = [
     "gae",
     "global_masked_whiten",
     "global_normalizers",
+    "global_top_entropy_mask",
     "group_relative_advantages",
     "grpo_clipped_surrogate",
     "kl_estimate",

@@ -305,32 +305,24 @@ def validate_surrogate_options(
     """Validate the surrogate, its band, dual clip, delta, cap, temperatures and gamma shape."""
     validate_choice(surrogate, "surrogate", SURROGATES)
     validate_choice(ratio_level, "ratio_level", RATIO_LEVELS)
-    if ratio_level != "token" and surrogate in _OWN_SEQUENCE_RATIO:
-        raise ValueError(
-            f"surrogate={surrogate!r} forms its own sequence ratio: ratio_level must be 'token', "
-            f"got ratio_level={ratio_level!r}"
-        )
-    _only_with(dual_clip, "dual_clip", surrogate, "clip")
-    _only_with(delta, "delta", surrogate, "clip")
-    _only_with(cispo_cap, "cispo_cap", surrogate, "cispo")
     band = _validate_band(clip_low, clip_high)
-    dual = (
-        None
-        if dual_clip is None
-        else validate_scalar(dual_clip, "dual_clip", minimum=1.0, strict=True)
-    )
-    bound = None
-    if log_ratio_bound is not None:
-        bound = _positive(log_ratio_bound, "log_ratio_bound")
-    return SurrogateOptions(
+    dual = None
+    if dual_clip is not None:
+        dual = validate_scalar(dual_clip, "dual_clip", minimum=1.0, strict=True)
+    delta_value = None
+    if delta is not None:
+        delta_value = validate_scalar(delta, "delta", minimum=1.0, strict=True)
+    cap = None if cispo_cap is None else _positive(cispo_cap, "cispo_cap")
+    bound = None if log_ratio_bound is None else _positive(log_ratio_bound, "log_ratio_bound")
+    options = SurrogateOptions(
         clip_low=band[0],
         clip_high=band[1],
         dual_clip=dual,
         ratio_level=ratio_level,
         log_ratio_bound=bound,
         surrogate=surrogate,
-        delta=None if delta is None else validate_scalar(delta, "delta", minimum=1.0, strict=True),
-        cispo_cap=None if cispo_cap is None else _positive(cispo_cap, "cispo_cap"),
+        delta=delta_value,
+        cispo_cap=cap,
         sapo_temperature_pos=_positive(sapo_temperature_pos, "sapo_temperature_pos"),
         sapo_temperature_neg=_positive(sapo_temperature_neg, "sapo_temperature_neg"),
         vespo_k_pos=validate_scalar(vespo_k_pos, "vespo_k_pos", minimum=0.0),
@@ -338,6 +330,21 @@ def validate_surrogate_options(
         vespo_k_neg=validate_scalar(vespo_k_neg, "vespo_k_neg", minimum=0.0),
         vespo_lambda_neg=_positive(vespo_lambda_neg, "vespo_lambda_neg"),
     )
+    _check_combination(options)
+    return options
+
+
+def _check_combination(options: SurrogateOptions) -> None:
+    """Options given to a surrogate that does not use them; ratio levels it cannot take."""
+    surrogate, ratio_level = options.surrogate, options.ratio_level
+    if ratio_level != "token" and surrogate in _OWN_SEQUENCE_RATIO:
+        raise ValueError(
+            f"surrogate={surrogate!r} forms its own sequence ratio: ratio_level must be 'token', "
+            f"got ratio_level={ratio_level!r}"
+        )
+    _only_with(options.dual_clip, "dual_clip", surrogate, "clip")
+    _only_with(options.delta, "delta", surrogate, "clip")
+    _only_with(options.cispo_cap, "cispo_cap", surrogate, "cispo")
 
 
 def _validate_band(
