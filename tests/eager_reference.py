@@ -31,7 +31,7 @@ def _upcast(*tensors: Tensor) -> list[Tensor]:
 def _reduce(
     losses: Tensor, mask: Tensor, reduction: str, max_response_length: int | None
 ) -> Tensor:
-    """verl's ``agg_loss``: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm, none."""
+    """verl's ``agg_loss`` (token-mean, seq-mean-token-mean, seq-mean-token-sum-norm), TRL luspo."""
     if reduction == "token_mean":
         return (losses * mask).sum() / mask.sum()
     if reduction == "sequence_mean":
@@ -40,6 +40,8 @@ def _reduce(
     if reduction == "sequence_sum_normalized":
         constant = losses.shape[-1] if max_response_length is None else max_response_length
         return (losses * mask).sum() / (losses.shape[0] * constant)
+    if reduction == "length_weighted":  # TRL luspo (>= 1.10)
+        return (losses * mask).sum(dim=-1).mean()
     if reduction == "none":
         return losses * mask
     raise ValueError(f"unknown reduction {reduction!r}")

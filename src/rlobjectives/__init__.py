@@ -13,6 +13,7 @@ from ._alignment import (
     response_alignment,
     response_log_probs,
 )
+from ._entropy import top_entropy_mask
 from ._kl import BiasedGradientWarning, kl_estimate, kl_loss
 from ._kl_control import AdaptiveKLController, FixedKLController
 from ._kl_rewards import kl_penalized_token_rewards
@@ -41,6 +42,7 @@ from .distributed import (
     data_parallel_loss_scale,
     global_masked_whiten,
     global_normalizers,
+    global_top_entropy_mask,
     normalizer_for_reduction,
     sum_diagnostics,
 )
@@ -76,6 +78,7 @@ __all__ = [
     "gae",
     "global_masked_whiten",
     "global_normalizers",
+    "global_top_entropy_mask",
     "group_relative_advantages",
     "grpo_clipped_surrogate",
     "kl_estimate",
@@ -100,5 +103,6 @@ __all__ = [
     "token_entropy",
     "token_log_probs",
     "token_log_probs_from_hidden",
+    "top_entropy_mask",
     "value_loss",
 ]
