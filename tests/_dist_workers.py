@@ -268,7 +268,6 @@ def rank_results(rank: int) -> dict[str, Any]:
     metrics = rollout_metrics(micro_batches, None)
     results["rollout"] = None if metrics is None else dict(metrics._asdict())
 
-
     results["entropy_masks"] = entropy_masks(rank, explicit_group)
     return results
 

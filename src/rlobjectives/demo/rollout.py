@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import RolloutCorrection, RolloutCorrectionMetrics, aggregate, rollout_correction
+from .. import RolloutCorrection, RolloutCorrectionMetrics, rollout_correction
 from ..distributed import sum_diagnostics
 
 __all__ = [
@@ -26,7 +26,6 @@ __all__ = [
     "engine_forward",
     "plot_rollout",
     "step_metrics",
-    "weighted_loss",
 ]
 
 Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
@@ -61,22 +60,6 @@ def correct(
 ) -> RolloutCorrection:
     """Token-level truncated importance weights ``min(exp(old - rollout), upper)`` (TIS)."""
     return rollout_correction(old_log_probs, rollout_log_probs, mask, upper=upper)
-
-
-def weighted_loss(
-    per_token_loss: torch.Tensor,
-    weights: torch.Tensor,
-    mask: torch.Tensor,
-    **reduction: Any,
-) -> torch.Tensor:
-    """The policy loss with the importance weights multiplied into the per-token loss.
-
-    ``reduction``: the keywords of :func:`rlobjectives.aggregate` (reduction, normalizer,
-    max_response_length). The denominators keep the mask: a weight rescales a token's term.
-    """
-    # TODO(coordinator): once policy_loss(..., importance_weights=) is on main, pass the
-    # weights there instead (one fused pass) and drop return_per_token + aggregate here.
-    return aggregate(per_token_loss * weights, mask, **reduction)
 
 
 def step_metrics(metrics: Sequence[RolloutCorrectionMetrics]) -> dict[str, float]:

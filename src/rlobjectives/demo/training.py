@@ -361,13 +361,10 @@ def grpo_step(
                 clip_low=config.clip_low,
                 clip_high=config.clip_high,
                 diagnostics_normalizer=counts.tokens,
-                return_per_token=True,
+                importance_weights=correction.weights[rows],  # TIS: engine -> trainer
                 **reduction,  # type: ignore[arg-type]
             )
-            assert output.per_token_loss is not None
-            loss = rollout.weighted_loss(
-                output.per_token_loss, correction.weights[rows], mask[rows], **reduction
-            )
+            loss = output.loss
             optimizer.zero_grad(set_to_none=True)
             (loss * scale).backward()  # type: ignore[no-untyped-call]
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
