@@ -2,16 +2,18 @@
 
 The batch of issue 15: 64 responses with lengths drawn uniformly from 1 to 4096 (seed 0), padded
 to ``B=64 T=4096`` (about half of the tokens are padding), or packed into one row of the ``N``
-response tokens (``N = 140210`` for this draw, 0.535 of ``B T``) with ``cu_seqlens``. The reference variant is our padded call, so
-the ``x ref`` column is packed time / padded time, to compare with the token fraction
-``N / (B T)`` (the target: ``x ref <= 1.2 N / (B T)``). Cases: the default GRPO/DAPO loss
-(``token_mean``) and the per-sequence path (GSPO ``ratio_level="sequence"`` with
-``sequence_mean``), whose row sums go through the packed layout's segment sums, and
-``token_mean`` with per-token advantages in both layouts (GAE / REINFORCE++), where both
-layouts do the same work per token. The packed calls include validating ``cu_seqlens`` (one host read) and broadcasting the ``(S,)``
-advantages. Backward with respect to the log-probabilities. Floor: a copy of the packed bytes.
-The float32 cases also time both layouts under ``torch.compile(fullgraph=True)`` (the packed
-call compiles with ``cu_seqlens``: its checks are skipped while tracing).
+response tokens (``N = 140210`` for this draw, 0.535 of ``B T``) with ``cu_seqlens``. The
+reference variant is our padded call, so the ``x ref`` column is packed time / padded time, to
+compare with the token fraction ``N / (B T)`` (the target: ``x ref <= 1.2 N / (B T)``).
+
+Cases: the default GRPO/DAPO loss (``token_mean``, per-sequence advantages), the per-sequence
+path (GSPO ``ratio_level="sequence"`` with ``sequence_mean``), whose row sums go through the
+packed layout's segment sums, and ``token_mean`` with per-token advantages in both layouts
+(GAE / REINFORCE++), where both layouts do the same work per token. The packed calls include
+validating ``cu_seqlens`` (one host read) and broadcasting the ``(S,)`` advantages. Backward with
+respect to the log-probabilities. Floor: a copy of the packed bytes. The float32 cases also time
+both layouts under ``torch.compile(fullgraph=True)`` (the packed call compiles with
+``cu_seqlens``: its checks are skipped while tracing).
 """
 
 from __future__ import annotations

@@ -6,7 +6,9 @@ that a sizeable fraction of tokens is clipped). Backward with respect to ``log_p
 
 Variants: the eager trainer-style reference (``tests/eager_reference.py``), the same compiled,
 our fused path (``policy_loss`` and the seed ``grpo_clipped_surrogate``), our pure-autograd path
-(``_policy_loss_autograd``, what the fused path replaced) and our fused path compiled.
+(``_policy_loss_autograd``, what the fused path replaced) and our fused path compiled; the fused
+path with ``(B, T)`` importance weights (which must add at most one ``(B, T)`` pass) and with
+the CISPO and SAPO surrogates (plain-torch fused stages).
 Floor: one copy of the bytes a single pass must move: ``log_probs`` and ``old_log_probs`` (input
 dtype), the mask (1 byte) read, the gradient (input dtype) written.
 """
@@ -31,11 +33,13 @@ def _make(batch: int, tokens: int, dtype: torch.dtype):  # type: ignore[no-untyp
         lengths = torch.randint(int(0.4 * tokens), tokens + 1, (batch, 1), generator=generator)
         mask = torch.arange(tokens).unsqueeze(0) < lengths  # prefix masks, ~70% selected
         advantages = torch.randn(batch, 1, generator=generator)
+        weights = 0.5 + torch.rand(batch, tokens, generator=generator)  # rollout-correction-like
         tensors = {
             "log_probs": log_probs.to(dtype),
             "old_log_probs": old_log_probs.to(dtype),
             "advantages": advantages,
             "mask": mask,
+            "importance_weights": weights,
         }
         return {name: tensor.to(device) for name, tensor in tensors.items()}
 
@@ -50,6 +54,25 @@ def _ours(x: Inputs) -> torch.Tensor:
     return rlobjectives.policy_loss(
         x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"]
     ).loss
+
+
+def _ours_weighted(x: Inputs) -> torch.Tensor:
+    return rlobjectives.policy_loss(
+        x["log_probs"],
+        x["old_log_probs"],
+        x["advantages"],
+        x["mask"],
+        importance_weights=x["importance_weights"],
+    ).loss
+
+
+def _ours_surrogate(surrogate: str):  # type: ignore[no-untyped-def]
+    def run(x: Inputs) -> torch.Tensor:
+        return rlobjectives.policy_loss(
+            x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"], surrogate=surrogate
+        ).loss
+
+    return run
 
 
 def _ours_autograd(x: Inputs) -> torch.Tensor:
@@ -76,6 +99,9 @@ def cases(*, quick: bool, device: str) -> list[harness.Case]:
                 harness.Variant("eager reference", _reference, role="reference"),
                 harness.Variant("ours", _ours),
                 harness.Variant("ours grpo_clipped_surrogate", _ours_seed),
+                harness.Variant("ours + importance_weights (B, T)", _ours_weighted),
+                harness.Variant("ours surrogate=cispo", _ours_surrogate("cispo")),
+                harness.Variant("ours surrogate=sapo", _ours_surrogate("sapo")),
                 harness.Variant("ours autograd (unfused)", _ours_autograd),
                 harness.Variant("eager reference", _reference, compile=True),
                 harness.Variant("ours", _ours, compile=True),

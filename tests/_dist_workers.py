@@ -27,9 +27,15 @@ from rlobjectives import policy_loss
 from rlobjectives.distributed import (
     data_parallel_loss_scale,
     global_normalizers,
+    global_top_entropy_mask,
     normalizer_for_reduction,
     sum_diagnostics,
 )
+
+try:  # the rollout correction (issue 12); the tests run without it if it is not there yet
+    from rlobjectives import rollout_correction
+except ImportError:  # pragma: no cover - depends on what is merged
+    rollout_correction = None
 
 try:  # the KL loss term (family issue); the tests run without it if it is not there yet
     from rlobjectives import kl_loss
@@ -48,6 +54,8 @@ MAX_RESPONSE_LENGTH = 16  # the Dr. GRPO constant C, the same for every micro-ba
 SPLITS: dict[int, tuple[tuple[int, ...], ...]] = {0: ((0, 1, 2), (3,)), 1: ((4,), (5, 6, 7))}
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
 KL_COEF = 0.1
+# Quantile levels of the global high-entropy mask (TRL top_entropy_quantile = 1 - level).
+ENTROPY_QUANTILES = (0.0, 0.3, 0.5, 0.8, 1.0)
 INIT_TIMEOUT_S = 60.0
 JOIN_TIMEOUT_S = 120.0
 
@@ -202,6 +210,49 @@ def train_step(
     }
 
 
+def rollout_metrics(micro_batches: Sequence[Batch], group: dist.ProcessGroup | None) -> Any:
+    """Rollout-correction metrics of the step (old vs ref log-probs as trainer vs sampler),
+    combined over this rank's micro-batches and all ranks (sums added, extremes min/max)."""
+    if rollout_correction is None:
+        return None
+    pieces = [
+        rollout_correction(
+            mb.old_log_probs, mb.ref_log_probs, mb.mask, mode="mask", lower=0.7
+        ).metrics
+        for mb in micro_batches
+    ]
+    return sum_diagnostics(pieces, group=group)
+
+
+def entropy_problem() -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token entropies of the full batch (with ties, NaN at unselected tokens) and its mask."""
+    problem = make_problem()
+    generator = torch.Generator().manual_seed(7)
+    entropy = (4.0 * torch.rand(problem.mask.shape, generator=generator)).round(decimals=1)
+    return entropy.masked_fill(~problem.mask, float("nan")), problem.mask
+
+
+def rank_rows(rank: int) -> list[int]:
+    """The rows of the full batch that ``rank`` holds (its micro-batches, in order)."""
+    return [row for rows in SPLITS[rank] for row in rows]
+
+
+def entropy_masks(rank: int, group: dist.ProcessGroup) -> dict[str, Any]:
+    """This rank's global high-entropy masks (its rows re-padded to its own longest response);
+    then the same with nothing selected on rank 1 (the empty rank still joins the collective)."""
+    entropy, mask = entropy_problem()
+    rows = rank_rows(rank)
+    width = max(LENGTHS[row] for row in rows)
+    local_entropy, local_mask = entropy[rows, :width], mask[rows, :width]
+    masks = {
+        f"{level}": global_top_entropy_mask(local_entropy, local_mask, quantile=level)
+        for level in ENTROPY_QUANTILES
+    }
+    empty = torch.zeros_like(local_mask) if rank == 1 else local_mask
+    masks["empty_rank"] = global_top_entropy_mask(local_entropy, empty, quantile=0.5, group=group)
+    return masks
+
+
 def rank_results(rank: int) -> dict[str, Any]:
     problem = make_problem()
     micro_batches = [micro_batch(problem, rows) for rows in SPLITS[rank]]
@@ -214,6 +265,10 @@ def rank_results(rank: int) -> dict[str, Any]:
             "global": train_step(micro_batches, reduction=reduction, naive=False, group=group),
             "naive": train_step(micro_batches, reduction=reduction, naive=True, group=group),
         }
+    metrics = rollout_metrics(micro_batches, None)
+    results["rollout"] = None if metrics is None else dict(metrics._asdict())
+
+    results["entropy_masks"] = entropy_masks(rank, explicit_group)
     return results
 
 
@@ -304,7 +359,10 @@ def launch(
 
 
 __all__ = [
+    "ENTROPY_QUANTILES",
     "REDUCTIONS",
+    "entropy_problem",
+    "rank_rows",
     "ddp_worker",
     "failing_worker",
     "launch",

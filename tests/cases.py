@@ -331,8 +331,31 @@ def policy_options(*, clip_above: float = 1.0) -> tuple[Wrong, ...]:
         + hyper("log_ratio_bound", below=0.0)
         + reduction_wrongs()
         + hyper("diagnostics_normalizer", below=0.0)
+        + family_options()
     )
 
+
+def family_options() -> tuple[Wrong, ...]:
+    """The surrogates of issue 13 and the importance weights (both policy entry points)."""
+    return (
+        choice_wrongs("surrogate")
+        + hyper("delta", below=1.0)
+        + hyper("cispo_cap", below=0.0)
+        + hyper("sapo_temperature_pos", below=0.0)
+        + hyper("sapo_temperature_neg", below=0.0)
+        + hyper("vespo_k_pos", below=-0.1)
+        + hyper("vespo_lambda_pos", below=0.0)
+        + hyper("vespo_k_neg", below=-0.1)
+        + hyper("vespo_lambda_neg", below=0.0)
+        + tensor_wrongs("importance_weights", shapes=PER_SEQUENCE_SHAPES)
+    )
+
+
+ENTROPY_MASK_WRONGS = (
+    per_token_wrongs("entropy", reference=True)
+    + mask_wrongs()
+    + scalar_wrongs("quantile", below=-0.1, above=1.5)  # a Python number in [0, 1]
+)
 
 # --- the registry: one row per public function ------------------------------------------------
 
@@ -344,6 +367,9 @@ def _policy_arguments() -> Arguments:
         "advantages": torch.randn(B, dtype=torch.float64),
         "mask": token_mask(),
         "reduction": "sequence_sum_normalized",
+        "importance_weights": per_token().abs(),
+        "entropy": per_token().abs(),
+        "entropy_coef": 0.01,
     }
 
 
@@ -366,6 +392,7 @@ def _fused_hidden_arguments() -> Arguments:
         "kl_coef": 0.1,
         "kl_estimator": "k2",
         "reduction": "sequence_sum_normalized",
+        "importance_weights": per_token().abs(),
     }
 
 
@@ -688,6 +715,7 @@ CASES: tuple[Case, ...] = (
         + mask_wrongs()
         + per_token_wrongs("ref_log_probs")
         + policy_options()
+        + scalar_wrongs("entropy_coef", below=None)  # any real, a Python number
         + scalar_wrongs("kl_coef", below=-0.1)  # a Python number: 0-d tensors are rejected
         + choice_wrongs("kl_estimator")
         + flag_wrongs("kl_straight_through")
@@ -786,6 +814,7 @@ CASES: tuple[Case, ...] = (
             "mask": token_mask(),
             "estimator": "k2",
             "reduction": "sequence_sum_normalized",
+            "importance_weights": torch.rand(B, T, dtype=torch.float64),
         },
         per_token_wrongs("log_probs", reference=True)
         + per_token_wrongs("ref_log_probs")
@@ -794,7 +823,43 @@ CASES: tuple[Case, ...] = (
         + flag_wrongs("straight_through")
         + hyper("log_ratio_bound", below=0.0)
         + reduction_wrongs()
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + tensor_wrongs("importance_weights", shapes=PER_SEQUENCE_SHAPES),
+    ),
+    Case(
+        "rollout_correction",
+        rlo.rollout_correction,
+        lambda: {
+            "log_probs": per_token(),
+            "rollout_log_probs": per_token(),
+            "mask": token_mask(),
+            "lower": 0.5,
+            "veto": 0.01,
+        },
+        per_token_wrongs("log_probs", reference=True)
+        + per_token_wrongs("rollout_log_probs")
+        + mask_wrongs()
+        + choice_wrongs("level")
+        + choice_wrongs("mode")
+        + hyper("upper", below=0.0)
+        + hyper("lower", below=-0.1, above=5.0)  # above upper = 2
+        + hyper("veto", below=0.0),
+    ),
+    Case(
+        "off_policy_sequence_mask",
+        rlo.off_policy_sequence_mask,
+        lambda: {
+            "log_probs": per_token(),
+            "sampling_log_probs": per_token(),
+            "advantages": torch.randn(B, dtype=torch.float64),
+            "mask": token_mask(),
+            "threshold": 0.1,
+        },
+        per_token_wrongs("log_probs", reference=True)
+        + per_token_wrongs("sampling_log_probs")
+        + tensor_wrongs("advantages", shapes=PER_SEQUENCE_SHAPES)
+        + mask_wrongs()
+        + hyper("threshold", below=None),
     ),
     Case(
         "kl_penalized_rewards",
@@ -893,6 +958,8 @@ CASES: tuple[Case, ...] = (
         + tensor_wrongs("advantages", shapes=PER_SEQUENCE_SHAPES)
         + mask_wrongs()
         + policy_options()
+        + per_token_wrongs("entropy")
+        + hyper("entropy_coef", below=None)
         + flag_wrongs("return_per_token")
         + cu_seqlens_wrongs(),
     ),
@@ -1082,6 +1149,21 @@ CASES: tuple[Case, ...] = (
         rlo.token_log_probs_from_hidden,
         lambda: {**_hidden_arguments(), "mask": token_mask()},
         HIDDEN_WRONGS + mask_wrongs() + flag_wrongs("return_entropy") + cu_seqlens_wrongs(),
+    ),
+    Case(
+        "top_entropy_mask",
+        rlo.top_entropy_mask,
+        lambda: {"entropy": per_token(), "mask": token_mask(), "quantile": 0.5},
+        ENTROPY_MASK_WRONGS,
+    ),
+    Case(
+        "global_top_entropy_mask",
+        rlo.global_top_entropy_mask,
+        lambda: {"entropy": per_token(), "mask": token_mask(), "quantile": 0.5},
+        ENTROPY_MASK_WRONGS
+        + (
+            Wrong("group", "type", "str", lambda a: "x", (TypeError, ValueError), subject("group")),
+        ),
     ),
     *PACKING_CASES,
 )

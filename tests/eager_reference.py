@@ -31,7 +31,7 @@ def _upcast(*tensors: Tensor) -> list[Tensor]:
 def _reduce(
     losses: Tensor, mask: Tensor, reduction: str, max_response_length: int | None
 ) -> Tensor:
-    """verl's ``agg_loss``: token-mean, seq-mean-token-mean, seq-mean-token-sum-norm, none."""
+    """verl's ``agg_loss`` (token-mean, seq-mean-token-mean, seq-mean-token-sum-norm), TRL luspo."""
     if reduction == "token_mean":
         return (losses * mask).sum() / mask.sum()
     if reduction == "sequence_mean":
@@ -40,6 +40,8 @@ def _reduce(
     if reduction == "sequence_sum_normalized":
         constant = losses.shape[-1] if max_response_length is None else max_response_length
         return (losses * mask).sum() / (losses.shape[0] * constant)
+    if reduction == "length_weighted":  # TRL luspo (>= 1.10)
+        return (losses * mask).sum(dim=-1).mean()
     if reduction == "none":
         return losses * mask
     raise ValueError(f"unknown reduction {reduction!r}")
@@ -135,3 +137,57 @@ def kl_loss(
     kl = kl_estimate(log_probs, ref_log_probs, estimator=estimator, log_ratio_bound=log_ratio_bound)
     mask = mask.to(kl.dtype)
     return (kl * mask).sum() / mask.sum()
+
+
+def rollout_correction(
+    log_probs: Tensor,
+    rollout_log_probs: Tensor,
+    mask: Tensor,
+    *,
+    level: str = "token",
+    mode: str = "truncate",
+    upper: float | None = 2.0,
+    lower: float | None = None,
+) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """Rollout correction as verl's ``rollout_corr_helper`` / TRL write it (weights, mask, metrics).
+
+    Multiplies by the mask, ``exp(clamp(log_ratio, -20, 20))``, then truncation, masking or
+    rejection; the metrics as masked means of the raw ratio and of the weights (verl's
+    ``compute_is_metrics`` / ``compute_offpolicy_metrics`` style, as tensors, no ``.item()``).
+    """
+    log_probs, rollout_log_probs = _upcast(log_probs, rollout_log_probs)
+    m = mask.to(log_probs.dtype)
+    log_ratio = (log_probs - rollout_log_probs) * m
+    if level == "sequence":
+        log_ratio_level = log_ratio.sum(dim=-1, keepdim=True).expand_as(log_ratio)
+    elif level == "geometric":
+        mean = log_ratio.sum(dim=-1, keepdim=True) / m.sum(dim=-1, keepdim=True).clamp(min=1)
+        log_ratio_level = mean.expand_as(log_ratio)
+    else:
+        log_ratio_level = log_ratio
+    ratio = torch.exp(torch.clamp(log_ratio_level, -20.0, 20.0))
+    low = -float("inf") if lower is None else lower
+    high = float("inf") if upper is None else upper
+    inside = ((ratio >= low) & (ratio <= high)).to(m.dtype)
+    keep = m
+    if mode == "truncate":
+        weights = ratio.clamp(min=lower, max=upper) * m
+    elif mode == "mask":
+        weights = ratio * inside * m
+    else:  # reject
+        keep = m * inside
+        weights = keep
+    count = m.sum()
+    token_log_ratio = torch.clamp(log_ratio, -20.0, 20.0)
+    metrics = {
+        "ratio_mean": (ratio * m).sum() / count,
+        "ratio_min": ratio.masked_fill(m == 0, float("inf")).min(),
+        "ratio_max": ratio.masked_fill(m == 0, -float("inf")).max(),
+        "effective_sample_size": weights.sum() ** 2 / (count * (weights**2).sum()),
+        "truncated_fraction": ((1 - inside) * m).sum() / count if mode == "truncate" else 0 * count,
+        "masked_fraction": 0 * count if mode == "truncate" else ((1 - inside) * m).sum() / count,
+        "kl_k1": (-token_log_ratio * m).sum() / count,
+        "kl_k3": ((torch.exp(token_log_ratio) - 1 - token_log_ratio) * m).sum() / count,
+        "chi_square": (ratio.square() * m).sum() / count - 1,
+    }
+    return weights, keep.bool(), metrics

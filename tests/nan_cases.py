@@ -22,7 +22,7 @@ import rlobjectives as rlo
 
 Draw = Callable[[st.SearchStrategy[Any]], Any]
 F64 = torch.float64
-REDUCTIONS = ("token_mean", "sequence_mean", "sequence_sum_normalized", "none")
+REDUCTIONS = ("token_mean", "sequence_mean", "sequence_sum_normalized", "length_weighted", "none")
 
 
 @dataclass
@@ -100,7 +100,7 @@ def draw_tokens(draw: Draw, *, batch_multiple: int = 1, max_batch: int = 4) -> T
 
 
 def draw_reduction(draw: Draw, t: Tokens, *, none: bool = True) -> dict[str, Any]:
-    reduction = draw(st.sampled_from(REDUCTIONS if none else REDUCTIONS[:3]))
+    reduction = draw(st.sampled_from(REDUCTIONS if none else REDUCTIONS[:-1]))
     options: dict[str, Any] = {"reduction": reduction}
     if reduction != "none" and draw(st.booleans()):
         options["normalizer"] = draw(st.sampled_from((0.5, 3.0, 7.0)))
@@ -122,17 +122,42 @@ def draw_advantages(draw: Draw, t: Tokens) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def draw_policy_options(draw: Draw, t: Tokens) -> dict[str, Any]:
-    """Every option of the clipped surrogate: clips, dual clip, ratio level, bound, reductions."""
+    """Every option of the policy loss: surrogate, clips, dual clip, delta, the CISPO cap, the
+    SAPO temperatures, the VESPO shape, ratio level, bound, reductions."""
     options: dict[str, Any] = draw_reduction(draw, t)
+    surrogate = draw(st.sampled_from(("clip", "clip", "cispo", "sapo", "gmpo", "vespo")))
+    options["surrogate"] = surrogate
     options["clip_low"] = draw(st.sampled_from((None, 0.0, 0.2)))
     if options["clip_low"] is not None:
         options["clip_high"] = draw(st.sampled_from((None, 0.28)))
-    options["dual_clip"] = draw(st.sampled_from((None, 3.0)))
-    options["ratio_level"] = draw(st.sampled_from(("token", "sequence")))
+    if surrogate == "clip":
+        options["dual_clip"] = draw(st.sampled_from((None, 3.0)))
+        options["delta"] = draw(st.sampled_from((None, 1.1, 2.0)))
+    if surrogate == "cispo":
+        options["cispo_cap"] = draw(st.sampled_from((None, 1.3)))
+    if surrogate == "sapo":
+        options["sapo_temperature_neg"] = draw(st.sampled_from((1.05, 6.0)))
+    if surrogate == "vespo":
+        options["vespo_k_neg"] = draw(st.sampled_from((3.0, 0.0)))
+    levels = ("token",) if surrogate in ("gmpo", "vespo") else ("token", "sequence")
+    options["ratio_level"] = draw(st.sampled_from(levels))
     options["log_ratio_bound"] = draw(st.sampled_from((None, 20.0, 0.5)))
     if draw(st.booleans()):
         options["diagnostics_normalizer"] = draw(st.sampled_from((0.5, 9.0)))
     return options
+
+
+def draw_importance_weights(
+    draw: Draw, t: Tokens, arguments: dict[str, Any], poison: dict[str, torch.Tensor]
+) -> None:
+    """Optional constant importance weights, per token or per sequence, and their poison."""
+    level = draw(st.sampled_from((None, "token", "sequence")))
+    if level == "token":
+        arguments["importance_weights"] = 2 * torch.rand(*t.shape, generator=t.generator)
+        poison["importance_weights"] = t.unselected.clone()
+    elif level == "sequence":
+        arguments["importance_weights"] = 2 * torch.rand(t.shape[0], 1, generator=t.generator)
+        poison["importance_weights"] = t.empty_rows.clone().unsqueeze(-1)
 
 
 def draw_logits_options(draw: Draw) -> dict[str, Any]:
@@ -194,20 +219,29 @@ def _policy_loss(draw: Draw) -> Batch:
     options["return_per_token"] = draw(st.booleans())
     # Only log_probs requires grad: the fused path; old_log_probs/advantages too: autograd path.
     fused = draw(st.booleans())
+    arguments = {
+        "log_probs": t.log_probs(),
+        "old_log_probs": t.log_probs(),
+        "advantages": advantages,
+        "mask": t.mask,
+        **options,
+    }
+    poison = {
+        "log_probs": t.unselected,
+        "old_log_probs": t.unselected,
+        "advantages": advantages_poison,
+    }
+    draw_importance_weights(draw, t, arguments, poison)
+    entropy = draw(st.booleans())
+    if entropy:  # the entropy bonus, differentiated too
+        arguments.update(entropy=3 * torch.rand(*t.shape, generator=t.generator, dtype=F64))
+        arguments["entropy_coef"] = draw(st.sampled_from((0.0, 0.1)))
+        poison["entropy"] = t.unselected
+    differentiate = ("log_probs",) if fused else ("log_probs", "old_log_probs", "advantages")
     return Batch(
-        {
-            "log_probs": t.log_probs(),
-            "old_log_probs": t.log_probs(),
-            "advantages": advantages,
-            "mask": t.mask,
-            **options,
-        },
-        {
-            "log_probs": t.unselected,
-            "old_log_probs": t.unselected,
-            "advantages": advantages_poison,
-        },
-        ("log_probs",) if fused else ("log_probs", "old_log_probs", "advantages"),
+        arguments,
+        poison,
+        differentiate + (("entropy",) if entropy else ()),
     )
 
 
@@ -235,15 +269,57 @@ def _kl(with_reduction: bool) -> Callable[[Draw], Batch]:
     def draw_batch(draw: Draw) -> Batch:
         t = draw_tokens(draw)
         options = draw_kl_options(draw)
+        poison = {"log_probs": t.unselected, "ref_log_probs": t.unselected}
+        differentiate: tuple[str, ...] = ("log_probs", "ref_log_probs")
         if with_reduction:
             options.update(draw_reduction(draw, t))
+            if draw(st.booleans()):  # kl_loss(importance_weights=): (B, T), differentiable
+                options["importance_weights"] = torch.rand(*t.shape, generator=t.generator)
+                poison["importance_weights"] = t.unselected
+                differentiate += ("importance_weights",)
         return Batch(
             {"log_probs": t.log_probs(), "ref_log_probs": t.log_probs(), "mask": t.mask, **options},
-            {"log_probs": t.unselected, "ref_log_probs": t.unselected},
-            ("log_probs", "ref_log_probs"),
+            poison,
+            differentiate,
         )
 
     return draw_batch
+
+
+def _rollout_correction(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    options = {
+        "level": draw(st.sampled_from(("token", "sequence", "geometric"))),
+        "mode": draw(st.sampled_from(("truncate", "mask", "reject"))),
+        "upper": draw(st.sampled_from((None, 2.0, 1.1))),
+        "lower": draw(st.sampled_from((None, 0.8))),
+        "veto": draw(st.sampled_from((None, 0.5))),
+    }
+    return Batch(
+        {"log_probs": t.log_probs(), "rollout_log_probs": t.log_probs(), "mask": t.mask, **options},
+        {"log_probs": t.unselected, "rollout_log_probs": t.unselected},
+        (),  # the weights carry no gradient
+    )
+
+
+def _off_policy_sequence_mask(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    advantages, advantages_poison = draw_advantages(draw, t)
+    return Batch(
+        {
+            "log_probs": t.log_probs(),
+            "sampling_log_probs": t.log_probs(),
+            "advantages": advantages,
+            "mask": t.mask,
+            "threshold": draw(st.sampled_from((-0.1, 0.0, 0.3))),
+        },
+        {
+            "log_probs": t.unselected,
+            "sampling_log_probs": t.unselected,
+            "advantages": advantages_poison,
+        },
+        (),
+    )
 
 
 def _kl_penalized_rewards(draw: Draw) -> Batch:
@@ -407,6 +483,8 @@ def _fused_policy_loss_from_hidden(draw: Draw) -> Batch:
         **draw_policy_options(draw, t),
     )
     poison.update(old_log_probs=t.unselected, advantages=advantages_poison)
+    draw_importance_weights(draw, t, arguments, poison)
+    arguments["entropy_coef"] = draw(st.sampled_from((0.0, 0.0, 0.2)))
     if draw(st.booleans()):  # with the KL term
         arguments.update(
             ref_log_probs=t.log_probs(),
@@ -443,6 +521,16 @@ def _response_log_probs(draw: Draw) -> Batch:
     return Batch(arguments, {"logits": poison}, ("logits",))
 
 
+def _entropy_mask(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    arguments = {
+        "entropy": 3 * torch.rand(*t.shape, generator=t.generator, dtype=F64),
+        "mask": t.mask,
+        "quantile": draw(st.sampled_from((0.0, 0.2, 0.5, 0.8, 1.0))),
+    }
+    return Batch(arguments, {"entropy": t.unselected}, ())
+
+
 NAN_CASES: tuple[NanCase, ...] = (
     NanCase("aggregate", rlo.aggregate, _aggregate),
     NanCase("masked_sum", rlo.masked_sum, _masked_reduction, max_examples=8),
@@ -452,6 +540,8 @@ NAN_CASES: tuple[NanCase, ...] = (
     NanCase("kl_estimate", rlo.kl_estimate, _kl(with_reduction=False)),
     NanCase("kl_loss", rlo.kl_loss, _kl(with_reduction=True), max_examples=20),
     NanCase("kl_penalized_rewards", rlo.kl_penalized_rewards, _kl_penalized_rewards),
+    NanCase("rollout_correction", rlo.rollout_correction, _rollout_correction, max_examples=20),
+    NanCase("off_policy_sequence_mask", rlo.off_policy_sequence_mask, _off_policy_sequence_mask, 8),
     NanCase(
         "kl_penalized_token_rewards", rlo.kl_penalized_token_rewards, _kl_penalized_token_rewards
     ),
@@ -480,6 +570,8 @@ NAN_CASES: tuple[NanCase, ...] = (
     NanCase("masked_whiten", rlo.masked_whiten, _whiten),
     NanCase("global_masked_whiten", rlo.global_masked_whiten, _whiten, max_examples=6),
     NanCase("remax_advantages", rlo.remax_advantages, _remax, max_examples=8),
+    NanCase("top_entropy_mask", rlo.top_entropy_mask, _entropy_mask),
+    NanCase("global_top_entropy_mask", rlo.global_top_entropy_mask, _entropy_mask),
     NanCase("pack", rlo.pack, _pack, max_examples=8),
 )
 

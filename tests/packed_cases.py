@@ -25,7 +25,7 @@ VOCAB, HIDDEN = 7, 5
 # Differentiable per-token inputs (S, T), per-token constants, per-sequence inputs (S,).
 LEAVES = ("log_probs", "values", "token_rewards")
 TOKEN_INPUTS = ("old_log_probs", "ref_log_probs", "token_advantages", "scores_per_token")
-SEQUENCE_INPUTS = ("advantages", "rewards")
+SEQUENCE_INPUTS = ("advantages", "rewards", "sequence_weights")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +97,9 @@ def make_tensors(batch: Batch, *, poison: bool) -> dict[str, torch.Tensor]:
     tokens = torch.randint(0, VOCAB, (sequences, width), generator=generator)
     tensors["tokens"] = torch.where(bad, -100, tokens)
     tensors["advantages"] = randn(sequences)
+    tensors["sequence_weights"] = randn(sequences).abs()
+    tensors["token_weights"] = token(randn(sequences, width).abs())
+    tensors["entropy"] = token(tensors["values_leaf"].abs())  # differentiable (values_leaf)
     tensors["rewards"] = randn(sequences)
     return tensors
 
@@ -149,6 +152,9 @@ class Case:
 
 def _policy(fn: Callable[..., Any] = rlo.policy_loss, **options: Any) -> Callable[[View], Outputs]:
     advantages = options.pop("advantages", "advantages")
+    tensors = {
+        name: options.pop(name) for name in ("importance_weights", "entropy") if name in options
+    }
 
     def run(v: View) -> Outputs:
         out = fn(
@@ -157,6 +163,7 @@ def _policy(fn: Callable[..., Any] = rlo.policy_loss, **options: Any) -> Callabl
             v.row(advantages),
             v["mask"],
             return_per_token=True,
+            **{name: v.row(source) for name, source in tensors.items()},
             **options,
             **v.layout,
         )
@@ -325,6 +332,27 @@ CASES: list[Case] = [
     Case("policy_loss-gspo-token_mean", _policy(ratio_level="sequence", dual_clip=2.0)),
     Case("policy_loss-token-advantages", _policy(advantages="token_advantages")),
     Case("policy_loss-normalizer", _policy(normalizer=7.0, diagnostics_normalizer=11.0)),
+    Case("policy_loss-cispo", _policy(surrogate="cispo", clip_high=0.28)),
+    Case("policy_loss-sapo", _policy(surrogate="sapo", reduction="sequence_mean")),
+    Case("policy_loss-gmpo", _policy(surrogate="gmpo", reduction="sequence_mean")),
+    Case(
+        "policy_loss-vespo",
+        _policy(surrogate="vespo", reduction="sequence_sum_normalized", max_response_length=9),
+    ),
+    Case("policy_loss-delta-length_weighted", _policy(delta=1.5, reduction="length_weighted")),
+    Case(
+        "policy_loss-importance-weights",
+        _policy(importance_weights="token_weights", reduction="sequence_mean"),
+    ),
+    Case(
+        "policy_loss-sequence-importance-weights",
+        _policy(importance_weights="sequence_weights", ratio_level="sequence"),
+    ),
+    Case(
+        "policy_loss-entropy-bonus",
+        _policy(entropy="entropy", entropy_coef=0.01),
+        ("log_probs_leaf", "values_leaf"),
+    ),
     Case("policy_loss-autograd", _policy(_policy_loss_autograd, reduction="sequence_mean")),
     Case("policy_loss-autograd-gspo", _policy(_policy_loss_autograd, ratio_level="sequence")),
     Case("grpo_clipped_surrogate", _grpo(rlo.grpo_clipped_surrogate)),

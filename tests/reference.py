@@ -34,21 +34,122 @@ def surrogate_token(
     clip_high: float | None,
     dual_clip: float | None,
     log_ratio_bound: float | None,
+    delta: float | None = None,
 ) -> Tensor:
-    """The clipped surrogate s of one token (PPO/GRPO/DAPO/dual-clip)."""
-    delta = log_prob - old_log_prob
+    """The clipped surrogate s of one token (PPO/GRPO/DAPO/dual-clip, TRL's two-sided delta)."""
+    delta_log = log_prob - old_log_prob
     if log_ratio_bound is not None:
-        delta = torch.clamp(delta, -log_ratio_bound, log_ratio_bound)
-    ratio = torch.exp(delta)
+        delta_log = torch.clamp(delta_log, -log_ratio_bound, log_ratio_bound)
+    ratio = torch.exp(delta_log)
+    # TRL: coef_1 = clamp(coef_1, max=delta) in the unclipped branch only
+    capped = ratio if delta is None else torch.clamp(ratio, max=delta)
     if clip_low is None:
-        s = ratio * advantage
+        s = capped * advantage
     else:
         high = clip_low if clip_high is None else clip_high
         clipped = torch.clamp(ratio, 1 - clip_low, 1 + high)
-        s = torch.minimum(ratio * advantage, clipped * advantage)
+        s = torch.minimum(capped * advantage, clipped * advantage)
     if dual_clip is not None and float(advantage.detach()) < 0:
         s = torch.maximum(s, dual_clip * advantage)
     return s
+
+
+# Defaults of the surrogate options (as rlobjectives.policy_loss).
+FAMILY_DEFAULTS: dict[str, object] = {
+    "surrogate": "clip",
+    "delta": None,
+    "cispo_cap": None,
+    "sapo_temperature_pos": 1.0,
+    "sapo_temperature_neg": 1.05,
+    "vespo_k_pos": 2.0,
+    "vespo_lambda_pos": 3.0,
+    "vespo_k_neg": 3.0,
+    "vespo_lambda_neg": 2.0,
+}
+VESPO_LOG_LOW, VESPO_LOG_HIGH = math.log(1e-8), 20.0
+SAPO_HALF_PEAK = 2.0 * math.log(1.0 + math.sqrt(2.0))  # 4 sigma (1 - sigma) = 1/2
+
+
+def _weight(weights: Tensor | None, i: int, t: int) -> Tensor | float:
+    if weights is None:
+        return 1.0
+    return _advantage(weights, i, t)  # the same (B,) / (B, 1) / (B, T) shapes as advantages
+
+
+def _bounded(delta: Tensor, bound: float | None) -> Tensor:
+    return delta if bound is None else torch.clamp(delta, -bound, bound)
+
+
+def _cispo_bounds(options: dict[str, object]) -> tuple[float, float]:
+    """CISPO's weight range: [0, cap] (TRL cispo_cap) or the clip band (verl), or none."""
+    if options["cispo_cap"] is not None:
+        return -math.inf, float(options["cispo_cap"])  # type: ignore[arg-type]
+    if options["clip_low"] is None:
+        return -math.inf, math.inf
+    low = float(options["clip_low"])  # type: ignore[arg-type]
+    high = low if options["clip_high"] is None else float(options["clip_high"])  # type: ignore[arg-type]
+    return 1 - low, 1 + high
+
+
+def _gmpo_row(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    i: int,
+    selected: list[int],
+    options: dict[str, object],
+) -> tuple[Tensor, dict[int, Tensor]]:
+    """GMPO (verl geo_mean) of row i: (mean advantage, {t: token-form log rho_it})."""
+    clipped: dict[int, Tensor] = {}
+    for t in selected:
+        d = _bounded(log_probs[i, t] - old_log_probs[i, t], options["log_ratio_bound"])  # type: ignore[arg-type]
+        a = float(_advantage(advantages, i, t))
+        sign = (a > 0) - (a < 0)
+        if options["clip_low"] is not None:
+            low = float(options["clip_low"])  # type: ignore[arg-type]
+            high = low if options["clip_high"] is None else float(options["clip_high"])  # type: ignore[arg-type]
+            d_clamp = torch.clamp(d, -low, high)
+            d = sign * torch.minimum(sign * d, sign * d_clamp)
+        else:
+            d = sign * sign * d
+        clipped[t] = d
+    n = len(selected)
+    mean_log = sum(v.detach() for v in clipped.values()) / n
+    mean_advantage = sum(_advantage(advantages, i, t) for t in selected) / n
+    token_form = {t: v - v.detach() + mean_log for t, v in clipped.items()}
+    return mean_advantage, token_form  # type: ignore[return-value]
+
+
+def _vespo_log_weight(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    i: int,
+    selected: list[int],
+    options: dict[str, object],
+    weights: Tensor | None,
+) -> float:
+    """TRL get_gamma_weights: log W_i = clip(sum_t Delta + sum_t log w_t, log 1e-8, 20)."""
+    total = 0.0
+    for t in selected:
+        d = float((log_probs[i, t] - old_log_probs[i, t]).detach())
+        bound = options["log_ratio_bound"]
+        total += d if bound is None else min(max(d, -bound), bound)  # type: ignore[operator]
+    if weights is not None:
+        per_sequence = weights.ndim == 1 or weights.shape[1] == 1
+        tokens = selected[:1] if per_sequence else selected
+        for t in tokens:  # a sequence weight enters once
+            w = float(_weight(weights, i, t))
+            log_w = math.log(w) if w > 0 else -math.inf
+            total += min(max(log_w, VESPO_LOG_LOW), VESPO_LOG_HIGH)
+    return min(max(total, VESPO_LOG_LOW), VESPO_LOG_HIGH)
+
+
+def _vespo_phi(log_weight: float, advantage: float, options: dict[str, object]) -> float:
+    """phi(W) = exp(lambda + k log W - lambda W), (k, lambda) by the sign of A (A >= 0: pos)."""
+    suffix = "pos" if advantage >= 0 else "neg"
+    k = float(options[f"vespo_k_{suffix}"])  # type: ignore[arg-type]
+    lam = float(options[f"vespo_lambda_{suffix}"])  # type: ignore[arg-type]
+    return math.exp(lam + k * log_weight - lam * math.exp(log_weight))
 
 
 def per_token_surrogates(
@@ -62,13 +163,36 @@ def per_token_surrogates(
     dual_clip: float | None = None,
     ratio_level: str = "token",
     log_ratio_bound: float | None = 20.0,
+    importance_weights: Tensor | None = None,
+    **family: object,
 ) -> dict[tuple[int, int], Tensor]:
     """{(i, t): s_it} over the selected tokens only (unselected entries are never touched)."""
+    options = {**FAMILY_DEFAULTS, **family, "clip_low": clip_low, "clip_high": clip_high}
+    options["log_ratio_bound"] = log_ratio_bound
+    surrogate = options["surrogate"]
     m = _as_list_mask(mask)
     out: dict[tuple[int, int], Tensor] = {}
     for i, row in enumerate(m):
         selected = [t for t, keep in enumerate(row) if keep]
-        if ratio_level == "sequence" and selected:
+        if not selected:
+            continue
+        if surrogate == "gmpo":
+            mean_advantage, token_form = _gmpo_row(
+                log_probs, old_log_probs, advantages, i, selected, options
+            )
+            for t in selected:
+                out[(i, t)] = mean_advantage * torch.exp(token_form[t])
+            continue
+        if surrogate == "vespo":
+            log_w = _vespo_log_weight(
+                log_probs, old_log_probs, i, selected, options, importance_weights
+            )
+            for t in selected:
+                a = _advantage(advantages, i, t)
+                phi = _vespo_phi(log_w, float(a), options)
+                out[(i, t)] = phi * a * log_probs[i, t]
+            continue
+        if ratio_level == "sequence":
             # GSPO token form: value log s_i at every token, gradient 1 w.r.t. log pi_it.
             mean_delta = sum((log_probs[i, t] - old_log_probs[i, t]).detach() for t in selected)
             mean_delta = mean_delta / len(selected)
@@ -79,15 +203,25 @@ def per_token_surrogates(
                     lp = (mean_delta + old_log_probs[i, t]).detach()
             else:
                 lp = log_probs[i, t]
-            out[(i, t)] = surrogate_token(
-                lp,
-                old_log_probs[i, t],
-                _advantage(advantages, i, t),
-                clip_low=clip_low,
-                clip_high=clip_high,
-                dual_clip=dual_clip,
-                log_ratio_bound=log_ratio_bound,
-            )
+            a = _advantage(advantages, i, t)
+            if surrogate == "clip":
+                out[(i, t)] = surrogate_token(
+                    lp, old_log_probs[i, t], a, clip_low=clip_low, clip_high=clip_high,
+                    dual_clip=dual_clip, log_ratio_bound=log_ratio_bound,
+                    delta=options["delta"],  # type: ignore[arg-type]
+                )  # fmt: skip
+                continue
+            ratio = torch.exp(_bounded(lp - old_log_probs[i, t], log_ratio_bound))
+            if surrogate == "cispo":  # -sg(clip(r)) A log pi (MiniMax-M1)
+                low, high = _cispo_bounds(options)
+                weight = min(max(float(ratio.detach()), low), high)
+                out[(i, t)] = weight * a * log_probs[i, t]
+            elif surrogate == "sapo":  # 4/tau sigmoid(tau (r - 1)) A, tau_neg for A <= 0
+                positive = float(a) > 0
+                tau = options["sapo_temperature_pos" if positive else "sapo_temperature_neg"]
+                out[(i, t)] = torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a  # type: ignore[operator]
+            else:
+                raise ValueError(surrogate)
     return out
 
 
@@ -126,6 +260,14 @@ def reduce_losses(
         sequences = batch if normalizer is None else normalizer
         denominator = sequences * constant
         return sum(losses.values(), zero) / denominator if denominator else zero
+    if reduction == "length_weighted":  # TRL luspo: mean over rows of sum_t L (n_i x token mean)
+        total = zero
+        for i in range(batch):
+            values = [v for (j, _), v in losses.items() if j == i]
+            if values:
+                total = total + len(values) * (sum(values, zero) / len(values))
+        rows = batch if normalizer is None else normalizer
+        return total / rows if rows else zero
     raise ValueError(reduction)
 
 
@@ -138,15 +280,33 @@ def policy_loss(
     reduction: str = "token_mean",
     normalizer: float | None = None,
     max_response_length: int | None = None,
+    importance_weights: Tensor | None = None,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
     **options: object,
 ) -> Tensor:
-    """Reference of rlobjectives.policy_loss(...).loss: reduce(-s).
+    """Reference of rlobjectives.policy_loss(...).loss: reduce(-w s - entropy_coef H).
 
-    ``old_log_probs`` and ``advantages`` are constants of the loss (detached).
+    ``old_log_probs``, ``advantages`` and the importance weights ``w`` are constants of the loss
+    (detached); VESPO takes ``w`` inside its sequence weight and does not multiply by it.
     """
     old_log_probs, advantages = old_log_probs.detach(), advantages.detach()
-    surrogates = per_token_surrogates(log_probs, old_log_probs, advantages, mask, **options)  # type: ignore[arg-type]
-    losses = {key: -value for key, value in surrogates.items()}
+    weights = None if importance_weights is None else importance_weights.detach()
+    surrogates = per_token_surrogates(
+        log_probs,
+        old_log_probs,
+        advantages,
+        mask,
+        importance_weights=weights,
+        **options,  # type: ignore[arg-type]
+    )
+    folds = options.get("surrogate", "clip") == "vespo"
+    losses = {
+        (i, t): -value * (1.0 if folds else _weight(weights, i, t))
+        for (i, t), value in surrogates.items()
+    }
+    if entropy is not None and entropy_coef != 0:
+        losses = {(i, t): v - entropy_coef * entropy[i, t] for (i, t), v in losses.items()}
     return reduce_losses(
         losses,
         tuple(mask.shape),  # type: ignore[arg-type]
@@ -219,6 +379,35 @@ def kl_penalized_rewards(
     }
 
 
+def _clip_sets(
+    r: float, a: float, options: dict[str, object]
+) -> tuple[bool, bool, bool, bool, float]:
+    """(out of band, low binds, high binds, dual binds, w) of one "clip" token, s = w A."""
+    clip_low, delta, dual = options["clip_low"], options["delta"], options["dual_clip"]
+    inf = math.inf
+    band = None
+    upper_pos = inf if delta is None else delta
+    lower_neg, upper_neg = -inf, upper_pos
+    if clip_low is not None:
+        high = clip_low if options["clip_high"] is None else options["clip_high"]
+        band = (1 - clip_low, 1 + high)  # type: ignore[operator]
+        lower_neg = band[0]
+        upper_pos = min(band[1], upper_pos)  # type: ignore[call-overload]
+        upper_neg = inf if delta is None else max(band[1], delta)  # type: ignore[call-overload]
+    if dual is not None:
+        upper_neg = min(upper_neg, dual)  # type: ignore[call-overload]
+    out = band is not None and (r < band[0] or r > band[1])  # type: ignore[operator]
+    low, high = a < 0 and r < lower_neg, a > 0 and r > upper_pos  # type: ignore[operator]
+    dual_binds = a < 0 and r > upper_neg  # type: ignore[operator]
+    if a > 0:
+        w = min(r, upper_pos)  # type: ignore[call-overload]
+    elif a < 0:
+        w = min(max(r, lower_neg), upper_neg)  # type: ignore[call-overload]
+    else:
+        w = r
+    return out, low, high, dual_binds, w
+
+
 def policy_loss_diagnostics(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -231,6 +420,8 @@ def policy_loss_diagnostics(
     ratio_level: str = "token",
     log_ratio_bound: float | None = 20.0,
     diagnostics_normalizer: float | None = None,
+    importance_weights: Tensor | None = None,
+    **family: object,
 ) -> dict[str, float]:
     """Reference of rlobjectives.policy_loss(...).diagnostics, as Python floats (one token loop).
 
@@ -238,29 +429,35 @@ def policy_loss_diagnostics(
     ``diagnostics_normalizer``); 0 when the denominator is 0. ``log_ratio`` at a token is the
     token's own ``log_probs - old_log_probs`` (sequence mode: the mean over the sequence's
     selected tokens) for the clip counts, the bound and the ratio; k1 and k3 always use the
-    token's own log-ratio (k3 with it clamped to the bound, 20 when the bound is None).
+    token's own log-ratio (k3 with it clamped to the bound, 20 when the bound is None). The
+    clip sets and the advantage factor w of each surrogate are as PolicyLossDiagnostics says.
     """
+    options = {**FAMILY_DEFAULTS, **family, "clip_low": clip_low, "clip_high": clip_high}
+    options.update(dual_clip=dual_clip, log_ratio_bound=log_ratio_bound)
+    surrogate = options["surrogate"]
     m = _as_list_mask(mask)
     lp = log_probs.detach().tolist()
     old = old_log_probs.detach().tolist()
-    totals = dict.fromkeys(
-        (
-            "clipped_fraction",
-            "clip_fraction_low",
-            "clip_fraction_high",
-            "dual_clip_fraction",
-            "log_ratio_bound_fraction",
-            "ratio_mean",
-            "approx_kl_k1",
-            "approx_kl_k3",
-        ),
-        0.0,
-    )
+    names = (
+        "clipped_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
+        "log_ratio_bound_fraction", "ratio_mean", "approx_kl_k1", "approx_kl_k3", "weight_mean",
+    )  # fmt: skip
+    totals = dict.fromkeys(names, 0.0)
     count = 0
     for i, row in enumerate(m):
         selected = [t for t, keep in enumerate(row) if keep]
-        if selected:
-            sequence_delta = sum(lp[i][t] - old[i][t] for t in selected) / len(selected)
+        if not selected:
+            continue
+        sequence_delta = sum(lp[i][t] - old[i][t] for t in selected) / len(selected)
+        if surrogate == "gmpo":
+            mean_a, token_form = _gmpo_row(
+                log_probs.detach(), old_log_probs, advantages, i, selected, options
+            )
+            rho = math.exp(float(next(iter(token_form.values()))))
+        if surrogate == "vespo":
+            log_w = _vespo_log_weight(
+                log_probs.detach(), old_log_probs, i, selected, options, importance_weights
+            )
         for t in selected:
             count += 1
             delta = lp[i][t] - old[i][t]
@@ -272,16 +469,33 @@ def policy_loss_diagnostics(
                 ratio_delta = min(max(ratio_delta, -log_ratio_bound), log_ratio_bound)
             r = math.exp(ratio_delta)
             totals["ratio_mean"] += r
-            surrogate = r * a
-            if clip_low is not None:
-                high = clip_low if clip_high is None else clip_high
-                below, above = r < 1 - clip_low, r > 1 + high
-                totals["clipped_fraction"] += below or above
-                totals["clip_fraction_low"] += below and a < 0
-                totals["clip_fraction_high"] += above and a > 0
-                surrogate = min(r * a, min(max(r, 1 - clip_low), 1 + high) * a)
-            if dual_clip is not None and a < 0 and surrogate < dual_clip * a:
-                totals["dual_clip_fraction"] += 1
+            flags = (False, False, False, False)
+            if surrogate == "clip":
+                *flag_list, w = _clip_sets(r, a, options)
+                flags = tuple(flag_list)  # type: ignore[assignment]
+            elif surrogate == "cispo":
+                low, high = _cispo_bounds(options)
+                below, above = r < low, r > high
+                flags = (below or above, below and a < 0, above and a > 0, above and a < 0)
+                w = min(max(r, low), high)
+            elif surrogate == "sapo":
+                tau = float(options["sapo_temperature_pos" if a > 0 else "sapo_temperature_neg"])  # type: ignore[arg-type]
+                x = tau * (r - 1)
+                soft = abs(x) > SAPO_HALF_PEAK
+                flags = (soft, soft and x < 0 and a < 0, soft and x > 0 and a > 0,
+                         soft and x > 0 and a < 0)  # fmt: skip
+                w = 4 / tau / (1 + math.exp(-x))
+            elif surrogate == "gmpo":
+                if clip_low is not None:
+                    high = clip_low if clip_high is None else clip_high
+                    below, above = ratio_delta < -clip_low, ratio_delta > high
+                    flags = (below or above, below and a < 0, above and a > 0, False)
+                w = rho
+            else:  # vespo: no clipping
+                w = _vespo_phi(log_w, a, options)
+            for name, flag in zip(names[:4], flags, strict=True):
+                totals[name] += flag
+            totals["weight_mean"] += w
             bound = 20.0 if log_ratio_bound is None else log_ratio_bound
             kl_delta = min(max(delta, -bound), bound)
             totals["approx_kl_k1"] += -delta
@@ -475,8 +689,10 @@ def kl_loss(
     normalizer: float | None = None,
     max_response_length: int | None = None,
     log_ratio_bound: float | None = 20.0,
+    importance_weights: Tensor | None = None,
 ) -> Tensor:
-    """Reference of rlobjectives.kl_loss: the per-token estimates reduced by reduce_losses."""
+    """Reference of rlobjectives.kl_loss: the per-token estimates (times the weights, which keep
+    their gradient) reduced by reduce_losses."""
     m = _as_list_mask(mask)
     losses = {
         (i, t): kl_token(
@@ -490,6 +706,8 @@ def kl_loss(
         for t, keep in enumerate(row)
         if keep
     }
+    if importance_weights is not None:
+        losses = {(i, t): v * _advantage(importance_weights, i, t) for (i, t), v in losses.items()}
     return reduce_losses(
         losses,
         tuple(mask.shape),  # type: ignore[arg-type]
@@ -686,14 +904,16 @@ def fused_policy_loss_from_hidden(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     kl_straight_through: bool = False,
+    entropy_coef: float = 0.0,
     **options: object,
 ) -> Tensor:
     """Reference of rlobjectives.fused_policy_loss_from_hidden(...).loss: the unfused composition.
 
-    log_probs from the loop above, then policy_loss(...) + kl_coef * kl_loss(...) with the same
-    reduction, normalizer and log-ratio bound.
+    log_probs and entropies H from the loop above, then policy_loss(..., entropy=H,
+    entropy_coef=...) + kl_coef * kl_loss(...) with the same reduction, normalizer and
+    log-ratio bound.
     """
-    log_probs, _ = token_log_probs_from_hidden(
+    log_probs, entropy = token_log_probs_from_hidden(
         hidden, weight, tokens, bias=bias, temperature=temperature, mask=mask
     )
     reduce = {
@@ -701,7 +921,10 @@ def fused_policy_loss_from_hidden(
         "normalizer": normalizer,
         "max_response_length": max_response_length,
     }
-    loss = policy_loss(log_probs, old_log_probs, advantages, mask, **reduce, **options)
+    loss = policy_loss(
+        log_probs, old_log_probs, advantages, mask, **reduce, entropy=entropy,
+        entropy_coef=entropy_coef, **options,  # type: ignore[arg-type]
+    )  # fmt: skip
     if ref_log_probs is not None and kl_coef > 0:
         bound = options.get("log_ratio_bound", 20.0)
         loss = loss + kl_coef * kl_loss(
@@ -1233,6 +1456,141 @@ def openrlhf_policy_loss(
     if global_batch_size is None:
         return sum(means, zero) / len(means)
     return sum(means, zero) / global_batch_size * dp_size
+
+
+# --- rollout correction and off-policy sequence masking (issue 12, rlobjectives._rollout) -------
+
+ROLLOUT_BOUND = 20.0
+
+
+def rollout_correction(
+    log_probs: Tensor,
+    rollout_log_probs: Tensor,
+    mask: Tensor,
+    *,
+    level: str = "token",
+    mode: str = "truncate",
+    upper: float | None = 2.0,
+    lower: float | None = None,
+    veto: float | None = None,
+) -> dict[str, object]:
+    """Reference of rlobjectives.rollout_correction, in Python floats, one token at a time.
+
+    Returns {"weights": (B, T) float64, "mask": (B, T) bool, "metrics": {name: float}} with the
+    derived metric values (ratio_mean, ratio_min, ratio_max, effective_sample_size,
+    truncated_fraction, masked_fraction, kl_k1, kl_k3, chi_square).
+    """
+    m = _as_list_mask(mask)
+    batch, tokens = mask.shape
+    weights = [[0.0] * tokens for _ in range(batch)]
+    keep_mask = [[False] * tokens for _ in range(batch)]
+    ratios: list[float] = []
+    applied: list[float] = []
+    kl1: list[float] = []
+    kl3: list[float] = []
+    truncated = removed = 0
+
+    def clip(x: float) -> float:
+        return min(max(x, -ROLLOUT_BOUND), ROLLOUT_BOUND)
+
+    for i, row in enumerate(m):
+        selected = [t for t, keep in enumerate(row) if keep]
+        delta = {}
+        for t in selected:
+            d = float(log_probs[i, t]) - float(rollout_log_probs[i, t])
+            delta[t] = 0.0 if math.isnan(d) else d  # a missing sampler log-prob: ratio 1
+        if level == "sequence":
+            row_log = clip(sum(delta.values()))
+        elif level == "geometric":
+            row_log = clip(sum(delta.values()) / len(selected)) if selected else 0.0
+        vetoed = veto is not None and any(d < math.log(veto) for d in delta.values())
+        for t in selected:
+            log_ratio = clip(delta[t]) if level == "token" else row_log
+            rho = math.exp(log_ratio)
+            inside = (lower is None or rho >= lower) and (upper is None or rho <= upper)
+            keep = not vetoed
+            if mode == "truncate":
+                w = rho if lower is None else max(rho, lower)
+                w = w if upper is None else min(w, upper)
+                truncated += int(keep and not inside)
+            elif mode == "mask":
+                w = rho if inside else 0.0
+            else:  # reject
+                w = 1.0
+                keep = keep and inside
+            zeroed = (mode == "mask" and not inside) or not keep
+            removed += int(zeroed)
+            w = w if keep else 0.0
+            weights[i][t] = w
+            keep_mask[i][t] = keep
+            ratios.append(rho)
+            applied.append(w)
+            d = clip(delta[t])
+            kl1.append(-d)
+            kl3.append(math.exp(d) - 1.0 - d)
+    n = len(ratios)
+    square_sum = sum(w * w for w in applied)
+    metrics = {
+        "ratio_mean": sum(ratios) / n if n else 0.0,
+        "ratio_min": min(ratios) if n else 0.0,
+        "ratio_max": max(ratios) if n else 0.0,
+        "effective_sample_size": sum(applied) ** 2 / (n * square_sum) if square_sum else 0.0,
+        "truncated_fraction": truncated / n if n else 0.0,
+        "masked_fraction": removed / n if n else 0.0,
+        "kl_k1": sum(kl1) / n if n else 0.0,
+        "kl_k3": sum(kl3) / n if n else 0.0,
+        "chi_square": sum(r * r - 1.0 for r in ratios) / n if n else 0.0,
+    }
+    return {
+        "weights": torch.tensor(weights, dtype=torch.float64).reshape(batch, tokens),
+        "mask": torch.tensor(keep_mask, dtype=torch.bool).reshape(batch, tokens),
+        "metrics": metrics,
+    }
+
+
+def off_policy_sequence_mask(
+    log_probs: Tensor,
+    sampling_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    threshold: float,
+) -> Tensor:
+    """Reference of rlobjectives.off_policy_sequence_mask (TRL get_off_policy_mask), (B, T) bool."""
+    m = _as_list_mask(mask)
+    batch, tokens = mask.shape
+    out = [[False] * tokens for _ in range(batch)]
+    for i, row in enumerate(m):
+        selected = [t for t, keep in enumerate(row) if keep]
+        kl = [float(sampling_log_probs[i, t]) - float(log_probs[i, t]) for t in selected]
+        kl = [0.0 if math.isnan(k) else k for k in kl]
+        mean_kl = sum(kl) / max(len(selected), 1)
+        for t in selected:
+            out[i][t] = float(_advantage(advantages, i, t)) >= 0 or mean_kl <= threshold
+    return torch.tensor(out, dtype=torch.bool).reshape(batch, tokens)
+
+
+# --- entropy mask (issue 13) ------------------------------------------------------------------
+
+
+def top_entropy_mask(entropy: Tensor, mask: Tensor, quantile: float) -> list[list[bool]]:
+    """Reference of rlobjectives.top_entropy_mask: H >= the linear quantile of the selected H.
+
+    The quantile of the sorted selected values v_0 <= ... <= v_{n-1} at level q is
+    v_lo + (rank - lo) (v_hi - v_lo) with rank = q (n - 1), lo = floor(rank), hi = ceil(rank)
+    (numpy/torch "linear"), in float64; nothing is kept when nothing is selected.
+    """
+    m = _as_list_mask(mask)
+    values = sorted(float(entropy[i, t]) for i, row in enumerate(m) for t, k in enumerate(row) if k)
+    if not values:
+        return [[False] * len(row) for row in m]
+    rank = quantile * (len(values) - 1)
+    lo, hi = math.floor(rank), math.ceil(rank)
+    threshold = values[lo] + (rank - lo) * (values[hi] - values[lo])
+    return [
+        [k and float(entropy[i, t]) >= threshold for t, k in enumerate(row)]
+        for i, row in enumerate(m)
+    ]
 
 
 # --- the packed (padding-free) layout (issue 15) ------------------------------------------------

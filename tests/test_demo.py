@@ -57,6 +57,13 @@ METRIC_KEYS = {
     "approx_kl",
     "heldout_accuracy",
     "elapsed_s",
+    # the rollout correction of the stand-in inference engine (demo/rollout.py)
+    "rollout_effective_sample_size",
+    "rollout_truncated_fraction",
+    "rollout_ratio_mean",
+    "rollout_ratio_min",
+    "rollout_ratio_max",
+    "rollout_kl",
 }
 
 
@@ -225,6 +232,12 @@ def test_short_run_writes_sane_outputs(tmp_path: Path) -> None:
             assert 0.0 <= float(row[key]) <= 1.0  # type: ignore[arg-type]
         assert 1.0 <= float(row["response_length"]) <= 7.0  # type: ignore[arg-type]
         assert float(row["ratio_mean"]) > 0  # type: ignore[arg-type]
+        # engine at temperature 1.1: ratios pi_train / pi_engine stay near 1, below upper = 2
+        assert 0.9 < float(row["rollout_effective_sample_size"]) <= 1.0  # type: ignore[arg-type]
+        assert float(row["rollout_truncated_fraction"]) == 0.0  # type: ignore[arg-type]
+        low, mean, high = (float(row[f"rollout_ratio_{k}"]) for k in ("min", "mean", "max"))  # type: ignore[arg-type]
+        assert 0 < low < mean < high < 1.2
+        assert float(row["rollout_kl"]) > 0  # type: ignore[arg-type]
     assert [row["heldout_accuracy"] is None for row in rows] == [True, False, False]
     # Several updates per batch: after the first one the ratios leave 1.
     assert any(float(row["approx_kl"]) > 0 for row in rows)  # type: ignore[arg-type]
@@ -255,6 +268,7 @@ def test_grpo_beats_the_reference(tmp_path: Path) -> None:
     [
         ["--reduction", "sequence_mean", "--clip-high", "0.28"],
         ["--reduction", "sequence_sum_normalized", "--beta", "0"],
+        ["--sampler-temperature", "0.5", "--rollout-upper", "1.5"],
     ],
 )
 def test_other_reductions_and_clip_ranges_run(tmp_path: Path, options: list[str]) -> None:
@@ -262,7 +276,20 @@ def test_other_reductions_and_clip_ranges_run(tmp_path: Path, options: list[str]
     rows = _read_metrics(tmp_path)
     assert len(rows) == 2 and all(math.isfinite(float(row["loss"])) for row in rows)  # type: ignore[arg-type]
     config = json.loads((tmp_path / "summary.json").read_text())["config"]
-    assert config["reduction"] == options[1]
+    if options[0] == "--reduction":
+        assert config["reduction"] == options[1]
+    if "--rollout-upper" in options:  # a sharper engine under-samples tokens: weights truncated
+        assert config["sampler_temperature"] == 0.5 and config["rollout_upper"] == 1.5
+        assert all(float(row["rollout_truncated_fraction"]) > 0 for row in rows)  # type: ignore[arg-type]
+        assert all(float(row["rollout_ratio_max"]) > 1.5 for row in rows)  # type: ignore[arg-type]
+
+
+def test_engine_at_the_trainer_temperature_gives_unit_weights(tmp_path: Path) -> None:
+    assert main([*SMALL, "--steps", "1", "--sampler-temperature", "1", "--out", str(tmp_path)]) == 0
+    (row,) = _read_metrics(tmp_path)
+    # same forward for the engine and the trainer: every ratio is exactly 1
+    assert row["rollout_effective_sample_size"] == 1.0 and row["rollout_kl"] == 0.0
+    assert row["rollout_ratio_min"] == row["rollout_ratio_max"] == 1.0
 
 
 def test_run_is_reproducible(tmp_path: Path) -> None:

@@ -21,23 +21,33 @@ import reference
 from _dist_workers import (
     CLIP_HIGH,
     CLIP_LOW,
+    ENTROPY_QUANTILES,
     KL_COEF,
     MAX_RESPONSE_LENGTH,
     REDUCTIONS,
     SPLITS,
     ddp_worker,
+    entropy_problem,
     failing_worker,
     launch,
     make_model,
     make_problem,
     micro_batch,
+    rank_rows,
     step_loss,
 )
-from rlobjectives import PolicyLossDiagnostics, policy_loss
+from rlobjectives import (
+    PolicyLossDiagnostics,
+    RolloutCorrectionMetrics,
+    policy_loss,
+    rollout_correction,
+    top_entropy_mask,
+)
 from rlobjectives.distributed import (
     Normalizers,
     data_parallel_loss_scale,
     global_normalizers,
+    global_top_entropy_mask,
     normalizer_for_reduction,
     sum_diagnostics,
 )
@@ -147,15 +157,18 @@ def test_data_parallel_loss_scale_without_process_group() -> None:
 
 def test_sum_diagnostics_sums_fields_and_keeps_type() -> None:
     def diagnostics(value: float) -> PolicyLossDiagnostics:
-        return PolicyLossDiagnostics(*(torch.tensor(value * (k + 1)) for k in range(8)))
+        return PolicyLossDiagnostics(*(torch.tensor(value * (k + 1)) for k in range(9)))
 
     summed = sum_diagnostics([diagnostics(0.25), diagnostics(0.5)])
     assert isinstance(summed, PolicyLossDiagnostics)
     # field k: 0.25 (k + 1) + 0.5 (k + 1) = 0.75 (k + 1)
-    assert [float(v) for v in summed] == [0.75 * (k + 1) for k in range(8)]
+    assert [float(v) for v in summed] == [0.75 * (k + 1) for k in range(9)]
     assert all(v.dtype == torch.float32 for v in summed)
     single = sum_diagnostics(diagnostics(1.0))
-    assert [float(v) for v in single] == [float(k + 1) for k in range(8)]
+    assert [float(v) for v in single] == [float(k + 1) for k in range(9)]
+    # the eight fields of version 0.1 still construct it (weight_mean defaults to 0)
+    eight = PolicyLossDiagnostics(*(torch.tensor(1.0) for _ in range(8)))
+    assert float(sum_diagnostics([eight, eight]).weight_mean) == 0.0
 
 
 # --------------------------------------------------------------------------------------------
@@ -424,7 +437,62 @@ def test_ddp_global_diagnostics_equal_full_batch(ddp_results: list[dict[str, Any
 
 
 @pytest.mark.distributed
+def test_ddp_rollout_metrics_equal_full_batch(ddp_results: list[dict[str, Any]]) -> None:
+    # Sums and counts add over micro-batches and ranks; ratio_min/ratio_max combine by
+    # all_reduce(MAX) (minima negated), skipping empty pieces (rank 0's second micro-batch is
+    # the empty row 3).
+    if ddp_results[0]["rollout"] is None:
+        pytest.skip("rollout_correction is not available")
+    problem = make_problem()
+    full = rollout_correction(
+        problem.old_log_probs, problem.ref_log_probs, problem.mask, mode="mask", lower=0.7
+    ).metrics
+    assert 0 < float(full.masked_fraction) < 1
+    for rank_result in ddp_results:
+        combined = RolloutCorrectionMetrics(**rank_result["rollout"])
+        for name, value in full.summary().items():
+            assert_close(combined.summary()[name], value)
+        assert float(combined.token_count) == 45
+
+
+@pytest.mark.distributed
 def test_launcher_reports_failing_ranks(tmp_path: Any) -> None:
     # One rank is enough to exercise the failure path (each spawned rank re-imports torch).
     with pytest.raises(RuntimeError, match=r"(?s)rank 0 \(exit code 1\).*deliberate failure"):
         launch(failing_worker, str(tmp_path), world_size=1, timeout_s=60.0)
+
+
+@pytest.mark.distributed
+def test_ddp_global_top_entropy_mask(ddp_results: list[dict[str, Any]]) -> None:
+    # The quantile over the selected tokens of both ranks is the single-process quantile of the
+    # full batch: each rank's mask is the full-batch mask on its rows (its own padded width).
+    entropy, mask = entropy_problem()
+    for rank, rank_result in enumerate(ddp_results):
+        rows = rank_rows(rank)
+        masks = rank_result["entropy_masks"]
+        width = masks["0.5"].shape[1]
+        differs = False
+        for level in ENTROPY_QUANTILES:
+            full = top_entropy_mask(entropy, mask, quantile=level)[rows, :width]
+            local = top_entropy_mask(entropy[rows, :width], mask[rows, :width], quantile=level)
+            assert torch.equal(masks[f"{level}"], full), (rank, level)
+            differs = differs or not torch.equal(local, full)
+        assert differs  # a per-rank quantile would give other masks: the test can fail
+        # rank 1 selects nothing: its mask is empty, rank 0's threshold is over rank 0's tokens
+        expected = (
+            torch.zeros_like(mask[rows, :width])
+            if rank == 1
+            else top_entropy_mask(entropy[rows, :width], mask[rows, :width], quantile=0.5)
+        )
+        assert torch.equal(masks["empty_rank"], expected)
+
+
+def test_global_top_entropy_mask_single_process() -> None:
+    entropy, mask = entropy_problem()
+    for level in ENTROPY_QUANTILES:
+        assert torch.equal(
+            global_top_entropy_mask(entropy, mask, quantile=level),
+            top_entropy_mask(entropy, mask, quantile=level),
+        )
+    with pytest.raises(ValueError, match="group was given but no torch.distributed"):
+        global_top_entropy_mask(entropy, mask, quantile=0.5, group=object())  # type: ignore[arg-type]

@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 import reference
 import rlobjectives
+from family_cases import FAMILY_OPTION_SETS
 from rlobjectives import kl_loss, policy_loss
 from rlobjectives._kl import BiasedGradientWarning
 from rlobjectives._lm_head import (
@@ -27,7 +28,7 @@ from rlobjectives._lm_head import (
 from rlobjectives._lm_head_loss import FusedPolicyLossOutput, fused_policy_loss_from_hidden
 from tolerances import assert_close
 
-REDUCTIONS = ["token_mean", "sequence_mean", "sequence_sum_normalized", "none"]
+REDUCTIONS = ["token_mean", "sequence_mean", "sequence_sum_normalized", "length_weighted", "none"]
 
 
 def make_case(
@@ -477,9 +478,13 @@ def fused_and_reference(
     reduction=st.sampled_from(REDUCTIONS),
     explicit_normalizer=st.booleans(),
     kl=st.sampled_from([None, "k1", "k2", "k3", "k3+"]),
-    clip=st.sampled_from(["symmetric", "asymmetric", "dual", "none"]),
+    clip=st.sampled_from(
+        ["symmetric", "asymmetric", "dual", "none", "delta", "cispo", "cispo_cap", "sapo"]
+    ),
     temperature=st.sampled_from([1.0, 0.6]),
     seed=st.integers(0, 2**16),
+    weights=st.sampled_from([None, "token", "sequence"]),
+    entropy_coef=st.sampled_from([0.0, 0.0, 0.2]),
 )
 def test_fused_matches_reference(
     batch: int,
@@ -492,6 +497,8 @@ def test_fused_matches_reference(
     clip: str,
     temperature: float,
     seed: int,
+    weights: str | None,
+    entropy_coef: float,
 ) -> None:
     case = make_case(batch, steps, 3, vocab, seed=seed, with_bias=seed % 2 == 0)
     options: dict[str, Any] = {
@@ -499,7 +506,19 @@ def test_fused_matches_reference(
         "asymmetric": {"clip_low": 0.1, "clip_high": 0.28},
         "dual": {"clip_low": 0.2, "dual_clip": 2.0},
         "none": {"clip_low": None},
+        "delta": {"clip_low": 0.2, "delta": 1.1},
+        "cispo": {"surrogate": "cispo"},
+        "cispo_cap": {"surrogate": "cispo", "cispo_cap": 1.1},
+        "sapo": {"surrogate": "sapo"},
     }[clip]
+    if weights is not None:  # constants: a NaN at an unselected token must reach nothing
+        shape = (batch, steps) if weights == "token" else (batch, 1)
+        importance = torch.rand(*shape, generator=torch.Generator().manual_seed(seed)) * 2
+        options["importance_weights"] = importance.double().masked_fill(
+            ~case["mask"] if weights == "token" else torch.zeros(shape, dtype=torch.bool),
+            math.nan,
+        )
+    options["entropy_coef"] = entropy_coef
     options.update(reduction=reduction, temperature=temperature, chunk_size=chunk_size)
     if explicit_normalizer and reduction != "none":
         options["normalizer"] = 7.0
@@ -522,6 +541,99 @@ def test_fused_matches_reference(
         assert_close(a, e)
 
 
+@pytest.mark.parametrize("options", FAMILY_OPTION_SETS, ids=repr)
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "length_weighted"])
+def test_family_matches_reference(options: dict[str, Any], reduction: str) -> None:
+    # Every surrogate of the family from hidden states, with token importance weights and the
+    # entropy bonus: the token-local ones through the fused chunk loop (the entropy and its
+    # gradient formed chunk by chunk), GSPO-level, GMPO and VESPO by composition.
+    case = make_case(3, 4, 3, 5, seed=23)
+    weights = torch.rand(3, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    out, expected, inputs, ref_inputs = fused_and_reference(
+        case, **options, reduction=reduction, chunk_size=5, importance_weights=weights,
+        entropy_coef=0.15,
+    )  # fmt: skip
+    assert_close(out.loss, expected)
+    for a, e in zip(grads(out.loss, inputs), grads(expected, ref_inputs), strict=True):
+        assert_close(a, e)
+    # the parts: the surrogate without the bonus, and the reduced entropy
+    log_probs, entropy = reference.token_log_probs_from_hidden(
+        *(t.detach() for t in ref_inputs[:2]), case["tokens"], bias=case["bias"], mask=case["mask"]
+    )
+    policy = reference.policy_loss(
+        log_probs, case["old_log_probs"], case["advantages"], case["mask"], reduction=reduction,
+        importance_weights=weights, **options,
+    )  # fmt: skip
+    entropy_loss = reference.reduce_losses(
+        {(i, t): entropy[i, t] for i, t in case["mask"].nonzero().tolist()},
+        (3, 4),
+        reduction=reduction,
+    )
+    assert_close(out.policy_loss, policy)
+    assert_close(out.entropy_loss, entropy_loss)
+    assert_close(out.loss, policy - 0.15 * entropy_loss)
+
+
+def test_fused_entropy_bonus_float32_and_bfloat16() -> None:
+    # The chunked entropy bonus against the naive path (full logits, autograd) in float32, and
+    # against the float64 reference for bfloat16 inputs (computed in float32).
+    case = make_case(3, 6, 8, 31, seed=24, dtype=torch.float32)
+    inputs, naive_inputs = leaves(case), leaves(case)
+    common = {k: case[k] for k in ("old_log_probs", "advantages", "mask")}
+    out = fused_policy_loss_from_hidden(
+        inputs[0], inputs[1], case["tokens"], **common, bias=inputs[2], chunk_size=4,
+        surrogate="cispo", cispo_cap=2.0, entropy_coef=0.3, reduction="sequence_mean",
+    )  # fmt: skip
+    logits = naive_inputs[0] @ naive_inputs[1].T + naive_inputs[2]
+    log_softmax = torch.log_softmax(logits, dim=-1)
+    log_probs = log_softmax.gather(-1, case["tokens"].unsqueeze(-1)).squeeze(-1)
+    entropy = -(log_softmax.exp() * log_softmax).sum(-1)
+    expected = policy_loss(
+        log_probs, **common, surrogate="cispo", cispo_cap=2.0, entropy=entropy,
+        entropy_coef=0.3, reduction="sequence_mean",
+    )  # fmt: skip
+    assert_close(out.loss, expected.loss.detach().double())
+    for a, e in zip(grads(out.loss, inputs), grads(expected.loss, naive_inputs), strict=True):
+        assert_close(a, e.double())
+    # bfloat16 hidden states and head, computed in float32
+    low = make_case(2, 5, 16, 40, seed=25, dtype=torch.bfloat16)
+    low_inputs = leaves(low)
+    ref_inputs = [t.detach().double().requires_grad_(True) for t in leaves(low)]
+    low_common = {k: low[k] for k in ("tokens", "old_log_probs", "advantages", "mask")}
+    low_out = fused_policy_loss_from_hidden(
+        low_inputs[0], low_inputs[1], bias=low_inputs[2], **low_common, chunk_size=3,
+        surrogate="sapo", entropy_coef=0.2,
+    )  # fmt: skip
+    wanted = reference.fused_policy_loss_from_hidden(
+        ref_inputs[0], ref_inputs[1], bias=ref_inputs[2], **low_common, surrogate="sapo",
+        entropy_coef=0.2,
+    )  # fmt: skip
+    assert low_out.loss.dtype == torch.float32
+    assert_close(low_out.loss, wanted, dtype=torch.bfloat16)
+
+
+def test_fused_entropy_masked_nan_rows_reach_nothing() -> None:
+    case = make_case(3, 4, 5, 6, seed=26)
+    mask = case["mask"]
+    dirty = case["hidden"].clone()
+    dirty[~mask] = float("nan")
+    options = {"entropy_coef": 0.4, "chunk_size": 3, "surrogate": "sapo"}
+    common = {k: case[k] for k in ("tokens", "old_log_probs", "advantages", "mask")}
+    clean = leaves(case)
+    clean_out = fused_policy_loss_from_hidden(
+        clean[0], clean[1], bias=clean[2], **common, **options
+    )
+    dirty_inputs = [dirty.requires_grad_(True), *leaves(case)[1:]]
+    dirty_out = fused_policy_loss_from_hidden(
+        dirty_inputs[0], dirty_inputs[1], bias=dirty_inputs[2], **common, **options
+    )
+    assert torch.equal(dirty_out.loss.detach(), clean_out.loss.detach())
+    assert torch.equal(dirty_out.entropy_loss, clean_out.entropy_loss)
+    for a, e in zip(grads(dirty_out.loss, dirty_inputs), grads(clean_out.loss, clean), strict=True):
+        assert torch.isfinite(a).all()
+        assert torch.equal(a, e)
+
+
 @pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "sequence_sum_normalized"])
 def test_fused_finite_differences_float64(reduction: str) -> None:
     case = make_case(2, 3, 3, 5, seed=10)
@@ -541,6 +653,7 @@ def test_fused_finite_differences_float64(reduction: str) -> None:
             ref_log_probs=case["ref_log_probs"],
             kl_coef=0.2,
             kl_estimator="k2",
+            entropy_coef=0.3,
         ).loss
 
     finite_difference_check(function, leaves(case))

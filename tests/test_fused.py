@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import eager_reference
 import reference
+from family_cases import FAMILY_OPTION_SETS, TOKEN_LOCAL_FAMILY
 from rlobjectives import grpo_clipped_surrogate, kl_penalized_rewards, policy_loss
 from rlobjectives._fused import ClippedSurrogateFunction
 from rlobjectives._policy import _policy_loss_autograd
@@ -30,7 +31,7 @@ from rlobjectives._specified import _grpo_clipped_surrogate_autograd
 from tolerances import assert_close
 
 F64 = torch.float64
-REDUCTIONS = ("token_mean", "sequence_mean", "sequence_sum_normalized", "none")
+REDUCTIONS = ("token_mean", "sequence_mean", "sequence_sum_normalized", "length_weighted", "none")
 OPTION_SETS: list[dict[str, Any]] = [
     {},
     {"clip_low": 0.2, "clip_high": 0.28},
@@ -46,6 +47,7 @@ OPTION_SETS: list[dict[str, Any]] = [
     {"ratio_level": "sequence", "clip_low": 0.2, "dual_clip": 2.0},
     {"ratio_level": "sequence", "clip_low": None, "log_ratio_bound": None},
     {"ratio_level": "sequence", "clip_low": 0.2, "log_ratio_bound": 0.1},
+    *FAMILY_OPTION_SETS,
 ]
 DIAGNOSTIC_NAMES = (
     "clipped_fraction",
@@ -56,6 +58,7 @@ DIAGNOSTIC_NAMES = (
     "ratio_mean",
     "approx_kl_k1",
     "approx_kl_k3",
+    "weight_mean",
 )
 
 
@@ -342,7 +345,9 @@ def test_log_ratio_bound_edge_is_closed() -> None:
 
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 @pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("options", OPTION_SETS[:8] + OPTION_SETS[10:12], ids=repr)
+@pytest.mark.parametrize(
+    "options", OPTION_SETS[:8] + OPTION_SETS[10:12] + TOKEN_LOCAL_FAMILY, ids=repr
+)
 def test_nonfinite_at_masked_positions_reaches_nothing(
     bad: float, reduction: str, options: dict[str, Any]
 ) -> None:
@@ -429,7 +434,14 @@ def test_nothing_selected_gives_zeros() -> None:
 @pytest.mark.parametrize("dtype", [torch.float32, F64, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "options",
-    [{}, {"clip_low": 0.1, "clip_high": 0.3, "dual_clip": 1.5}, {"ratio_level": "sequence"}],
+    [
+        {},
+        {"clip_low": 0.1, "clip_high": 0.3, "dual_clip": 1.5},
+        {"ratio_level": "sequence"},
+        {"clip_low": 0.1, "delta": 1.6, "dual_clip": 1.3},
+        {"surrogate": "cispo"},
+        {"surrogate": "sapo"},
+    ],
     ids=repr,
 )
 @pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "none"])
@@ -466,13 +478,25 @@ def saved_bytes(fn: Any) -> int:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, F64])
 @pytest.mark.parametrize(
-    "options", [{}, {"clip_low": 0.2, "dual_clip": 2.0}, {"ratio_level": "sequence"}], ids=repr
+    "options",
+    [
+        {},
+        {"clip_low": 0.2, "dual_clip": 2.0},
+        {"ratio_level": "sequence"},
+        {"delta": 1.5},
+        {"surrogate": "cispo", "cispo_cap": 2.0},
+        {"surrogate": "sapo"},
+        {"importance_weights": "token"},
+    ],
+    ids=repr,
 )
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 def test_saved_tensor_budget(dtype: torch.dtype, options: dict[str, Any], reduction: str) -> None:
     batch, tokens = 16, 64
     log_probs, old, advantages, mask = make_batch(batch, tokens, seed=8, dtype=dtype)
     leaf = log_probs.clone().requires_grad_(True)
+    if options.get("importance_weights") == "token":  # constants: not saved for backward
+        options = {"importance_weights": torch.rand(batch, tokens, dtype=dtype)}
     compute_itemsize = 8 if dtype == F64 else 4
     # One float (B, T) tensor (the coefficient) + the bool mask, plus O(B): the (B, 1) weight
     # and, for the seed function, the per-sequence division's (B,) denominator.

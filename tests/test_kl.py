@@ -587,6 +587,119 @@ def test_biased_gradient_warning_is_a_user_warning() -> None:
     assert issubclass(BiasedGradientWarning, UserWarning)
 
 
+# ------------------------------------------------- importance weights (TRL use_bias_correction_kl)
+
+
+def test_kl_loss_importance_weights_trl_bias_correction_golden() -> None:
+    # TRL golden batch: per_token_kl = k3 * coef_1 with coef_1 = exp(logp - old) (not detached).
+    # k3 = e^{-d} + d - 1, d = logp - ref: row 1 [0.0187308, 0.0214028, 0], row 2 [0.0187308,
+    # 0.0214028]; times r = [[1.3498588, 0.9048374, 1], [0.6703200, 1.1051709]]: [[0.0252838,
+    # 0.0193661, 0], [0.0125556, 0.0236537]]; TRL's logged kl (dapo, N = 5) = 0.0161718387.
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, -1.2, -3.0]], dtype=torch.float64)
+    old = logp - torch.tensor([[0.3, -0.1, 0.0], [-0.4, 0.1, 0.7]], dtype=torch.float64)
+    ref = torch.tensor([[-1.2, -1.8, -0.5], [-0.9, -1.0, -2.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    logp.requires_grad_(True)
+    ratio = torch.exp(logp - old)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the differentiable ratio makes k3 unbiased: no warning
+        loss = kl_loss(logp, ref, mask, importance_weights=ratio)
+    assert_close(loss, 0.0161718387)
+    # d(r k3)/dl = r k3 + r (1 - e^{-d}) = r d: row 1 [1.3498588*0.2, 0.9048374*(-0.2), 0]/5
+    (grad,) = torch.autograd.grad(loss, logp)
+    r = ratio.detach()
+    d = (logp - ref).detach()
+    assert_close(grad, torch.where(mask, r * d / 5, 0.0))
+    assert_close(grad[0, 0], 1.3498588075760032 * 0.2 / 5)
+    # constant weights only rescale: the gradient is r (1 - e^{-d}) / 5
+    with pytest.warns(BiasedGradientWarning, match="biased gradient"):
+        constant = kl_loss(logp, ref, mask, importance_weights=ratio.detach())
+    (grad,) = torch.autograd.grad(constant, logp)
+    assert_close(constant, 0.0161718387)
+    assert_close(grad, torch.where(mask, r * -torch.expm1(-d) / 5, 0.0))
+
+
+@given(
+    shape=shapes,
+    seed=st.integers(0, 2**16),
+    estimator=st.sampled_from(ESTIMATORS),
+    reduction=st.sampled_from(REDUCTIONS),
+    weight_shape=st.sampled_from(["BT", "B1", "B"]),
+    differentiable=st.booleans(),
+)
+def test_kl_loss_importance_weights_match_reference(
+    shape: tuple[int, int],
+    seed: int,
+    estimator: str,
+    reduction: str,
+    weight_shape: str,
+    differentiable: bool,
+) -> None:
+    log_probs, ref_log_probs, mask = _inputs(seed, *shape)
+    generator = torch.Generator().manual_seed(seed + 1)
+    weights = torch.rand(shape, generator=generator, dtype=torch.float64) * 2
+    weights = {"BT": weights, "B1": weights[:, :1], "B": weights[:, 0]}[weight_shape]
+    log_probs.requires_grad_(True)
+    weights = weights.detach().requires_grad_(differentiable)
+    poisoned = torch.where(mask, weights, float("nan")) if weight_shape == "BT" else weights
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", BiasedGradientWarning)
+        loss = kl_loss(
+            log_probs,
+            ref_log_probs,
+            mask,
+            estimator=estimator,  # type: ignore[arg-type]
+            reduction=reduction,
+            importance_weights=poisoned,
+        )
+    expected = reference.kl_loss(
+        log_probs,
+        ref_log_probs,
+        mask,
+        estimator=estimator,
+        reduction=reduction,
+        importance_weights=weights,
+    )
+    assert_close(loss, expected)
+    inputs = [log_probs, weights] if differentiable else [log_probs]
+    for got, want in zip(_grads(loss, *inputs), _grads(expected, *inputs), strict=True):
+        assert torch.isfinite(got).all()
+        assert_close(got, want)
+
+
+@pytest.mark.parametrize(
+    ("estimator", "straight_through", "warns"),
+    [("k3", False, False), ("k1", False, False), ("k2", False, True), ("k3", True, True)],
+)
+def test_kl_loss_differentiable_weights_warnings(
+    estimator: str, straight_through: bool, warns: bool
+) -> None:
+    weights = torch.ones(1, 2, requires_grad=True)
+    with warnings.catch_warnings(record=True) as record:
+        warnings.simplefilter("always")
+        kl_loss(
+            torch.zeros(1, 2),
+            torch.zeros(1, 2),
+            torch.ones(1, 2),
+            estimator=estimator,  # type: ignore[arg-type]
+            straight_through=straight_through,
+            importance_weights=weights,
+        )
+    found = [w for w in record if issubclass(w.category, BiasedGradientWarning)]
+    assert bool(found) == warns
+    if warns:
+        assert "differentiable importance_weights" in str(found[0].message)
+        assert found[0].filename == __file__
+
+
+def test_kl_loss_importance_weights_errors() -> None:
+    zeros = torch.zeros(2, 3)
+    with pytest.raises(ValueError, match=r"importance_weights must have shape \(B,\), \(B, 1\)"):
+        kl_loss(zeros, zeros, torch.ones(2, 3), estimator="k2", importance_weights=torch.ones(3))
+    with pytest.raises(TypeError, match=r"importance_weights must contain only numbers"):
+        kl_loss(zeros, zeros, torch.ones(2, 3), estimator="k2", importance_weights=[["x"]])
+
+
 # --------------------------------------------------------------------------- errors
 
 

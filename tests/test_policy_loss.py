@@ -16,12 +16,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference
+from family_cases import FAMILY_OPTION_SETS
 from rlobjectives import grpo_clipped_surrogate, policy_loss
 from rlobjectives._policy import _policy_loss_autograd
 from tolerances import assert_close
 
 F64 = torch.float64
-REDUCTIONS = ("token_mean", "sequence_mean", "sequence_sum_normalized", "none")
+REDUCTIONS = ("token_mean", "sequence_mean", "sequence_sum_normalized", "length_weighted", "none")
 DIAGNOSTIC_NAMES = (
     "clipped_fraction",
     "clip_fraction_low",
@@ -31,6 +32,7 @@ DIAGNOSTIC_NAMES = (
     "ratio_mean",
     "approx_kl_k1",
     "approx_kl_k3",
+    "weight_mean",
 )
 
 
@@ -143,6 +145,7 @@ OPTION_SETS: list[dict[str, Any]] = [
     {"ratio_level": "sequence", "clip_low": 0.2, "log_ratio_bound": 0.1},
     {"ratio_level": "sequence", "clip_low": 0.2, "log_ratio_bound": None},
 ]
+OPTION_SETS = OPTION_SETS + FAMILY_OPTION_SETS
 
 
 # --------------------------------------------------------------------------------------------
@@ -244,6 +247,60 @@ def test_matches_reference_property(
     assert_diagnostics_match(
         out.diagnostics,
         reference.policy_loss_diagnostics(*batch, **options, diagnostics_normalizer=normalizer),
+    )
+
+
+@given(
+    batch_size=st.integers(0, 6),
+    tokens=st.integers(0, 7),
+    seed=st.integers(0, 2**31 - 1),
+    per_token=st.booleans(),
+    options=st.sampled_from(FAMILY_OPTION_SETS),
+    reduction=st.sampled_from(REDUCTIONS),
+    normalizer=st.sampled_from([None, 7]),
+    weights=st.sampled_from([None, "token", "sequence"]),
+    entropy_coef=st.sampled_from([0.0, 0.3]),
+)
+def test_family_matches_reference_property(
+    batch_size: int,
+    tokens: int,
+    seed: int,
+    per_token: bool,
+    options: dict[str, Any],
+    reduction: str,
+    normalizer: int | None,
+    weights: str | None,
+    entropy_coef: float,
+) -> None:
+    # Every surrogate of the family on random odd shapes (empty batches and rows included), with
+    # importance weights and the entropy bonus: values and gradients (log_probs and entropy) of
+    # the library (fused or autograd path) and of the float64 loop reference.
+    batch = make_batch(batch_size, tokens, seed, per_token=per_token)
+    generator = torch.Generator().manual_seed(seed)
+    entropy = 3 * torch.rand(batch_size, tokens, generator=generator, dtype=F64)
+    kwargs: dict[str, Any] = dict(options, reduction=reduction, normalizer=normalizer)
+    if weights is not None:
+        shape = (batch_size, tokens) if weights == "token" else (batch_size, 1)
+        kwargs["importance_weights"] = 2 * torch.rand(*shape, generator=generator, dtype=F64)
+    kwargs["entropy_coef"] = entropy_coef
+    leaves_ = [batch.log_probs.clone().requires_grad_(True), entropy.clone().requires_grad_(True)]
+    out = policy_loss(leaves_[0], *batch[1:], entropy=leaves_[1], **kwargs)
+    ref_leaves = [
+        batch.log_probs.clone().requires_grad_(True),
+        entropy.clone().requires_grad_(True),
+    ]
+    expected = reference.policy_loss(ref_leaves[0], *batch[1:], entropy=ref_leaves[1], **kwargs)
+    assert_close(out.loss, expected)
+    for grad, expected_grad in zip(
+        grads_of(out.loss, leaves_), grads_of(expected, ref_leaves), strict=True
+    ):
+        assert torch.isfinite(grad).all()
+        assert_close(grad, expected_grad)
+    assert_diagnostics_match(
+        out.diagnostics,
+        reference.policy_loss_diagnostics(
+            *batch, **options, importance_weights=kwargs.get("importance_weights")
+        ),
     )
 
 
@@ -697,6 +754,11 @@ def test_extra_padding_changes_nothing(
         {"clip_low": None, "log_ratio_bound": None},
         {"ratio_level": "sequence"},
         {"ratio_level": "sequence", "clip_low": None, "log_ratio_bound": None},
+        {"clip_low": 0.1, "delta": 1.6, "dual_clip": 1.3},
+        {"surrogate": "cispo", "cispo_cap": 1.3},
+        {"surrogate": "sapo", "ratio_level": "sequence"},
+        {"surrogate": "gmpo"},
+        {"surrogate": "vespo", "log_ratio_bound": None},
     ],
 )
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -802,7 +864,16 @@ def test_inputs_not_mutated() -> None:
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize(
     "options",
-    [{}, {"clip_high": 0.28, "dual_clip": 3.0}, {"ratio_level": "sequence", "clip_low": None}],
+    [
+        {},
+        {"clip_high": 0.28, "dual_clip": 3.0},
+        {"ratio_level": "sequence", "clip_low": None},
+        {"delta": 1.1},
+        {"surrogate": "cispo", "cispo_cap": 1.3},
+        {"surrogate": "sapo"},
+        {"surrogate": "gmpo"},
+        {"surrogate": "vespo"},
+    ],
 )
 @pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "none"])
 def test_dtypes(dtype: torch.dtype, options: dict[str, Any], reduction: str) -> None:
@@ -968,13 +1039,21 @@ def _micro_batch(batch: Batch, start: int, stop: int) -> Batch:
     return Batch(*(x[start:stop, :width] for x in batch))
 
 
-@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "sequence_sum_normalized"])
+@pytest.mark.parametrize(
+    "reduction", ["token_mean", "sequence_mean", "sequence_sum_normalized", "length_weighted"]
+)
 @pytest.mark.parametrize(
     "options",
     [
         {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 2.0, "log_ratio_bound": 0.5},
         {"ratio_level": "sequence", "clip_low": 0.1},
         {"clip_low": None},
+        {"clip_low": 0.2, "delta": 1.1},
+        {"surrogate": "cispo", "cispo_cap": 1.3},
+        {"surrogate": "cispo"},
+        {"surrogate": "sapo"},
+        {"surrogate": "gmpo"},
+        {"surrogate": "vespo"},
     ],
 )
 def test_micro_batch_invariance(reduction: str, options: dict[str, Any]) -> None:
@@ -985,6 +1064,7 @@ def test_micro_batch_invariance(reduction: str, options: dict[str, Any]) -> None
         "token_mean": tokens,
         "sequence_mean": non_empty,
         "sequence_sum_normalized": len(LENGTHS),
+        "length_weighted": len(LENGTHS),
     }[reduction]
     kwargs = dict(options, reduction=reduction, max_response_length=12)
     full, full_grads = run_library(batch, **kwargs)
@@ -1079,6 +1159,40 @@ ERROR_CASES: list[tuple[dict[str, Any], type[Exception], str]] = [
         r"max_response_length must be > 0 and a whole number",
     ),
     ({"diagnostics_normalizer": -1}, ValueError, r"diagnostics_normalizer must be > 0"),
+    ({"surrogate": "ppo"}, ValueError, r"surrogate must be one of \['clip', 'cispo'"),
+    ({"delta": 1.0}, ValueError, r"delta must be > 1"),
+    ({"delta": math.nan}, ValueError, r"delta must be finite"),
+    ({"surrogate": "sapo", "delta": 2.0}, ValueError, r"delta applies to surrogate='clip' only"),
+    ({"surrogate": "cispo", "dual_clip": 3.0}, ValueError, r"dual_clip applies to surrogate="),
+    ({"cispo_cap": 5.0}, ValueError, r"cispo_cap applies to surrogate='cispo' only"),
+    ({"surrogate": "cispo", "cispo_cap": 0.0}, ValueError, r"cispo_cap must be > 0"),
+    ({"sapo_temperature_pos": 0.0}, ValueError, r"sapo_temperature_pos must be > 0"),
+    ({"sapo_temperature_neg": -1.0}, ValueError, r"sapo_temperature_neg must be > 0"),
+    ({"vespo_k_pos": -1.0}, ValueError, r"vespo_k_pos must be >= 0"),
+    ({"vespo_lambda_neg": 0.0}, ValueError, r"vespo_lambda_neg must be > 0"),
+    ({"vespo_k_neg": "3"}, TypeError, r"vespo_k_neg must be a real number"),
+    (
+        {"surrogate": "gmpo", "ratio_level": "sequence"},
+        ValueError,
+        r"surrogate='gmpo' forms its own sequence ratio: ratio_level must be 'token'",
+    ),
+    (
+        {"surrogate": "vespo", "ratio_level": "sequence"},
+        ValueError,
+        r"ratio_level must be 'token'",
+    ),
+    ({"importance_weights": torch.ones(3)}, ValueError, r"importance_weights must have shape"),
+    ({"importance_weights": torch.ones(2, 2)}, ValueError, r"importance_weights must have shape"),
+    ({"importance_weights": "w"}, TypeError, r"importance_weights must be"),
+    (
+        {"importance_weights": torch.ones(2, 3, device="meta")},
+        ValueError,
+        r"importance_weights must be on the same device",
+    ),
+    ({"entropy": torch.ones(2, 4)}, ValueError, r"entropy must have the same shape"),
+    ({"entropy": torch.ones(2)}, ValueError, r"entropy must have shape \(B, T\)"),
+    ({"entropy_coef": 0.1}, ValueError, r"entropy_coef != 0 requires entropy"),
+    ({"entropy": torch.ones(2, 3), "entropy_coef": math.inf}, ValueError, r"entropy_coef must be"),
     ({"diagnostics_normalizer": "a"}, TypeError, r"diagnostics_normalizer must be a real"),
 ]
 
@@ -1107,6 +1221,23 @@ def test_tensor_hyperparameters() -> None:
     assert_close(actual.loss, expected.loss)
     for a, b in zip(actual.diagnostics, expected.diagnostics, strict=True):
         assert_close(a, b)
+    family = [
+        dict(delta=1.1, dual_clip=2.0, clip_high=0.3),
+        dict(surrogate="cispo", cispo_cap=1.2),
+        dict(surrogate="sapo", sapo_temperature_pos=2.0, sapo_temperature_neg=3.0),
+        dict(surrogate="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.0),
+        dict(surrogate="gmpo", clip_low=0.1, clip_high=0.3),
+    ]
+    for numbers in family:
+        tensors = {
+            k: v if isinstance(v, str) else torch.tensor(float(v), dtype=F64)
+            for k, v in numbers.items()
+        }
+        expected = policy_loss(*batch, **numbers)
+        actual = policy_loss(*batch, **tensors)
+        assert_close(actual.loss, expected.loss)
+        for a, b in zip(actual.diagnostics, expected.diagnostics, strict=True):
+            assert_close(a, b)
 
 
 # --------------------------------------------------------------------------------------------

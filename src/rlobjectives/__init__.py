@@ -14,6 +14,7 @@ from ._alignment import (
     response_alignment,
     response_log_probs,
 )
+from ._entropy import top_entropy_mask
 from ._kl import BiasedGradientWarning, kl_estimate, kl_loss
 from ._kl_control import AdaptiveKLController, FixedKLController
 from ._kl_rewards import kl_penalized_token_rewards
@@ -21,6 +22,7 @@ from ._lm_head import TokenLogProbsOutput, token_log_probs_from_hidden
 from ._lm_head_loss import FusedPolicyLossOutput, fused_policy_loss_from_hidden
 from ._logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, token_log_probs
 from ._masking import masked_mean, masked_sum
+from ._off_policy import off_policy_sequence_mask
 from ._outcome_advantages import (
     group_relative_advantages,
     opo_advantages,
@@ -32,6 +34,8 @@ from ._packing import PackedTokens, UnpackedTokens, pack, unpack
 from ._policy import policy_loss
 from ._policy_args import PolicyLossDiagnostics, PolicyLossOutput
 from ._reduction import Reduction, aggregate
+from ._rollout import RolloutCorrection, rollout_correction
+from ._rollout_metrics import RolloutCorrectionMetrics
 from ._specified import grpo_clipped_surrogate, kl_penalized_rewards
 from ._value import ValueLossDiagnostics, ValueLossOutput, value_loss
 from ._whitening import masked_whiten
@@ -40,6 +44,7 @@ from .distributed import (
     data_parallel_loss_scale,
     global_masked_whiten,
     global_normalizers,
+    global_top_entropy_mask,
     normalizer_for_reduction,
     sum_diagnostics,
 )
@@ -62,6 +67,8 @@ __all__ = [
     "Reduction",
     "ResponseAlignment",
     "ResponseLogProbs",
+    "RolloutCorrection",
+    "RolloutCorrectionMetrics",
     "TokenLogProbsOutput",
     "UnpackedTokens",
     "ValueLossDiagnostics",
@@ -75,6 +82,7 @@ __all__ = [
     "gae",
     "global_masked_whiten",
     "global_normalizers",
+    "global_top_entropy_mask",
     "group_relative_advantages",
     "grpo_clipped_surrogate",
     "kl_estimate",
@@ -85,6 +93,7 @@ __all__ = [
     "masked_sum",
     "masked_whiten",
     "normalizer_for_reduction",
+    "off_policy_sequence_mask",
     "opo_advantages",
     "passk_advantages",
     "pack",
@@ -94,10 +103,12 @@ __all__ = [
     "response_alignment",
     "response_log_probs",
     "rloo_advantages",
+    "rollout_correction",
     "sum_diagnostics",
     "token_entropy",
     "token_log_probs",
     "token_log_probs_from_hidden",
+    "top_entropy_mask",
     "unpack",
     "value_loss",
 ]

@@ -1,22 +1,29 @@
-r"""Fused forward/backward of the clipped policy surrogate, as named stages.
+r"""Fused forward/backward of the token-local policy surrogates, as named stages.
 
 :class:`ClippedSurrogateFunction` computes, in one forward pass over the ``(B, T)`` inputs, the
-surrogate :math:`s`, its reduction, the eight diagnostics and the gradient coefficient
+surrogate :math:`s`, its reduction, the nine diagnostics and the gradient coefficient
 :math:`\partial s_{it} / \partial \ell_{it}`; the backward is one multiplication by the
 reduction's per-row weight. It saves one float ``(B, T)`` tensor (the coefficient) plus the mask
-and a ``(B, 1)`` weight, where autograd keeps about six ``(B, T)`` tensors.
+and a ``(B, 1)`` weight, where autograd keeps about six ``(B, T)`` tensors. The surrogate stage
+is keyed by the ``surrogate`` option (:data:`TOKEN_STAGES`): the bit-trick stage below for
+``"clip"``, the plain stages of :mod:`rlobjectives._fused_surrogates` for ``"cispo"`` and
+``"sapo"``. Importance weights :math:`w` enter as :math:`\tilde A = wA` in the products (one
+``(B, T)`` multiplication); the clip decisions and the diagnostics use :math:`A`.
 
-The math is that of :mod:`rlobjectives._surrogate` (the readable specification, which it is
-tested against), written per sign of the advantage:
+The math is that of :mod:`rlobjectives._surrogates` (the readable specification, which it is
+tested against). The ``"clip"`` surrogate is written per sign of the advantage:
 
 .. math::
 
     s = A \cdot \mathrm{clip}(r, L, H), \qquad
-    (L, H) = \begin{cases} (-\infty,\ 1 + \epsilon_{high}) & A > 0 \\
-                           (1 - \epsilon_{low},\ c) & A < 0 \end{cases}
+    (L, H) = \begin{cases} (-\infty,\ \min(1 + \epsilon_{high}, \delta)) & A > 0 \\
+                           (1 - \epsilon_{low},\ \min(c, \max(1 + \epsilon_{high}, \delta)))
+                           & A < 0 \end{cases}
 
-(:math:`c = \infty` without dual clip, no bounds without clipping), which is
-``max(min(rA, clip(r)A), cA)`` product for product, and
+(:math:`c = \delta = \infty` when not given; without clipping :math:`H = \delta` for
+:math:`A > 0` and :math:`\min(c, \delta)` for :math:`A < 0`; see
+:func:`rlobjectives._surrogates.clip_bounds`), which is
+``max(min(min(r, delta)A, clip(r)A), cA)`` product for product, and
 :math:`\partial s / \partial \ell = rA` where :math:`L \le r \le H` and the log-ratio is within
 its bound, else 0. This reproduces autograd's conventions: ``torch.clamp`` passes the gradient on
 the closed interval (ratio band and log-ratio bound); in the band ``torch.minimum`` sees a tie of
@@ -26,9 +33,10 @@ exact zeros before any arithmetic (log-ratio 0, ratio 1, advantage 0): NaN/inf t
 value, diagnostic or gradient. NaN at a selected position propagates to the loss.
 
 The stages of :func:`fused_forward`: :func:`_log_ratio_stage` (select, GSPO form, k1/k3 sums),
-:func:`_ratio_stage` (bound, exp), :func:`_clip_gates` (which tokens pass the gradient, clip
-counts), :func:`_surrogate_values`, :func:`_reduce_stage` (through
-:mod:`rlobjectives._reduction`) and :func:`_diagnostics`.
+:func:`_ratio_stage` (bound, exp), the surrogate stage (for ``"clip"``: :func:`_clip_gates`,
+which tokens pass the gradient and the clip counts, :func:`_gradient_coefficient` and
+:func:`_surrogate_values`), :func:`_reduce_stage` (through :mod:`rlobjectives._reduction`) and
+:func:`_diagnostics`.
 
 Documented deviations from the autograd path (all at measure-zero or non-finite inputs):
 
@@ -49,18 +57,27 @@ CPU a fresh ``(B, T)`` buffer costs page faults that often exceed the arithmetic
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
 from ._bits import Bits, count_bits, less_, magnitude_, mask_bits, select, select_, sign_bits
+from ._fused_surrogates import PLAIN_STAGES, ClipCounts, StageInputs, StageOutputs
 from ._layout import Layout
 from ._masking import clamp
 from ._policy_args import SurrogateOptions
 from ._reduction import ReductionSpec, reduce_rows, row_weights, token_gradient_weights
 from ._surrogate import DIAGNOSTIC_LOG_RATIO_BOUND
+from ._surrogates import ClipBounds, clip_bounds
 
-__all__ = ["ClippedSurrogateFunction", "FusedSpec", "fused_forward"]
+__all__ = [
+    "TOKEN_STAGES",
+    "ClippedSurrogateFunction",
+    "FusedSpec",
+    "fused_forward",
+    "has_fused_stage",
+]
 
 
 class FusedSpec(NamedTuple):
@@ -133,62 +150,45 @@ def _ratio_stage(
     return ratio, bound_fired
 
 
-class _ClipCounts(NamedTuple):
-    out_of_band: torch.Tensor
-    binding_low: torch.Tensor
-    binding_high: torch.Tensor
-
-
-def _clip_gates(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    keep: torch.Tensor,
-    bits: Bits,
-    spec: FusedSpec,
-    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> tuple[_ClipCounts | None, torch.Tensor | None]:
+def _clip_gates(inputs: StageInputs, bounds: ClipBounds) -> tuple[ClipCounts, torch.Tensor]:
     """Clear ``keep`` where a clip binds; return the clip counts and the dual-clip count.
 
     The ratio is >= +0 or NaN, so its bits order like its values (a NaN with the sign bit set,
     which exp does not produce, would count as below the band). At unselected positions the
-    ratio is exactly 1, never clipped, so the advantage signs need no mask.
+    ratio is exactly 1, never clipped (every bound is >= 1 but the low edge, <= 1), so the
+    advantage signs need no mask.
     """
-    options = spec.options
-    ratio_bits = bits.view(ratio)  # (B, T), no copy
-    positive, negative = sign_bits(advantages, spec.dtype) if signs is None else signs  # A's shape
-    clip_counts = None
-    if options.clip_low is not None:
-        low, high = _band(options)
-        flags = bits.less(ratio_bits, bits.of(low))  # (B, T) r < 1 - eps_low
+    bits, keep, zero = inputs.bits, inputs.keep, inputs.selected_count.new_zeros(())
+    ratio_bits = bits.view(inputs.ratio)  # (B, T), no copy
+    positive, negative = sign_bits(inputs.advantages, inputs.dtype)  # shape of A
+    out_of_band = binding_low = binding_high = dual = zero
+    high_flags = None
+    reuse = inputs.options.delta is None  # the high edge for A > 0 is 1 + eps_high itself
+    if bounds.band is not None:
+        flags = bits.less(ratio_bits, bits.of(bounds.band[0]))  # (B, T) r < 1 - eps_low
         below = count_bits(flags)
         binding_low = count_bits(flags.bitwise_and_(negative))  # the low clip binds (A < 0)
         keep &= flags.bitwise_not_()
-        flags = bits.less(bits.of(high), ratio_bits, out=flags)  # r > 1 + eps_high (NaN too)
-        above = count_bits(flags)
-        binding_high = count_bits(flags.bitwise_and_(positive))  # the high clip binds (A > 0)
-        keep &= flags.bitwise_not_()
-        clip_counts = _ClipCounts(below + above, binding_low, binding_high)
-    dual_count = None
-    if options.dual_clip is not None:
-        dual_binding = bits.less(bits.of(options.dual_clip), ratio_bits).bitwise_and_(negative)
-        dual_count = count_bits(dual_binding)
-        keep &= dual_binding.bitwise_not_()
-    return clip_counts, dual_count
+        high_flags = bits.less(bits.of(bounds.band[1]), ratio_bits, out=flags)  # r > 1 + eps_h
+        out_of_band = below + count_bits(high_flags)
+        high_flags = high_flags if reuse else None
+    if bounds.upper_positive is not None:
+        if high_flags is None:
+            high_flags = bits.less(bits.of(bounds.upper_positive), ratio_bits)  # NaN too
+        binding_high = count_bits(high_flags.bitwise_and_(positive))  # the high edge binds
+        keep &= high_flags.bitwise_not_()
+    if bounds.upper_negative is not None:
+        upper = bits.less(bits.of(bounds.upper_negative), ratio_bits).bitwise_and_(negative)
+        dual = count_bits(upper)
+        keep &= upper.bitwise_not_()
+    return ClipCounts(out_of_band, binding_low, binding_high), dual
 
 
-def _band(options: SurrogateOptions) -> tuple[float | torch.Tensor, float | torch.Tensor]:
-    """``(1 - eps_low, 1 + eps_high)`` (``clip_low`` is not None)."""
-    assert options.clip_low is not None  # internal invariant, checked by the caller
-    high = options.clip_low if options.clip_high is None else options.clip_high
-    return 1.0 - options.clip_low, 1.0 + high
-
-
-def _gradient_coefficient(
-    ratio: torch.Tensor, advantages: torch.Tensor, keep: torch.Tensor, spec: FusedSpec
-) -> torch.Tensor:
-    """``d s / d log_probs = r A`` where the unclipped branch is active (``keep``), else 0."""
-    coefficient = select_(ratio * advantages, keep)  # (B, T)
-    dual_clip = spec.options.dual_clip
+def _gradient_coefficient(inputs: StageInputs) -> torch.Tensor:
+    """``d s / d log_probs = r A~`` where the unclipped branch is active (``keep``), else 0."""
+    ratio, advantages = inputs.ratio, inputs.advantages
+    coefficient = select_(ratio * inputs.weighted, inputs.keep)  # (B, T)
+    dual_clip = inputs.options.dual_clip
     if dual_clip is not None:
         # At r == c exactly torch.maximum(s, cA) ties and passes half of the gradient.
         tie = (ratio == _as_tensor(dual_clip, ratio)) & (advantages < 0)
@@ -197,65 +197,83 @@ def _gradient_coefficient(
 
 
 def _surrogate_values(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    selection: torch.Tensor,
-    spec: FusedSpec,
-    signs: tuple[torch.Tensor, torch.Tensor] | None = None,
-) -> torch.Tensor:
-    """``s = A clip(r, L, H)`` with L, H in the shape of A; +0 at unselected positions.
+    inputs: StageInputs, bounds: ClipBounds, selection: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``s = A~ clip(r, L, H)`` (+0 at unselected positions) and ``sum clip(r, L, H)``.
 
-    Overwrites ``ratio`` (and ``signs``, the sign masks of per-token advantages).
+    L and H have the shape of A; the sum is over the selected tokens. Overwrites the ratio.
+    ``clip(r, L, H)`` is exactly 1 at unselected positions (r = 1 there, L <= 1 <= H), so its
+    selected sum is the full sum minus the unselected count.
     """
-    if advantages.shape == ratio.shape and advantages.shape[-1] > 1:
-        signs = sign_bits(advantages, spec.dtype) if signs is None else signs
-        return _surrogate_values_per_token(ratio, advantages, selection, signs, spec)
-    options = spec.options
+    ratio, advantages = inputs.ratio, inputs.advantages.to(inputs.dtype)
     infinity = float("inf")
-    low: float | torch.Tensor = -infinity
-    high: float | torch.Tensor = infinity
-    if options.clip_low is not None:
-        low, high = _band(options)
-    upper_negative = infinity if options.dual_clip is None else options.dual_clip
-    lower = torch.full_like(advantages, -infinity).masked_fill_(advantages < 0, low)
-    upper = (
-        torch.full_like(advantages, infinity)
-        .masked_fill_(advantages > 0, high)
-        .masked_fill_(advantages < 0, upper_negative)
-    )
-    surrogate = torch.maximum(ratio, lower, out=ratio)  # (B, T)
-    return select_(torch.minimum(surrogate, upper, out=surrogate).mul_(advantages), selection)
+    lower_negative = -infinity if bounds.lower_negative is None else bounds.lower_negative
+    upper_positive = infinity if bounds.upper_positive is None else bounds.upper_positive
+    upper_negative = infinity if bounds.upper_negative is None else bounds.upper_negative
+    if advantages.shape == ratio.shape and advantages.shape[-1] > 1:
+        # Per-token advantages (packed rows, GAE): per-sign bounds by bit selection, since
+        # per-token masked_fill / torch.where cost several times more on CPU.
+        weight = _per_token_weight(
+            ratio, advantages, (lower_negative, upper_positive, upper_negative)
+        )
+    else:
+        lower = torch.full_like(advantages, -infinity).masked_fill_(advantages < 0, lower_negative)
+        upper = (
+            torch.full_like(advantages, infinity)
+            .masked_fill_(advantages > 0, upper_positive)
+            .masked_fill_(advantages < 0, upper_negative)
+        )
+        weight = torch.maximum(ratio, lower, out=ratio)  # (B, T)
+        weight = torch.minimum(weight, upper, out=weight)
+    unselected = weight.numel() - inputs.selected_count
+    weight_sum = (weight.sum(dtype=torch.float64) - unselected).to(inputs.dtype)
+    return select_(weight.mul_(inputs.weighted), selection), weight_sum
 
 
-def _surrogate_values_per_token(
+def _per_token_weight(
     ratio: torch.Tensor,
     advantages: torch.Tensor,
-    selection: torch.Tensor,
-    signs: tuple[torch.Tensor, torch.Tensor],
-    spec: FusedSpec,
+    bounds: tuple[float | torch.Tensor, float | torch.Tensor, float | torch.Tensor],
 ) -> torch.Tensor:
-    """:func:`_surrogate_values` for per-token advantages (packed rows, GAE).
+    """``clip(r, L, H)`` with per-token ``(L, H)`` by the sign of ``A``, as merged bit patterns.
 
-    ``min(rA, clip(r, L, H) A)``, then ``max(s, cA)`` where ``A < 0``: the same products as the
-    per-sign bounds of :func:`_surrogate_values` (the min and max pick one of two products),
-    in four passes without per-token bounds (``masked_fill`` / ``torch.where`` over ``(1, N)``
-    cost several times more on CPU); the dual clip merges by bit selection on ``A < 0``.
-    Overwrites ``ratio``.
+    ``min(r, H+)`` where ``A > 0``, ``clip(r, L-, H-)`` where ``A < 0``, ``r`` elsewhere (A = 0
+    or NaN): the values of the per-sign bounds, exactly. Overwrites ``ratio``.
     """
-    options = spec.options
-    clipped = None
-    if options.clip_low is not None:
-        clipped = clamp(ratio, *_band(options)).mul_(advantages)  # clip(r) A
-    surrogate = ratio.mul_(advantages)  # r A, in the ratio's buffer
-    if clipped is not None:
-        surrogate = torch.minimum(surrogate, clipped, out=surrogate)
-    if options.dual_clip is None:
-        return select_(surrogate, selection)
-    negative = signs[1]  # A < 0
-    raised = torch.maximum(surrogate, advantages * options.dual_clip)  # max(s, c A)
-    merged = select_(raised, negative).view(negative.dtype)
-    merged |= select(surrogate, negative.bitwise_not()).view(negative.dtype)
-    return select_(merged.view(ratio.dtype), selection)
+    lower_negative, upper_positive, upper_negative = bounds
+    positive, negative = sign_bits(advantages, ratio.dtype)  # shape of A
+    value = select_(clamp(ratio, -float("inf"), upper_positive), positive).view(positive.dtype)
+    value |= select_(clamp(ratio, lower_negative, upper_negative), negative).view(positive.dtype)
+    neither = positive.bitwise_or_(negative).bitwise_not_()  # A == 0 or NaN
+    value |= select_(ratio, neither).view(positive.dtype)
+    return value.view(ratio.dtype)
+
+
+def _clip_stage(inputs: StageInputs) -> StageOutputs:
+    """The clipped surrogate with IEEE-754 bit tricks (the CPU-tuned default)."""
+    bounds = clip_bounds(inputs.options)
+    clip, dual = _clip_gates(inputs, bounds)
+    coefficient = _gradient_coefficient(inputs)
+    # Sum of r over the selected tokens (r - 1 = 0 exactly elsewhere), in the gate's buffer;
+    # then the buffer holds the selection again (no new (B, T) allocation).
+    keep, dtype = inputs.keep, inputs.dtype
+    ratio_sum = torch.sub(inputs.ratio, 1.0, out=keep.view(dtype)).sum() + inputs.selected_count.to(
+        dtype
+    )
+    selection = keep.copy_(inputs.mask).neg_()  # (B, T) all ones where selected
+    values, weight_sum = _surrogate_values(inputs, bounds, selection)
+    return StageOutputs(coefficient, values, selection, clip, dual, ratio_sum, weight_sum)
+
+
+TOKEN_STAGES: dict[str, Callable[[StageInputs], StageOutputs]] = {
+    "clip": _clip_stage,
+    **PLAIN_STAGES,
+}
+
+
+def has_fused_stage(options: SurrogateOptions) -> bool:
+    """Whether the fused path computes ``options.surrogate`` (the token-local surrogates)."""
+    return options.surrogate in TOKEN_STAGES
 
 
 class _Reduced(NamedTuple):
@@ -284,9 +302,9 @@ class FusedForward(NamedTuple):
     """Result of :func:`fused_forward`."""
 
     loss: torch.Tensor  # () or (B, T) for reduction "none", computation dtype
-    row_sums: torch.Tensor  # (S,) sum_t s_it over each sequence's selected tokens
-    diagnostics: torch.Tensor  # (8,) see PolicyLossDiagnostics (field order)
-    coefficient: torch.Tensor  # (B, T) d s_it / d log_probs_it, zero at unselected tokens
+    row_sums: torch.Tensor  # (S,) sum_t w_it s_it over each sequence's selected tokens
+    diagnostics: torch.Tensor  # (9,) see PolicyLossDiagnostics (field order)
+    coefficient: torch.Tensor  # (B, T) d (w s_it) / d log_probs_it, zero at unselected tokens
     row_weights: torch.Tensor  # (B, 1) or (1, N): d loss / d s_it
 
 
@@ -296,42 +314,48 @@ def fused_forward(
     advantages: torch.Tensor,
     mask: torch.Tensor,
     spec: FusedSpec,
+    importance_weights: torch.Tensor | None = None,
 ) -> FusedForward:
     """The whole forward: values, diagnostics and the gradient coefficient, no autograd graph.
 
-    Temporaries are updated in place where possible: on CPU a fresh ``(B, T)`` buffer costs page
-    faults, often more than the arithmetic.
+    ``importance_weights`` (``(B, 1)`` or ``(B, T)``, constants) multiply the per-token
+    surrogate. Temporaries are updated in place where possible: on CPU a fresh ``(B, T)``
+    buffer costs page faults, often more than the arithmetic.
     """
     dtype = spec.dtype
-    bits = Bits(dtype, log_probs.device)
     keep = mask_bits(mask, dtype)  # (B, T) all ones where selected; becomes the gradient gate
     per_row = _per_row_sums_needed(spec)
     # (S,) selected tokens per sequence; their total as (1,) where no per-row count is needed
     counts = spec.layout.row_counts(mask) if per_row else mask.sum().reshape(1)
     # (B, 1) or (B, T); never selected itself: every product with it is selected afterwards.
     advantages = advantages.to(dtype)
-    signs = sign_bits(advantages, dtype)  # select masks of A > 0 and A < 0, shape of A
+    weighted = advantages
+    if importance_weights is not None:  # the one extra (B, T) pass of the importance weights
+        weighted = advantages * importance_weights.to(dtype)
     stage = _log_ratio_stage(log_probs, old_log_probs, keep, counts, spec)
     kl_sums = (stage.approx_kl_k1, stage.approx_kl_k3)
+    bits = Bits(dtype, log_probs.device)
     ratio, bound_fired = _ratio_stage(stage.token_log_ratio, keep, bits, spec)
     del stage  # the log-ratio buffer is spent
-    clip_counts, dual_count = _clip_gates(ratio, advantages, keep, bits, spec, signs)
-    coefficient = _gradient_coefficient(ratio, advantages, keep, spec)
-    # Sum of r over the selected tokens (r - 1 = 0 exactly elsewhere), in the gate's buffer;
-    # then the buffer holds the selection again (no new (B, T) allocation).
     count = counts.sum()
-    ratio_sum = torch.sub(ratio, 1.0, out=keep.view(dtype)).sum() + count.to(dtype)
-    selection = keep.copy_(mask).neg_()  # (B, T) all ones where selected
-    surrogate = _surrogate_values(ratio, advantages, selection, spec, signs)
+    stage_inputs = StageInputs(
+        ratio, advantages, weighted, keep, mask, log_probs, count, bits, spec.options, dtype
+    )
+    surrogate = TOKEN_STAGES[spec.options.surrogate](stage_inputs)
+    values, selection = surrogate.values, surrogate.selection
     if per_row or spec.row_sums:
-        row_sums = spec.layout.row_sums(surrogate)  # (S,)
-        reduced = _reduce_stage(surrogate, row_sums, counts, selection, spec)
+        row_sums = spec.layout.row_sums(values)  # (S,)
+        reduced = _reduce_stage(values, row_sums, counts, selection, spec)
     else:  # the loss needs the total only; the unused row sums output is zeros
-        reduced = _reduce_stage(surrogate, surrogate.sum().reshape(1), counts, selection, spec)
-        row_sums = surrogate.new_zeros(spec.layout.num_sequences)
-    counted = _Counts(count, bound_fired, clip_counts, dual_count)
-    diagnostics = _diagnostics(counted, (ratio_sum, *kl_sums), spec)
-    return FusedForward(reduced.loss, row_sums, diagnostics, coefficient, reduced.row_weights)
+        reduced = _reduce_stage(values, values.sum().reshape(1), counts, selection, spec)
+        row_sums = values.new_zeros(spec.layout.num_sequences)
+    fired = count.new_zeros(()) if bound_fired is None else bound_fired
+    counted = [*surrogate.clip, surrogate.dual, fired]
+    sums = [surrogate.ratio_sum, *kl_sums, surrogate.weight_sum]
+    diagnostics = _diagnostics(counted, sums, count, spec)
+    return FusedForward(
+        reduced.loss, row_sums, diagnostics, surrogate.coefficient, reduced.row_weights
+    )
 
 
 def _per_row_sums_needed(spec: FusedSpec) -> bool:
@@ -347,40 +371,30 @@ def _per_row_sums_needed(spec: FusedSpec) -> bool:
     )
 
 
-class _Counts(NamedTuple):
-    selected: torch.Tensor  # () selected tokens
-    bound_fired: torch.Tensor | None
-    clip: _ClipCounts | None
-    dual: torch.Tensor | None
-
-
 def _diagnostics(
-    counts: _Counts, sums: tuple[torch.Tensor, torch.Tensor, torch.Tensor], spec: FusedSpec
+    counts: list[torch.Tensor], sums: list[torch.Tensor], selected: torch.Tensor, spec: FusedSpec
 ) -> torch.Tensor:
-    """The eight diagnostics as one ``(8,)`` tensor (PolicyLossDiagnostics field order).
+    """The nine diagnostics as one ``(9,)`` tensor (PolicyLossDiagnostics field order).
 
-    ``sums`` are the sums of ``r``, ``-Delta`` and ``expm1(Delta) - Delta`` over the selected
-    tokens. At unselected positions the log-ratio is 0 and the ratio exactly 1 (inside the band
-    and the bound), so none of the counts needs the mask.
+    ``counts`` are the five token counts (out of band, low, high, dual, bound fired) and
+    ``sums`` the sums of ``r``, ``-Delta``, ``expm1(Delta) - Delta`` and the advantage factor
+    over the selected tokens.
     """
     dtype = spec.dtype
     if spec.diagnostics_normalizer is None:
-        denominator = counts.selected.to(dtype).clamp(min=1)
+        denominator = selected.to(dtype).clamp(min=1)
     else:  # an explicit normaliser is honoured exactly
         denominator = _as_tensor(spec.diagnostics_normalizer, sums[0])
-    zero = torch.zeros((), dtype=counts.selected.dtype, device=counts.selected.device)
-    clip = _ClipCounts(zero, zero, zero) if counts.clip is None else counts.clip
-    dual = zero if counts.dual is None else counts.dual
-    fired = zero if counts.bound_fired is None else counts.bound_fired
-    counted = torch.stack([*clip, dual, fired]).to(dtype)
-    return torch.cat([counted, torch.stack(sums)]) / denominator
+    counted = torch.stack([count.to(dtype) for count in counts])
+    return torch.cat([counted, torch.stack([value.to(dtype) for value in sums])]) / denominator
 
 
 class ClippedSurrogateFunction(torch.autograd.Function):
-    """Fused clipped surrogate: ``(loss, row_sums, diagnostics)`` with a one-multiply backward.
+    """Fused token-local surrogate: ``(loss, row_sums, diagnostics)``, one-multiply backward.
 
-    ``forward(log_probs, old_log_probs, advantages, mask, spec)``; only ``log_probs`` receives a
-    gradient (``old_log_probs`` and ``advantages`` are constants of the policy loss).
+    ``forward(log_probs, old_log_probs, advantages, mask, spec, importance_weights)``; only
+    ``log_probs`` receives a gradient (``old_log_probs``, ``advantages`` and the importance
+    weights, None or a tensor, are constants of the policy loss).
     """
 
     @staticmethod
@@ -391,8 +405,9 @@ class ClippedSurrogateFunction(torch.autograd.Function):
         advantages: torch.Tensor,
         mask: torch.Tensor,
         spec: FusedSpec,
+        importance_weights: torch.Tensor | None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        out = fused_forward(log_probs, old_log_probs, advantages, mask, spec)
+        out = fused_forward(log_probs, old_log_probs, advantages, mask, spec, importance_weights)
         # The sequence ids serve the row sums' gradient only: not kept when the caller discards
         # the row sums (policy_loss), so a packed row saves what a padded one does per token.
         ids = spec.layout.sequence_ids if spec.row_sums else None
@@ -412,10 +427,10 @@ class ClippedSurrogateFunction(torch.autograd.Function):
         grad_loss: torch.Tensor | None,
         grad_row_sums: torch.Tensor | None,
         grad_diagnostics: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, None, None, None, None]:
+    ) -> tuple[torch.Tensor | None, None, None, None, None, None]:
         coefficient, mask, row_weights, sequence_ids = ctx.saved_tensors
         if grad_loss is None and (grad_row_sums is None or not ctx.row_sums):
-            return None, None, None, None, None
+            return None, None, None, None, None, None
         differentiable = torch.is_grad_enabled()  # backward(create_graph=True)
         with torch.no_grad():
             # (B, T) for reduction "none", else (B, 1), (1, N) or (1, 1)
@@ -436,7 +451,7 @@ class ClippedSurrogateFunction(torch.autograd.Function):
             grad = torch._C._functions.DelayedError(_DOUBLE_BACKWARD_ERROR, 1)(
                 grad.detach().requires_grad_(True)
             )
-        return grad, None, None, None, None
+        return grad, None, None, None, None, None
 
 
 _DOUBLE_BACKWARD_ERROR = (

@@ -48,7 +48,13 @@ from typing import Literal, get_args
 import torch
 
 from ._masking import clamp, masked_fill_zero
-from ._packing import sequence_layout, token_matrix, token_ndim, token_output
+from ._packing import (
+    sequence_layout,
+    token_matrix,
+    token_ndim,
+    token_output,
+    tokens_from_sequences,
+)
 from ._reduction import Reduction, reduce, validate_layout_reduction
 from ._spellings import check_estimator_spelling
 from ._validation import (
@@ -59,6 +65,7 @@ from ._validation import (
     check_same_device,
     check_shape,
     compute_dtype,
+    expand_per_sequence,
     validate_bool,
     validate_choice,
     validate_scalar,
@@ -332,15 +339,17 @@ def kl_loss(
     normalizer: Scalar | None = None,
     max_response_length: Scalar | None = None,
     log_ratio_bound: Scalar | None = 20.0,
+    importance_weights: ArrayLike | None = None,
     cu_seqlens: ArrayLike | None = None,
 ) -> torch.Tensor:
     r"""KL(pi || ref) as a loss term: :func:`kl_estimate` reduced with ``reduction``.
 
     .. math::
 
-        L_{KL} = \mathrm{reduce}_M\big(k_{it}\big),
+        L_{KL} = \mathrm{reduce}_M\big(w_{it}\,k_{it}\big),
 
-    where :math:`k_{it}` is the per-token estimate of :func:`kl_estimate` and the reduction is one
+    where :math:`k_{it}` is the per-token estimate of :func:`kl_estimate`, :math:`w_{it}` the
+    optional ``importance_weights`` (1 by default, see below) and the reduction is one
     of :func:`rlobjectives.aggregate`'s (``"token_mean"``: :math:`\sum M k / \sum M`;
     ``"sequence_mean"``: mean over non-empty sequences of per-sequence token means;
     ``"sequence_sum_normalized"``: :math:`\sum M k / (B\,C)`; ``"none"``). Add it to the policy
@@ -360,6 +369,22 @@ def kl_loss(
       :math:`\nabla\mathrm{KL}(\pi_{ref}\|\pi)`, not the KL it estimates; emits
       :class:`BiasedGradientWarning` (verl PR #2953).
 
+    Importance weights (``importance_weights`` :math:`w`): the per-token estimate becomes
+    :math:`w_{it} k_{it}` before the reduction (the denominators keep the mask). The weights
+    are used **as given**, not detached:
+
+    - TRL ``use_bias_correction_kl=True`` (the default since TRL 1.10) multiplies the k3 term by
+      ``coef_1 = exp(log_probs - old_log_probs)`` (token level; ``exp`` of the masked mean
+      log-ratio, ``(B, 1)``, for ``importance_sampling_level="sequence"``), taken **before**
+      the ``delta`` clamp and **with its gradient**. Reproduce it, value and gradient, with
+      ``importance_weights=torch.exp(log_probs - old_log_probs)`` (not detached). The gradient
+      :math:`\nabla(\rho k) = \rho k\,\nabla\log\pi + \rho\nabla k` then has expectation
+      :math:`\nabla E_\pi[k] = \nabla\mathrm{KL}(\pi\|\pi_{ref})` under the behaviour
+      policy for ``"k1"`` and ``"k3"``: the correction also removes k3's gradient bias, and
+      no :class:`BiasedGradientWarning` is emitted for them. (TRL also logs the weighted KL.)
+    - Constant weights (detached, e.g. :func:`rlobjectives.rollout_correction`'s) only rescale
+      each token's term and gradient; the warnings are those of the unweighted estimator.
+
     Args:
         log_probs: ``(B, T)`` log-probabilities under the current policy (differentiable).
         ref_log_probs: ``(B, T)`` log-probabilities under the reference policy.
@@ -373,6 +398,8 @@ def kl_loss(
         max_response_length: Dr. GRPO constant :math:`C` for ``"sequence_sum_normalized"``
             (default ``T``).
         log_ratio_bound: clamp :math:`b > 0` on the log-ratio, or None.
+        importance_weights: ``(B, T)``, ``(B, 1)`` or ``(B,)`` weights :math:`w` multiplying the
+            per-token estimate (see above), or None. NaN/inf at unselected tokens is ignored.
         cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
             non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
 
@@ -388,17 +415,22 @@ def kl_loss(
         TypeError: on non-numeric inputs or a non-bool ``straight_through``.
 
     Warns:
-        BiasedGradientWarning: for ``"k1"`` or ``"k3"`` without ``straight_through``.
+        BiasedGradientWarning: for ``"k1"`` or ``"k3"`` without ``straight_through``; with
+            differentiable ``importance_weights``, for ``"k2"`` or ``straight_through`` instead.
 
     References:
         Shao et al. 2024, GRPO, arXiv:2402.03300 Eq. 3-4; Schulman 2020, "Approximating KL
-        divergence"; verl PR #2953.
+        divergence"; verl PR #2953; TRL ``GRPOConfig.use_bias_correction_kl`` (DeepSeek-V3.2,
+        arXiv:2512.02556, the unbiased KL estimate).
 
     Examples:
         >>> import torch
         >>> kl_loss(torch.tensor([[0.0, 2.0]]), torch.zeros(1, 2), torch.tensor([[1, 1]]),
         ...         estimator="k2")
         tensor(1.)
+        >>> kl_loss(torch.tensor([[0.0, 2.0]]), torch.zeros(1, 2), torch.tensor([[1, 1]]),
+        ...         estimator="k2", importance_weights=torch.tensor([[1.0, 0.5]]))
+        tensor(0.5000)
 
     .. versionadded:: 0.1.0
     """
@@ -411,12 +443,45 @@ def kl_loss(
         layout=inputs.layout,
         tokens=inputs.log_probs.shape[-1],
     )
-    warn_biased_kl_loss(estimator, straight_through, "kl_loss")
+    weights = _importance_weights(importance_weights, inputs)
+    if weights is not None and weights.requires_grad:
+        _warn_biased_ratio_weighted(estimator, straight_through)
+    else:
+        warn_biased_kl_loss(estimator, straight_through, "kl_loss")
     terms = inputs.terms(
         estimator=estimator, straight_through=straight_through, log_ratio_bound=bound
     )  # (B, T)
+    if weights is not None:
+        # Select the weights first: NaN/inf at unselected tokens reaches no value or gradient.
+        terms = terms * masked_fill_zero(weights.to(terms.dtype), inputs.mask)  # (B, T)
     loss = reduce(terms, inputs.mask, spec, inputs.layout).to(inputs.log_probs.dtype)
     return token_output(loss, inputs.flat and loss.ndim == 2)
+
+
+def _importance_weights(weights: ArrayLike | None, inputs: KLInputs) -> torch.Tensor | None:
+    """Validated ``(B, 1)`` or ``(B, T)`` weights of :func:`kl_loss` (None stays None)."""
+    if weights is None:
+        return None
+    device = inputs.log_probs.device
+    weights_t = as_float_tensor(weights, "importance_weights", device)
+    check_same_device({"log_probs": inputs.log_probs, "importance_weights": weights_t})
+    if inputs.layout.sequence_ids is not None:  # packed: (S,) per sequence or per token
+        return tokens_from_sequences(weights_t, "importance_weights", inputs.layout, "log_probs")
+    shape = (inputs.log_probs.shape[0], inputs.log_probs.shape[1])
+    return expand_per_sequence(weights_t, "importance_weights", shape, "log_probs")
+
+
+def _warn_biased_ratio_weighted(estimator: str, straight_through: bool) -> None:
+    """Warn for ratio-weighted KL terms whose expected gradient is not grad KL(pi || ref)."""
+    if estimator in ("k1", "k3") and not straight_through:
+        return
+    warn_biased(
+        f'kl_loss(estimator="{estimator}", straight_through={straight_through}) with '
+        "differentiable importance_weights (the ratio pi/pi_old, TRL use_bias_correction_kl) has "
+        "a biased expected gradient (grad of E[w k] needs an estimator unbiased in value); use "
+        'estimator="k3" or "k1" without straight_through, or detach the weights',
+        stacklevel=4,
+    )
 
 
 def warn_biased_kl_loss(estimator: str, straight_through: bool, caller: str) -> None:

@@ -8,10 +8,8 @@ block of logits (two with entropy) is alive. The module-level passes are:
   given tokens; the forward keeps only the per-row log-normaliser (and entropy), the backward
   recomputes each chunk's logits (the Cut Cross-Entropy / Liger ``_ChunkedSelectiveLogProbs``
   pattern), wired to autograd by :class:`LogProbsFromHidden`;
-- :func:`fused_linear_forward`: the log-probabilities and, in the same pass, ``grad_hidden``,
-  ``grad_weight`` and ``grad_bias`` of a loss whose derivative with respect to each token's
-  log-probability is known per token (:class:`CoefficientFn`), wired by
-  :class:`FusedLinearLoss` (the fused-linear-cross-entropy technique: no recompute).
+- the fused linear loss (gradients formed in the forward pass, no recompute) lives in
+  :mod:`rlobjectives._lm_head_fused` and uses the chunk math of this module.
 
 All tensors are flat: hidden ``(N, H)``, tokens and masks ``(N,)``.
 """
@@ -19,7 +17,7 @@ All tensors are flat: hidden ``(N, H)``, tokens and masks ``(N,)``.
 from __future__ import annotations
 
 from functools import partial
-from typing import Any, NamedTuple, Protocol
+from typing import Any, NamedTuple
 
 import torch
 
@@ -28,14 +26,18 @@ from ._logits_chunks import finite_log_probs_
 from ._masking import masked_fill_zero
 
 __all__ = [
-    "CoefficientFn",
-    "FusedLinearLoss",
+    "Grads",
     "Head",
     "LogProbsFromHidden",
+    "accumulate_grads",
+    "chunk_scores",
     "default_chunk_size",
-    "fused_linear_forward",
+    "finish_grads",
     "log_probs_backward",
     "log_probs_forward",
+    "new_grads",
+    "select_rows",
+    "softmax_",
 ]
 
 # Rows per chunk when ``chunk_size`` is None: about 2**24 logits (64 MiB of float32) per chunk, but
@@ -332,94 +334,3 @@ class LogProbsFromHidden(torch.autograd.Function):
             head, mask, (log_normalizer, entropy), grad_log_probs, grad_entropy, needs
         )
         return (*grads, None, None, None)
-
-
-# --------------------------------------------------------------------------------------------
-# Fused linear loss: gradients formed in the forward pass
-# --------------------------------------------------------------------------------------------
-
-
-class CoefficientFn(Protocol):
-    """``dL/d log_probs`` of the rows of ``block`` from their log-probabilities ``(n,)``."""
-
-    def __call__(self, log_probs: torch.Tensor, block: Block) -> torch.Tensor: ...
-
-
-def _fused_step(
-    head: Head, mask: torch.Tensor, coefficient: CoefficientFn, grads: Grads, block: Block
-) -> list[torch.Tensor]:
-    active = mask[block]  # (n,)
-    hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], active)
-    scores = chunk_scores(hidden_chunk, head)  # (n, V)
-    target = scores.gather(1, tokens_chunk.unsqueeze(1)).squeeze(1)  # (n,)
-    probs, lse = softmax_(scores)  # (n, V), (n,)
-    chunk_log_probs = masked_fill_zero(target - lse, active)  # (n,)
-    # dL/dlogits = c (1[v = y] - p) / tau, with c = dL/dlog_prob (0 at masked tokens).
-    row_coefficient = coefficient(chunk_log_probs, block) * head.inv_temperature  # (n,)
-    grad_scores = probs.mul_((-row_coefficient).unsqueeze(1))  # (n, V)
-    grad_scores.scatter_add_(1, tokens_chunk.unsqueeze(1), row_coefficient.unsqueeze(1))
-    grad_hidden_chunk = accumulate_grads(grad_scores, hidden_chunk, head, grads)
-    if grads.hidden is None:
-        return [chunk_log_probs]
-    return [chunk_log_probs, grad_hidden_chunk]
-
-
-def fused_linear_forward(
-    head: Head, mask: torch.Tensor, coefficient: CoefficientFn, needs: tuple[bool, bool, bool]
-) -> tuple[torch.Tensor, Grads]:
-    """The log-probabilities ``(N,)`` and the gradients of ``L`` (float32/64 accumulators)."""
-    log_probs = torch.zeros(head.hidden.shape[0], dtype=head.dtype, device=head.hidden.device)
-    grads = new_grads(head, needs)
-    outputs = [log_probs] if grads.hidden is None else [log_probs, grads.hidden]
-    blocks = block_rows((head.hidden.shape[0],), head.chunk_size, flat=True)
-    run_blocks(blocks, partial(_fused_step, head, mask, coefficient, grads), outputs)
-    return log_probs, grads
-
-
-class FusedLinearLoss(torch.autograd.Function):
-    """``(anchor, log_probs)``: a zero-valued anchor carrying the gradients formed in forward.
-
-    The backward scales the buffers formed in forward in place (no second ``(V, H)`` buffer), so
-    a second backward through the same result raises.
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        hidden: torch.Tensor,
-        weight: torch.Tensor,
-        bias: torch.Tensor | None,
-        head: Head,
-        mask: torch.Tensor,
-        coefficient: CoefficientFn,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        needs = (
-            bool(ctx.needs_input_grad[0]),
-            bool(ctx.needs_input_grad[1]),
-            bool(ctx.needs_input_grad[2]),
-        )
-        log_probs, grads = fused_linear_forward(head, mask, coefficient, needs)
-        ctx.save_for_backward(*grads)
-        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
-        ctx.spent = False
-        ctx.mark_non_differentiable(log_probs)
-        return torch.zeros((), dtype=head.dtype, device=hidden.device), log_probs
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(  # type: ignore[override]
-        ctx: Any, grad_anchor: torch.Tensor, grad_log_probs: torch.Tensor | None
-    ) -> tuple[torch.Tensor | None, ...]:
-        if ctx.spent:
-            raise RuntimeError(
-                "fused_policy_loss_from_hidden supports one backward pass per forward "
-                "(its gradients are formed in forward and scaled in place in backward)"
-            )
-        ctx.spent = True
-        results: list[torch.Tensor | None] = []
-        for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True):
-            if grad is None or dtype is None:
-                results.append(None)
-            else:
-                results.append(grad.mul_(grad_anchor.to(grad.dtype)).to(dtype))
-        return (*results, None, None, None)

@@ -1,11 +1,12 @@
-"""The clipped policy loss (+ KL term) straight from hidden states and the LM head.
+"""The policy loss (+ KL term, + entropy bonus) straight from hidden states and the LM head.
 
-The loss's derivative with respect to each token's log-probability is known per token once the
-reduction's weights are known (from the mask, before the chunk loop), so ``grad_hidden`` and
-``grad_weight`` are formed chunk by chunk in the forward pass, with no recompute (Liger-Kernel /
-Cut Cross-Entropy's fused linear losses; :class:`rlobjectives._lm_head_chunks.FusedLinearLoss`).
-Losses that are not token-local (GSPO, ``reduction="none"``) and calls that need no gradient
-compose the chunked log-probabilities with the policy loss instead.
+The loss's derivative with respect to each token's log-probability (and entropy) is known per
+token once the reduction's weights are known (from the mask, before the chunk loop), so
+``grad_hidden`` and ``grad_weight`` are formed chunk by chunk in the forward pass, with no
+recompute (Liger-Kernel / Cut Cross-Entropy's fused linear losses;
+:class:`rlobjectives._lm_head_fused.FusedLinearLoss`). Losses that are not token-local (GSPO,
+GMPO, VESPO, ``reduction="none"``) and calls that need no gradient compose the chunked
+log-probabilities (and entropies) with the policy loss instead.
 """
 
 from __future__ import annotations
@@ -16,28 +17,27 @@ from typing import NamedTuple
 import torch
 
 from ._chunking import Block
-from ._fused import FusedSpec, fused_forward
-from ._kl import ESTIMATORS, Estimator, kl_gradient, kl_terms, warn_biased_kl_loss
+from ._fused import FusedSpec, fused_forward, has_fused_stage
+from ._kl import Estimator, kl_gradient, kl_terms, warn_biased_kl_loss
 from ._layout import padded
 from ._lm_head import prepare_head
-from ._lm_head_chunks import FusedLinearLoss, Head, LogProbsFromHidden
+from ._lm_head_args import KLTerm, check_old_log_probs, validate_kl_term
+from ._lm_head_chunks import Head, LogProbsFromHidden
+from ._lm_head_fused import FusedLinearLoss, FusedTerms
 from ._masking import masked_fill_zero
-from ._packing import token_matrix, token_ndim, token_output
-from ._policy import run_autograd, run_fused, validate_policy_call
-from ._policy_args import PolicyCall, PolicyLossDiagnostics, RatioLevel, SurrogateOptions
-from ._reduction import Reduction, ReductionSpec, reduce, row_weights, token_gradient_weights
-from ._spellings import check_estimator_spelling
-from ._validation import (
-    ArrayLike,
-    Scalar,
-    as_float_tensor,
-    check_same_device,
-    check_shape,
-    compute_dtype,
-    validate_bool,
-    validate_choice,
-    validate_scalar,
+from ._packing import token_ndim, token_output
+from ._policy import fused_applicable, run_autograd, run_fused, validate_policy_call
+from ._policy_args import (
+    PolicyCall,
+    PolicyLossDiagnostics,
+    RatioLevel,
+    Surrogate,
+    SurrogateOptions,
+    validate_entropy_coef,
+    validate_surrogate_options,
 )
+from ._reduction import Reduction, ReductionSpec, reduce, row_weights, token_gradient_weights
+from ._validation import ArrayLike, Scalar, compute_dtype
 
 __all__ = ["FusedPolicyLossOutput", "fused_policy_loss_from_hidden"]
 
@@ -46,16 +46,20 @@ class FusedPolicyLossOutput(NamedTuple):
     """Result of :func:`fused_policy_loss_from_hidden`.
 
     Attributes:
-        loss: scalar total loss ``policy_loss + kl_coef * kl_loss`` (differentiable with respect
-            to ``hidden``, ``weight`` and ``bias``); float32 (float64 for float64 ``hidden``),
-            computed in float64 if any input is float64.
-        policy_loss: detached scalar, the clipped-surrogate part (as :func:`policy_loss`).
+        loss: scalar total loss ``policy_loss + kl_coef * kl_loss - entropy_coef *
+            entropy_loss`` (differentiable with respect to ``hidden``, ``weight`` and ``bias``);
+            float32 (float64 for float64 ``hidden``), computed in float64 if any input is
+            float64.
+        policy_loss: detached scalar, the surrogate part (as :func:`policy_loss` without the
+            entropy bonus; TRL's ``policy_loss`` metric).
         kl_loss: detached scalar, the reduced KL estimate (before ``kl_coef``); 0 without
             ``ref_log_probs``.
         log_probs: detached ``(B, T)`` log-probabilities of the tokens (zeros at unselected
-            tokens; packed: the shape of ``tokens``), the same values
-            :func:`token_log_probs_from_hidden` returns.
+            tokens), the same values :func:`token_log_probs_from_hidden` returns.
         diagnostics: :class:`PolicyLossDiagnostics`, as :func:`policy_loss` reports them.
+        entropy_loss: detached scalar, the reduced entropy ``reduce(H)`` (before
+            ``entropy_coef``; verl's ``actor/entropy_loss``); 0 when ``entropy_coef`` is 0
+            (the entropies are then not computed).
     """
 
     loss: torch.Tensor
@@ -63,6 +67,7 @@ class FusedPolicyLossOutput(NamedTuple):
     kl_loss: torch.Tensor
     log_probs: torch.Tensor
     diagnostics: PolicyLossDiagnostics
+    entropy_loss: torch.Tensor
 
 
 def fused_policy_loss_from_hidden(
@@ -76,11 +81,22 @@ def fused_policy_loss_from_hidden(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    surrogate: Surrogate = "clip",
     clip_low: Scalar | None = 0.2,
     clip_high: Scalar | None = None,
     dual_clip: Scalar | None = None,
+    delta: Scalar | None = None,
+    cispo_cap: Scalar | None = None,
+    sapo_temperature_pos: Scalar = 1.0,
+    sapo_temperature_neg: Scalar = 1.05,
+    vespo_k_pos: Scalar = 2.0,
+    vespo_lambda_pos: Scalar = 3.0,
+    vespo_k_neg: Scalar = 3.0,
+    vespo_lambda_neg: Scalar = 2.0,
     ratio_level: RatioLevel = "token",
     log_ratio_bound: Scalar | None = 20.0,
+    importance_weights: ArrayLike | None = None,
+    entropy_coef: float = 0.0,
     reduction: Reduction = "token_mean",
     normalizer: Scalar | None = None,
     max_response_length: Scalar | None = None,
@@ -91,7 +107,7 @@ def fused_policy_loss_from_hidden(
     kl_straight_through: bool = False,
     cu_seqlens: ArrayLike | None = None,
 ) -> FusedPolicyLossOutput:
-    r"""Clipped policy loss (+ optional KL penalty) computed from hidden states chunk by chunk.
+    r"""Policy loss (+ optional KL penalty and entropy bonus) from hidden states, chunk by chunk.
 
     Equal in value and gradient to composing the unfused functions,
 
@@ -99,23 +115,29 @@ def fused_policy_loss_from_hidden(
 
         \ell = \mathrm{log\_softmax}\big((h W^\top + b) / \tau\big)[y], \qquad
         \mathcal{L} = \mathrm{policy\_loss}(\ell, \ell^{old}, A, M)
-            + \beta\, \mathrm{aggregate}\big(\mathrm{KL}_k(\ell, \ell^{ref}), M\big),
+            + \beta\, \mathrm{aggregate}\big(\mathrm{KL}_k(\ell, \ell^{ref}), M\big)
+            - \gamma\, \mathrm{aggregate}(H, M),
 
-    with the same ``reduction``/``normalizer`` for both terms and :math:`\beta` = ``kl_coef``.
-    The per-token derivative :math:`c_{it} = \partial\mathcal{L}/\partial\ell_{it}` depends only
-    on token :math:`(i, t)` and on the batch normaliser, which is computed from the mask before
-    the chunk loop, so each chunk forms :math:`\partial\mathcal{L}/\partial z =
-    c\,(\mathbb{1}_y - p)/\tau` and its products with ``weight`` and ``hidden`` right away; the
-    full logits are never formed and nothing is recomputed in backward.
+    with the same ``reduction``/``normalizer`` for the three terms, :math:`\beta` = ``kl_coef``,
+    :math:`\gamma` = ``entropy_coef`` and :math:`H = -\sum_v p_v \log p_v` the entropy of the
+    same softmax. For a token-local surrogate (``"clip"``, ``"cispo"``, ``"sapo"``) the
+    per-token derivatives :math:`c_{it} = \partial\mathcal{L}/\partial\ell_{it}` and
+    :math:`g_{it} = \partial\mathcal{L}/\partial H_{it} = -\gamma/(d_i D)` depend only on
+    token :math:`(i, t)` and on the batch normaliser, which is computed from the mask before the
+    chunk loop, so each chunk forms :math:`\partial\mathcal{L}/\partial z = (c\,(\mathbb{1}_y
+    - p) - g\, p \odot (\log p + H))/\tau` and its products with ``weight`` and ``hidden``
+    right away; the full logits are never formed and nothing is recomputed in backward.
 
-    ``reduction="none"`` and ``ratio_level="sequence"`` (GSPO, whose per-token derivative needs
-    the whole sequence) are supported by composition instead: :func:`token_log_probs_from_hidden`
-    (chunked, with recompute) followed by :func:`policy_loss` (for ``"none"`` the returned
+    ``reduction="none"``, ``ratio_level="sequence"`` (GSPO) and the sequence-level surrogates
+    ``"gmpo"`` and ``"vespo"`` (whose per-token derivative needs the whole sequence) are
+    supported by composition instead: :func:`token_log_probs_from_hidden` (chunked, with
+    recompute, entropies included) followed by :func:`policy_loss` (for ``"none"`` the returned
     ``loss`` is ``(B, T)``).
 
     Packed sequences (``cu_seqlens`` given): ``hidden`` is ``(N, H)`` or ``(1, N, H)``, the
     per-token tensors ``(N,)`` or ``(1, N)`` and ``advantages`` ``(S,)`` (or per token); the
-    reductions and GSPO run per sequence, exactly as :func:`policy_loss` with ``cu_seqlens``.
+    reductions and the sequence-level surrogates run per sequence, exactly as
+    :func:`policy_loss` with ``cu_seqlens``.
 
     Args:
         hidden: ``(B, T, H)`` hidden states at the response positions.
@@ -128,13 +150,26 @@ def fused_policy_loss_from_hidden(
         bias: optional ``(V,)`` LM-head bias.
         temperature: :math:`\tau > 0`.
         chunk_size: rows per chunk; None uses :func:`default_chunk_size`.
+        surrogate: as :func:`policy_loss`.
         clip_low: as :func:`policy_loss`.
         clip_high: as :func:`policy_loss`.
         dual_clip: as :func:`policy_loss`.
+        delta: as :func:`policy_loss`.
+        cispo_cap: as :func:`policy_loss`.
+        sapo_temperature_pos: as :func:`policy_loss`.
+        sapo_temperature_neg: as :func:`policy_loss`.
+        vespo_k_pos: as :func:`policy_loss`.
+        vespo_lambda_pos: as :func:`policy_loss`.
+        vespo_k_neg: as :func:`policy_loss`.
+        vespo_lambda_neg: as :func:`policy_loss`.
         ratio_level: as :func:`policy_loss` (``"sequence"`` runs unfused, see above).
         log_ratio_bound: as :func:`policy_loss`; also bounds the KL estimator's log-ratio.
+        importance_weights: as :func:`policy_loss`: ``(B,)``, ``(B, 1)`` or ``(B, T)``
+            constants multiplying the per-token surrogate loss (not the KL or entropy terms).
+        entropy_coef: :math:`\gamma`, a real number; the entropies are computed chunk by chunk
+            (with their exact gradient) only when it is nonzero.
         reduction: as :func:`policy_loss`.
-        normalizer: as :func:`policy_loss` (applies to the KL term too).
+        normalizer: as :func:`policy_loss` (applies to the KL and entropy terms too).
         max_response_length: as :func:`policy_loss`.
         diagnostics_normalizer: as :func:`policy_loss`.
         ref_log_probs: optional ``(B, T)`` reference-policy log-probabilities for the KL term.
@@ -147,15 +182,15 @@ def fused_policy_loss_from_hidden(
             non-decreasing, ``N`` last); see :func:`policy_loss`.
 
     Returns:
-        :class:`FusedPolicyLossOutput` ``(loss, policy_loss, kl_loss, log_probs,
-        diagnostics)``; gradients flow to ``hidden``, ``weight`` and ``bias`` only. ``loss`` is
+        :class:`FusedPolicyLossOutput` ``(loss, policy_loss, kl_loss, log_probs, diagnostics,
+        entropy_loss)``; gradients flow to ``hidden``, ``weight`` and ``bias`` only. ``loss`` is
         float32 (float64 for float64 inputs).
 
     Raises:
         ValueError: as :func:`token_log_probs_from_hidden` and :func:`policy_loss`, plus a
             negative ``kl_coef``, an unknown ``kl_estimator``, or ``kl_coef > 0`` without
             ``ref_log_probs``.
-        TypeError: on non-numeric inputs.
+        TypeError: on non-numeric inputs (a tensor ``entropy_coef`` or ``kl_coef`` included).
         RuntimeError: on a second backward through the same result.
 
     Warns:
@@ -165,7 +200,7 @@ def fused_policy_loss_from_hidden(
     References:
         Hsu et al. 2024, Liger-Kernel, arXiv:2410.10989 Sec. 3.3 (gradients in the forward pass);
         Shao et al. 2024, GRPO, arXiv:2402.03300 Eq. 3-4 (k3 KL term); Schulman et al. 2017,
-        arXiv:1707.06347 Eq. 7.
+        arXiv:1707.06347 Eq. 7 and Eq. 9 (entropy bonus).
 
     Examples:
         >>> import torch
@@ -176,37 +211,49 @@ def fused_policy_loss_from_hidden(
         -1.0
 
     .. versionadded:: 0.1.0
+    .. versionchanged:: 0.2.0
+       The surrogates and options of :func:`policy_loss`, ``importance_weights``,
+       ``entropy_coef`` and the ``entropy_loss`` output.
     """
     packed = cu_seqlens is not None
     head, batch_shape = prepare_head(
         hidden, weight, tokens, bias, temperature, chunk_size, packed=packed
     )
-    _check_old_log_probs(old_log_probs, head, batch_shape, packed)
-    call = validate_policy_call(
-        (old_log_probs, old_log_probs, advantages, mask),
-        ("old_log_probs", "old_log_probs", "advantages", "mask"),
+    check_old_log_probs(old_log_probs, head, batch_shape, packed)
+    options = validate_surrogate_options(
+        surrogate=surrogate,
         clip_low=clip_low,
         clip_high=clip_high,
         dual_clip=dual_clip,
+        delta=delta,
+        cispo_cap=cispo_cap,
+        sapo_temperature_pos=sapo_temperature_pos,
+        sapo_temperature_neg=sapo_temperature_neg,
+        vespo_k_pos=vespo_k_pos,
+        vespo_lambda_pos=vespo_lambda_pos,
+        vespo_k_neg=vespo_k_neg,
+        vespo_lambda_neg=vespo_lambda_neg,
         ratio_level=ratio_level,
         log_ratio_bound=log_ratio_bound,
+    )
+    call = validate_policy_call(
+        (old_log_probs, old_log_probs, advantages, mask),
+        ("old_log_probs", "old_log_probs", "advantages", "mask"),
+        options=options,
         reduction=reduction,
         normalizer=normalizer,
         max_response_length=max_response_length,
         diagnostics_normalizer=diagnostics_normalizer,
+        importance_weights=importance_weights,
         cu_seqlens=cu_seqlens,
     )
-    kl = _validate_kl_term(
+    coef = validate_entropy_coef(entropy_coef, has_entropy=True, allow_tensor=False)
+    kl = validate_kl_term(
         ref_log_probs, kl_coef, kl_estimator, kl_straight_through, head, batch_shape, packed
     )
     if kl is not None:
         warn_biased_kl_loss(kl.estimator, kl.straight_through, "fused_policy_loss_from_hidden")
-    ref_t = None if kl is None else kl.ref_log_probs
-    dtype = compute_dtype(
-        head.hidden, call.inputs.old_log_probs, call.inputs.advantages,
-        *(() if ref_t is None else (ref_t,)),
-    )  # fmt: skip
-    call = call._replace(inputs=call.inputs._replace(dtype=dtype, output_dtype=head.dtype))
+    call = _with_head_dtype(call, head, kl, coef)
     run = _composed_loss if _needs_composition(head, call) else _fused_loss
     out = run(head, batch_shape, call, kl)
     if not (packed and token_ndim(tokens) == 1):
@@ -216,53 +263,21 @@ def fused_policy_loss_from_hidden(
     )
 
 
-def _check_old_log_probs(
-    old_log_probs: ArrayLike, head: Head, batch_shape: tuple[int, int], packed: bool
-) -> None:
-    """``old_log_probs`` against the tokens (the reference of the policy tensors' shapes)."""
-    old = as_float_tensor(old_log_probs, "old_log_probs", head.hidden.device)
-    if packed:
-        old = token_matrix(old, "old_log_probs", packed)
-    check_same_device({"hidden": head.hidden, "old_log_probs": old})
-    check_shape(old, "old_log_probs", batch_shape, "tokens")
-
-
-class _KLTerm(NamedTuple):
-    ref_log_probs: torch.Tensor  # (B, T), detached
-    coef: float
-    estimator: str
-    straight_through: bool
-
-
-def _validate_kl_term(
-    ref_log_probs: ArrayLike | None,
-    kl_coef: float,
-    kl_estimator: str,
-    kl_straight_through: bool,
-    head: Head,
-    batch_shape: tuple[int, int],
-    packed: bool,
-) -> _KLTerm | None:
-    """The KL term's arguments; None when there is no reference (a zero KL loss is reported)."""
-    beta = float(validate_scalar(kl_coef, "kl_coef", minimum=0.0, allow_tensor=False))
-    check_estimator_spelling(kl_estimator, ESTIMATORS, prefix="kl_")
-    validate_choice(kl_estimator, "kl_estimator", ESTIMATORS)
-    validate_bool(kl_straight_through, "kl_straight_through")
-    if ref_log_probs is None:
-        if beta > 0:
-            raise ValueError(f"kl_coef > 0 requires ref_log_probs, got kl_coef={kl_coef!r}")
-        return None
-    device = head.hidden.device
-    ref_t = token_matrix(
-        as_float_tensor(ref_log_probs, "ref_log_probs", device), "ref_log_probs", packed
+def _with_head_dtype(
+    call: PolicyCall, head: Head, kl: KLTerm | None, entropy_coef: float | torch.Tensor
+) -> PolicyCall:
+    """The call with every input's computation dtype, the head's dtype and ``entropy_coef``."""
+    inputs = call.inputs
+    extra = [t for t in (None if kl is None else kl.ref_log_probs, inputs.importance_weights)]
+    dtype = compute_dtype(
+        head.hidden, inputs.old_log_probs, inputs.advantages, *(t for t in extra if t is not None)
     )
-    check_same_device({"hidden": head.hidden, "ref_log_probs": ref_t})
-    check_shape(ref_t, "ref_log_probs", batch_shape, "tokens")
-    return _KLTerm(ref_t.detach(), beta, kl_estimator, kl_straight_through)
+    inputs = inputs._replace(dtype=dtype, output_dtype=head.dtype)
+    return call._replace(inputs=inputs, entropy_coef=entropy_coef)
 
 
 def _needs_composition(head: Head, call: PolicyCall) -> bool:
-    """Whether the loss is not token-local (GSPO, ``"none"``) or no gradient is wanted.
+    """Whether the loss is not token-local (GSPO, GMPO, VESPO, ``"none"``) or needs no grad.
 
     Those cases compose :class:`LogProbsFromHidden` (with recompute) and the policy loss instead
     of forming the gradients in forward.
@@ -274,17 +289,34 @@ def _needs_composition(head: Head, call: PolicyCall) -> bool:
         not wants_grad
         or call.reduction.reduction == "none"
         or call.options.ratio_level == "sequence"
+        or not has_fused_stage(call.options)
     )
 
 
+def _entropy_on(call: PolicyCall) -> bool:
+    return isinstance(call.entropy_coef, torch.Tensor) or call.entropy_coef != 0.0
+
+
+class _Values(NamedTuple):
+    """The unfused composition's value and its detached parts."""
+
+    loss: torch.Tensor
+    policy: torch.Tensor
+    kl: torch.Tensor
+    entropy: torch.Tensor
+    diagnostics: PolicyLossDiagnostics
+
+
 def _loss_value(
-    log_probs: torch.Tensor, call: PolicyCall, kl: _KLTerm | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, PolicyLossDiagnostics]:
-    """The unfused composition on ``(B, T)`` log-probs: (loss, policy, kl, diagnostics)."""
+    log_probs: torch.Tensor, entropy: torch.Tensor | None, call: PolicyCall, kl: KLTerm | None
+) -> _Values:
+    """The unfused composition on ``(B, T)`` log-probs (and entropies)."""
     inputs = call.inputs._replace(log_probs=log_probs, output_dtype=log_probs.dtype)
-    run = run_fused if not isinstance(call.options.clip_low, torch.Tensor) else run_autograd
-    out = run(call._replace(inputs=inputs), return_per_token=False)
-    kl_loss = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
+    policy_call = call._replace(inputs=inputs, entropy_coef=0.0)
+    run = run_fused if fused_applicable(policy_call) else run_autograd
+    out = run(policy_call, return_per_token=False)
+    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
+    loss, kl_loss, entropy_loss = out.loss, zero, zero
     if kl is not None:
         terms = kl_terms(
             log_probs,
@@ -296,28 +328,43 @@ def _loss_value(
             dtype=inputs.dtype,
         )
         kl_loss = reduce(terms.to(log_probs.dtype), inputs.mask, call.reduction, call.layout)
-    loss = out.loss + kl.coef * kl_loss if kl is not None and kl.coef > 0 else out.loss
-    return loss, out.loss.detach(), kl_loss.detach(), out.diagnostics
-
-
-def _composed_loss(
-    head: Head, batch_shape: tuple[int, int], call: PolicyCall, kl: _KLTerm | None
-) -> FusedPolicyLossOutput:
-    """Log-probs with recompute in backward, then the loss by composition."""
-    mask = call.inputs.mask
-    log_probs, _ = LogProbsFromHidden.apply(  # type: ignore[no-untyped-call]
-        head.hidden, head.weight, head.bias, head, mask.reshape(-1), False
+        loss = loss + kl.coef * kl_loss if kl.coef > 0 else loss
+    if entropy is not None:
+        selected = masked_fill_zero(entropy.to(log_probs.dtype), inputs.mask)
+        entropy_loss = reduce(selected, inputs.mask, call.reduction, call.layout)
+        loss = loss - call.entropy_coef * entropy_loss
+    return _Values(
+        loss, out.loss.detach(), kl_loss.detach(), entropy_loss.detach(), out.diagnostics
     )
-    log_probs = log_probs.reshape(batch_shape).to(call.inputs.dtype)  # (B, T)
-    loss, policy_part, kl_part, diagnostics = _loss_value(log_probs, call, kl)
+
+
+def _output(
+    values: _Values, loss: torch.Tensor, log_probs: torch.Tensor, head: Head
+) -> FusedPolicyLossOutput:
     output_dtype = head.dtype
     return FusedPolicyLossOutput(
         loss.to(output_dtype),
-        policy_part.to(output_dtype),
-        kl_part.to(output_dtype),
+        values.policy.to(output_dtype),
+        values.kl.to(output_dtype),
         log_probs.detach().to(output_dtype),
-        diagnostics,
+        values.diagnostics,
+        values.entropy.to(output_dtype),
     )
+
+
+def _composed_loss(
+    head: Head, batch_shape: tuple[int, int], call: PolicyCall, kl: KLTerm | None
+) -> FusedPolicyLossOutput:
+    """Log-probs (and entropies) with recompute in backward, then the loss by composition."""
+    mask = call.inputs.mask
+    with_entropy = _entropy_on(call)
+    log_probs, entropy = LogProbsFromHidden.apply(  # type: ignore[no-untyped-call]
+        head.hidden, head.weight, head.bias, head, mask.reshape(-1), with_entropy
+    )
+    log_probs = log_probs.reshape(batch_shape).to(call.inputs.dtype)  # (B, T)
+    entropies = entropy.reshape(batch_shape).to(call.inputs.dtype) if with_entropy else None
+    values = _loss_value(log_probs, entropies, call, kl)
+    return _output(values, values.loss, log_probs, head)
 
 
 class _Coefficients(NamedTuple):
@@ -325,11 +372,12 @@ class _Coefficients(NamedTuple):
 
     old_log_probs: torch.Tensor
     advantages: torch.Tensor
+    importance_weights: torch.Tensor | None
     ref_log_probs: torch.Tensor | None
     token_weights: torch.Tensor  # d loss / d (per-token loss): the reduction's weight
     mask: torch.Tensor  # bool
     options: SurrogateOptions
-    kl: _KLTerm | None
+    kl: KLTerm | None
     dtype: torch.dtype
 
 
@@ -338,14 +386,16 @@ def _token_coefficients(spec: _Coefficients, log_probs: torch.Tensor, block: Blo
     rows = block[0]
     mask = spec.mask[rows]  # (n,)
     none = ReductionSpec("none", None, 1.0)
+    weights = spec.importance_weights
     forward = fused_forward(
         log_probs.unsqueeze(0),
         spec.old_log_probs[rows].unsqueeze(0),
         spec.advantages[rows].unsqueeze(0),
         mask.unsqueeze(0),
         FusedSpec(spec.options, none, None, spec.dtype, padded(1)),
+        None if weights is None else weights[rows].unsqueeze(0),
     )
-    coefficient = -forward.coefficient.squeeze(0)  # d(-s)/d log_probs, (n,)
+    coefficient = -forward.coefficient.squeeze(0)  # d(-w s)/d log_probs, (n,)
     if spec.kl is not None and spec.ref_log_probs is not None and spec.kl.coef > 0:
         log_ratio = masked_fill_zero(log_probs - spec.ref_log_probs[rows], mask)  # (n,)
         kl_slope = kl_gradient(
@@ -359,42 +409,38 @@ def _token_coefficients(spec: _Coefficients, log_probs: torch.Tensor, block: Blo
 
 
 def _fused_loss(
-    head: Head, batch_shape: tuple[int, int], call: PolicyCall, kl: _KLTerm | None
+    head: Head, batch_shape: tuple[int, int], call: PolicyCall, kl: KLTerm | None
 ) -> FusedPolicyLossOutput:
     """Gradients formed in the forward chunk loop; the value from the composition."""
-    inputs, dtype = call.inputs, call.inputs.dtype
-    layout = call.layout
+    inputs, dtype, layout = call.inputs, call.inputs.dtype, call.layout
     counts = layout.row_counts(inputs.mask)  # (S,)
     weights = row_weights(counts, call.reduction, dtype=dtype, batch=layout.num_sequences)
     token_weights = token_gradient_weights(weights, layout, dtype).expand(batch_shape)
+    mask = inputs.mask.reshape(-1)
+    importance = inputs.importance_weights
     coefficients = _Coefficients(
         old_log_probs=inputs.old_log_probs.to(dtype).reshape(-1),
         advantages=inputs.advantages.to(dtype).expand(batch_shape).reshape(-1),
+        importance_weights=None
+        if importance is None
+        else importance.expand(batch_shape).reshape(-1),
         ref_log_probs=None if kl is None else kl.ref_log_probs.to(dtype).reshape(-1),
         token_weights=token_weights.reshape(-1),
-        mask=inputs.mask.reshape(-1),
+        mask=mask,
         options=call.options,
         kl=kl,
         dtype=dtype,
     )
-    anchor, flat_log_probs = FusedLinearLoss.apply(  # type: ignore[no-untyped-call]
-        head.hidden,
-        head.weight,
-        head.bias,
-        head._replace(dtype=dtype),
-        coefficients.mask,
-        partial(_token_coefficients, coefficients),
+    entropy_weights = None
+    if _entropy_on(call):  # d loss / d H = -entropy_coef * (the reduction's weight)
+        entropy_weights = masked_fill_zero(-call.entropy_coef * coefficients.token_weights, mask)
+    terms = FusedTerms(mask, partial(_token_coefficients, coefficients), entropy_weights)
+    anchor, flat_log_probs, flat_entropy = FusedLinearLoss.apply(  # type: ignore[no-untyped-call]
+        head.hidden, head.weight, head.bias, head._replace(dtype=dtype), terms
     )
     log_probs = flat_log_probs.reshape(batch_shape)  # (B, T), detached
+    entropy = None if entropy_weights is None else flat_entropy.reshape(batch_shape)
     with torch.no_grad():
-        loss, policy_part, kl_part, diagnostics = _loss_value(log_probs, call, kl)
+        values = _loss_value(log_probs, entropy, call, kl)
     # The value is the unfused composition's; the gradient flows through the anchor (value 0).
-    loss = loss.detach() + anchor
-    output_dtype = head.dtype
-    return FusedPolicyLossOutput(
-        loss.to(output_dtype),
-        policy_part.to(output_dtype),
-        kl_part.to(output_dtype),
-        log_probs.to(output_dtype),
-        diagnostics,
-    )
+    return _output(values, values.loss.detach() + anchor, log_probs, head)

@@ -15,7 +15,9 @@ the last two also as the gradient :math:`\partial\mathcal{L}/\partial L_{it} = 1
 - ``sequence_mean``: :math:`d_i = \max(n_i, 1)`, :math:`D` = the non-empty rows (at least 1)
   or ``normalizer``;
 - ``sequence_sum_normalized``: :math:`d_i = 1`, :math:`D = \max(B, 1)\,C` or
-  ``normalizer`` :math:`\cdot C`.
+  ``normalizer`` :math:`\cdot C`;
+- ``length_weighted``: :math:`d_i = 1`, :math:`D = \max(B, 1)` or ``normalizer`` (each
+  sequence's token mean weighted by its length :math:`n_i`, averaged over the rows: TRL LUSPO).
 
 (:math:`n_i = \sum_t M_{it}`, :math:`C = \max(` ``max_response_length`` or :math:`T`, 1 :math:`)`).
 A user-given ``normalizer`` is used exactly as given (fractional values included); only counts
@@ -59,7 +61,9 @@ __all__ = [
     "validate_reduction",
 ]
 
-Reduction = Literal["token_mean", "sequence_mean", "sequence_sum_normalized", "none"]
+Reduction = Literal[
+    "token_mean", "sequence_mean", "sequence_sum_normalized", "length_weighted", "none"
+]
 REDUCTIONS: tuple[str, ...] = get_args(Reduction)
 
 
@@ -150,9 +154,11 @@ def row_weights(
         if normalizer is None:
             normalizer = (counts > 0).sum().to(dtype).clamp(min=1)
         return RowWeights(divisor, normalizer)
-    if spec.reduction == "sequence_sum_normalized":
-        constant = _as_tensor(spec.constant, dtype, device).clamp(min=1)
+    if spec.reduction in ("sequence_sum_normalized", "length_weighted"):
         rows = _as_tensor(float(max(batch, 1)), dtype, device) if normalizer is None else normalizer
+        if spec.reduction == "length_weighted":  # LUSPO: sum_i n_i (sum_t L / n_i) / B
+            return RowWeights(None, rows)
+        constant = _as_tensor(spec.constant, dtype, device).clamp(min=1)
         return RowWeights(None, rows * constant)
     # token_mean
     if normalizer is None:
@@ -221,6 +227,10 @@ def aggregate(
     - ``"sequence_sum_normalized"``: :math:`\sum_{it} M_{it} L_{it} / (S \cdot C)` with
       :math:`S = B` or the given ``normalizer`` (global sequence count) and the constant
       :math:`C` = ``max_response_length`` (default ``T``). Dr. GRPO.
+    - ``"length_weighted"``: :math:`\sum_{it} M_{it} L_{it} / S` with :math:`S = B` or the given
+      ``normalizer`` (global sequence count): each sequence's token mean weighted by its length,
+      averaged over the rows (TRL ``loss_type="luspo"`` since 1.10, whose loss is
+      ``(per_token_loss * mask).sum(-1).mean()``; LUSPO, arXiv:2602.05261).
     - ``"none"``: :math:`M \odot L` as a ``(B, T)`` tensor (zeros at unselected tokens).
 
     Packed layout (``cu_seqlens`` given): ``values`` and ``mask`` are ``(N,)`` or ``(1, N)``,
@@ -236,7 +246,7 @@ def aggregate(
         values: per-token values, ``(B, T)``.
         mask: bool ``(B, T)``; True selects the token.
         reduction: one of ``"token_mean"``, ``"sequence_mean"``, ``"sequence_sum_normalized"``,
-            ``"none"``.
+            ``"length_weighted"``, ``"none"``.
         normalizer: optional positive denominator (number or 0-d tensor), see above.
         max_response_length: the Dr. GRPO constant :math:`C`, a positive integer (int or 0-d
             tensor); ``None`` uses ``T`` (packed: the longest sequence).

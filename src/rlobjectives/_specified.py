@@ -152,8 +152,9 @@ def _grpo_outputs(
     if fused and not learnable_epsilon:
         fused_spec = FusedSpec(options, spec, None, inputs.dtype, layout)
         loss, row_sums, diagnostics = ClippedSurrogateFunction.apply(  # type: ignore[no-untyped-call]
-            inputs.log_probs, inputs.old_log_probs, inputs.advantages, inputs.mask, fused_spec
-        )
+            inputs.log_probs, inputs.old_log_probs, inputs.advantages, inputs.mask, fused_spec,
+            None,
+        )  # fmt: skip
         per_sequence = safe_divide(row_sums, layout.row_counts(inputs.mask))  # (S,)
         clipped_fraction = diagnostics[0]
     else:

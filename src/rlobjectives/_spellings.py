@@ -45,17 +45,17 @@ REDUCTION_HINTS: dict[str, str] = {
     # TRL loss_type (a loss type fixes the surrogate and the normaliser, not only a reduction)
     "grpo": "reduction='sequence_mean', normalizer=B * gradient_accumulation_steps (TRL counts "
     "empty rows)",
-    "sapo": "reduction='sequence_mean', normalizer=B * gradient_accumulation_steps, with the "
-    "SAPO surrogate",
+    "sapo": "surrogate='sapo', reduction='sequence_mean', normalizer=B * "
+    "gradient_accumulation_steps",
     "bnpo": "reduction='token_mean', then divide by gradient_accumulation_steps",
     "dr_grpo": "reduction='sequence_sum_normalized', max_response_length=max_completion_length, "
     "normalizer=B * gradient_accumulation_steps",
     "dapo": "reduction='token_mean', normalizer=num_items_in_batch / num_processes * "
     "gradient_accumulation_steps / steps_per_generation",
-    "cispo": "reduction='token_mean' with dapo's normalizer, with the CISPO surrogate",
-    "vespo": "reduction='token_mean' with dapo's normalizer, with the VESPO surrogate",
-    "luspo": "reduction='sequence_sum_normalized', max_response_length=1, "
-    "normalizer=B * gradient_accumulation_steps",
+    "cispo": "surrogate='cispo', cispo_cap=epsilon_high, reduction='token_mean' with dapo's "
+    "normalizer",
+    "vespo": "surrogate='vespo', reduction='token_mean' with dapo's normalizer",
+    "luspo": "reduction='length_weighted', normalizer=B * gradient_accumulation_steps",
 }
 
 #: Peer KL estimator names -> the exact arguments (verl ``kl_loss_type`` / ``kl_penalty``).

@@ -5,14 +5,15 @@ Each step is one function, in plain ``torch`` with autograd doing the derivative
 1. :func:`token_log_ratios`: :math:`\Delta = \ell - \ell^{old}` on selected tokens (exact zeros
    elsewhere, before any arithmetic), the GSPO sequence form, the bound :math:`|\Delta| \le b`
    and the ratio :math:`r = e^{\Delta}`;
-2. :func:`clip_surrogate`: :math:`s = \min(rA, \mathrm{clip}(r, 1-\epsilon_l, 1+\epsilon_h) A)`,
-   then the dual clip :math:`\max(s, cA)` for :math:`A < 0`;
+2. the surrogate named by the ``surrogate`` option, one function per formula in
+   :mod:`rlobjectives._surrogates` (``clip``, ``cispo``, ``sapo``, ``gmpo``, ``vespo``); the
+   per-token loss is :math:`-w s` with the importance weights :math:`w` (VESPO folds them into
+   its formula instead);
 3. :func:`surrogate_diagnostics`: the named, detached diagnostics.
 
-:mod:`rlobjectives._fused` computes the same values and gradients in one pass without autograd
-and is tested against this module; the hidden-state path uses the fused path's per-token
-coefficient. A new surrogate is a new function next to :func:`clip_surrogate`, with its
-closed-form gradient in the fused path.
+:mod:`rlobjectives._fused` computes the same values and gradients of the token-local surrogates
+in one pass without autograd and is tested against this module; the hidden-state path uses the
+fused path's per-token coefficient.
 """
 
 from __future__ import annotations
@@ -24,12 +25,12 @@ import torch
 from ._layout import Layout
 from ._masking import clamp, masked_fill_zero
 from ._policy_args import PolicyInputs, PolicyLossDiagnostics, SurrogateOptions
+from ._surrogates import FORMULAS, Surrogate, SurrogateInputs, folds_importance_weights
 
 __all__ = [
     "DIAGNOSTIC_LOG_RATIO_BOUND",
     "LogRatios",
     "PolicyTerms",
-    "clip_surrogate",
     "policy_terms",
     "surrogate_diagnostics",
     "token_log_ratios",
@@ -46,6 +47,8 @@ class LogRatios(NamedTuple):
     ratio: torch.Tensor  # exp of the (sequence-level, bounded) log-ratio, 1 at unselected tokens
     bound_fired: torch.Tensor  # bool, |log-ratio| > b on selected tokens
     advantages: torch.Tensor  # A, 0 at unselected tokens
+    bounded_log_ratio: torch.Tensor  # log of ``ratio`` (with gradient), 0 at unselected tokens
+    log_probs: torch.Tensor  # l on selected tokens, 0 elsewhere (with gradient)
 
 
 def token_log_ratios(inputs: PolicyInputs, options: SurrogateOptions, layout: Layout) -> LogRatios:
@@ -77,49 +80,19 @@ def token_log_ratios(inputs: PolicyInputs, options: SurrogateOptions, layout: La
     else:
         bounded = clamp(token_log_ratio, -bound, bound)  # (B, T)
         bound_fired = mask & (token_log_ratio.detach().abs() > bound)  # (B, T)
-    return LogRatios(log_ratio, torch.exp(bounded), bound_fired, advantages)
-
-
-class ClipSurrogate(NamedTuple):
-    """Step 2: the surrogate ``s`` and its value before the dual clip, ``(B, T)``."""
-
-    values: torch.Tensor
-    before_dual_clip: torch.Tensor
-    band: tuple[float | torch.Tensor, float | torch.Tensor] | None  # (1 - eps_l, 1 + eps_h)
-
-
-def clip_surrogate(
-    ratio: torch.Tensor, advantages: torch.Tensor, options: SurrogateOptions
-) -> ClipSurrogate:
-    r"""Step 2: :math:`\min(rA, \mathrm{clip}(r)A)`, then :math:`\max(s, cA)` where :math:`A<0`."""
-    unclipped = ratio * advantages  # (B, T)
-    band = None
-    surrogate = unclipped
-    if options.clip_low is not None:
-        high = options.clip_low if options.clip_high is None else options.clip_high
-        band = (1.0 - options.clip_low, 1.0 + high)
-        clipped = clamp(ratio, *band) * advantages  # (B, T)
-        surrogate = torch.minimum(unclipped, clipped)  # (B, T)
-    before_dual = surrogate
-    if options.dual_clip is not None:
-        # Dual clip (Ye et al. 2020): for A < 0 the surrogate is bounded below by c * A.
-        surrogate = torch.where(
-            advantages < 0, torch.maximum(surrogate, options.dual_clip * advantages), surrogate
-        )
-    return ClipSurrogate(surrogate, before_dual, band)
+    return LogRatios(log_ratio, torch.exp(bounded), bound_fired, advantages, bounded, log_probs)
 
 
 @torch.no_grad()
 def surrogate_diagnostics(
     ratios: LogRatios,
-    surrogate: ClipSurrogate,
+    surrogate: Surrogate,
     mask: torch.Tensor,
     options: SurrogateOptions,
     normalizer: float | torch.Tensor | None,
 ) -> PolicyLossDiagnostics:
     """Step 3: the diagnostics (see :class:`PolicyLossDiagnostics`), detached."""
     dtype = ratios.ratio.dtype
-    advantages, ratio = ratios.advantages, ratios.ratio.detach()
     if normalizer is None:
         denominator = mask.sum().to(dtype).clamp(min=1)
     else:  # an explicit normaliser is honoured exactly
@@ -131,34 +104,25 @@ def surrogate_diagnostics(
     def mean(values: torch.Tensor) -> torch.Tensor:
         return masked_fill_zero(values, mask).sum() / denominator
 
-    zero = torch.zeros((), dtype=dtype, device=mask.device)
-    clipped = clip_low = clip_high = dual = zero
-    if surrogate.band is not None:
-        below, above = ratio < surrogate.band[0], ratio > surrogate.band[1]
-        clipped = fraction(below | above)
-        clip_low = fraction(below & (advantages < 0))
-        clip_high = fraction(above & (advantages > 0))
-    if options.dual_clip is not None:
-        before = surrogate.before_dual_clip.detach()
-        dual = fraction((advantages < 0) & (before < options.dual_clip * advantages))
     bound = (
         DIAGNOSTIC_LOG_RATIO_BOUND if options.log_ratio_bound is None else options.log_ratio_bound
     )
     kl_log_ratio = clamp(ratios.log_ratio.detach(), -bound, bound)  # (B, T)
     return PolicyLossDiagnostics(
-        clipped_fraction=clipped,
-        clip_fraction_low=clip_low,
-        clip_fraction_high=clip_high,
-        dual_clip_fraction=dual,
+        clipped_fraction=fraction(surrogate.out_of_band),
+        clip_fraction_low=fraction(surrogate.below),
+        clip_fraction_high=fraction(surrogate.above),
+        dual_clip_fraction=fraction(surrogate.dual),
         log_ratio_bound_fraction=fraction(ratios.bound_fired),
-        ratio_mean=mean(ratio),
+        ratio_mean=mean(ratios.ratio.detach()),
         approx_kl_k1=mean(-ratios.log_ratio.detach()),
         approx_kl_k3=mean(torch.expm1(kl_log_ratio) - kl_log_ratio),
+        weight_mean=mean(surrogate.weight),
     )
 
 
 class PolicyTerms(NamedTuple):
-    """Per-token loss ``-s`` ``(B, T)`` (zeros at unselected tokens) and diagnostics."""
+    """Per-token loss ``-w s`` ``(B, T)`` (zeros at unselected tokens) and diagnostics."""
 
     per_token_loss: torch.Tensor
     diagnostics: PolicyLossDiagnostics
@@ -170,11 +134,31 @@ def policy_terms(
     diagnostics_normalizer: float | torch.Tensor | None,
     layout: Layout,
 ) -> PolicyTerms:
-    """Steps 1-3: the per-token clipped surrogate loss and the diagnostics, in autograd."""
+    """Steps 1-3: the per-token surrogate loss and the diagnostics, in autograd.
+
+    The importance weights (constants) multiply the per-token loss after the mask, before the
+    reduction (TRL's ``per_token_loss * importance_sampling_ratio``), except for VESPO, whose
+    formula takes them in log space.
+    """
+    mask, dtype = inputs.mask, inputs.dtype
     ratios = token_log_ratios(inputs, options, layout)
-    surrogate = clip_surrogate(ratios.ratio, ratios.advantages, options)
-    per_token_loss = masked_fill_zero(-surrogate.values, inputs.mask)  # (B, T)
-    diagnostics = surrogate_diagnostics(
-        ratios, surrogate, inputs.mask, options, diagnostics_normalizer
+    weights = inputs.importance_weights
+    weights = None if weights is None else weights.to(dtype)  # (B, 1) or (B, T)
+    surrogate = FORMULAS[options.surrogate](
+        SurrogateInputs(
+            ratio=ratios.ratio,
+            log_ratio=ratios.bounded_log_ratio,
+            advantages=ratios.advantages,
+            log_probs=ratios.log_probs,
+            mask=mask,
+            importance_weights=weights,
+            layout=layout,
+            options=options,
+        )
     )
+    per_token_loss = -surrogate.values  # (B, T)
+    if weights is not None and not folds_importance_weights(options):
+        per_token_loss = per_token_loss * masked_fill_zero(weights, mask)  # NaN-proof weights
+    per_token_loss = masked_fill_zero(per_token_loss, mask)  # (B, T)
+    diagnostics = surrogate_diagnostics(ratios, surrogate, mask, options, diagnostics_normalizer)
     return PolicyTerms(per_token_loss, diagnostics)

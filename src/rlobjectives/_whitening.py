@@ -85,7 +85,9 @@ def masked_moments(values: torch.Tensor, mask: torch.Tensor, *, unbiased: bool) 
     scaled = selected / scale
     count = mask.sum()  # ()
     mean = safe_divide(scaled.sum(), count)  # ()
-    centered = masked_fill_zero(scaled - mean, mask)
+    # With one selected entry the centered value is identically 0: select it (gradient exactly
+    # 0) instead of differencing x and mean(x), whose gradients cancel to rounding only.
+    centered = masked_fill_zero(scaled - mean, mask & (count > 1))
     divisor = (count - 1).clamp(min=1) if unbiased else count.clamp(min=1)
     variance = centered.square().sum() / divisor.to(scaled.dtype)  # ()
     return MaskedMoments(scale, mean, centered, variance, count)

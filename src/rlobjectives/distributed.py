@@ -43,9 +43,11 @@ from typing import NamedTuple, TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from ._distributed_entropy import top_entropy_mask_over_ranks
 from ._masking import masked_fill_zero
 from ._packing import sequence_layout, token_matrix
 from ._reduction import REDUCTIONS
+from ._rollout_metrics import combine_extremes, extremum_rules, place_extremes
 from ._spellings import canonical_reduction
 from ._validation import (
     ArrayLike,
@@ -65,6 +67,7 @@ __all__ = [
     "data_parallel_loss_scale",
     "global_masked_whiten",
     "global_normalizers",
+    "global_top_entropy_mask",
     "normalizer_for_reduction",
     "sum_diagnostics",
 ]
@@ -260,6 +263,7 @@ def normalizer_for_reduction(normalizers: Normalizers, *, reduction: str) -> tor
     - ``"sequence_sum_normalized"``: ``normalizers.sequences`` (:math:`B`); also pass the same
       explicit ``max_response_length`` :math:`C` to every micro-batch (the default, the padded
       length :math:`T` of each micro-batch, differs between micro-batches).
+    - ``"length_weighted"``: ``normalizers.sequences`` (:math:`B`).
 
     A count of zero (nothing selected anywhere in the step) is raised to 1: every numerator is
     then 0 and the loss is 0, as in the full-batch reductions (0/0 gives 0), instead of an
@@ -267,7 +271,8 @@ def normalizer_for_reduction(normalizers: Normalizers, *, reduction: str) -> tor
 
     Args:
         normalizers: the result of :func:`global_normalizers`.
-        reduction: ``"token_mean"``, ``"sequence_mean"`` or ``"sequence_sum_normalized"``.
+        reduction: ``"token_mean"``, ``"sequence_mean"``, ``"sequence_sum_normalized"`` or
+            ``"length_weighted"``.
 
     Returns:
         A 0-d ``int64`` tensor :math:`\max(\text{count}, 1)`, on the device of ``normalizers``.
@@ -294,12 +299,14 @@ def normalizer_for_reduction(normalizers: Normalizers, *, reduction: str) -> tor
     if name == "none":
         raise ValueError(
             "reduction='none' takes no normalizer (it returns the (B, T) per-token values); "
-            "expected one of ['token_mean', 'sequence_mean', 'sequence_sum_normalized']"
+            "expected one of ['token_mean', 'sequence_mean', 'sequence_sum_normalized', "
+            "'length_weighted']"
         )
     count = {
         "token_mean": normalizers.tokens,
         "sequence_mean": normalizers.sequences_nonempty,
         "sequence_sum_normalized": normalizers.sequences,
+        "length_weighted": normalizers.sequences,
     }[name]
     return count.clamp(min=1)
 
@@ -356,7 +363,11 @@ def sum_diagnostics(
     micro-batches and ranks is the full-batch value (clip fractions, ratio mean, approximate KL).
     The fields are summed over the micro-batches locally, then over the ranks with one
     ``all_reduce(SUM)`` of the stacked fields; without an initialised process group only the
-    local sum is taken.
+    local sum is taken. Fields that are extremes rather than sums (the ``ratio_min`` and
+    ``ratio_max`` of :class:`rlobjectives.RolloutCorrectionMetrics`, declared by its
+    ``extremum_fields()``) are combined by min/max over the pieces that selected a token, with
+    one more ``all_reduce(MAX)``; sums and counts (from which the metrics derive means,
+    fractions and the effective sample size) add as above.
 
     .. math::
 
@@ -428,6 +439,12 @@ def sum_diagnostics(
         totals = stacked.sum(dim=0)  # (fields,)
         if active:
             dist.all_reduce(totals, op=dist.ReduceOp.SUM, group=group)
+        rules = extremum_rules(first)
+        if rules:
+            extremes = combine_extremes(stacked, rules)  # (rules,), minima negated
+            if active:
+                dist.all_reduce(extremes, op=dist.ReduceOp.MAX, group=group)
+            totals = place_extremes(totals, extremes, rules)
     values = [totals[k].to(first[k].dtype) for k in range(len(first))]
     return kind(*values)
 
@@ -518,3 +535,55 @@ def global_masked_whiten(
         centered = values_t.to(torch.float64) - mean
         whitened = centered * inverse + (0.0 if shift_mean else mean)
         return masked_fill_zero(whitened.to(dtype), mask_t)
+
+
+def global_top_entropy_mask(
+    entropy: ArrayLike,
+    mask: ArrayLike,
+    *,
+    quantile: float,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    r""":func:`rlobjectives.top_entropy_mask` with the quantile over the tokens of every rank.
+
+    .. math::
+
+        K^{(r)}_{it} = M^{(r)}_{it} \wedge \big(H^{(r)}_{it} \ge
+            Q_q(\{H^{(s)}_{js} : M^{(s)}_{js},\ s = 1..W\})\big)
+
+    The threshold is the linear-interpolation quantile of the selected entropies of all ``W``
+    ranks of ``group`` (TRL's ``get_high_entropy_mask`` with several processes, which gathers
+    them); each rank gets the mask of its own tokens. One ``all_gather`` of the per-rank counts
+    (read on the host to size the next one), one of the entropies padded with ``+inf``, one
+    ``all_reduce`` of the count. Without an initialised process group it is
+    :func:`rlobjectives.top_entropy_mask`. It is a collective: every rank must call it (a rank
+    with nothing selected too). TRL's ``top_entropy_quantile=ρ`` is ``quantile=1 - ρ``.
+
+    Args:
+        entropy: ``(B, T)`` this rank's per-token entropies (B and T may differ between ranks;
+            the dtype must be the same on every rank).
+        mask: ``(B, T)`` bool/numeric; nonzero selects the token.
+        quantile: the quantile level :math:`q`, ``0 <= q <= 1`` (a Python number).
+        group: the data-parallel process group (None: the default group).
+
+    Returns:
+        ``(B, T)`` bool mask, a subset of ``mask``; the threshold is the same on every rank.
+
+    Raises:
+        ValueError: as :func:`rlobjectives.top_entropy_mask`, or ``group`` given without an
+            initialised process group.
+        TypeError: on non-numeric inputs.
+
+    References:
+        Wang et al. 2025, arXiv:2506.01939 Sec. 4; TRL ``GRPOTrainer.get_high_entropy_mask``.
+
+    Examples:
+        >>> import torch
+        >>> entropy = torch.tensor([[0.5, 2.0, 1.0]])
+        >>> global_top_entropy_mask(entropy, torch.ones(1, 3), quantile=0.5)  # one process
+        tensor([[False,  True,  True]])
+
+    .. versionadded:: 0.2.0
+    """
+    active = _process_group_active(group)
+    return top_entropy_mask_over_ranks(entropy, mask, quantile=quantile, group=group, active=active)

@@ -2,17 +2,21 @@ r"""The GRPO post-training loop of ``rlobjectives demo``.
 
 One training step, as in real RL post-training of language models:
 
-1. draw ``P`` prompts and sample ``G`` completions of each from the current policy (groups are
-   contiguous: rows ``g*G .. g*G + G-1`` answer prompt ``g``);
+1. draw ``P`` prompts and sample ``G`` completions of each with a stand-in inference engine
+   (the current policy at another sampling temperature, :mod:`rlobjectives.demo.rollout`;
+   groups are contiguous: rows ``g*G .. g*G + G-1`` answer prompt ``g``);
 2. score them with the task's verifiable reward :math:`r_i`;
-3. log-probabilities of the sampled tokens under the sampling policy (``old_log_probs``) and the
-   frozen reference policy (``ref_log_probs``);
+3. log-probabilities of the sampled tokens under the engine (``rollout_log_probs``), the
+   trainer's sampling policy (``old_log_probs``) and the frozen reference policy
+   (``ref_log_probs``); :func:`rlobjectives.rollout_correction` turns the engine/trainer ratio
+   into truncated importance weights;
 4. :func:`rlobjectives.kl_penalized_rewards`:
    :math:`\tilde r_i = r_i - \beta \sum_t (\ell^{old}_{it} - \ell^{ref}_{it})`;
 5. :func:`rlobjectives.group_relative_advantages`:
    :math:`A_i = (\tilde r_i - \mathrm{mean}_g) / (\mathrm{std}_g + \epsilon)`;
 6. several epochs of minibatch updates with :func:`rlobjectives.policy_loss` (clipped ratio
-   :math:`\pi_\theta / \pi_{old}`), each divided by the *global* count of the minibatch
+   :math:`\pi_\theta / \pi_{old}`, per-token loss times the importance weights), each divided
+   by the *global* count of the minibatch
    (:func:`rlobjectives.distributed.global_normalizers`), so the gradient does not depend on how
    the batch is split over ranks.
 
@@ -51,7 +55,7 @@ from ..distributed import (
     normalizer_for_reduction,
     sum_diagnostics,
 )
-from . import _process_group
+from . import _process_group, rollout
 from .model import TinyTransformer
 from .task import TASKS, DigitTask
 
@@ -106,6 +110,8 @@ class DemoConfig:
     clip_high: float | None = None
     reduction: Reduction = "token_mean"
     max_grad_norm: float = 1.0
+    sampler_temperature: float = 1.1  # the stand-in inference engine (see demo/rollout.py)
+    rollout_upper: float = 2.0  # truncation of the rollout-correction weights (TIS)
     eval_every: int = 10
     eval_size: int = 500
     progress: bool = True
@@ -312,6 +318,7 @@ def grpo_step(
     prompts = task.prompts(digits)  # (B, P)
 
     policy.eval()
+    engine = rollout.engine_forward(forward, config.sampler_temperature)  # the "inference engine"
     responses, mask = sample_responses(
         policy,
         prompts,
@@ -319,12 +326,14 @@ def grpo_step(
         end=task.end,
         pad=task.pad,
         generator=generator,
-        forward=forward,
+        forward=engine,
     )  # (B, R), (B, R)
     scores = task.rewards(digits, responses)
     with torch.no_grad():
+        rollout_log_probs = response_log_probs(policy, prompts, responses, mask, forward=engine)
         old_log_probs = response_log_probs(policy, prompts, responses, mask, forward=forward)
         ref_log_probs = response_log_probs(reference, prompts, responses, mask, forward=forward)
+    correction = rollout.correct(old_log_probs, rollout_log_probs, mask, upper=config.rollout_upper)
     penalized = kl_penalized_rewards(old_log_probs, ref_log_probs, scores.reward, mask, config.beta)
     advantages = group_relative_advantages(
         penalized["penalized_rewards"], config.group_size, scale="std"
@@ -341,6 +350,11 @@ def grpo_step(
             log_probs = response_log_probs(
                 model, prompts[rows], responses[rows], mask[rows], forward=forward
             )
+            reduction = {
+                "reduction": config.reduction,
+                "normalizer": normalizer_for_reduction(counts, reduction=config.reduction),
+                "max_response_length": task.max_response_length,
+            }
             output = policy_loss(
                 log_probs,
                 old_log_probs[rows],
@@ -348,17 +362,17 @@ def grpo_step(
                 mask[rows],
                 clip_low=config.clip_low,
                 clip_high=config.clip_high,
-                reduction=config.reduction,
-                normalizer=normalizer_for_reduction(counts, reduction=config.reduction),
-                max_response_length=task.max_response_length,
                 diagnostics_normalizer=counts.tokens,
+                importance_weights=correction.weights[rows],  # TIS: engine -> trainer
+                **reduction,  # type: ignore[arg-type]
             )
+            loss = output.loss
             optimizer.zero_grad(set_to_none=True)
-            (output.loss * scale).backward()  # type: ignore[no-untyped-call]
+            (loss * scale).backward()  # type: ignore[no-untyped-call]
             torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
             optimizer.step()
             diagnostics.append(output.diagnostics)
-            losses.append(output.loss.detach())
+            losses.append(loss.detach())
 
     updates = len(diagnostics)
     mean_diagnostics = sum_diagnostics(diagnostics)  # summed over updates and ranks
@@ -389,6 +403,7 @@ def grpo_step(
         "clip_fraction_high": float(mean_diagnostics.clip_fraction_high) / updates,
         "ratio_mean": float(mean_diagnostics.ratio_mean) / updates,
         "approx_kl": float(mean_diagnostics.approx_kl_k3) / updates,
+        **rollout.step_metrics([correction.metrics]),
     }
 
 
@@ -411,17 +426,22 @@ def _require_extras() -> tuple[Any, Any]:
 def write_figure(
     pyplot: Any, history: Sequence[dict[str, Any]], reference_accuracy: float, path: Path
 ) -> None:
-    """Save the reward, accuracy, KL and clip-fraction curves as one PNG."""
+    """Save the reward, accuracy, KL, clip-fraction and rollout-correction curves as one PNG."""
     steps = [entry["step"] for entry in history]
     critic = "value_loss" in history[0]  # PPO: a third column for the critic and the KL coef
+    corrected = "rollout_effective_sample_size" in history[0]  # GRPO: the rollout correction
+    columns = 3 if critic or corrected else 2
     figure, axes = pyplot.subplots(
-        2, 3 if critic else 2, figsize=(15 if critic else 10, 7), constrained_layout=True
+        2, columns, figsize=(15 if columns == 3 else 10, 7), constrained_layout=True
     )
     reward, accuracy, kl, clip = axes[:, :2].flat
     if critic:
         from .ppo import plot_critic
 
         plot_critic(axes[0, 2], axes[1, 2], history)
+    elif corrected:
+        rollout.plot_rollout(axes[0, 2], history)
+        axes[1, 2].set_visible(False)
     reward.plot(steps, [entry["reward"] for entry in history], label="mean reward (sampled)")
     reward.set_title("reward")
     evaluated = [entry for entry in history if entry.get("heldout_accuracy") is not None]
@@ -442,6 +462,8 @@ def write_figure(
     clip.plot(steps, [entry["clip_fraction_high"] for entry in history], label="high (A > 0)")
     clip.set_title("clip fraction")
     for axis in axes.flat:
+        if not axis.get_visible():
+            continue
         axis.set_xlabel("PPO step" if critic else "GRPO step")
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)
@@ -716,6 +738,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="ratio clip above, 1 + eps_high (None: same as --clip-low; DAPO uses 0.28)",
     )
     add("--reduction", choices=REDUCTIONS, default=defaults.reduction, help="loss reduction")
+    add(
+        "--sampler-temperature",
+        type=float,
+        default=defaults.sampler_temperature,
+        help="sampling temperature of the stand-in inference engine (1: same as the trainer)",
+    )
+    add(
+        "--rollout-upper",
+        type=float,
+        default=defaults.rollout_upper,
+        help="truncation of the rollout-correction importance weights (TIS)",
+    )
     add("--hidden-size", type=int, default=defaults.hidden_size, help="model width")
     add("--num-layers", type=int, default=defaults.num_layers, help="transformer blocks")
     add("--eval-every", type=int, default=defaults.eval_every, help="held-out eval interval")
@@ -753,6 +787,8 @@ def _positive(parser: argparse.ArgumentParser, values: argparse.Namespace) -> No
         )
     if values.beta < 0 or values.clip_low < 0 or (values.clip_high or 0) < 0:
         parser.error("--beta, --clip-low and --clip-high must be >= 0")
+    if not (values.sampler_temperature > 0 and values.rollout_upper > 0):
+        parser.error("--sampler-temperature and --rollout-upper must be > 0")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -785,6 +821,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         clip_low=values.clip_low,
         clip_high=values.clip_high,
         reduction=values.reduction,
+        sampler_temperature=values.sampler_temperature,
+        rollout_upper=values.rollout_upper,
         eval_every=values.eval_every,
         eval_size=values.eval_size,
         progress=not values.no_progress,

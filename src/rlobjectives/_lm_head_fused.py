@@ -1,0 +1,169 @@
+r"""The fused linear loss: the LM head's gradients formed in the forward chunk loop.
+
+For a loss whose derivative with respect to each token's log-probability, :math:`c_n =
+\partial\mathcal{L}/\partial\ell_n`, is known per token once the chunk's log-probabilities are
+(:class:`CoefficientFn`), and optionally an entropy term with a known per-token weight
+:math:`g_n = \partial\mathcal{L}/\partial H_n`, each chunk of rows forms
+
+.. math::
+
+    \frac{\partial\mathcal{L}}{\partial z_{nv}} = \frac{1}{\tau}\Big(c_n(\mathbb{1}[v = y_n]
+        - p_{nv}) - g_n\, p_{nv}(\log p_{nv} + H_n)\Big)
+
+and its products with the weight and the hidden rows right away: the fused-linear-cross-entropy
+technique (Liger-Kernel, Cut Cross-Entropy), with no recompute in backward.
+:class:`FusedLinearLoss` wires it to autograd through a zero-valued anchor. At most one
+``(chunk, V)`` block of logits is alive (two with the entropy term).
+"""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import Any, NamedTuple, Protocol
+
+import torch
+
+from ._chunking import Block, block_rows, run_blocks
+from ._lm_head_chunks import (
+    Grads,
+    Head,
+    accumulate_grads,
+    chunk_scores,
+    new_grads,
+    select_rows,
+    softmax_,
+)
+from ._logits_chunks import finite_log_probs_
+from ._masking import masked_fill_zero
+
+__all__ = ["CoefficientFn", "FusedLinearLoss", "FusedTerms", "fused_linear_forward"]
+
+
+class CoefficientFn(Protocol):
+    """``dL/d log_probs`` of the rows of ``block`` from their log-probabilities ``(n,)``."""
+
+    def __call__(self, log_probs: torch.Tensor, block: Block) -> torch.Tensor: ...
+
+
+class FusedTerms(NamedTuple):
+    """The loss's per-token derivatives: a function for the log-probs, weights for the entropy."""
+
+    mask: torch.Tensor  # (N,) bool
+    coefficient: CoefficientFn  # dL / d log_probs of a chunk
+    entropy_weights: torch.Tensor | None  # (N,) dL / dH (zero at unselected rows), or None
+
+
+def _entropy_chunk(scores: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``(probs, log_probs, log_normalizer, entropy)`` of one chunk; ``scores`` is consumed.
+
+    ``-inf`` logits (banned tokens) get a finite log-probability so that ``p log p = 0``.
+    """
+    maximum = scores.amax(dim=1, keepdim=True)  # (n, 1)
+    shifted = scores.sub_(maximum)  # (n, V), s - max
+    probs = shifted.exp()  # (n, V), unnormalised
+    total = probs.sum(dim=1, keepdim=True)  # (n, 1)
+    log_total = total.log()  # (n, 1)
+    probs.div_(total)
+    log_p = finite_log_probs_(shifted.sub_(log_total))  # (n, V)
+    # -sum_v p log p as a batched product: no third (n, V) buffer
+    entropy = -torch.bmm(probs.unsqueeze(1), log_p.unsqueeze(2)).reshape(-1)  # (n,)
+    return probs, log_p, (maximum + log_total).squeeze(1), entropy
+
+
+def _fused_step(head: Head, terms: FusedTerms, grads: Grads, block: Block) -> list[torch.Tensor]:
+    active = terms.mask[block]  # (n,)
+    hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], active)
+    scores = chunk_scores(hidden_chunk, head)  # (n, V)
+    target = scores.gather(1, tokens_chunk.unsqueeze(1)).squeeze(1)  # (n,)
+    if terms.entropy_weights is None:
+        probs, lse = softmax_(scores)  # (n, V), (n,)
+        log_p = entropy = None
+    else:
+        probs, log_p, lse, entropy = _entropy_chunk(scores)
+    chunk_log_probs = masked_fill_zero(target - lse, active)  # (n,)
+    # dL/dlogits = c (1[v = y] - p) / tau, with c = dL/dlog_prob (0 at masked tokens).
+    row_coefficient = terms.coefficient(chunk_log_probs, block) * head.inv_temperature  # (n,)
+    if log_p is None or entropy is None or terms.entropy_weights is None:
+        grad_scores = probs.mul_((-row_coefficient).unsqueeze(1))  # (n, V)
+    else:
+        # - p (c + g (log p + H)) / tau, g = dL/dH (0 at masked tokens)
+        entropy_weight = (terms.entropy_weights[block] * head.inv_temperature).unsqueeze(1)
+        grad_scores = log_p.add_(entropy.unsqueeze(1)).mul_(entropy_weight)
+        grad_scores.add_(row_coefficient.unsqueeze(1)).mul_(probs).neg_()
+    grad_scores.scatter_add_(1, tokens_chunk.unsqueeze(1), row_coefficient.unsqueeze(1))
+    grad_hidden_chunk = accumulate_grads(grad_scores, hidden_chunk, head, grads)
+    outputs = [chunk_log_probs]
+    if entropy is not None:
+        outputs.append(masked_fill_zero(entropy, active))
+    if grads.hidden is not None:
+        outputs.append(grad_hidden_chunk)
+    return outputs
+
+
+def fused_linear_forward(
+    head: Head, terms: FusedTerms, needs: tuple[bool, bool, bool]
+) -> tuple[torch.Tensor, torch.Tensor, Grads]:
+    """``(log_probs, entropy, grads)`` of one pass over the chunks.
+
+    ``log_probs`` and ``entropy`` are ``(N,)`` (entropy ``(0,)`` without the term); ``grads``
+    are the gradients of the loss (float32/64 accumulators).
+    """
+    rows, device = head.hidden.shape[0], head.hidden.device
+    log_probs = torch.zeros(rows, dtype=head.dtype, device=device)
+    with_entropy = terms.entropy_weights is not None
+    entropy = torch.zeros(rows if with_entropy else 0, dtype=head.dtype, device=device)
+    grads = new_grads(head, needs)
+    outputs = [log_probs, *([entropy] if with_entropy else [])]
+    outputs += [] if grads.hidden is None else [grads.hidden]
+    blocks = block_rows((rows,), head.chunk_size, flat=True)
+    run_blocks(blocks, partial(_fused_step, head, terms, grads), outputs)
+    return log_probs, entropy, grads
+
+
+class FusedLinearLoss(torch.autograd.Function):
+    """``(anchor, log_probs, entropy)``: the gradients formed in forward, on a zero anchor.
+
+    ``log_probs`` and ``entropy`` are the detached per-token values of the pass. The backward
+    scales the buffers formed in forward in place (no second ``(V, H)`` buffer), so a second
+    backward through the same result raises.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        head: Head,
+        terms: FusedTerms,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        needs = (
+            bool(ctx.needs_input_grad[0]),
+            bool(ctx.needs_input_grad[1]),
+            bool(ctx.needs_input_grad[2]),
+        )
+        log_probs, entropy, grads = fused_linear_forward(head, terms, needs)
+        ctx.save_for_backward(*grads)
+        ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
+        ctx.spent = False
+        ctx.mark_non_differentiable(log_probs, entropy)
+        return torch.zeros((), dtype=head.dtype, device=hidden.device), log_probs, entropy
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(  # type: ignore[override]
+        ctx: Any, grad_anchor: torch.Tensor, *unused: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
+        if ctx.spent:
+            raise RuntimeError(
+                "fused_policy_loss_from_hidden supports one backward pass per forward "
+                "(its gradients are formed in forward and scaled in place in backward)"
+            )
+        ctx.spent = True
+        results: list[torch.Tensor | None] = []
+        for grad, dtype in zip(ctx.saved_tensors, ctx.dtypes, strict=True):
+            if grad is None or dtype is None:
+                results.append(None)
+            else:
+                results.append(grad.mul_(grad_anchor.to(grad.dtype)).to(dtype))
+        return (*results, None, None)

@@ -1,0 +1,49 @@
+"""Option rows of the policy-loss family (issue 13), shared by the option tables of the tests.
+
+Each row is a set of keyword arguments of ``policy_loss`` / ``fused_policy_loss_from_hidden``
+chosen so that the branch it names is taken on the random batches of the tests (ratios spread
+around the clip band, some clipped, some not).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# TRL's delta, CISPO, SAPO, GMPO, VESPO.
+FAMILY_OPTION_SETS: list[dict[str, Any]] = [
+    {"delta": 1.1},  # delta below 1 + eps_high: caps A > 0 tokens too
+    {"clip_low": 0.2, "clip_high": 0.28, "delta": 1.5},  # TRL's two-sided clip above the band
+    {"clip_low": 0.1, "delta": 1.6, "dual_clip": 1.3},  # delta and dual clip together
+    {"clip_low": None, "delta": 1.3},
+    {"surrogate": "cispo"},  # verl: the band [0.8, 1.2]
+    {"surrogate": "cispo", "cispo_cap": 1.3},  # TRL: the absolute cap
+    {"surrogate": "cispo", "clip_low": None, "log_ratio_bound": 0.3},
+    {"surrogate": "cispo", "ratio_level": "sequence", "cispo_cap": 1.1},
+    {"surrogate": "sapo"},
+    {  # the gates fall below half their peak often
+        "surrogate": "sapo",
+        "sapo_temperature_pos": 5.0,
+        "sapo_temperature_neg": 8.0,
+        "log_ratio_bound": 0.3,
+    },
+    {"surrogate": "sapo", "ratio_level": "sequence"},
+    {"surrogate": "gmpo"},
+    {"surrogate": "gmpo", "clip_low": 0.1, "clip_high": 0.3, "log_ratio_bound": 0.5},
+    {"surrogate": "gmpo", "clip_low": None},
+    {"surrogate": "vespo"},
+    {
+        "surrogate": "vespo",
+        "vespo_k_pos": 1.0,
+        "vespo_lambda_pos": 0.5,
+        "vespo_k_neg": 0.0,
+        "vespo_lambda_neg": 4.0,
+        "log_ratio_bound": None,
+    },
+]
+# The token-local ones (fused path and fused hidden-state path).
+TOKEN_LOCAL_FAMILY = [
+    row
+    for row in FAMILY_OPTION_SETS
+    if row.get("surrogate", "clip") in ("clip", "cispo", "sapo")
+    and row.get("ratio_level", "token") == "token"
+]
