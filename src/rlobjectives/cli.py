@@ -92,6 +92,31 @@ def _read_bytes(path: str | None) -> bytes:
         raise _UsageError(f"cannot read input {path!r}: {error.strerror}") from None
 
 
+_MAX_JSON_DEPTH = 512  # far beyond any tensor argument (at most 64 dimensions) in one object
+
+
+def _nesting_depth(text: str) -> int:
+    """The deepest nesting of ``[``/``{`` in JSON text, outside strings (one linear scan)."""
+    depth = deepest = 0
+    in_string = escaped = False
+    for character in text:
+        if in_string:
+            if escaped:
+                escaped = False
+            elif character == "\\":
+                escaped = True
+            elif character == '"':
+                in_string = False
+        elif character == '"':
+            in_string = True
+        elif character in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif character in "]}":
+            depth -= 1
+    return deepest
+
+
 def _read_json(path: str | None) -> dict[str, Any]:
     raw = _read_bytes(path)
     source = "standard input" if path is None or path == "-" else f"input file {path!r}"
@@ -101,7 +126,16 @@ def _read_json(path: str | None) -> dict[str, Any]:
         raise _UsageError(
             f"{source} is not valid UTF-8: byte 0x{raw[error.start]:02x} at offset {error.start}"
         ) from None
+    if _nesting_depth(text) > _MAX_JSON_DEPTH:
+        # Decided before parsing: json's own RecursionError depends on the interpreter's current
+        # recursion limit and stack depth, so it would not be reproducible.
+        raise _UsageError(
+            f"malformed JSON input: nested too deeply (more than {_MAX_JSON_DEPTH} levels)"
+        )
+    limit = sys.getrecursionlimit()
     try:
+        # room for the parser's recursion whatever the caller's stack depth (restored below)
+        sys.setrecursionlimit(max(limit, _MAX_JSON_DEPTH + 1000))
         data = json.loads(text)
     except json.JSONDecodeError as error:
         raise _UsageError(
@@ -112,6 +146,8 @@ def _read_json(path: str | None) -> dict[str, Any]:
     except ValueError as error:  # e.g. an integer literal beyond Python's 4300-digit limit
         reason = str(error).split(";")[0]  # drop the advice meant for Python programmers
         raise _UsageError(f"malformed JSON input: {reason}") from None
+    finally:
+        sys.setrecursionlimit(limit)
     if not isinstance(data, dict):
         raise _UsageError(f"the JSON input must be an object, got {type(data).__name__}")
     return data
