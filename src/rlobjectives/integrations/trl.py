@@ -9,19 +9,25 @@ Swap the import and keep everything else::
 
 By default the loss is :func:`rlobjectives.presets.trl_grpo_loss` built from the trainer's
 ``GRPOConfig`` (:func:`loss_from_config`): the same value and gradient as TRL's own
-``_compute_loss`` (tested against the real trainer for grpo, bnpo, dr_grpo and dapo). Pass
-``loss_fn=`` to train with any other objective of the library; it is called once per
-micro-batch as
+``_compute_loss`` (tested against the real trainer for every ``loss_type``, and for the
+entropy mask, entropy bonus and off-policy mask). Pass ``loss_fn=`` to train with any other
+objective of the library; it is called once per micro-batch as
 
 ``loss_fn(log_probs, old_log_probs, advantages, mask, *, ref_log_probs, importance_sampling_ratio,
-num_items_in_batch, num_processes, gradient_accumulation_steps, steps_per_generation)``
+num_items_in_batch, num_processes, gradient_accumulation_steps, steps_per_generation, entropy,
+sampling_log_probs)``
 
-and returns ``(loss, metrics)``: the loss already scaled for gradient accumulation (TRL does
-not rescale it: ``loss_is_scaled_for_ga``) and a mapping of metric names to 0-d tensors, logged
+(``entropy``: TRL's per-token entropies, with their gradient; ``sampling_log_probs``: TRL's
+``sampling_per_token_logps`` or None; accept ``**kwargs`` to ignore what you do not use) and
+returns ``(loss, metrics)``: the loss already scaled for gradient accumulation (TRL does not
+rescale it: ``loss_is_scaled_for_ga``) and a mapping of metric names to 0-d tensors, logged
 under those names.
 
 Tested with TRL 1.16 (the minimum, 1.10, is the first release with the loss semantics the
-preset follows).
+preset follows). Every ``GRPOConfig`` loss option is supported except
+``use_adaptive_entropy`` (TRL's controller that changes ``entropy_coef`` between optimizer
+steps from the window's global entropy: state kept across steps, not a loss formula); it
+raises ``NotImplementedError`` at construction.
 """
 
 from __future__ import annotations
@@ -60,12 +66,14 @@ def loss_from_config(args: Any) -> TRLGRPOLoss:
         :func:`rlobjectives.presets.trl_grpo_loss` of the config's loss options.
 
     Raises:
-        NotImplementedError: an option the preset does not support yet (its message names it).
+        NotImplementedError: ``use_adaptive_entropy`` (see the module docstring).
     """
     if getattr(args, "use_adaptive_entropy", False):
         raise NotImplementedError(
-            "TRL use_adaptive_entropy is not supported yet: it needs policy_loss(entropy=, "
-            "entropy_coef=) (issue 13); no approximation is substituted"
+            "TRL use_adaptive_entropy is not supported: its controller changes entropy_coef "
+            "between optimizer steps (state across steps, not a loss formula); use a static "
+            "entropy_coef, or pass loss_fn= and drive the coefficient yourself. No "
+            "approximation is substituted"
         )
     return trl_grpo_loss(
         loss_type=args.loss_type,
@@ -77,6 +85,10 @@ def loss_from_config(args: Any) -> TRLGRPOLoss:
         max_completion_length=args.max_completion_length,
         sapo_temperature_pos=getattr(args, "sapo_temperature_pos", 1.0),
         sapo_temperature_neg=getattr(args, "sapo_temperature_neg", 1.05),
+        vespo_k_pos=getattr(args, "vespo_k_pos", 2.0),
+        vespo_lambda_pos=getattr(args, "vespo_lambda_pos", 3.0),
+        vespo_k_neg=getattr(args, "vespo_k_neg", 3.0),
+        vespo_lambda_neg=getattr(args, "vespo_lambda_neg", 2.0),
         use_bias_correction_kl=getattr(args, "use_bias_correction_kl", False),
         top_entropy_quantile=getattr(args, "top_entropy_quantile", 1.0),
         entropy_coef=getattr(args, "entropy_coef", 0.0),
@@ -97,8 +109,7 @@ class GRPOTrainer(_TRLGRPOTrainer):  # type: ignore[misc]
         **kwargs: ``trl.GRPOTrainer``'s keyword arguments.
 
     Raises:
-        NotImplementedError: with ``loss_fn=None``, a ``GRPOConfig`` option the preset does not
-            support yet.
+        NotImplementedError: with ``loss_fn=None``, ``use_adaptive_entropy``.
     """
 
     def __init__(self, *args: Any, loss_fn: Callable[..., Any] | None = None, **kwargs: Any):
@@ -139,6 +150,8 @@ class GRPOTrainer(_TRLGRPOTrainer):  # type: ignore[misc]
             num_processes=self.accelerator.num_processes,
             gradient_accumulation_steps=accumulation,
             steps_per_generation=generation_steps,
+            entropy=entropies,
+            sampling_log_probs=inputs.get("sampling_per_token_logps"),
         )
         mode = "train" if training else "eval"
         if self.aux_loss_enabled:
@@ -146,6 +159,9 @@ class GRPOTrainer(_TRLGRPOTrainer):  # type: ignore[misc]
             aux = self.accelerator.gather_for_metrics(aux_loss).mean().item()
             self._metrics[mode]["aux_loss"].append(aux)
         self._log_metrics(mode, entropies, mask, metrics)
+        bonus = getattr(self, "_entropy_bonus_enabled", False)
+        if bonus and mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)  # as TRL
         return loss
 
     def _log_probs(self, model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
