@@ -184,6 +184,21 @@ def test_trl_family_golden_edges() -> None:
     assert_close(out.loss, -0.4304503918)
 
 
+def test_trl_call_entropy_coef() -> None:
+    # TRL's adaptive controller sets the coefficient per call; given (even 0) the bonus is on:
+    # dapo -0.4304503918 - 0.02 · 5.2/5, and with 0 the loss is unchanged but policy_loss logged
+    log_probs, old, advantages, mask = _trl_batch()
+    entropy = torch.tensor(TRL_ENTROPY, dtype=torch.float64)
+    loss_fn = trl_grpo_loss(loss_type="dapo")
+    for coef, expected in ((0.02, -0.4512503918), (0.0, -0.4304503918)):
+        out = loss_fn(log_probs, old, advantages, mask, num_items_in_batch=5, entropy=entropy,
+                      entropy_coef=coef)  # fmt: skip
+        assert_close(out.loss, expected)
+        assert_close(out.metrics["policy_loss"], -0.4304503918, torch.float32)
+    with pytest.raises(ValueError, match="need entropy"):
+        loss_fn(log_probs, old, advantages, mask, entropy_coef=0.0)
+
+
 TRL_FAMILY_CASES = [
     {"loss_type": "cispo", "epsilon_high": 1.3},
     {"loss_type": "cispo", "epsilon_high": 5.0, "importance_sampling_level": "sequence"},

@@ -152,6 +152,19 @@ CASES: dict[str, tuple[dict[str, Any], tuple[str, ...], str | None]] = {
         (*CLIPS, "policy_loss", "entropy_coef"),
         "clip_ratio/region_mean",
     ),  # fmt: skip
+    # TRL's adaptive entropy controller (coefficient 0 until the first window is measured)
+    "adaptive": (
+        {
+            "loss_type": "grpo",
+            "use_adaptive_entropy": True,
+            "entropy_coef": 0.05,
+            "entropy_target": 10.0,
+            "entropy_coef_delta": 0.02,
+            "top_entropy_quantile": 0.5,
+        },
+        (*CLIPS, "policy_loss", "entropy_coef"),
+        "entropy_coef",
+    ),  # fmt: skip
 }
 
 
@@ -190,15 +203,15 @@ def test_trainer_matches_trl(case: str, model_dir: str) -> None:
         assert max(log[moving] for log in logs) > 0
 
 
-def test_unsupported_option_is_named(model_dir: str) -> None:
+def test_rejected_option_is_named(model_dir: str) -> None:
     model = transformers.LlamaForCausalLM.from_pretrained(model_dir)
     args = trl.GRPOConfig(
         output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, per_device_train_batch_size=2,
-        num_generations=2, max_completion_length=3, report_to="none", entropy_coef=0.01,
-        use_adaptive_entropy=True, use_vllm=False,
+        num_generations=2, max_completion_length=3, report_to="none", loss_type="dapo",
+        delta=0.9, use_vllm=False,
     )  # fmt: skip
     dataset = datasets.Dataset.from_dict({"prompt": ["a b", "c d"]})
-    with pytest.raises(NotImplementedError, match="use_adaptive_entropy"):
+    with pytest.raises(ValueError, match="delta must be > 1"):  # TRL accepts it silently
         GRPOTrainer(
             model=model, reward_funcs=_reward, args=args, train_dataset=dataset,
             processing_class=_tokenizer(),

@@ -23,11 +23,12 @@ returns ``(loss, metrics)``: the loss already scaled for gradient accumulation (
 rescale it: ``loss_is_scaled_for_ga``) and a mapping of metric names to 0-d tensors, logged
 under those names.
 
+With ``use_adaptive_entropy`` the trainer runs TRL's controller on TRL's own state attributes
+(``entropy_coef``, checkpointed by TRL) and passes each call's coefficient as
+``entropy_coef=`` (a custom ``loss_fn`` receives it too).
+
 Tested with TRL 1.16 (the minimum, 1.10, is the first release with the loss semantics the
-preset follows). Every ``GRPOConfig`` loss option is supported except
-``use_adaptive_entropy`` (TRL's controller that changes ``entropy_coef`` between optimizer
-steps from the window's global entropy: state kept across steps, not a loss formula); it
-raises ``NotImplementedError`` at construction.
+preset follows).
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
         "rlobjectives.integrations.trl needs TRL: pip install 'rlobjectives[trl]'"
     ) from error
 
+from ..distributed import global_top_entropy_mask
 from ..presets import TRLGRPOLoss, trl_grpo_loss
 
 __all__ = ["GRPOTrainer", "loss_from_config"]
@@ -66,15 +68,8 @@ def loss_from_config(args: Any) -> TRLGRPOLoss:
         :func:`rlobjectives.presets.trl_grpo_loss` of the config's loss options.
 
     Raises:
-        NotImplementedError: ``use_adaptive_entropy`` (see the module docstring).
+        ValueError: an option value the preset rejects (its message names it).
     """
-    if getattr(args, "use_adaptive_entropy", False):
-        raise NotImplementedError(
-            "TRL use_adaptive_entropy is not supported: its controller changes entropy_coef "
-            "between optimizer steps (state across steps, not a loss formula); use a static "
-            "entropy_coef, or pass loss_fn= and drive the coefficient yourself. No "
-            "approximation is substituted"
-        )
     return trl_grpo_loss(
         loss_type=args.loss_type,
         epsilon=args.epsilon,
@@ -109,7 +104,7 @@ class GRPOTrainer(_TRLGRPOTrainer):  # type: ignore[misc]
         **kwargs: ``trl.GRPOTrainer``'s keyword arguments.
 
     Raises:
-        NotImplementedError: with ``loss_fn=None``, ``use_adaptive_entropy``.
+        ValueError: with ``loss_fn=None``, a ``GRPOConfig`` loss option out of range.
     """
 
     def __init__(self, *args: Any, loss_fn: Callable[..., Any] | None = None, **kwargs: Any):
@@ -139,6 +134,8 @@ class GRPOTrainer(_TRLGRPOTrainer):  # type: ignore[misc]
         old_log_probs = inputs.get("old_per_token_logps")
         correction = self.use_vllm and self.vllm_importance_sampling_correction
         ratio = inputs.get("importance_sampling_ratio") if correction else None
+        adaptive = getattr(self, "use_adaptive_entropy", False)
+        extra = {"entropy_coef": self._adaptive_coefficient()} if adaptive else {}
         loss, metrics = self.loss_fn(
             log_probs,
             log_probs.detach() if old_log_probs is None else old_log_probs,
@@ -152,6 +149,7 @@ class GRPOTrainer(_TRLGRPOTrainer):  # type: ignore[misc]
             steps_per_generation=generation_steps,
             entropy=entropies,
             sampling_log_probs=inputs.get("sampling_per_token_logps"),
+            **extra,
         )
         mode = "train" if training else "eval"
         if self.aux_loss_enabled:
@@ -159,10 +157,53 @@ class GRPOTrainer(_TRLGRPOTrainer):  # type: ignore[misc]
             aux = self.accelerator.gather_for_metrics(aux_loss).mean().item()
             self._metrics[mode]["aux_loss"].append(aux)
         self._log_metrics(mode, entropies, mask, metrics)
+        if adaptive and mode == "train":
+            self._update_entropy_coefficient(entropies, mask)
         bonus = getattr(self, "_entropy_bonus_enabled", False)
         if bonus and mode == "train" and self.accelerator.sync_gradients:
             self._metrics[mode]["entropy_coef"].append(self.entropy_coef)  # as TRL
         return loss
+
+    def _adaptive_coefficient(self) -> float:
+        """TRL's adaptive bonus coefficient of this step (0 until the first window is measured).
+
+        ``entropy_coef`` while the last window's global entropy is at or below
+        ``entropy_target``, else 0.
+        """
+        config: Any = self.args  # a GRPOConfig (typed as TrainingArguments)
+        last = float(self._last_world_entropy)
+        return float(self.entropy_coef) if last <= config.entropy_target else 0.0
+
+    @torch.no_grad()
+    def _update_entropy_coefficient(self, entropies: torch.Tensor, mask: torch.Tensor) -> None:
+        """TRL's adaptive entropy controller, on the state attributes TRL checkpoints.
+
+        Sums the entropy and the count of the tokens the bonus acts on (the selected tokens, or
+        the high-entropy ones with ``top_entropy_quantile < 1``) over the accumulation window;
+        at the optimizer step, their global mean moves ``entropy_coef`` up by
+        ``entropy_coef_delta`` when at or below ``entropy_target`` and down otherwise, within
+        ``[entropy_coef_min, entropy_coef_max]``.
+        """
+        effective = mask != 0
+        if self.top_entropy_quantile < 1.0:
+            quantile = 1.0 - self.top_entropy_quantile
+            effective = global_top_entropy_mask(entropies, effective, quantile=quantile)
+        values = torch.where(effective, entropies.detach(), torch.zeros_like(entropies))
+        stats = torch.stack([values.sum(), effective.sum().to(values.dtype)])
+        window = self._entropy_window_stats
+        self._entropy_window_stats = stats if window is None else window + stats  # type: ignore[assignment]
+        if not self.accelerator.sync_gradients:
+            return
+        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world = (totals[0] / totals[1].clamp(min=1.0)).item()
+        config: Any = self.args  # a GRPOConfig (typed as TrainingArguments)
+        coef = float(self.entropy_coef)
+        if world <= config.entropy_target:
+            self.entropy_coef = min(coef + config.entropy_coef_delta, config.entropy_coef_max)
+        else:
+            self.entropy_coef = max(coef - config.entropy_coef_delta, config.entropy_coef_min)
+        self._last_world_entropy = world
+        self._entropy_window_stats = None
 
     def _log_probs(self, model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
         """TRL's per-token log-probabilities, entropies and aux loss of the completions."""

@@ -111,6 +111,7 @@ class TRLGRPOLoss:
         steps_per_generation: int | None = None,
         entropy: torch.Tensor | None = None,
         sampling_log_probs: torch.Tensor | None = None,
+        entropy_coef: float | None = None,
     ) -> TRLLossOutput:
         """The loss ``GRPOTrainer._compute_loss`` returns for these tensors, and its metrics.
 
@@ -137,6 +138,9 @@ class TRLGRPOLoss:
                 ``top_entropy_quantile < 1`` or ``entropy_coef != 0``.
             sampling_log_probs: ``(B, T)`` the sampler's log-probabilities for the off-policy
                 mask (TRL's ``sampling_per_token_logps``); None = ``old_log_probs`` (as TRL).
+            entropy_coef: this call's bonus coefficient (TRL's ``use_adaptive_entropy``
+                controller sets it per optimizer step); None = the preset's. Given, even 0,
+                the bonus is on: ``policy_loss`` is logged and ``entropy`` is required.
 
         Returns:
             :class:`TRLLossOutput` ``(loss, metrics)``.
@@ -147,7 +151,9 @@ class TRLGRPOLoss:
                 spreads a sequence's loss over its tokens, the library's GSPO-token form
                 weights each token by its own advantage: the gradients differ).
         """
-        self._check_call(advantages, ref_log_probs, entropy)
+        coef = self.entropy_coef if entropy_coef is None else float(entropy_coef)
+        bonus_on = self.entropy_coef != 0.0 or entropy_coef is not None
+        self._check_call(advantages, ref_log_probs, entropy, bonus_on)
         selected = as_bool_mask(mask, log_probs)
         spg = gradient_accumulation_steps if steps_per_generation is None else steps_per_generation
         batch = Batch(log_probs.shape[0], num_items_in_batch, num_processes,
@@ -168,13 +174,13 @@ class TRLGRPOLoss:
             assert ref_log_probs is not None  # checked in _check_call
             kl, metrics["kl"] = self._kl_term(log_probs, old_log_probs, ref_log_probs, selected)
             loss = loss + self.beta * reduce_terms(kl, selected, args)
-        if self.entropy_coef != 0.0:
+        if bonus_on:
             assert entropy is not None  # checked in _check_call
             scale = 1 if row.per_call else gradient_accumulation_steps
             metrics["policy_loss"] = (loss.detach() * scale).float()
             effective = selected if filters.entropy is None else filters.entropy
             bonus = aggregate(entropy, effective, reduction="token_mean")
-            loss = loss - self.entropy_coef * bonus / gradient_accumulation_steps
+            loss = loss - coef * bonus / gradient_accumulation_steps
         return TRLLossOutput(loss, metrics)
 
     def _check_call(
@@ -182,14 +188,14 @@ class TRLGRPOLoss:
         advantages: torch.Tensor,
         ref_log_probs: torch.Tensor | None,
         entropy: torch.Tensor | None,
+        bonus_on: bool,
     ) -> None:
         if self.beta != 0.0 and ref_log_probs is None:
             raise ValueError(f"beta={self.beta} needs ref_log_probs (TRL's ref_per_token_logps)")
-        needs_entropy = self.top_entropy_quantile < 1.0 or self.entropy_coef != 0.0
-        if needs_entropy and entropy is None:
+        if (self.top_entropy_quantile < 1.0 or bonus_on) and entropy is None:
             raise ValueError(
-                f"top_entropy_quantile={self.top_entropy_quantile} and entropy_coef="
-                f"{self.entropy_coef} need entropy, the (B, T) per-token entropies"
+                f"top_entropy_quantile={self.top_entropy_quantile} and the entropy bonus "
+                f"(entropy_coef={self.entropy_coef}) need entropy, the (B, T) per-token entropies"
             )
         sequence_value = TRL_LOSS_TYPES[self.loss_type].per_sequence_value
         if self.importance_sampling_level != "sequence" or not sequence_value:
