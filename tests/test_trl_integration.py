@@ -134,6 +134,7 @@ CASES: dict[str, tuple[dict[str, Any], tuple[str, ...], str | None]] = {
     "bnpo": ({"loss_type": "bnpo", "epsilon_high": 0.28}, CLIPS, "clip_ratio/region_mean"),
     "dr_grpo": ({"loss_type": "dr_grpo"}, CLIPS, "clip_ratio/region_mean"),
     "dapo": ({"loss_type": "dapo", "delta": 1.5}, CLIPS, "clip_ratio/region_mean"),
+    "luspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, CLIPS, None),
     "cispo": (
         {"loss_type": "cispo", "epsilon_high": 1.05},
         ("cispo_clip_ratio",),
