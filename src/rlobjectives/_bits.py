@@ -75,9 +75,19 @@ def count_bits(select_mask: torch.Tensor) -> torch.Tensor:
     return -select_mask.sum(dtype=select_mask.dtype)
 
 
-def sign_bits(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Select masks of ``values > 0`` and ``values < 0`` (NaN: neither), shape of ``values``."""
-    return mask_bits(values > 0, dtype), mask_bits(values < 0, dtype)
+def sign_bits(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Select masks of ``values > 0`` and ``values < 0`` (±0, NaN: neither), shape of ``values``.
+
+    ``values`` is float32 or float64. ``torch.sign`` gives exactly ``+1``, ``-1`` or ``+0``
+    (``+0`` for ``±0`` and NaN on every backend: it is ``(x > 0) - (x < 0)``); the sign bit of
+    ``-1`` is the mask of ``values < 0`` and that of ``-(+1)`` the mask of ``values > 0``. Three
+    passes, where two comparisons and two conversions to integer masks cost several times more
+    on CPU.
+    """
+    sign = torch.sign(values).view(_BITS_DTYPE[values.dtype])  # +1, -1 or +0 as bits
+    shift = torch.iinfo(sign.dtype).bits - 1
+    negative = torch.bitwise_right_shift(sign, shift)
+    return sign.neg_().bitwise_right_shift_(shift), negative
 
 
 class Bits:
@@ -99,8 +109,7 @@ class Bits:
         if isinstance(value, torch.Tensor):
             number = value.to(dtype=self.float_dtype, device=self.device)
             return number.clamp(min=0.0).view(self.int_dtype)
-        float_code, int_code = ("<f", "<i") if self.float_dtype == torch.float32 else ("<d", "<q")
-        return int(struct.unpack(int_code, struct.pack(float_code, max(float(value), 0.0)))[0])
+        return self.pattern(max(float(value), 0.0))
 
     def less(
         self,
@@ -114,6 +123,13 @@ class Bits:
         else:  # left - right as -(right - left)
             difference = torch.sub(right, left, out=out).neg_()
         return difference.bitwise_right_shift_(self.shift)
+
+    def pattern(self, value: float | torch.Tensor) -> int | torch.Tensor:
+        """The exact bits of ``value`` in this dtype (any sign): an int, or a 0-d int tensor."""
+        if isinstance(value, torch.Tensor):
+            return value.to(dtype=self.float_dtype, device=self.device).view(self.int_dtype)
+        float_code, int_code = ("<f", "<i") if self.float_dtype == torch.float32 else ("<d", "<q")
+        return int(struct.unpack(int_code, struct.pack(float_code, float(value)))[0])
 
     def view(self, values: torch.Tensor) -> torch.Tensor:
         """The integer view of a float tensor of this dtype (no copy)."""

@@ -62,14 +62,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._bits import Bits, count_bits, less_, magnitude_, mask_bits, select, select_, sign_bits
-from ._fused_surrogates import PLAIN_STAGES, ClipCounts, StageInputs, StageOutputs
+from ._bits import Bits, count_bits, less_, magnitude_, mask_bits, select, select_
+from ._fused_clip import clip_stage
+from ._fused_surrogates import PLAIN_STAGES, StageInputs, StageOutputs
 from ._layout import Layout
 from ._masking import clamp
 from ._policy_args import SurrogateOptions
 from ._reduction import ReductionSpec, reduce_rows, row_weights, token_gradient_weights
 from ._surrogate import DIAGNOSTIC_LOG_RATIO_BOUND
-from ._surrogates import ClipBounds, clip_bounds
 
 __all__ = [
     "TOKEN_STAGES",
@@ -150,123 +150,8 @@ def _ratio_stage(
     return ratio, bound_fired
 
 
-def _clip_gates(inputs: StageInputs, bounds: ClipBounds) -> tuple[ClipCounts, torch.Tensor]:
-    """Clear ``keep`` where a clip binds; return the clip counts and the dual-clip count.
-
-    The ratio is >= +0 or NaN, so its bits order like its values (a NaN with the sign bit set,
-    which exp does not produce, would count as below the band). At unselected positions the
-    ratio is exactly 1, never clipped (every bound is >= 1 but the low edge, <= 1), so the
-    advantage signs need no mask.
-    """
-    bits, keep, zero = inputs.bits, inputs.keep, inputs.selected_count.new_zeros(())
-    ratio_bits = bits.view(inputs.ratio)  # (B, T), no copy
-    positive, negative = sign_bits(inputs.advantages, inputs.dtype)  # shape of A
-    out_of_band = binding_low = binding_high = dual = zero
-    high_flags = None
-    reuse = inputs.options.delta is None  # the high edge for A > 0 is 1 + eps_high itself
-    if bounds.band is not None:
-        flags = bits.less(ratio_bits, bits.of(bounds.band[0]))  # (B, T) r < 1 - eps_low
-        below = count_bits(flags)
-        binding_low = count_bits(flags.bitwise_and_(negative))  # the low clip binds (A < 0)
-        keep &= flags.bitwise_not_()
-        high_flags = bits.less(bits.of(bounds.band[1]), ratio_bits, out=flags)  # r > 1 + eps_h
-        out_of_band = below + count_bits(high_flags)
-        high_flags = high_flags if reuse else None
-    if bounds.upper_positive is not None:
-        if high_flags is None:
-            high_flags = bits.less(bits.of(bounds.upper_positive), ratio_bits)  # NaN too
-        binding_high = count_bits(high_flags.bitwise_and_(positive))  # the high edge binds
-        keep &= high_flags.bitwise_not_()
-    if bounds.upper_negative is not None:
-        upper = bits.less(bits.of(bounds.upper_negative), ratio_bits).bitwise_and_(negative)
-        dual = count_bits(upper)
-        keep &= upper.bitwise_not_()
-    return ClipCounts(out_of_band, binding_low, binding_high), dual
-
-
-def _gradient_coefficient(inputs: StageInputs) -> torch.Tensor:
-    """``d s / d log_probs = r A~`` where the unclipped branch is active (``keep``), else 0."""
-    ratio, advantages = inputs.ratio, inputs.advantages
-    coefficient = select_(ratio * inputs.weighted, inputs.keep)  # (B, T)
-    dual_clip = inputs.options.dual_clip
-    if dual_clip is not None:
-        # At r == c exactly torch.maximum(s, cA) ties and passes half of the gradient.
-        tie = (ratio == _as_tensor(dual_clip, ratio)) & (advantages < 0)
-        coefficient = torch.where(tie, 0.5 * coefficient, coefficient)
-    return coefficient
-
-
-def _surrogate_values(
-    inputs: StageInputs, bounds: ClipBounds, selection: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s = A~ clip(r, L, H)`` (+0 at unselected positions) and ``sum clip(r, L, H)``.
-
-    L and H have the shape of A; the sum is over the selected tokens. Overwrites the ratio.
-    ``clip(r, L, H)`` is exactly 1 at unselected positions (r = 1 there, L <= 1 <= H), so its
-    selected sum is the full sum minus the unselected count.
-    """
-    ratio, advantages = inputs.ratio, inputs.advantages.to(inputs.dtype)
-    infinity = float("inf")
-    lower_negative = -infinity if bounds.lower_negative is None else bounds.lower_negative
-    upper_positive = infinity if bounds.upper_positive is None else bounds.upper_positive
-    upper_negative = infinity if bounds.upper_negative is None else bounds.upper_negative
-    if advantages.shape == ratio.shape and advantages.shape[-1] > 1:
-        # Per-token advantages (packed rows, GAE): per-sign bounds by bit selection, since
-        # per-token masked_fill / torch.where cost several times more on CPU.
-        weight = _per_token_weight(
-            ratio, advantages, (lower_negative, upper_positive, upper_negative)
-        )
-    else:
-        lower = torch.full_like(advantages, -infinity).masked_fill_(advantages < 0, lower_negative)
-        upper = (
-            torch.full_like(advantages, infinity)
-            .masked_fill_(advantages > 0, upper_positive)
-            .masked_fill_(advantages < 0, upper_negative)
-        )
-        weight = torch.maximum(ratio, lower, out=ratio)  # (B, T)
-        weight = torch.minimum(weight, upper, out=weight)
-    unselected = weight.numel() - inputs.selected_count
-    weight_sum = (weight.sum(dtype=torch.float64) - unselected).to(inputs.dtype)
-    return select_(weight.mul_(inputs.weighted), selection), weight_sum
-
-
-def _per_token_weight(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    bounds: tuple[float | torch.Tensor, float | torch.Tensor, float | torch.Tensor],
-) -> torch.Tensor:
-    """``clip(r, L, H)`` with per-token ``(L, H)`` by the sign of ``A``, as merged bit patterns.
-
-    ``min(r, H+)`` where ``A > 0``, ``clip(r, L-, H-)`` where ``A < 0``, ``r`` elsewhere (A = 0
-    or NaN): the values of the per-sign bounds, exactly. Overwrites ``ratio``.
-    """
-    lower_negative, upper_positive, upper_negative = bounds
-    positive, negative = sign_bits(advantages, ratio.dtype)  # shape of A
-    value = select_(clamp(ratio, -float("inf"), upper_positive), positive).view(positive.dtype)
-    value |= select_(clamp(ratio, lower_negative, upper_negative), negative).view(positive.dtype)
-    neither = positive.bitwise_or_(negative).bitwise_not_()  # A == 0 or NaN
-    value |= select_(ratio, neither).view(positive.dtype)
-    return value.view(ratio.dtype)
-
-
-def _clip_stage(inputs: StageInputs) -> StageOutputs:
-    """The clipped surrogate with IEEE-754 bit tricks (the CPU-tuned default)."""
-    bounds = clip_bounds(inputs.options)
-    clip, dual = _clip_gates(inputs, bounds)
-    coefficient = _gradient_coefficient(inputs)
-    # Sum of r over the selected tokens (r - 1 = 0 exactly elsewhere), in the gate's buffer;
-    # then the buffer holds the selection again (no new (B, T) allocation).
-    keep, dtype = inputs.keep, inputs.dtype
-    ratio_sum = torch.sub(inputs.ratio, 1.0, out=keep.view(dtype)).sum() + inputs.selected_count.to(
-        dtype
-    )
-    selection = keep.copy_(inputs.mask).neg_()  # (B, T) all ones where selected
-    values, weight_sum = _surrogate_values(inputs, bounds, selection)
-    return StageOutputs(coefficient, values, selection, clip, dual, ratio_sum, weight_sum)
-
-
 TOKEN_STAGES: dict[str, Callable[[StageInputs], StageOutputs]] = {
-    "clip": _clip_stage,
+    "clip": clip_stage,
     **PLAIN_STAGES,
 }
 
