@@ -101,6 +101,19 @@ class _LogRatioStage(NamedTuple):
     token_log_ratio: torch.Tensor  # (B, T) selected (sequence-level for GSPO), a fresh buffer
     approx_kl_k1: torch.Tensor  # () sum of -Delta
     approx_kl_k3: torch.Tensor  # () sum of expm1(Delta) - Delta (Delta within the bound)
+    # clamp(token_log_ratio, -b, b) where the ratio's bound b is the diagnostic's (token level)
+    clamped: torch.Tensor | None = None
+
+
+def _difference(left: torch.Tensor, right: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``left.to(dtype) - right.to(dtype)`` in one pass where the inputs promote to ``dtype``.
+
+    A mixed-dtype subtraction converts each element to the promoted dtype first, exactly as
+    ``.to`` does, so only inputs that promote to a narrower dtype (bf16 - bf16) are converted.
+    """
+    if torch.promote_types(left.dtype, right.dtype) == dtype:
+        return torch.sub(left, right)
+    return left.to(dtype).sub_(right)
 
 
 def _log_ratio_stage(
@@ -112,7 +125,7 @@ def _log_ratio_stage(
 ) -> _LogRatioStage:
     """Selected log-ratio (exact zeros elsewhere), its GSPO form, and the k1/k3 sums."""
     dtype, options = spec.dtype, spec.options
-    log_ratio = select_(log_probs.to(dtype) - old_log_probs.to(dtype), keep)  # (B, T)
+    log_ratio = select_(_difference(log_probs, old_log_probs, dtype), keep)  # (B, T)
     approx_kl_k1 = -log_ratio.sum()
     bound = (
         DIAGNOSTIC_LOG_RATIO_BOUND if options.log_ratio_bound is None else options.log_ratio_bound
@@ -120,30 +133,37 @@ def _log_ratio_stage(
     kl_log_ratio = clamp(log_ratio, -bound, bound)  # (B, T)
     # k3 = r - 1 - log r as expm1(Delta) - Delta: no cancellation near on-policy.
     approx_kl_k3 = torch.expm1(kl_log_ratio).sub_(kl_log_ratio).sum()
-    del kl_log_ratio
     if options.ratio_level == "token":
-        return _LogRatioStage(log_ratio, approx_kl_k1, approx_kl_k3)
+        # With a log-ratio bound, the ratio's clamp is this one: computed once.
+        clamped = None if options.log_ratio_bound is None else kl_log_ratio
+        return _LogRatioStage(log_ratio, approx_kl_k1, approx_kl_k3, clamped)
+    del kl_log_ratio
     # GSPO: value log s_i (mean selected log-ratio of the row) at every selected token, gradient
     # 1 w.r.t. log_probs (the stop-gradient form); (x - x) keeps NaN/inf of x.
     per_row = counts.clamp(min=1).to(dtype)  # (S,)
     sequence_log_ratio = spec.layout.expand(spec.layout.row_sums(log_ratio) / per_row)  # (B, 1)
-    selected = select(log_probs.to(dtype), keep)  # (B, T)
+    # (B, T) a fresh buffer: the AND of select, or in place on the converted copy
+    same = log_probs.dtype == dtype
+    selected = select(log_probs, keep) if same else select_(log_probs.to(dtype), keep)
     token_log_ratio = select_(selected.sub_(selected).add_(sequence_log_ratio), keep)
     return _LogRatioStage(token_log_ratio, approx_kl_k1, approx_kl_k3)
 
 
 def _ratio_stage(
-    token_log_ratio: torch.Tensor, keep: torch.Tensor, bits: Bits, spec: FusedSpec
+    stage: _LogRatioStage, keep: torch.Tensor, bits: Bits, spec: FusedSpec
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The ratio ``exp(clamp(Delta, -b, b))`` and the count of tokens where the bound fired.
 
     Clears ``keep`` where the bound fired (``torch.clamp`` passes no gradient there). Consumes
-    ``token_log_ratio``: its buffer becomes the fired mask.
+    the stage's buffers: the clamped log-ratio becomes the ratio, the log-ratio the fired mask.
     """
-    bound = spec.options.log_ratio_bound
+    token_log_ratio, bound = stage.token_log_ratio, spec.options.log_ratio_bound
     if bound is None:
         return token_log_ratio.exp(), None
-    ratio = clamp(token_log_ratio, -bound, bound).exp_()  # (B, T)
+    clamped = stage.clamped
+    if clamped is None:
+        clamped = clamp(token_log_ratio, -bound, bound)
+    ratio = clamped.exp_()  # (B, T)
     fired = less_(bits.of(bound), magnitude_(token_log_ratio))  # (B, T), NaN counts as fired
     bound_fired = count_bits(fired)
     keep &= fired.bitwise_not_()
@@ -211,7 +231,7 @@ def fused_forward(
     keep = mask_bits(mask, dtype)  # (B, T) all ones where selected; becomes the gradient gate
     per_row = _per_row_sums_needed(spec)
     # (S,) selected tokens per sequence; their total as (1,) where no per-row count is needed
-    counts = spec.layout.row_counts(mask) if per_row else mask.sum().reshape(1)
+    counts = spec.layout.row_counts(mask) if per_row else count_bits(keep).reshape(1)
     # (B, 1) or (B, T); never selected itself: every product with it is selected afterwards.
     advantages = advantages.to(dtype)
     weighted = advantages
@@ -220,7 +240,7 @@ def fused_forward(
     stage = _log_ratio_stage(log_probs, old_log_probs, keep, counts, spec)
     kl_sums = (stage.approx_kl_k1, stage.approx_kl_k3)
     bits = Bits(dtype, log_probs.device)
-    ratio, bound_fired = _ratio_stage(stage.token_log_ratio, keep, bits, spec)
+    ratio, bound_fired = _ratio_stage(stage, keep, bits, spec)
     del stage  # the log-ratio buffer is spent
     count = counts.sum()
     stage_inputs = StageInputs(
