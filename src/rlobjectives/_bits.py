@@ -65,9 +65,15 @@ def magnitude_(values: torch.Tensor) -> torch.Tensor:
 
 
 def less_(left: torch.Tensor | int, right: torch.Tensor) -> torch.Tensor:
-    """All ones where ``left < right`` (magnitude bits), computed in place into ``right``."""
+    """All ones where ``left < right`` (magnitude bits), computed in place into ``right``.
+
+    ``left - right`` in one pass: a number is made a 0-d tensor on the device (a fill, no
+    host synchronisation), since a tensor cannot be subtracted from a number in place.
+    """
     shift = torch.iinfo(right.dtype).bits - 1
-    return right.neg_().add_(left).bitwise_right_shift_(shift)
+    if not isinstance(left, torch.Tensor):
+        left = torch.full((), left, dtype=right.dtype, device=right.device)
+    return torch.sub(left, right, out=right).bitwise_right_shift_(shift)
 
 
 def count_bits(select_mask: torch.Tensor) -> torch.Tensor:
@@ -118,11 +124,9 @@ class Bits:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """All ones where ``left < right`` (magnitude bits; one of them a tensor), else zero."""
-        if isinstance(left, torch.Tensor):
-            difference = torch.sub(left, right, out=out)
-        else:  # left - right as -(right - left)
-            difference = torch.sub(right, left, out=out).neg_()
-        return difference.bitwise_right_shift_(self.shift)
+        if not isinstance(left, torch.Tensor):  # left - right in one pass (see less_)
+            left = torch.full((), left, dtype=self.int_dtype, device=self.device)
+        return torch.sub(left, right, out=out).bitwise_right_shift_(self.shift)
 
     def pattern(self, value: float | torch.Tensor) -> int | torch.Tensor:
         """The exact bits of ``value`` in this dtype (any sign): an int, or a 0-d int tensor."""
