@@ -149,25 +149,29 @@ def _log_ratio_stage(
     return _LogRatioStage(token_log_ratio, approx_kl_k1, approx_kl_k3)
 
 
-def _ratio_stage(
-    stage: _LogRatioStage, keep: torch.Tensor, bits: Bits, spec: FusedSpec
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The ratio ``exp(clamp(Delta, -b, b))`` and the count of tokens where the bound fired.
+class _RatioStage(NamedTuple):
+    ratio: torch.Tensor  # (B, T) exp(clamp(Delta, -b, b)), 1 at unselected tokens
+    fired: torch.Tensor | None  # (B, T) select mask where the bound fired; None without a bound
+    bound_fired: torch.Tensor  # () count of fired tokens
 
-    Clears ``keep`` where the bound fired (``torch.clamp`` passes no gradient there). Consumes
-    the stage's buffers: the clamped log-ratio becomes the ratio, the log-ratio the fired mask.
+
+def _ratio_stage(stage: _LogRatioStage, bits: Bits, spec: FusedSpec) -> _RatioStage:
+    """The ratio ``exp(clamp(Delta, -b, b))`` and the tokens where the bound fired.
+
+    ``torch.clamp`` passes no gradient where the bound fired: the surrogate stage clears those
+    tokens from its gradient. Consumes the stage's buffers: the clamped log-ratio becomes the
+    ratio, the log-ratio the fired mask.
     """
     token_log_ratio, bound = stage.token_log_ratio, spec.options.log_ratio_bound
     if bound is None:
-        return token_log_ratio.exp(), None
+        none = torch.zeros((), dtype=torch.int64, device=token_log_ratio.device)
+        return _RatioStage(token_log_ratio.exp(), None, none)
     clamped = stage.clamped
     if clamped is None:
         clamped = clamp(token_log_ratio, -bound, bound)
     ratio = clamped.exp_()  # (B, T)
     fired = less_(bits.of(bound), magnitude_(token_log_ratio))  # (B, T), NaN counts as fired
-    bound_fired = count_bits(fired)
-    keep &= fired.bitwise_not_()
-    return ratio, bound_fired
+    return _RatioStage(ratio, fired, count_bits(fired))
 
 
 TOKEN_STAGES: dict[str, Callable[[StageInputs], StageOutputs]] = {
@@ -228,23 +232,33 @@ def fused_forward(
     buffer costs page faults, often more than the arithmetic.
     """
     dtype = spec.dtype
-    keep = mask_bits(mask, dtype)  # (B, T) all ones where selected; becomes the gradient gate
+    selected = mask_bits(mask, dtype)  # (B, T) all ones where selected (never modified)
     per_row = _per_row_sums_needed(spec)
     # (S,) selected tokens per sequence; their total as (1,) where no per-row count is needed
-    counts = spec.layout.row_counts(mask) if per_row else count_bits(keep).reshape(1)
+    counts = spec.layout.row_counts(mask) if per_row else count_bits(selected).reshape(1)
     # (B, 1) or (B, T); never selected itself: every product with it is selected afterwards.
     advantages = advantages.to(dtype)
     weighted = advantages
     if importance_weights is not None:  # the one extra (B, T) pass of the importance weights
         weighted = advantages * importance_weights.to(dtype)
-    stage = _log_ratio_stage(log_probs, old_log_probs, keep, counts, spec)
+    stage = _log_ratio_stage(log_probs, old_log_probs, selected, counts, spec)
     kl_sums = (stage.approx_kl_k1, stage.approx_kl_k3)
     bits = Bits(dtype, log_probs.device)
-    ratio, bound_fired = _ratio_stage(stage, keep, bits, spec)
+    ratio = _ratio_stage(stage, bits, spec)
     del stage  # the log-ratio buffer is spent
     count = counts.sum()
     stage_inputs = StageInputs(
-        ratio, advantages, weighted, keep, mask, log_probs, count, bits, spec.options, dtype
+        ratio.ratio,
+        advantages,
+        weighted,
+        selected,
+        ratio.fired,
+        mask,
+        log_probs,
+        count,
+        bits,
+        spec.options,
+        dtype,
     )
     surrogate = TOKEN_STAGES[spec.options.surrogate](stage_inputs)
     values, selection = surrogate.values, surrogate.selection
@@ -254,8 +268,7 @@ def fused_forward(
     else:  # the loss needs the total only; the unused row sums output is zeros
         reduced = _reduce_stage(values, values.sum().reshape(1), counts, selection, spec)
         row_sums = values.new_zeros(spec.layout.num_sequences)
-    fired = count.new_zeros(()) if bound_fired is None else bound_fired
-    counted = [*surrogate.clip, surrogate.dual, fired]
+    counted = [*surrogate.clip, surrogate.dual, ratio.bound_fired]
     sums = [surrogate.ratio_sum, *kl_sums, surrogate.weight_sum]
     diagnostics = _diagnostics(counted, sums, count, spec)
     return FusedForward(

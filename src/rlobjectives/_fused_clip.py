@@ -27,6 +27,8 @@ bounds of the shape of :math:`A`, built from the masks with bitwise operations.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from ._bits import Bits, count_bits, select_, sign_bits
@@ -47,58 +49,82 @@ def clip_stage(inputs: StageInputs) -> StageOutputs:
     """The clipped surrogate with IEEE-754 bit tricks (the CPU-tuned default)."""
     bounds = clip_bounds(inputs.options)
     signs = _Signs(inputs.advantages)
-    clip, dual = _clip_gates(inputs, bounds, signs)
-    coefficient = _gradient_coefficient(inputs, signs)
-    # Sum of r over the selected tokens (r - 1 = 0 exactly elsewhere), in the gate's buffer;
-    # then the buffer holds the selection again (no new (B, T) allocation).
-    keep, dtype = inputs.keep, inputs.dtype
-    ratio_sum = torch.sub(inputs.ratio, 1.0, out=keep.view(dtype)).sum() + inputs.selected_count.to(
-        dtype
+    gates = _clip_gates(inputs, bounds, signs)
+    coefficient, scratch = _gradient_coefficient(inputs, signs, gates.blocked)
+    # Sum of r over the selected tokens (r - 1 = 0 exactly elsewhere), in a spent buffer.
+    dtype = inputs.dtype
+    ratio_sum = torch.sub(inputs.ratio, 1.0, out=scratch).sum() + inputs.selected_count.to(dtype)
+    values, weight_sum = _surrogate_values(inputs, bounds, signs)
+    return StageOutputs(
+        coefficient, values, inputs.selected, gates.clip, gates.dual, ratio_sum, weight_sum
     )
-    selection = keep.copy_(inputs.mask).neg_()  # (B, T) all ones where selected
-    values, weight_sum = _surrogate_values(inputs, bounds, signs, selection)
-    return StageOutputs(coefficient, values, selection, clip, dual, ratio_sum, weight_sum)
 
 
-def _clip_gates(
-    inputs: StageInputs, bounds: ClipBounds, signs: _Signs
-) -> tuple[ClipCounts, torch.Tensor]:
-    """Clear ``keep`` where a clip binds; return the clip counts and the dual-clip count.
+class _Gates(NamedTuple):
+    clip: ClipCounts
+    dual: torch.Tensor  # () dual-clip count
+    blocked: torch.Tensor | None  # (B, T) select mask: no gradient (a clip binds, bound fired)
+
+
+def _clip_gates(inputs: StageInputs, bounds: ClipBounds, signs: _Signs) -> _Gates:
+    """The tokens where a clip binds (added to the fired ones) and the clip counts.
 
     The ratio is >= +0 or NaN, so its bits order like its values (a NaN with the sign bit set,
     which exp does not produce, would count as below the band). At unselected positions the
     ratio is exactly 1, never clipped (every bound is >= 1 but the low edge, <= 1), so the
-    advantage signs need no mask.
+    advantage signs need no mask. Each binding set is OR-ed into one ``blocked`` mask (the
+    fired mask's buffer), cleared from the gradient once.
     """
-    bits, keep, zero = inputs.bits, inputs.keep, inputs.selected_count.new_zeros(())
+    bits, blocked, zero = inputs.bits, inputs.fired, inputs.selected_count.new_zeros(())
     ratio_bits = bits.view(inputs.ratio)  # (B, T), no copy
     out_of_band = binding_low = binding_high = dual = zero
-    high_flags = None
+    flags = high_flags = None
     reuse = inputs.options.delta is None  # the high edge for A > 0 is 1 + eps_high itself
     if bounds.band is not None:
         flags = bits.less(ratio_bits, bits.of(bounds.band[0]))  # (B, T) r < 1 - eps_low
         below = count_bits(flags)
-        binding_low = count_bits(flags.bitwise_and_(signs.negative))  # the low clip binds (A < 0)
-        keep &= flags.bitwise_not_()
+        low = flags.bitwise_and_(signs.negative)  # the low clip binds (A < 0)
+        binding_low = count_bits(low)
+        blocked, flags = _block(blocked, low)
         high_flags = bits.less(bits.of(bounds.band[1]), ratio_bits, out=flags)  # r > 1 + eps_h
         out_of_band = below + count_bits(high_flags)
-        high_flags = high_flags if reuse else None
+        flags, high_flags = (high_flags, high_flags) if reuse else (high_flags, None)
     if bounds.upper_positive is not None:
-        if high_flags is None:
-            high_flags = bits.less(bits.of(bounds.upper_positive), ratio_bits)  # NaN too
-        binding_high = count_bits(high_flags.bitwise_and_(signs.positive))  # the high edge binds
-        keep &= high_flags.bitwise_not_()
+        if high_flags is None:  # NaN too
+            high_flags = bits.less(bits.of(bounds.upper_positive), ratio_bits, out=flags)
+        high = high_flags.bitwise_and_(signs.positive)  # the high edge binds (A > 0)
+        binding_high = count_bits(high)
+        blocked, flags = _block(blocked, high)
     if bounds.upper_negative is not None:
-        upper = bits.less(bits.of(bounds.upper_negative), ratio_bits)
+        upper = bits.less(bits.of(bounds.upper_negative), ratio_bits, out=flags)
         dual = count_bits(upper.bitwise_and_(signs.negative))
-        keep &= upper.bitwise_not_()
-    return ClipCounts(out_of_band, binding_low, binding_high), dual
+        blocked, flags = _block(blocked, upper)
+    return _Gates(ClipCounts(out_of_band, binding_low, binding_high), dual, blocked)
 
 
-def _gradient_coefficient(inputs: StageInputs, signs: _Signs) -> torch.Tensor:
-    """``d s / d log_probs = r A~`` where the unclipped branch is active (``keep``), else 0."""
+def _block(
+    blocked: torch.Tensor | None, binding: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``blocked | binding`` and the buffer free for the next flags (None: allocate one)."""
+    if blocked is None:
+        return binding, None
+    return blocked.bitwise_or_(binding), binding
+
+
+def _gradient_coefficient(
+    inputs: StageInputs, signs: _Signs, blocked: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``d s / d log_probs = r A~`` at selected tokens not ``blocked``, else 0; a spent buffer.
+
+    The spent buffer (``blocked``'s, or a new one) is float and of the ratio's shape.
+    """
     ratio = inputs.ratio
-    coefficient = select_(ratio * inputs.weighted, inputs.keep)  # (B, T)
+    coefficient = select_(ratio * inputs.weighted, inputs.selected)  # (B, T)
+    if blocked is None:
+        scratch = torch.empty_like(ratio)
+    else:
+        coefficient = select_(coefficient, blocked.bitwise_not_())
+        scratch = blocked.view(ratio.dtype)
     dual_clip = inputs.options.dual_clip
     if dual_clip is not None:
         # At r == c exactly torch.maximum(s, cA) ties and passes half of the gradient.
@@ -106,11 +132,11 @@ def _gradient_coefficient(inputs: StageInputs, signs: _Signs) -> torch.Tensor:
             signs.negative != 0
         )
         coefficient = torch.where(tie, 0.5 * coefficient, coefficient)
-    return coefficient
+    return coefficient, scratch
 
 
 def _surrogate_values(
-    inputs: StageInputs, bounds: ClipBounds, signs: _Signs, selection: torch.Tensor
+    inputs: StageInputs, bounds: ClipBounds, signs: _Signs
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = A~ clip(r, L, H)`` (+0 at unselected positions) and ``sum clip(r, L, H)``.
 
@@ -126,7 +152,7 @@ def _surrogate_values(
     weight = weight if upper is None else torch.minimum(weight, upper, out=weight)
     unselected = weight.numel() - inputs.selected_count
     weight_sum = (weight.sum(dtype=torch.float64) - unselected).to(inputs.dtype)
-    return select_(weight.mul_(inputs.weighted), selection), weight_sum
+    return select_(weight.mul_(inputs.weighted), inputs.selected), weight_sum
 
 
 def _sign_bounds(
