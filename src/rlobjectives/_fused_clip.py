@@ -140,7 +140,8 @@ def _surrogate_values(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``s = A~ clip(r, L, H)`` (+0 at unselected positions) and ``sum clip(r, L, H)``.
 
-    L and H have the shape of A; the sum is over the selected tokens. Overwrites the ratio.
+    L and H have the shape of A; the sum is over the selected tokens. Overwrites the ratio and
+    the sign masks.
     ``clip(r, L, H)`` is exactly 1 at unselected positions (r = 1 there, L <= 1 <= H), so its
     selected sum is the full sum minus the unselected count.
     """
@@ -162,24 +163,24 @@ def _sign_bounds(
 
     ``L = 1 - eps_low`` where ``A < 0``, else ``+0`` (the ratio is ``>= +0`` or NaN, so a lower
     bound of ``+0`` is no bound); ``H`` is the bound of the sign, ``+inf`` where ``A`` is 0 or
-    NaN. Built from the sign masks with bitwise operations (exact bit patterns); None where a
-    side has no bound at all.
+    NaN. Built from the sign masks with bitwise operations (exact bit patterns), in their
+    buffers (the masks are spent); None where a side has no bound at all.
     """
-    lower = None
-    if bounds.lower_negative is not None:
-        lower = torch.bitwise_and(signs.negative, bits.pattern(bounds.lower_negative))
-        lower = lower.view(bits.float_dtype)
     infinity = bits.pattern(float("inf"))
     upper = None
-    for bound, mask in (
-        (bounds.upper_positive, signs.positive),
-        (bounds.upper_negative, signs.negative),
-    ):
-        if bound is not None:  # the bits of H where the mask holds, relative to +inf
-            term = torch.bitwise_and(mask, _xor(bits.pattern(bound), infinity))
-            upper = term if upper is None else upper.bitwise_xor_(term)
+    if bounds.upper_negative is not None:  # the bits of H- where A < 0, relative to +inf
+        upper = torch.bitwise_and(
+            signs.negative, _xor(bits.pattern(bounds.upper_negative), infinity)
+        )
+    if bounds.upper_positive is not None:
+        term = signs.positive.bitwise_and_(_xor(bits.pattern(bounds.upper_positive), infinity))
+        upper = term if upper is None else term.bitwise_xor_(upper)
     if upper is not None:
         upper = upper.bitwise_xor_(infinity).view(bits.float_dtype)
+    lower = None
+    if bounds.lower_negative is not None:
+        lower = signs.negative.bitwise_and_(bits.pattern(bounds.lower_negative))
+        lower = lower.view(bits.float_dtype)
     return lower, upper
 
 
