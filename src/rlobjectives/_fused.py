@@ -303,8 +303,8 @@ def _diagnostics(
         denominator = selected.to(dtype).clamp(min=1)
     else:  # an explicit normaliser is honoured exactly
         denominator = _as_tensor(spec.diagnostics_normalizer, sums[0])
-    counted = torch.stack([count.to(dtype) for count in counts])
-    return torch.cat([counted, torch.stack([value.to(dtype) for value in sums])]) / denominator
+    # One stack: integer counts convert to the sums' float dtype on the way (exactly as .to).
+    return torch.stack([*counts, *sums]).to(dtype) / denominator
 
 
 class ClippedSurrogateFunction(torch.autograd.Function):
