@@ -197,13 +197,19 @@ def _reduce_stage(
     selection: torch.Tensor,
     spec: FusedSpec,
 ) -> _Reduced:
-    """The loss ``-reduce(s)`` and its per-token weight, from :mod:`rlobjectives._reduction`."""
+    """The loss ``-reduce(s)`` and its per-token weight, from :mod:`rlobjectives._reduction`.
+
+    ``row_sums`` is ``(S,)``, or the 0-d total where the reduction has no per-row divisor.
+    """
     if spec.reduction.reduction == "none":  # -s, +0.0 at unselected positions (s is +-0)
         ones = torch.ones((1, 1), dtype=spec.dtype, device=surrogate.device)
         return _Reduced(select_(surrogate.neg_(), selection), -ones)
     rows = spec.layout.num_sequences
     weights = row_weights(counts, spec.reduction, dtype=spec.dtype, batch=rows)
-    loss = -reduce_rows(row_sums, weights)
+    if row_sums.ndim == 0 and weights.divisor is None:  # reduce_rows of the one total
+        loss = -(row_sums / weights.denominator)
+    else:
+        loss = -reduce_rows(row_sums, weights)
     return _Reduced(loss, -token_gradient_weights(weights, spec.layout, spec.dtype))
 
 
@@ -235,7 +241,12 @@ def fused_forward(
     selected = mask_bits(mask, dtype)  # (B, T) all ones where selected (never modified)
     per_row = _per_row_sums_needed(spec)
     # (S,) selected tokens per sequence; their total as (1,) where no per-row count is needed
-    counts = spec.layout.row_counts(mask) if per_row else count_bits(selected).reshape(1)
+    if per_row:
+        counts = spec.layout.row_counts(mask)
+        count = counts.sum()
+    else:
+        count = count_bits(selected)
+        counts = count.reshape(1)
     # (B, 1) or (B, T); never selected itself: every product with it is selected afterwards.
     advantages = advantages.to(dtype)
     weighted = advantages
@@ -246,7 +257,6 @@ def fused_forward(
     bits = Bits(dtype, log_probs.device)
     ratio = _ratio_stage(stage, bits, spec)
     del stage  # the log-ratio buffer is spent
-    count = counts.sum()
     stage_inputs = StageInputs(
         ratio.ratio,
         advantages,
@@ -265,8 +275,8 @@ def fused_forward(
     if per_row or spec.row_sums:
         row_sums = spec.layout.row_sums(values)  # (S,)
         reduced = _reduce_stage(values, row_sums, counts, selection, spec)
-    else:  # the loss needs the total only; the unused row sums output is zeros
-        reduced = _reduce_stage(values, values.sum().reshape(1), counts, selection, spec)
+    else:  # the loss needs the total only (a 0-d sum); the unused row sums output is zeros
+        reduced = _reduce_stage(values, values.sum(), counts, selection, spec)
         row_sums = values.new_zeros(spec.layout.num_sequences)
     counted = [*surrogate.clip, surrogate.dual, ratio.bound_fired]
     sums = [surrogate.ratio_sum, *kl_sums, surrogate.weight_sum]
@@ -352,9 +362,10 @@ class ClippedSurrogateFunction(torch.autograd.Function):
         differentiable = torch.is_grad_enabled()  # backward(create_graph=True)
         with torch.no_grad():
             # (B, T) for reduction "none", else (B, 1), (1, N) or (1, 1)
-            scale = torch.zeros((), dtype=coefficient.dtype, device=coefficient.device)
             if grad_loss is not None:
                 scale = grad_loss * row_weights
+            else:
+                scale = torch.zeros((), dtype=coefficient.dtype, device=coefficient.device)
             # (torch.compile materialises the gradient of an unused output as zeros.)
             if grad_row_sums is not None and ctx.row_sums:
                 layout = Layout(grad_row_sums.shape[0], sequence_ids)
