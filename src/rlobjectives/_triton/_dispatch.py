@@ -182,10 +182,51 @@ def _bridged(run: Callable[..., Any]) -> Callable[..., Any]:
     def bridged_run(*args: Any, **kwargs: Any) -> Any:
         # Lanes outside the data compute log(0), 0/0... and are masked at the store: numpy's
         # warnings about them are noise.
-        with _language_restored(), _library_calls_interpreted(), numpy.errstate(all="ignore"):
-            return run(*args, **kwargs)
+        with _language_restored(), _language_patched_once(), _library_calls_interpreted():
+            with numpy.errstate(all="ignore"):
+                return run(*args, **kwargs)
 
     return bridged_run
+
+
+@contextlib.contextmanager
+def _language_patched_once() -> Iterator[None]:
+    """Patch each ``triton.language`` module once per interpreted launch, not at every call.
+
+    The interpreter patches ``triton.language`` again at every device-function call (our
+    helpers, ``tl.sum``...): an ``inspect.getmembers`` of the language modules, about a
+    millisecond each, most of the time of a small launch. Within one launch the patches of a
+    module stay in place until the launch ends (they are undone by the launch's scope and by
+    :func:`_language_restored`), so patching a module again changes nothing; the first call that
+    reaches a module not yet patched (``triton.language.core`` for the library's functions)
+    patches it as before.
+    """
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang
+    languages = (tl, tl.core)
+    patched: set[int] = set()
+    seen: dict[int, set[int]] = {}  # the language modules of each global namespace
+
+    def patch_lang(fn: Any) -> Any:
+        found = seen.get(id(fn.__globals__))
+        if found is None:
+            found = {id(value) for value in fn.__globals__.values() if inspect.ismodule(value)}
+            found &= {id(language) for language in languages}
+            seen[id(fn.__globals__)] = found
+        if found and found <= patched:
+            return interpreter._LangPatchScope()  # nothing to undo
+        patched.update(found)
+        return original(fn)
+
+    interpreter._patch_lang = patch_lang
+    try:
+        yield
+    finally:
+        interpreter._patch_lang = original
 
 
 @contextlib.contextmanager
