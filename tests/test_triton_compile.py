@@ -102,8 +102,13 @@ def test_small_kernels_compile(kernels: Any) -> None:
         {"BLOCK": 1024},
     )
     pointers = {"policy_ptr": "*bf16", "reference_ptr": "*bf16", "rewards_ptr": "*fp32",
-                "mask_ptr": "*u8", "divergence_ptr": "*fp32", "penalized_ptr": "*fp32"}  # fmt: skip
-    _compile(kernels.kl_rewards.kl_rewards_kernel, pointers, {"BLOCK": 1024})
+                "mask_ptr": "*u8", "offsets_ptr": "*i64", "divergence_ptr": "*fp32",
+                "penalized_ptr": "*fp32"}  # fmt: skip
+    for packed in (False, True):  # padded rows; one packed row with cu_seqlens
+        flags = {"PACKED": packed, "BLOCK": 1024}
+        if not packed:
+            flags["offsets_ptr"] = None
+        _compile(kernels.kl_rewards.kl_rewards_kernel, pointers, flags)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

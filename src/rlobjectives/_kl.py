@@ -57,6 +57,7 @@ from ._packing import (
 )
 from ._reduction import Reduction, reduce, validate_layout_reduction
 from ._spellings import check_estimator_spelling
+from ._triton._dispatch import kernel_backend
 from ._validation import (
     ArrayLike,
     Scalar,
@@ -448,6 +449,13 @@ def kl_loss(
         _warn_biased_ratio_weighted(estimator, straight_through)
     else:
         warn_biased_kl_loss(estimator, straight_through, "kl_loss")
+    dtype = compute_dtype(inputs.log_probs, inputs.ref_log_probs)
+    if kernel_backend(inputs.log_probs.device, dtype=dtype) == "triton":  # docs/kernels.md
+        from ._triton._kl_call import kl_loss_kernels
+
+        loss = kl_loss_kernels(inputs, spec, estimator, straight_through, bound, weights)
+        if loss is not None:
+            return token_output(loss, inputs.flat and loss.ndim == 2)
     terms = inputs.terms(
         estimator=estimator, straight_through=straight_through, log_ratio_bound=bound
     )  # (B, T)

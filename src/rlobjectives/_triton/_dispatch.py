@@ -8,8 +8,9 @@ Rule (read at call time, so tests and users can switch it per call):
 - ``RLOBJECTIVES_KERNELS=triton``: always the Triton kernels; on CPU tensors they run through
   Triton's interpreter (numpy, slow: meant for tests and debugging). Raises when triton is not
   importable.
-- In every mode float64 inputs and code being traced by ``torch.compile`` use PyTorch: the
-  kernels compute in float32, and their launchers are not traceable.
+- In every mode float64 inputs, code being traced by ``torch.compile`` and devices other than
+  CUDA and CPU use PyTorch: the kernels compute in float32, their launchers are not traceable,
+  and they run compiled on CUDA or interpreted on CPU only.
 
 Interpreter constraint (Triton 3.9): ``@triton.jit`` reads ``TRITON_INTERPRET`` when it
 *decorates* a function, not at launch. That holds for our kernels and for ``triton.language``'s
@@ -76,6 +77,7 @@ _KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 _LOCK = threading.Lock()
 _TRUE = ("1", "true", "on", "yes")
 _INTERPRETED_LIBRARY: dict[Any, Any] = {}
+_KERNEL_DEVICES = ("cuda", "cpu")  # compiled, interpreted; other devices keep PyTorch
 
 
 def requested_backend() -> str:
@@ -107,8 +109,11 @@ def kernel_backend(device: torch.device | str, *, dtype: torch.dtype | None = No
         ValueError: on an invalid ``RLOBJECTIVES_KERNELS``.
         RuntimeError: with ``RLOBJECTIVES_KERNELS=triton`` when triton is not importable.
     """
+    if torch.compiler.is_compiling():  # the launchers are not traceable
+        return "torch"
     choice = requested_backend()
-    if choice == "torch" or dtype == torch.float64 or torch.compiler.is_compiling():
+    kind = torch.device(device).type
+    if choice == "torch" or dtype == torch.float64 or kind not in _KERNEL_DEVICES:
         return "torch"
     if choice == "triton":
         if not triton_available():
@@ -117,7 +122,7 @@ def kernel_backend(device: torch.device | str, *, dtype: torch.dtype | None = No
                 '`pip install "rlobjectives[kernels]"` or unset the variable'
             )
         return "triton"
-    return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
+    return "triton" if kind == "cuda" and triton_available() else "torch"
 
 
 def interpreted(device: torch.device | str) -> bool:
