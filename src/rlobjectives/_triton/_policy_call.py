@@ -45,9 +45,11 @@ from ._token_loss import TokenLossFunction, TokenLossOptions
 __all__ = [
     "TOKEN_SURROGATES",
     "FlatInputs",
+    "diagnostics_of",
     "flat_inputs",
     "flat_values",
     "host_number",
+    "kernel_dtype",
     "kernel_options",
     "reduction_weights",
     "run_kernels",
@@ -106,7 +108,7 @@ def flat_values(values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:
     return values.expand(shape).reshape(-1)
 
 
-def _kernel_dtype(tensor: torch.Tensor) -> torch.Tensor:
+def kernel_dtype(tensor: torch.Tensor) -> torch.Tensor:
     """``tensor`` in a dtype the kernels read (float64 entropies or weights: float32)."""
     return tensor if tensor.dtype in KERNEL_DTYPES else tensor.to(torch.float32)
 
@@ -131,7 +133,7 @@ def flat_inputs(inputs: PolicyInputs) -> FlatInputs:
         old_log_probs=inputs.old_log_probs.reshape(-1),
         advantages=flat_values(inputs.advantages, shape),
         mask=inputs.mask.reshape(-1),
-        importance_weights=None if weights is None else flat_values(_kernel_dtype(weights), shape),
+        importance_weights=None if weights is None else flat_values(kernel_dtype(weights), shape),
         shape=shape,
     )
 
@@ -197,7 +199,7 @@ def run_kernels(
     flat = flat_inputs(inputs)
     entropy = None
     if inputs.entropy is not None and options.entropy_coef != 0.0:
-        entropy = _kernel_dtype(inputs.entropy).reshape(-1)
+        entropy = kernel_dtype(inputs.entropy).reshape(-1)
     sequence = None
     if call.options.ratio_level == "sequence":
         sequence = _sequence_log_ratio(inputs, layout)
