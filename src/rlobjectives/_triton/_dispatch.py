@@ -188,10 +188,41 @@ def _bridged(run: Callable[..., Any]) -> Callable[..., Any]:
         # Lanes outside the data compute log(0), 0/0... and are masked at the store: numpy's
         # warnings about them are noise.
         with _language_restored(), _language_patched_once(), _library_calls_interpreted():
-            with numpy.errstate(all="ignore"):
+            with _bfloat16_rounded_to_nearest(), numpy.errstate(all="ignore"):
                 return run(*args, **kwargs)
 
     return bridged_run
+
+
+@contextlib.contextmanager
+def _bfloat16_rounded_to_nearest() -> Iterator[None]:
+    """Round float32 -> bfloat16 conversions to nearest even, as the GPU (and PyTorch) does.
+
+    Triton 3.9's interpreter truncates the mantissa in ``x.to(tl.bfloat16)`` (its conversion
+    drops the low 16 bits), where the compiled kernel's ``cvt.rn.bf16.f32`` rounds to nearest
+    even; bf16 outputs would differ by an ulp from the GPU's and from ``tensor.to(bfloat16)``.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.cast_impl
+
+    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return original(self, src, dst_type)
+        bits = np.asarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # nearest, ties to even
+        quiet = (bits >> 16) | 0x0040  # NaN stays NaN (quiet), whatever its payload
+        upper = np.where(np.isnan(src.data), quiet, rounded).astype(np.uint16)
+        return interpreter.TensorHandle(upper, dst_type.scalar)
+
+    builder.cast_impl = cast_impl  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        builder.cast_impl = original  # type: ignore[method-assign]
 
 
 @contextlib.contextmanager

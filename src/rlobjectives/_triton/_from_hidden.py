@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ._common import first_order_only
 from ._lm_head_backward import lm_head_backward
 from ._lm_head_forward import lm_head_forward
 from ._token_loss import TokenLossOptions, scale_by_mask, token_loss_forward
@@ -51,7 +52,7 @@ class LogProbsFromHiddenFunction(torch.autograd.Function):
         return out.log_probs, entropy
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(  # type: ignore[override]
         ctx: Any, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
@@ -131,7 +132,7 @@ class FusedPolicyLossFromHiddenFunction(torch.autograd.Function):
         return out.totals[0].clone(), head.log_probs, entropy, out.totals
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(  # type: ignore[override]
         ctx: Any, grad_loss: torch.Tensor, *_: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:

@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._common import KERNEL_DTYPES, check_mask, mask_bytes, on_tensor_device
+from ._common import KERNEL_DTYPES, check_mask, first_order_only, mask_bytes, on_tensor_device
 from ._dispatch import kernels
 from ._token_loss import TokenLossOptions, scale_by_mask, token_loss_forward
 
@@ -131,7 +131,7 @@ class KLLossFunction(torch.autograd.Function):
         return out.loss.clone(), per_token
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(  # type: ignore[override]
         ctx: Any, grad_loss: torch.Tensor, grad_per_token: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
@@ -256,7 +256,7 @@ class KLPenalizedRewardsFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(  # type: ignore[override]
         ctx: Any,
         grad_objective: torch.Tensor,

@@ -47,6 +47,7 @@ from ._common import (
     Indexed,
     check_mask,
     check_tokens,
+    first_order_only,
     grid_blocks,
     indexed,
     mask_bytes,
@@ -395,7 +396,7 @@ class TokenLossFunction(torch.autograd.Function):
         return out.totals[0].clone(), per_token, out.totals
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(  # type: ignore[override]
         ctx: Any, grad_loss: torch.Tensor, grad_per_token: torch.Tensor, _: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
