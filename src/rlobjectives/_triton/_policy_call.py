@@ -232,11 +232,11 @@ def seed_outputs(
     if kernel is None:
         return None
     flat = flat_inputs(inputs)
-    _, per_token, totals = _launch(flat, kernel, None, None, None)
+    _, per_token, totals = _launch(flat, kernel, None, None, None)  # per_token = -s
     surrogate = -per_token.view(flat.shape)  # (B, T), zeros at unselected tokens
     counts = layout.row_counts(inputs.mask)  # (S,)
     output_dtype = inputs.output_dtype
-    loss = -safe_divide(surrogate.sum(), counts.sum())
+    loss = safe_divide(per_token.sum(), counts.sum())  # the token mean of -s
     return {
         "loss": loss.to(output_dtype),
         "per_sequence_surrogate": safe_divide(layout.row_sums(surrogate), counts).to(output_dtype),
