@@ -191,7 +191,7 @@ def _tie_inputs() -> tuple[torch.Tensor, ...]:
         TokenLossOptions(clip_low=None, delta=1.0, log_ratio_bound=0.75),
     ],
 )
-def test_tie_conventions_follow_autograd(options: TokenLossOptions) -> None:
+def test_tie_conventions_follow_the_pytorch_paths(options: TokenLossOptions) -> None:
     log_probs, old, advantages, mask = _tie_inputs()
     out = token_loss_forward(log_probs, old, advantages, mask, options=options)
     leaf = log_probs.double().requires_grad_(True)
