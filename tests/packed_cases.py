@@ -56,8 +56,11 @@ def make_batch(lengths: list[int], extra: int, side: str, seed: int) -> Batch:
     return Batch(attention=attention, mask=mask, seed=seed)
 
 
-def make_tensors(batch: Batch, *, poison: bool) -> dict[str, torch.Tensor]:
-    """float64 inputs; padding is NaN; with ``poison`` unselected tokens hold NaN/+-inf too.
+def make_tensors(
+    batch: Batch, *, poison: bool, dtype: torch.dtype = torch.float64
+) -> dict[str, torch.Tensor]:
+    """``dtype`` inputs (float64 by default); padding is NaN; with ``poison`` unselected tokens
+    hold NaN/+-inf too.
 
     The differentiable inputs are leaves (``requires_grad``) in the padded layout; poisoning
     goes through ``torch.where``, so the gradient reaches the leaf at selected tokens only.
@@ -66,9 +69,9 @@ def make_tensors(batch: Batch, *, poison: bool) -> dict[str, torch.Tensor]:
     sequences, width = batch.attention.shape
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=generator, dtype=torch.float64)
+        return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
 
-    specials = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=torch.float64)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
     filler = specials[torch.arange(sequences * width) % 3].reshape(sequences, width)
     bad = ~batch.attention | (~batch.mask if poison else torch.zeros_like(batch.mask))
 

@@ -39,7 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._kl import kl_loss
+from .._kl_loss import kl_loss
 from .._masking import masked_mean, mean_selected
 from .._off_policy import off_policy_sequence_mask
 from .._reduction import aggregate
