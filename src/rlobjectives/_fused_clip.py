@@ -184,6 +184,10 @@ def _sign_bounds(
     return lower, upper
 
 
-def _xor(left: int | torch.Tensor, right: int) -> int | torch.Tensor:
+def _xor(left: int | torch.Tensor, right: int | torch.Tensor) -> int | torch.Tensor:
     """``left ^ right`` for bit patterns (a 0-d tensor stays a tensor of its dtype)."""
-    return torch.bitwise_xor(left, right) if isinstance(left, torch.Tensor) else left ^ right
+    if isinstance(left, torch.Tensor):
+        return torch.bitwise_xor(left, right)
+    if isinstance(right, torch.Tensor):
+        return torch.bitwise_xor(right, left)
+    return left ^ right
