@@ -5,10 +5,11 @@ surrogate :math:`s`, its reduction, the nine diagnostics and the gradient coeffi
 :math:`\partial s_{it} / \partial \ell_{it}`; the backward is one multiplication by the
 reduction's per-row weight. It saves one float ``(B, T)`` tensor (the coefficient) plus the mask
 and a ``(B, 1)`` weight, where autograd keeps about six ``(B, T)`` tensors. The surrogate stage
-is keyed by the ``surrogate`` option (:data:`TOKEN_STAGES`): the bit-trick stage below for
-``"clip"``, the plain stages of :mod:`rlobjectives._fused_surrogates` for ``"cispo"`` and
-``"sapo"``. Importance weights :math:`w` enter as :math:`\tilde A = wA` in the products (one
-``(B, T)`` multiplication); the clip decisions and the diagnostics use :math:`A`.
+is keyed by the ``surrogate`` option (:data:`TOKEN_STAGES`): the bit-trick stage of
+:mod:`rlobjectives._fused_clip` for ``"clip"``, the plain stages of
+:mod:`rlobjectives._fused_surrogates` for ``"cispo"`` and ``"sapo"``. Importance weights
+:math:`w` enter as :math:`\tilde A = wA` in the products (one ``(B, T)`` multiplication); the
+clip decisions and the diagnostics use :math:`A`.
 
 The math is that of :mod:`rlobjectives._surrogates` (the readable specification, which it is
 tested against). The ``"clip"`` surrogate is written per sign of the advantage:
@@ -32,11 +33,13 @@ two equal products and its two halves add up to the full gradient; at an exact d
 exact zeros before any arithmetic (log-ratio 0, ratio 1, advantage 0): NaN/inf there reaches no
 value, diagnostic or gradient. NaN at a selected position propagates to the loss.
 
-The stages of :func:`fused_forward`: :func:`_log_ratio_stage` (select, GSPO form, k1/k3 sums),
-:func:`_ratio_stage` (bound, exp), the surrogate stage (for ``"clip"``: :func:`_clip_gates`,
-which tokens pass the gradient and the clip counts, :func:`_gradient_coefficient` and
-:func:`_surrogate_values`), :func:`_reduce_stage` (through :mod:`rlobjectives._reduction`) and
-:func:`_diagnostics`.
+The stages of :func:`fused_forward`: :func:`_log_ratio_stage` (select, GSPO form, k1/k3 sums;
+at token level the clamped log-ratio of k3 is the ratio's), :func:`_ratio_stage` (bound, exp,
+the tokens where the bound fired), the surrogate stage (for ``"clip"``,
+:func:`rlobjectives._fused_clip.clip_stage`: the advantage signs, which tokens pass the
+gradient and the clip counts, the coefficient and the values), :func:`_reduce_stage` (through
+:mod:`rlobjectives._reduction`; a packed row computes per-sequence counts and segment sums only
+where the loss needs them: GSPO and ``sequence_mean``) and :func:`_diagnostics`.
 
 Documented deviations from the autograd path (all at measure-zero or non-finite inputs):
 
@@ -52,7 +55,9 @@ Documented deviations from the autograd path (all at measure-zero or non-finite 
 Implementation notes (CPU speed; the same code compiles under ``torch.compile(fullgraph=True)``):
 masking and comparisons are integer operations on the IEEE-754 bits (:mod:`rlobjectives._bits`),
 several times faster than ``torch.where`` on CPU; temporaries are updated in place, because on
-CPU a fresh ``(B, T)`` buffer costs page faults that often exceed the arithmetic.
+CPU a fresh ``(B, T)`` buffer costs page faults that often exceed the arithmetic; a packed row
+(``(1, N)``, per-token advantages) pays per token only for the advantage signs, and the small
+operations are few (each costs microseconds after the large passes have emptied the caches).
 """
 
 from __future__ import annotations
