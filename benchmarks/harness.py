@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import ctypes
 import dataclasses
 import importlib
 import json
@@ -201,6 +202,27 @@ def machine_line(device: str = "cpu") -> str:
 
 
 # ----------------------------------------------------------------------------------- running calls
+def keep_memory_mapped() -> bool:
+    """glibc: keep freed memory mapped (no trimming, no per-block ``mmap``); False elsewhere.
+
+    By default glibc returns freed memory to the OS when the free top of the heap exceeds a
+    threshold that it adapts to the sizes freed so far, and maps large blocks separately; the
+    next call then pays a page fault per 4 KiB page it touches again. Which calls pay depends on
+    the order and the sizes of everything freed before (the other variants of the round, the
+    previous case), so on CPU it can add half of a loss's time to some rounds and not to others.
+    ``mallopt(M_TRIM_THRESHOLD)`` and ``mallopt(M_MMAP_THRESHOLD)`` at 1 GiB turn both off for
+    this process (a GPU caching allocator never returns memory between calls either).
+    """
+    if sys.platform != "linux":
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return False
+    trim_threshold, mmap_threshold, gib = -1, -3, 1 << 30  # glibc's M_* parameter numbers
+    return bool(libc.mallopt(trim_threshold, gib)) and bool(libc.mallopt(mmap_threshold, gib))
+
+
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -7,6 +7,7 @@ Usage (from the repository root)::
     python benchmarks/run.py --only policy        # modules/operations whose name has "policy"
     python benchmarks/run.py --device cuda        # on a GPU (CUDA events, max_memory_allocated)
     python benchmarks/run.py --no-memory          # skip the fresh-process memory measurements
+    python benchmarks/run.py --threads 1 --clock process --keep-memory   # shared CPU machine
 
 Results go to ``benchmarks/results/<device>[-quick].csv`` and ``.json`` (``--output STEM`` to
 rename, ``--output ''`` to skip). See ``benchmarks/README.md`` for the columns.
@@ -51,6 +52,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="wall",
         help="CPU timer: wall clock, or process CPU time (for shared machines)",
     )
+    parser.add_argument(
+        "--keep-memory",
+        action="store_true",
+        help="CPU (glibc): keep freed memory mapped, so page faults do not enter the times",
+    )
     parser.add_argument("--output", default=None, help="results file stem under results/")
     args = parser.parse_args(argv)
 
@@ -62,6 +68,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     machine = harness.machine_line(args.device)
     if args.device == "cpu" and args.clock == "process":
         machine += " | clock: process CPU time"
+    if args.device == "cpu" and args.keep_memory:
+        kept = harness.keep_memory_mapped()
+        machine += " | malloc: freed memory kept mapped" if kept else " | malloc: default"
     print(machine, flush=True)
 
     rows: list[harness.Row] = []

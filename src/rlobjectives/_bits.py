@@ -65,9 +65,15 @@ def magnitude_(values: torch.Tensor) -> torch.Tensor:
 
 
 def less_(left: torch.Tensor | int, right: torch.Tensor) -> torch.Tensor:
-    """All ones where ``left < right`` (magnitude bits), computed in place into ``right``."""
+    """All ones where ``left < right`` (magnitude bits), computed in place into ``right``.
+
+    ``left - right`` in one pass: a number is made a 0-d tensor on the device (a fill, no
+    host synchronisation), since a tensor cannot be subtracted from a number in place.
+    """
     shift = torch.iinfo(right.dtype).bits - 1
-    return right.neg_().add_(left).bitwise_right_shift_(shift)
+    if not isinstance(left, torch.Tensor):
+        left = torch.full((), left, dtype=right.dtype, device=right.device)
+    return torch.sub(left, right, out=right).bitwise_right_shift_(shift)
 
 
 def count_bits(select_mask: torch.Tensor) -> torch.Tensor:
@@ -75,9 +81,19 @@ def count_bits(select_mask: torch.Tensor) -> torch.Tensor:
     return -select_mask.sum(dtype=select_mask.dtype)
 
 
-def sign_bits(values: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Select masks of ``values > 0`` and ``values < 0`` (NaN: neither), shape of ``values``."""
-    return mask_bits(values > 0, dtype), mask_bits(values < 0, dtype)
+def sign_bits(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Select masks of ``values > 0`` and ``values < 0`` (±0, NaN: neither), shape of ``values``.
+
+    ``values`` is float32 or float64. ``torch.sign`` gives exactly ``+1``, ``-1`` or ``+0``
+    (``+0`` for ``±0`` and NaN on every backend: it is ``(x > 0) - (x < 0)``); the sign bit of
+    ``-1`` is the mask of ``values < 0`` and that of ``-(+1)`` the mask of ``values > 0``. Three
+    passes, where two comparisons and two conversions to integer masks cost several times more
+    on CPU.
+    """
+    sign = torch.sign(values).view(_BITS_DTYPE[values.dtype])  # +1, -1 or +0 as bits
+    shift = torch.iinfo(sign.dtype).bits - 1
+    negative = torch.bitwise_right_shift(sign, shift)
+    return sign.neg_().bitwise_right_shift_(shift), negative
 
 
 class Bits:
@@ -99,8 +115,7 @@ class Bits:
         if isinstance(value, torch.Tensor):
             number = value.to(dtype=self.float_dtype, device=self.device)
             return number.clamp(min=0.0).view(self.int_dtype)
-        float_code, int_code = ("<f", "<i") if self.float_dtype == torch.float32 else ("<d", "<q")
-        return int(struct.unpack(int_code, struct.pack(float_code, max(float(value), 0.0)))[0])
+        return self.pattern(max(float(value), 0.0))
 
     def less(
         self,
@@ -109,11 +124,16 @@ class Bits:
         out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """All ones where ``left < right`` (magnitude bits; one of them a tensor), else zero."""
-        if isinstance(left, torch.Tensor):
-            difference = torch.sub(left, right, out=out)
-        else:  # left - right as -(right - left)
-            difference = torch.sub(right, left, out=out).neg_()
-        return difference.bitwise_right_shift_(self.shift)
+        if not isinstance(left, torch.Tensor):  # left - right in one pass (see less_)
+            left = torch.full((), left, dtype=self.int_dtype, device=self.device)
+        return torch.sub(left, right, out=out).bitwise_right_shift_(self.shift)
+
+    def pattern(self, value: float | torch.Tensor) -> int | torch.Tensor:
+        """The exact bits of ``value`` in this dtype (any sign): an int, or a 0-d int tensor."""
+        if isinstance(value, torch.Tensor):
+            return value.to(dtype=self.float_dtype, device=self.device).view(self.int_dtype)
+        float_code, int_code = ("<f", "<i") if self.float_dtype == torch.float32 else ("<d", "<q")
+        return int(struct.unpack(int_code, struct.pack(float_code, float(value)))[0])
 
     def view(self, values: torch.Tensor) -> torch.Tensor:
         """The integer view of a float tensor of this dtype (no copy)."""

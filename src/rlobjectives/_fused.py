@@ -5,10 +5,11 @@ surrogate :math:`s`, its reduction, the nine diagnostics and the gradient coeffi
 :math:`\partial s_{it} / \partial \ell_{it}`; the backward is one multiplication by the
 reduction's per-row weight. It saves one float ``(B, T)`` tensor (the coefficient) plus the mask
 and a ``(B, 1)`` weight, where autograd keeps about six ``(B, T)`` tensors. The surrogate stage
-is keyed by the ``surrogate`` option (:data:`TOKEN_STAGES`): the bit-trick stage below for
-``"clip"``, the plain stages of :mod:`rlobjectives._fused_surrogates` for ``"cispo"`` and
-``"sapo"``. Importance weights :math:`w` enter as :math:`\tilde A = wA` in the products (one
-``(B, T)`` multiplication); the clip decisions and the diagnostics use :math:`A`.
+is keyed by the ``surrogate`` option (:data:`TOKEN_STAGES`): the bit-trick stage of
+:mod:`rlobjectives._fused_clip` for ``"clip"``, the plain stages of
+:mod:`rlobjectives._fused_surrogates` for ``"cispo"`` and ``"sapo"``. Importance weights
+:math:`w` enter as :math:`\tilde A = wA` in the products (one ``(B, T)`` multiplication); the
+clip decisions and the diagnostics use :math:`A`.
 
 The math is that of :mod:`rlobjectives._surrogates` (the readable specification, which it is
 tested against). The ``"clip"`` surrogate is written per sign of the advantage:
@@ -32,11 +33,13 @@ two equal products and its two halves add up to the full gradient; at an exact d
 exact zeros before any arithmetic (log-ratio 0, ratio 1, advantage 0): NaN/inf there reaches no
 value, diagnostic or gradient. NaN at a selected position propagates to the loss.
 
-The stages of :func:`fused_forward`: :func:`_log_ratio_stage` (select, GSPO form, k1/k3 sums),
-:func:`_ratio_stage` (bound, exp), the surrogate stage (for ``"clip"``: :func:`_clip_gates`,
-which tokens pass the gradient and the clip counts, :func:`_gradient_coefficient` and
-:func:`_surrogate_values`), :func:`_reduce_stage` (through :mod:`rlobjectives._reduction`) and
-:func:`_diagnostics`.
+The stages of :func:`fused_forward`: :func:`_log_ratio_stage` (select, GSPO form, k1/k3 sums;
+at token level the clamped log-ratio of k3 is the ratio's), :func:`_ratio_stage` (bound, exp,
+the tokens where the bound fired), the surrogate stage (for ``"clip"``,
+:func:`rlobjectives._fused_clip.clip_stage`: the advantage signs, which tokens pass the
+gradient and the clip counts, the coefficient and the values), :func:`_reduce_stage` (through
+:mod:`rlobjectives._reduction`; a packed row computes per-sequence counts and segment sums only
+where the loss needs them: GSPO and ``sequence_mean``) and :func:`_diagnostics`.
 
 Documented deviations from the autograd path (all at measure-zero or non-finite inputs):
 
@@ -52,7 +55,9 @@ Documented deviations from the autograd path (all at measure-zero or non-finite 
 Implementation notes (CPU speed; the same code compiles under ``torch.compile(fullgraph=True)``):
 masking and comparisons are integer operations on the IEEE-754 bits (:mod:`rlobjectives._bits`),
 several times faster than ``torch.where`` on CPU; temporaries are updated in place, because on
-CPU a fresh ``(B, T)`` buffer costs page faults that often exceed the arithmetic.
+CPU a fresh ``(B, T)`` buffer costs page faults that often exceed the arithmetic; a packed row
+(``(1, N)``, per-token advantages) pays per token only for the advantage signs, and the small
+operations are few (each costs microseconds after the large passes have emptied the caches).
 """
 
 from __future__ import annotations
@@ -62,14 +67,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._bits import Bits, count_bits, less_, magnitude_, mask_bits, select, select_, sign_bits
-from ._fused_surrogates import PLAIN_STAGES, ClipCounts, StageInputs, StageOutputs
+from ._bits import Bits, count_bits, less_, magnitude_, mask_bits, select, select_
+from ._fused_clip import clip_stage
+from ._fused_surrogates import PLAIN_STAGES, StageInputs, StageOutputs
 from ._layout import Layout
 from ._masking import clamp
 from ._policy_args import SurrogateOptions
 from ._reduction import ReductionSpec, reduce_rows, row_weights, token_gradient_weights
 from ._surrogate import DIAGNOSTIC_LOG_RATIO_BOUND
-from ._surrogates import ClipBounds, clip_bounds
 
 __all__ = [
     "TOKEN_STAGES",
@@ -101,6 +106,19 @@ class _LogRatioStage(NamedTuple):
     token_log_ratio: torch.Tensor  # (B, T) selected (sequence-level for GSPO), a fresh buffer
     approx_kl_k1: torch.Tensor  # () sum of -Delta
     approx_kl_k3: torch.Tensor  # () sum of expm1(Delta) - Delta (Delta within the bound)
+    # clamp(token_log_ratio, -b, b) where the ratio's bound b is the diagnostic's (token level)
+    clamped: torch.Tensor | None = None
+
+
+def _difference(left: torch.Tensor, right: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``left.to(dtype) - right.to(dtype)`` in one pass where the inputs promote to ``dtype``.
+
+    A mixed-dtype subtraction converts each element to the promoted dtype first, exactly as
+    ``.to`` does, so only inputs that promote to a narrower dtype (bf16 - bf16) are converted.
+    """
+    if torch.promote_types(left.dtype, right.dtype) == dtype:
+        return torch.sub(left, right)
+    return left.to(dtype).sub_(right)
 
 
 def _log_ratio_stage(
@@ -112,7 +130,7 @@ def _log_ratio_stage(
 ) -> _LogRatioStage:
     """Selected log-ratio (exact zeros elsewhere), its GSPO form, and the k1/k3 sums."""
     dtype, options = spec.dtype, spec.options
-    log_ratio = select_(log_probs.to(dtype) - old_log_probs.to(dtype), keep)  # (B, T)
+    log_ratio = select_(_difference(log_probs, old_log_probs, dtype), keep)  # (B, T)
     approx_kl_k1 = -log_ratio.sum()
     bound = (
         DIAGNOSTIC_LOG_RATIO_BOUND if options.log_ratio_bound is None else options.log_ratio_bound
@@ -120,153 +138,49 @@ def _log_ratio_stage(
     kl_log_ratio = clamp(log_ratio, -bound, bound)  # (B, T)
     # k3 = r - 1 - log r as expm1(Delta) - Delta: no cancellation near on-policy.
     approx_kl_k3 = torch.expm1(kl_log_ratio).sub_(kl_log_ratio).sum()
-    del kl_log_ratio
     if options.ratio_level == "token":
-        return _LogRatioStage(log_ratio, approx_kl_k1, approx_kl_k3)
+        # With a log-ratio bound, the ratio's clamp is this one: computed once.
+        clamped = None if options.log_ratio_bound is None else kl_log_ratio
+        return _LogRatioStage(log_ratio, approx_kl_k1, approx_kl_k3, clamped)
+    del kl_log_ratio
     # GSPO: value log s_i (mean selected log-ratio of the row) at every selected token, gradient
     # 1 w.r.t. log_probs (the stop-gradient form); (x - x) keeps NaN/inf of x.
     per_row = counts.clamp(min=1).to(dtype)  # (S,)
     sequence_log_ratio = spec.layout.expand(spec.layout.row_sums(log_ratio) / per_row)  # (B, 1)
-    selected = select(log_probs.to(dtype), keep)  # (B, T)
+    # (B, T) a fresh buffer: the AND of select, or in place on the converted copy
+    same = log_probs.dtype == dtype
+    selected = select(log_probs, keep) if same else select_(log_probs.to(dtype), keep)
     token_log_ratio = select_(selected.sub_(selected).add_(sequence_log_ratio), keep)
     return _LogRatioStage(token_log_ratio, approx_kl_k1, approx_kl_k3)
 
 
-def _ratio_stage(
-    token_log_ratio: torch.Tensor, keep: torch.Tensor, bits: Bits, spec: FusedSpec
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The ratio ``exp(clamp(Delta, -b, b))`` and the count of tokens where the bound fired.
+class _RatioStage(NamedTuple):
+    ratio: torch.Tensor  # (B, T) exp(clamp(Delta, -b, b)), 1 at unselected tokens
+    fired: torch.Tensor | None  # (B, T) select mask where the bound fired; None without a bound
+    bound_fired: torch.Tensor  # () count of fired tokens
 
-    Clears ``keep`` where the bound fired (``torch.clamp`` passes no gradient there). Consumes
-    ``token_log_ratio``: its buffer becomes the fired mask.
+
+def _ratio_stage(stage: _LogRatioStage, bits: Bits, spec: FusedSpec) -> _RatioStage:
+    """The ratio ``exp(clamp(Delta, -b, b))`` and the tokens where the bound fired.
+
+    ``torch.clamp`` passes no gradient where the bound fired: the surrogate stage clears those
+    tokens from its gradient. Consumes the stage's buffers: the clamped log-ratio becomes the
+    ratio, the log-ratio the fired mask.
     """
-    bound = spec.options.log_ratio_bound
+    token_log_ratio, bound = stage.token_log_ratio, spec.options.log_ratio_bound
     if bound is None:
-        return token_log_ratio.exp(), None
-    ratio = clamp(token_log_ratio, -bound, bound).exp_()  # (B, T)
+        none = torch.zeros((), dtype=torch.int64, device=token_log_ratio.device)
+        return _RatioStage(token_log_ratio.exp(), None, none)
+    clamped = stage.clamped
+    if clamped is None:
+        clamped = clamp(token_log_ratio, -bound, bound)
+    ratio = clamped.exp_()  # (B, T)
     fired = less_(bits.of(bound), magnitude_(token_log_ratio))  # (B, T), NaN counts as fired
-    bound_fired = count_bits(fired)
-    keep &= fired.bitwise_not_()
-    return ratio, bound_fired
-
-
-def _clip_gates(inputs: StageInputs, bounds: ClipBounds) -> tuple[ClipCounts, torch.Tensor]:
-    """Clear ``keep`` where a clip binds; return the clip counts and the dual-clip count.
-
-    The ratio is >= +0 or NaN, so its bits order like its values (a NaN with the sign bit set,
-    which exp does not produce, would count as below the band). At unselected positions the
-    ratio is exactly 1, never clipped (every bound is >= 1 but the low edge, <= 1), so the
-    advantage signs need no mask.
-    """
-    bits, keep, zero = inputs.bits, inputs.keep, inputs.selected_count.new_zeros(())
-    ratio_bits = bits.view(inputs.ratio)  # (B, T), no copy
-    positive, negative = sign_bits(inputs.advantages, inputs.dtype)  # shape of A
-    out_of_band = binding_low = binding_high = dual = zero
-    high_flags = None
-    reuse = inputs.options.delta is None  # the high edge for A > 0 is 1 + eps_high itself
-    if bounds.band is not None:
-        flags = bits.less(ratio_bits, bits.of(bounds.band[0]))  # (B, T) r < 1 - eps_low
-        below = count_bits(flags)
-        binding_low = count_bits(flags.bitwise_and_(negative))  # the low clip binds (A < 0)
-        keep &= flags.bitwise_not_()
-        high_flags = bits.less(bits.of(bounds.band[1]), ratio_bits, out=flags)  # r > 1 + eps_h
-        out_of_band = below + count_bits(high_flags)
-        high_flags = high_flags if reuse else None
-    if bounds.upper_positive is not None:
-        if high_flags is None:
-            high_flags = bits.less(bits.of(bounds.upper_positive), ratio_bits)  # NaN too
-        binding_high = count_bits(high_flags.bitwise_and_(positive))  # the high edge binds
-        keep &= high_flags.bitwise_not_()
-    if bounds.upper_negative is not None:
-        upper = bits.less(bits.of(bounds.upper_negative), ratio_bits).bitwise_and_(negative)
-        dual = count_bits(upper)
-        keep &= upper.bitwise_not_()
-    return ClipCounts(out_of_band, binding_low, binding_high), dual
-
-
-def _gradient_coefficient(inputs: StageInputs) -> torch.Tensor:
-    """``d s / d log_probs = r A~`` where the unclipped branch is active (``keep``), else 0."""
-    ratio, advantages = inputs.ratio, inputs.advantages
-    coefficient = select_(ratio * inputs.weighted, inputs.keep)  # (B, T)
-    dual_clip = inputs.options.dual_clip
-    if dual_clip is not None:
-        # At r == c exactly torch.maximum(s, cA) ties and passes half of the gradient.
-        tie = (ratio == _as_tensor(dual_clip, ratio)) & (advantages < 0)
-        coefficient = torch.where(tie, 0.5 * coefficient, coefficient)
-    return coefficient
-
-
-def _surrogate_values(
-    inputs: StageInputs, bounds: ClipBounds, selection: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s = A~ clip(r, L, H)`` (+0 at unselected positions) and ``sum clip(r, L, H)``.
-
-    L and H have the shape of A; the sum is over the selected tokens. Overwrites the ratio.
-    ``clip(r, L, H)`` is exactly 1 at unselected positions (r = 1 there, L <= 1 <= H), so its
-    selected sum is the full sum minus the unselected count.
-    """
-    ratio, advantages = inputs.ratio, inputs.advantages.to(inputs.dtype)
-    infinity = float("inf")
-    lower_negative = -infinity if bounds.lower_negative is None else bounds.lower_negative
-    upper_positive = infinity if bounds.upper_positive is None else bounds.upper_positive
-    upper_negative = infinity if bounds.upper_negative is None else bounds.upper_negative
-    if advantages.shape == ratio.shape and advantages.shape[-1] > 1:
-        # Per-token advantages (packed rows, GAE): per-sign bounds by bit selection, since
-        # per-token masked_fill / torch.where cost several times more on CPU.
-        weight = _per_token_weight(
-            ratio, advantages, (lower_negative, upper_positive, upper_negative)
-        )
-    else:
-        lower = torch.full_like(advantages, -infinity).masked_fill_(advantages < 0, lower_negative)
-        upper = (
-            torch.full_like(advantages, infinity)
-            .masked_fill_(advantages > 0, upper_positive)
-            .masked_fill_(advantages < 0, upper_negative)
-        )
-        weight = torch.maximum(ratio, lower, out=ratio)  # (B, T)
-        weight = torch.minimum(weight, upper, out=weight)
-    unselected = weight.numel() - inputs.selected_count
-    weight_sum = (weight.sum(dtype=torch.float64) - unselected).to(inputs.dtype)
-    return select_(weight.mul_(inputs.weighted), selection), weight_sum
-
-
-def _per_token_weight(
-    ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    bounds: tuple[float | torch.Tensor, float | torch.Tensor, float | torch.Tensor],
-) -> torch.Tensor:
-    """``clip(r, L, H)`` with per-token ``(L, H)`` by the sign of ``A``, as merged bit patterns.
-
-    ``min(r, H+)`` where ``A > 0``, ``clip(r, L-, H-)`` where ``A < 0``, ``r`` elsewhere (A = 0
-    or NaN): the values of the per-sign bounds, exactly. Overwrites ``ratio``.
-    """
-    lower_negative, upper_positive, upper_negative = bounds
-    positive, negative = sign_bits(advantages, ratio.dtype)  # shape of A
-    value = select_(clamp(ratio, -float("inf"), upper_positive), positive).view(positive.dtype)
-    value |= select_(clamp(ratio, lower_negative, upper_negative), negative).view(positive.dtype)
-    neither = positive.bitwise_or_(negative).bitwise_not_()  # A == 0 or NaN
-    value |= select_(ratio, neither).view(positive.dtype)
-    return value.view(ratio.dtype)
-
-
-def _clip_stage(inputs: StageInputs) -> StageOutputs:
-    """The clipped surrogate with IEEE-754 bit tricks (the CPU-tuned default)."""
-    bounds = clip_bounds(inputs.options)
-    clip, dual = _clip_gates(inputs, bounds)
-    coefficient = _gradient_coefficient(inputs)
-    # Sum of r over the selected tokens (r - 1 = 0 exactly elsewhere), in the gate's buffer;
-    # then the buffer holds the selection again (no new (B, T) allocation).
-    keep, dtype = inputs.keep, inputs.dtype
-    ratio_sum = torch.sub(inputs.ratio, 1.0, out=keep.view(dtype)).sum() + inputs.selected_count.to(
-        dtype
-    )
-    selection = keep.copy_(inputs.mask).neg_()  # (B, T) all ones where selected
-    values, weight_sum = _surrogate_values(inputs, bounds, selection)
-    return StageOutputs(coefficient, values, selection, clip, dual, ratio_sum, weight_sum)
+    return _RatioStage(ratio, fired, count_bits(fired))
 
 
 TOKEN_STAGES: dict[str, Callable[[StageInputs], StageOutputs]] = {
-    "clip": _clip_stage,
+    "clip": clip_stage,
     **PLAIN_STAGES,
 }
 
@@ -288,13 +202,19 @@ def _reduce_stage(
     selection: torch.Tensor,
     spec: FusedSpec,
 ) -> _Reduced:
-    """The loss ``-reduce(s)`` and its per-token weight, from :mod:`rlobjectives._reduction`."""
+    """The loss ``-reduce(s)`` and its per-token weight, from :mod:`rlobjectives._reduction`.
+
+    ``row_sums`` is ``(S,)``, or the 0-d total where the reduction has no per-row divisor.
+    """
     if spec.reduction.reduction == "none":  # -s, +0.0 at unselected positions (s is +-0)
         ones = torch.ones((1, 1), dtype=spec.dtype, device=surrogate.device)
         return _Reduced(select_(surrogate.neg_(), selection), -ones)
     rows = spec.layout.num_sequences
     weights = row_weights(counts, spec.reduction, dtype=spec.dtype, batch=rows)
-    loss = -reduce_rows(row_sums, weights)
+    if row_sums.ndim == 0 and weights.divisor is None:  # reduce_rows of the one total
+        loss = -(row_sums / weights.denominator)
+    else:
+        loss = -reduce_rows(row_sums, weights)
     return _Reduced(loss, -token_gradient_weights(weights, spec.layout, spec.dtype))
 
 
@@ -323,34 +243,47 @@ def fused_forward(
     buffer costs page faults, often more than the arithmetic.
     """
     dtype = spec.dtype
-    keep = mask_bits(mask, dtype)  # (B, T) all ones where selected; becomes the gradient gate
+    selected = mask_bits(mask, dtype)  # (B, T) all ones where selected (never modified)
     per_row = _per_row_sums_needed(spec)
     # (S,) selected tokens per sequence; their total as (1,) where no per-row count is needed
-    counts = spec.layout.row_counts(mask) if per_row else mask.sum().reshape(1)
+    if per_row:
+        counts = spec.layout.row_counts(mask)
+        count = counts.sum()
+    else:
+        count = count_bits(selected)
+        counts = count.reshape(1)
     # (B, 1) or (B, T); never selected itself: every product with it is selected afterwards.
     advantages = advantages.to(dtype)
     weighted = advantages
     if importance_weights is not None:  # the one extra (B, T) pass of the importance weights
         weighted = advantages * importance_weights.to(dtype)
-    stage = _log_ratio_stage(log_probs, old_log_probs, keep, counts, spec)
+    stage = _log_ratio_stage(log_probs, old_log_probs, selected, counts, spec)
     kl_sums = (stage.approx_kl_k1, stage.approx_kl_k3)
     bits = Bits(dtype, log_probs.device)
-    ratio, bound_fired = _ratio_stage(stage.token_log_ratio, keep, bits, spec)
+    ratio = _ratio_stage(stage, bits, spec)
     del stage  # the log-ratio buffer is spent
-    count = counts.sum()
     stage_inputs = StageInputs(
-        ratio, advantages, weighted, keep, mask, log_probs, count, bits, spec.options, dtype
+        ratio.ratio,
+        advantages,
+        weighted,
+        selected,
+        ratio.fired,
+        mask,
+        log_probs,
+        count,
+        bits,
+        spec.options,
+        dtype,
     )
     surrogate = TOKEN_STAGES[spec.options.surrogate](stage_inputs)
     values, selection = surrogate.values, surrogate.selection
     if per_row or spec.row_sums:
         row_sums = spec.layout.row_sums(values)  # (S,)
         reduced = _reduce_stage(values, row_sums, counts, selection, spec)
-    else:  # the loss needs the total only; the unused row sums output is zeros
-        reduced = _reduce_stage(values, values.sum().reshape(1), counts, selection, spec)
+    else:  # the loss needs the total only (a 0-d sum); the unused row sums output is zeros
+        reduced = _reduce_stage(values, values.sum(), counts, selection, spec)
         row_sums = values.new_zeros(spec.layout.num_sequences)
-    fired = count.new_zeros(()) if bound_fired is None else bound_fired
-    counted = [*surrogate.clip, surrogate.dual, fired]
+    counted = [*surrogate.clip, surrogate.dual, ratio.bound_fired]
     sums = [surrogate.ratio_sum, *kl_sums, surrogate.weight_sum]
     diagnostics = _diagnostics(counted, sums, count, spec)
     return FusedForward(
@@ -385,8 +318,8 @@ def _diagnostics(
         denominator = selected.to(dtype).clamp(min=1)
     else:  # an explicit normaliser is honoured exactly
         denominator = _as_tensor(spec.diagnostics_normalizer, sums[0])
-    counted = torch.stack([count.to(dtype) for count in counts])
-    return torch.cat([counted, torch.stack([value.to(dtype) for value in sums])]) / denominator
+    # One stack: integer counts convert to the sums' float dtype on the way (exactly as .to).
+    return torch.stack([*counts, *sums]).to(dtype) / denominator
 
 
 class ClippedSurrogateFunction(torch.autograd.Function):
@@ -434,9 +367,10 @@ class ClippedSurrogateFunction(torch.autograd.Function):
         differentiable = torch.is_grad_enabled()  # backward(create_graph=True)
         with torch.no_grad():
             # (B, T) for reduction "none", else (B, 1), (1, N) or (1, 1)
-            scale = torch.zeros((), dtype=coefficient.dtype, device=coefficient.device)
             if grad_loss is not None:
                 scale = grad_loss * row_weights
+            else:
+                scale = torch.zeros((), dtype=coefficient.dtype, device=coefficient.device)
             # (torch.compile materialises the gradient of an unused output as zeros.)
             if grad_row_sums is not None and ctx.row_sums:
                 layout = Layout(grad_row_sums.shape[0], sequence_ids)

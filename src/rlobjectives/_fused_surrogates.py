@@ -28,7 +28,7 @@ from typing import NamedTuple
 
 import torch
 
-from ._bits import Bits, mask_bits, select, select_
+from ._bits import Bits, select, select_
 from ._policy_args import SurrogateOptions
 from ._surrogates import SAPO_HALF_PEAK, Bound, cispo_bounds
 
@@ -41,7 +41,9 @@ class StageInputs(NamedTuple):
     ratio: torch.Tensor  # (B, T) r after the bound, 1 at unselected tokens; a fresh buffer
     advantages: torch.Tensor  # (B, 1) or (B, T) A, not selected (signs only)
     weighted: torch.Tensor  # A times the importance weights (or A), not selected
-    keep: torch.Tensor  # (B, T) integer select mask: selected and the log-ratio bound held
+    selected: torch.Tensor  # (B, T) integer select mask of the selected tokens (read only)
+    fired: torch.Tensor | None  # (B, T) select mask where the log-ratio bound fired (a scratch
+    # buffer the stage may consume), or None without a bound: no gradient through those tokens
     mask: torch.Tensor  # (B, T) bool
     log_probs: torch.Tensor  # (B, T) the log-probabilities, not selected, any float dtype
     selected_count: torch.Tensor  # () selected tokens
@@ -63,7 +65,7 @@ class StageOutputs(NamedTuple):
 
     coefficient: torch.Tensor  # (B, T) d (w s) / d log_probs, exact zeros at unselected tokens
     values: torch.Tensor  # (B, T) w s, +0 at unselected tokens
-    selection: torch.Tensor  # (B, T) integer select mask of the selected tokens
+    selection: torch.Tensor  # (B, T) integer select mask of the selected tokens (``selected``)
     clip: ClipCounts
     dual: torch.Tensor  # () dual-clip count (0 without a bound on the A < 0 side)
     ratio_sum: torch.Tensor  # () sum of r over the selected tokens
@@ -85,7 +87,7 @@ def _cispo_stage(inputs: StageInputs) -> StageOutputs:
     low = -math.inf if lower is None else lower
     high = math.inf if upper is None else upper
     weight = torch.clamp(ratio, _as_tensor(low, ratio), _as_tensor(high, ratio))  # (B, T)
-    selection = mask_bits(mask, dtype)  # (B, T)
+    selection = inputs.selected  # (B, T)
     # The gradient flows through log_probs at every selected token, bound fired or not.
     coefficient = select_(weight * inputs.weighted, selection)  # (B, T)
     log_probs = select(inputs.log_probs.to(dtype), selection)  # (B, T)
@@ -111,10 +113,12 @@ def _sapo_stage(inputs: StageInputs) -> StageOutputs:
     temperature = torch.where(advantages > 0, positive, negative)  # shape of A
     x = (ratio - 1.0).mul_(temperature)  # (B, T)
     sigma = torch.sigmoid(x)  # (B, T)
-    selection = mask_bits(mask, dtype)
-    # d gate / d l = 4 sigma(x) sigma(-x) r; zero where the log-ratio bound fired (keep).
+    selection = inputs.selected
+    # d gate / d l = 4 sigma(x) sigma(-x) r; zero where the log-ratio bound fired.
     slope = torch.sigmoid(-x).mul_(sigma).mul_(ratio).mul_(4.0)  # (B, T)
-    coefficient = select_(slope.mul_(inputs.weighted), inputs.keep)  # (B, T)
+    coefficient = select_(slope.mul_(inputs.weighted), selection)  # (B, T)
+    if inputs.fired is not None:
+        coefficient = select_(coefficient, inputs.fired.bitwise_not_())
     gate = sigma.mul_(4.0).div_(temperature)  # (B, T), the advantage factor
     values = select_(gate * inputs.weighted, selection)  # (B, T)
     soft_clipped = x.abs() > SAPO_HALF_PEAK  # (B, T)

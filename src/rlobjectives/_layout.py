@@ -57,8 +57,11 @@ class Layout(NamedTuple):
             return mask.sum(dim=-1)
         if self.cu_seqlens is None:
             return self.row_sums(mask.to(torch.int64))
-        running = torch.nn.functional.pad(mask.reshape(-1).cumsum(0), (1, 0))  # (N + 1,)
-        return running[self.cu_seqlens].diff()  # (S,) exact integer differences
+        flat = mask.reshape(-1)  # (N,)
+        running = torch.empty(flat.shape[0] + 1, dtype=torch.int64, device=flat.device)
+        running[0] = 0  # (N + 1,) selected tokens before each position, no padded copy
+        torch.cumsum(flat, 0, out=running[1:])
+        return running.index_select(0, self.cu_seqlens).diff()  # (S,) exact differences
 
     def expand(self, per_sequence: torch.Tensor) -> torch.Tensor:
         """``(S,)`` values broadcast to the tokens: ``(B, 1)`` padded, ``(1, N)`` packed."""
