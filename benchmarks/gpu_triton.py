@@ -13,16 +13,21 @@ every section, so a run cut short still leaves what it measured):
    (``tests/triton_reference.py``), float32 and bfloat16 inputs: token policy loss (GRPO, DAPO
    with dual clip and delta, CISPO, SAPO, importance weights + KL + entropy), ``kl_loss``
    estimators, ``kl_penalized_rewards``, LM-head log-probs/entropy and gradients (one and several
-   vocabulary chunks, ``-inf`` bias, NaN in masked rows), the fused policy loss from hidden.
+   vocabulary chunks, ``-inf`` bias, NaN in masked rows), the fused policy loss from hidden;
+   then every public function with kernels under ``RLOBJECTIVES_KERNELS=triton`` on CUDA
+   against the same call under ``RLOBJECTIVES_KERNELS=torch`` in float64 on the CPU
+   (``gpu_triton_public.py``: values, gradients, diagnostics; padded and packed).
 2. **token losses** (issue 17 targets), bf16 and fp32, B=64 T=4096 and B=8 T=16384: fwd+bwd of
-   the Triton path, the naive eager reference (``tests/eager_reference.py``), the library's
-   current eager path, the copy floor, and ``torch.compile`` of the reference (compiled last:
-   compilation dominates this script's budget).
+   the public ``policy_loss`` / ``kl_loss`` / ``kl_penalized_rewards`` with
+   ``RLOBJECTIVES_KERNELS=triton`` and ``=torch``, the naive eager reference
+   (``tests/eager_reference.py``), the copy floor, and ``torch.compile`` of the reference
+   (compiled last: compilation dominates this script's budget).
 3. **hidden-state path**, bf16, N=16384 H=4096 V=152064 and N=8192 H=4096 V=128256: time and
-   peak memory beyond inputs and gradients of the Triton path, Cut Cross-Entropy's
+   peak memory beyond inputs and gradients of the public ``fused_policy_loss_from_hidden`` with
+   ``RLOBJECTIVES_KERNELS=triton`` and ``=torch``, Cut Cross-Entropy's
    ``linear_cross_entropy``, Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (both pip-installed with
    ``--no-deps`` when missing; skipped with the reason recorded when that fails, e.g. no
-   network), the library's chunked PyTorch path, and the three-GEMM floor.
+   network), and the three-GEMM floor.
 
 Outputs: ``benchmarks/results/cuda-triton.csv`` (timing rows, harness format; ``peak_mib`` is the
 memory beyond inputs and gradients for the hidden-state rows) and ``cuda-triton.txt`` (machine
@@ -54,6 +59,7 @@ for _path in (BENCH_DIR, BENCH_DIR.parent / "tests"):
 
 import gpu_triton_cases as cases  # noqa: E402
 import gpu_triton_checks as checks  # noqa: E402
+import gpu_triton_public as public  # noqa: E402
 import harness  # noqa: E402
 
 STEM = "cuda-triton"
@@ -159,7 +165,7 @@ def _install(module: str, package: str, run: Run) -> str | None:
 
 def section_correctness(run: Run) -> None:
     run.say("== correctness (CUDA vs float64 references)")
-    for check in checks.correctness_checks(run.dry_run):
+    for check in [*checks.correctness_checks(run.dry_run), public.public_check(run.dry_run)]:
         if run.remaining() < 30:
             run.say("SKIP  remaining correctness checks: time limit")
             run.failures.append("correctness incomplete")

@@ -3,15 +3,19 @@
 Token losses (issue 17): ``policy_loss`` (GRPO defaults, token mean), ``kl_loss`` (k3, token
 mean) and the seed ``kl_penalized_rewards`` at B=64 T=4096 and B=8 T=16384, bf16 and fp32, prefix
 masks (~70% selected). Variants: the naive eager reference (``tests/eager_reference.py``, the ratio
-baseline), the Triton path (the launchers' autograd functions, including the reduction weights
-computed from the mask), the library's current PyTorch path, the copy floor (inputs read once,
-gradient written once), and in the compiled pass ``torch.compile`` of the reference.
+baseline), the public function with ``RLOBJECTIVES_KERNELS=triton`` (the Triton kernels, boundary
+validation and the reduction weights included) and with ``RLOBJECTIVES_KERNELS=torch`` (the
+library's PyTorch path), the copy floor (inputs read once, gradient written once), and in the
+compiled pass ``torch.compile`` of the reference. (Setting the variable inside the timed call
+costs a few microseconds.)
 
 Hidden-state path: bf16 N=16384 H=4096 V=152064 and N=8192 H=4096 V=128256, 90% of the rows
-selected, backward with respect to ``hidden`` and ``weight``. Variants: the Triton fused policy
-loss, Cut Cross-Entropy's ``linear_cross_entropy`` (cross-entropy: the same logits/lse/gradient
-structure), Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (``loss_type="bnpo"`` = token mean, no
-KL, its default ``torch.compile`` of the chunk loss), the library's chunked PyTorch path, and the
+selected, backward with respect to ``hidden`` and ``weight``. Variants: the public
+``fused_policy_loss_from_hidden`` with ``RLOBJECTIVES_KERNELS=triton`` (the Triton LM head and
+token-loss kernels), Cut Cross-Entropy's ``linear_cross_entropy`` (cross-entropy: the same
+logits/lse/gradient structure), Liger-Kernel's ``LigerFusedLinearGRPOLoss``
+(``loss_type="bnpo"`` = token mean, no KL, its default ``torch.compile`` of the chunk loss), the
+public function with ``RLOBJECTIVES_KERNELS=torch`` (the chunked PyTorch path), and the
 three-GEMM floor. Memory: peak allocated during one fwd+bwd beyond the inputs and the two
 gradients (``(N*H + V*H)`` elements), measured in this process after a warm-up call.
 """
@@ -30,12 +34,10 @@ import eager_reference as eager
 import harness
 import rlobjectives
 from rlobjectives._triton._dispatch import use_kernels
-from rlobjectives._triton._from_hidden import FusedPolicyLossFromHiddenFunction
-from rlobjectives._triton._kl import KLLossFunction, KLPenalizedRewardsFunction
-from rlobjectives._triton._token_loss import TokenLossFunction, TokenLossOptions
 
 Inputs = harness.Inputs
-GRPO = TokenLossOptions()
+TRITON = "triton (RLOBJECTIVES_KERNELS=triton)"  # the verdicts find the row by this prefix
+TORCH = "torch (RLOBJECTIVES_KERNELS=torch)"
 
 
 @dataclasses.dataclass
@@ -77,61 +79,41 @@ def _token_inputs(batch: int, tokens: int, dtype: torch.dtype) -> Callable[[torc
     return make
 
 
-def _token_mean_weight(mask: torch.Tensor) -> torch.Tensor:
-    return mask.sum().clamp(min=1).reciprocal()
+def _policy(backend: str) -> Callable[[Inputs], torch.Tensor]:
+    def run(x: Inputs) -> torch.Tensor:
+        with use_kernels(backend):
+            return rlobjectives.policy_loss(
+                x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"]
+            ).loss
 
-
-def _policy_triton(x: Inputs) -> torch.Tensor:
-    lp = x["log_probs"]
-    loss, _, _ = TokenLossFunction.apply(
-        lp.reshape(-1), None, x["old_log_probs"].reshape(-1), x["advantages"].reshape(-1),
-        x["mask"].reshape(-1), _token_mean_weight(x["mask"]),
-        {"options": GRPO, "row_length": lp.shape[1]},
-    )  # fmt: skip
-    return loss  # type: ignore[no-any-return]
-
-
-def _policy_library(x: Inputs) -> torch.Tensor:
-    with use_kernels("torch"):
-        return rlobjectives.policy_loss(
-            x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"]
-        ).loss
+    return run
 
 
 def _policy_reference(x: Inputs) -> torch.Tensor:
     return eager.policy_loss(x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"])
 
 
-def _kl_triton(x: Inputs) -> torch.Tensor:
-    loss, _ = KLLossFunction.apply(
-        x["log_probs"].reshape(-1), x["ref_log_probs"].reshape(-1), x["mask"].reshape(-1),
-        _token_mean_weight(x["mask"]), {"estimator": "k3"},
-    )  # fmt: skip
-    return loss  # type: ignore[no-any-return]
+def _kl(backend: str) -> Callable[[Inputs], torch.Tensor]:
+    def run(x: Inputs) -> torch.Tensor:
+        with use_kernels(backend), warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # k3's BiasedGradientWarning
+            return rlobjectives.kl_loss(x["log_probs"], x["ref_log_probs"], x["mask"])
 
-
-def _kl_library(x: Inputs) -> torch.Tensor:
-    with use_kernels("torch"), warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # k3's BiasedGradientWarning
-        return rlobjectives.kl_loss(x["log_probs"], x["ref_log_probs"], x["mask"])
+    return run
 
 
 def _kl_reference(x: Inputs) -> torch.Tensor:
     return eager.kl_loss(x["log_probs"], x["ref_log_probs"], x["mask"])
 
 
-def _rewards_triton(x: Inputs) -> torch.Tensor:
-    objective, _, _ = KLPenalizedRewardsFunction.apply(
-        x["log_probs"], x["ref_log_probs"], x["rewards"], x["mask"], 0.1
-    )
-    return objective  # type: ignore[no-any-return]
+def _rewards(backend: str) -> Callable[[Inputs], torch.Tensor]:
+    def run(x: Inputs) -> torch.Tensor:
+        with use_kernels(backend):
+            return rlobjectives.kl_penalized_rewards(
+                x["log_probs"], x["ref_log_probs"], x["rewards"], x["mask"], 0.1
+            )["objective"]
 
-
-def _rewards_library(x: Inputs) -> torch.Tensor:
-    with use_kernels("torch"):
-        return rlobjectives.kl_penalized_rewards(
-            x["log_probs"], x["ref_log_probs"], x["rewards"], x["mask"], 0.1
-        )["objective"]
+    return run
 
 
 def _rewards_reference(x: Inputs) -> torch.Tensor:
@@ -141,9 +123,9 @@ def _rewards_reference(x: Inputs) -> torch.Tensor:
 
 
 TOKEN_OPERATIONS = {
-    "policy_loss": (_policy_reference, _policy_triton, _policy_library),
-    "kl_loss": (_kl_reference, _kl_triton, _kl_library),
-    "kl_penalized_rewards": (_rewards_reference, _rewards_triton, _rewards_library),
+    "policy_loss": (_policy_reference, _policy),
+    "kl_loss": (_kl_reference, _kl),
+    "kl_penalized_rewards": (_rewards_reference, _rewards),
 }
 
 
@@ -151,7 +133,7 @@ def token_cases(device: torch.device, dry: bool, *, compiled: bool) -> list[Plan
     """The token-loss cases; ``compiled``: the pass with ``torch.compile`` of the reference."""
     shapes = [(4, 33)] if dry else [(64, 4096), (8, 16384)]
     planned = []
-    for name, (reference, triton_fn, library) in TOKEN_OPERATIONS.items():
+    for name, (reference, public) in TOKEN_OPERATIONS.items():
         for batch, tokens in shapes:
             for dtype in (torch.bfloat16, torch.float32):
                 element = torch.finfo(dtype).bits // 8
@@ -160,12 +142,12 @@ def token_cases(device: torch.device, dry: bool, *, compiled: bool) -> list[Plan
                                           count * (3 * element + 1))  # fmt: skip
                 variants = [
                     harness.Variant("eager reference", reference, role="reference"),
-                    harness.Variant("triton", triton_fn),
+                    harness.Variant(TRITON, public("triton")),
                 ]
                 if compiled:
                     variants.append(harness.Variant("eager reference", reference, compile=True))
                 else:
-                    variants.append(harness.Variant("library torch path", library))
+                    variants.append(harness.Variant(TORCH, public("torch")))
                 case = harness.Case(
                     operation=name, shape=f"B={batch} T={tokens}", dtype=dtype,
                     make_inputs=_token_inputs(batch, tokens, dtype),
@@ -198,20 +180,15 @@ def _hidden_inputs(rows: int, width: int, vocab: int) -> Callable[[torch.device]
     return make
 
 
-def _hidden_triton(x: Inputs) -> torch.Tensor:
-    loss, *_ = FusedPolicyLossFromHiddenFunction.apply(
-        x["hidden"], x["weight"], None, x["tokens"], x["mask"], x["old_log_probs"],
-        x["advantages"], _token_mean_weight(x["mask"]), {}, {"options": GRPO},
-    )  # fmt: skip
-    return loss  # type: ignore[no-any-return]
+def _hidden(backend: str) -> Callable[[Inputs], torch.Tensor]:
+    def run(x: Inputs) -> torch.Tensor:
+        with use_kernels(backend):
+            return rlobjectives.fused_policy_loss_from_hidden(
+                x["hidden"][None], x["weight"], x["tokens"][None], x["old_log_probs"][None],
+                x["advantages"][None], x["mask"][None],
+            ).loss  # fmt: skip
 
-
-def _hidden_library(x: Inputs) -> torch.Tensor:
-    with use_kernels("torch"):
-        return rlobjectives.fused_policy_loss_from_hidden(
-            x["hidden"][None], x["weight"], x["tokens"][None], x["old_log_probs"][None],
-            x["advantages"][None], x["mask"][None],
-        ).loss  # fmt: skip
+    return run
 
 
 def _cce_variant() -> harness.Variant:
@@ -248,12 +225,12 @@ def hidden_cases(device: torch.device, dry: bool, *, peers: dict[str, str | None
     shapes = [(13, 40, 37)] if dry else [(16384, 4096, 152064), (8192, 4096, 128256)]
     planned = []
     for rows, width, vocab in shapes:
-        variants = [harness.Variant("triton", _hidden_triton)]
+        variants = [harness.Variant(TRITON, _hidden("triton"))]
         for module, factory in (("liger_kernel", _liger_variant),
                                 ("cut_cross_entropy", _cce_variant)):  # fmt: skip
             if module in peers and peers[module] is None:
                 variants.append(factory())
-        variants.append(harness.Variant("library torch path", _hidden_library))
+        variants.append(harness.Variant(TORCH, _hidden("torch")))
         reference = next((i for i, v in enumerate(variants) if v.name.startswith("liger")), 0)
         variants[reference] = dataclasses.replace(variants[reference], role="reference")
         floor = harness.MatmulFloor(
@@ -358,7 +335,7 @@ def verdicts(blocks: list[list[harness.Row]]) -> list[str]:
     """One line per issue-17 target and case (rows of one case were timed interleaved)."""
     lines = []
     for block in blocks:
-        ours = _find(block, "triton")
+        ours = _find(block, TRITON)
         if ours is None:
             continue
         tag = f"{ours.operation} {ours.shape} {ours.dtype}"
@@ -374,9 +351,9 @@ def verdicts(blocks: list[list[harness.Row]]) -> list[str]:
                 verdict = "PASS" if ours.fwd_bwd_ms < row.fwd_bwd_ms else "MISS"
                 lines.append(f"{verdict}  {tag}: triton faster than {row.variant}: "
                              f"{ours.fwd_bwd_ms:.3f} vs {row.fwd_bwd_ms:.3f} ms")  # fmt: skip
-            elif row.variant == "library torch path":
+            elif row.variant == TORCH:
                 verdict = "info" if row.vs_reference is None else (
                     "PASS" if row.vs_reference <= 1.0 else "MISS")  # fmt: skip
-                lines.append(f"{verdict}  {tag}: library torch path vs eager reference: "
+                lines.append(f"{verdict}  {tag}: {TORCH} vs eager reference: "
                              f"{row.vs_reference or float('nan'):.2f}x")  # fmt: skip
     return lines

@@ -27,7 +27,7 @@ Result = tuple[str, bool, str]
 VALUE_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-5}  # fp32 math on rounded inputs
 GRAD_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-2}  # bf16: result rounded to bf16
 COUNTS = ("selected", "out_of_band", "binding_low", "binding_high", "dual_binding",
-          "bound_fired", "capped", "gate_low")  # fmt: skip
+          "bound_fired")  # fmt: skip
 
 POLICY_CASES: dict[str, tuple[TokenLossOptions, dict[str, bool]]] = {
     "grpo": (TokenLossOptions(), {}),

@@ -843,7 +843,8 @@ CASES: tuple[Case, ...] = (
         + choice_wrongs("mode")
         + hyper("upper", below=0.0)
         + hyper("lower", below=-0.1, above=5.0)  # above upper = 2
-        + hyper("veto", below=0.0),
+        + hyper("veto", below=0.0)
+        + cu_seqlens_wrongs(),
     ),
     Case(
         "off_policy_sequence_mask",
@@ -859,7 +860,8 @@ CASES: tuple[Case, ...] = (
         + per_token_wrongs("sampling_log_probs")
         + tensor_wrongs("advantages", shapes=PER_SEQUENCE_SHAPES)
         + mask_wrongs()
-        + hyper("threshold", below=None),
+        + hyper("threshold", below=None)
+        + cu_seqlens_wrongs(),
     ),
     Case(
         "kl_penalized_rewards",

@@ -6,6 +6,9 @@ import pytest
 import torch
 from hypothesis import settings
 
+# The ``backend`` fixture (PyTorch / Triton kernels parametrisation) for every test module.
+pytest_plugins = ("backends",)
+
 # Bounded, deadline-free property tests: these CPUs are slow and noisy.
 settings.register_profile("default", max_examples=40, deadline=None, derandomize=True)
 settings.register_profile("ci", max_examples=40, deadline=None, derandomize=True)

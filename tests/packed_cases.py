@@ -56,8 +56,11 @@ def make_batch(lengths: list[int], extra: int, side: str, seed: int) -> Batch:
     return Batch(attention=attention, mask=mask, seed=seed)
 
 
-def make_tensors(batch: Batch, *, poison: bool) -> dict[str, torch.Tensor]:
-    """float64 inputs; padding is NaN; with ``poison`` unselected tokens hold NaN/+-inf too.
+def make_tensors(
+    batch: Batch, *, poison: bool, dtype: torch.dtype = torch.float64
+) -> dict[str, torch.Tensor]:
+    """``dtype`` inputs (float64 by default); padding is NaN; with ``poison`` unselected tokens
+    hold NaN/+-inf too.
 
     The differentiable inputs are leaves (``requires_grad``) in the padded layout; poisoning
     goes through ``torch.where``, so the gradient reaches the leaf at selected tokens only.
@@ -66,9 +69,9 @@ def make_tensors(batch: Batch, *, poison: bool) -> dict[str, torch.Tensor]:
     sequences, width = batch.attention.shape
 
     def randn(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=generator, dtype=torch.float64)
+        return torch.randn(shape, generator=generator, dtype=torch.float64).to(dtype)
 
-    specials = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=torch.float64)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf")], dtype=dtype)
     filler = specials[torch.arange(sequences * width) % 3].reshape(sequences, width)
     bad = ~batch.attention | (~batch.mask if poison else torch.zeros_like(batch.mask))
 
@@ -319,6 +322,26 @@ def _normalizers(v: View) -> Outputs:
     return {name: value.double() for name, value in counts._asdict().items()}
 
 
+def _rollout(level: str, mode: str) -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        out = rlo.rollout_correction(
+            v["log_probs"], v["old_log_probs"], v["mask"], level=level, mode=mode, upper=1.5,
+            lower=0.5, veto=0.1, **v.layout,
+        )  # fmt: skip
+        metrics = {f"metric_{k}": value.double() for k, value in out.metrics._asdict().items()}
+        return {"weights": v.tokens(out.weights), "mask": v.tokens(out.mask.double()), **metrics}
+
+    return run
+
+
+def _off_policy(v: View) -> Outputs:
+    out = rlo.off_policy_sequence_mask(
+        v["log_probs"], v["old_log_probs"], v.row("advantages"), v["mask"], threshold=0.05,
+        **v.layout,
+    )  # fmt: skip
+    return {"mask": v.tokens(out.double())}
+
+
 HIDDEN_LEAVES = ("hidden_leaf", "weight")
 DR_GRPO = {"reduction": "sequence_sum_normalized", "max_response_length": 9}
 
@@ -380,6 +403,10 @@ CASES: list[Case] = [
         heavy=True,
     ),
     Case("global_normalizers", _normalizers, ()),
+    Case("rollout_correction-token-truncate", _rollout("token", "truncate"), ()),
+    Case("rollout_correction-sequence-mask", _rollout("sequence", "mask"), ()),
+    Case("rollout_correction-geometric-reject", _rollout("geometric", "reject"), ()),
+    Case("off_policy_sequence_mask", _off_policy, ()),
     Case("value_loss-sequence_mean", _value_loss("sequence_mean"), ("values_leaf",)),
     Case("value_loss-none", _value_loss("none"), ("values_leaf",)),
     Case("opo_advantages", _opo, ()),

@@ -1276,6 +1276,54 @@ def _selected(mask: Tensor) -> list[list[bool]]:
     return _as_list_mask(mask != 0)
 
 
+def _trl_vespo_phi(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    tokens: list[int],
+    i: int,
+    advantage: float,
+    ratio: Tensor | None,
+    vespo: tuple[float, float, float, float],
+) -> float:
+    """TRL ``get_gamma_weights`` of row i (the vLLM ratio summed over the selected tokens)."""
+    low = math.log(1e-8)
+    total = sum(
+        min(max(float((log_probs[i, t] - old_log_probs[i, t]).detach()), -20.0), 20.0)
+        for t in tokens
+    )
+    if ratio is not None:
+        columns = [0] if ratio.shape[-1] == 1 else tokens
+        total += sum(min(max(math.log(float(ratio[i, t])), low), 20.0) for t in columns)
+    log_w = min(max(total, low), 20.0)
+    k_pos, lambda_pos, k_neg, lambda_neg = vespo
+    k, lam = (k_pos, lambda_pos) if advantage >= 0 else (k_neg, lambda_neg)
+    return math.exp(lam + k * log_w - lam * math.exp(log_w))
+
+
+def _trl_token_loss(
+    loss_type: str,
+    coef_1: Tensor,
+    a: Tensor,
+    log_prob: Tensor,
+    phi: float,
+    options: dict[str, float | None],
+) -> Tensor:
+    """TRL's per-token policy loss of one token (before the masks, weights and KL)."""
+    eps, high, delta = options["epsilon"], options["epsilon_high"], options["delta"]
+    assert eps is not None and high is not None
+    if loss_type == "cispo":
+        return -torch.clamp(coef_1, max=high).detach() * a * log_prob
+    if loss_type == "sapo":
+        tau = options["sapo_temperature_pos"] if a > 0 else options["sapo_temperature_neg"]
+        assert tau is not None
+        return -(torch.sigmoid(tau * (coef_1 - 1)) * 4 / tau) * a
+    if loss_type == "vespo":
+        return -phi * a * log_prob
+    clipped = torch.clamp(coef_1, 1 - eps, 1 + high)
+    capped = coef_1 if delta is None else torch.clamp(coef_1, max=delta)
+    return -torch.minimum(capped * a, clipped * a)
+
+
 def trl_grpo_loss(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -1296,40 +1344,93 @@ def trl_grpo_loss(
     num_processes: int = 1,
     accumulation: int = 1,
     steps_per_generation: int | None = None,
+    sapo_temperature_pos: float = 1.0,
+    sapo_temperature_neg: float = 1.05,
+    vespo: tuple[float, float, float, float] = (2.0, 3.0, 3.0, 2.0),
+    off_policy_keep: Tensor | None = None,
+    entropy_keep: Tensor | None = None,
+    entropy: Tensor | None = None,
+    entropy_coef: float = 0.0,
 ) -> Tensor:
-    """TRL 1.16 ``GRPOTrainer._compute_loss`` (clipped loss types), token by token."""
+    """TRL 1.16 ``GRPOTrainer._compute_loss``, every loss type, token by token.
+
+    At sequence level ``coef_1 = exp(mean_t Δ)`` carries its full gradient to every token of the
+    sequence and the per-token masks and ratios multiply that one value (TRL's broadcasting).
+    ``off_policy_keep`` / ``entropy_keep``: TRL's 0/1 masks (from :func:`off_policy_sequence_mask`
+    and :func:`top_entropy_mask`); ``entropy``: the bonus term's entropies.
+    """
     high = epsilon if epsilon_high is None else epsilon_high
+    options = {"epsilon": epsilon, "epsilon_high": high, "delta": delta,
+               "sapo_temperature_pos": sapo_temperature_pos,
+               "sapo_temperature_neg": sapo_temperature_neg}  # fmt: skip
     keep = _selected(mask)
     rows, width = len(keep), len(keep[0]) if keep else 0
     row_sums, counts = [], []
+    zero = torch.zeros((), dtype=torch.float64)
     for i in range(rows):
         tokens = [t for t in range(width) if keep[i][t]]
         sequence_log_ratio = sum(
             (log_probs[i, t] - old_log_probs[i, t] for t in tokens), torch.zeros(())
         ) / max(len(tokens), 1)
-        total = torch.zeros((), dtype=torch.float64)
+        total = zero
         for t in tokens:
-            log_ratio = (
-                log_probs[i, t] - old_log_probs[i, t] if level == "token" else (sequence_log_ratio)
-            )
-            ratio = torch.exp(log_ratio)
-            clipped = torch.clamp(ratio, 1 - epsilon, 1 + high)
-            capped = ratio if delta is None else torch.clamp(ratio, max=delta)
+            log_ratio = log_probs[i, t] - old_log_probs[i, t] if level == "token" else (
+                sequence_log_ratio
+            )  # fmt: skip
+            coef_1 = torch.exp(log_ratio)
             a = _advantage(advantages, i, t)
-            loss = -torch.minimum(capped * a, clipped * a)
-            if importance_sampling_ratio is not None:
+            phi = 0.0
+            if loss_type == "vespo":  # the gamma weight of the row, (k, λ) by this token's sign
+                phi = _trl_vespo_phi(log_probs, old_log_probs, tokens, i, float(a),
+                                     importance_sampling_ratio, vespo)  # fmt: skip
+            loss = _trl_token_loss(loss_type, coef_1, a, log_probs[i, t], phi, options)
+            for multiplier in (off_policy_keep, entropy_keep):
+                if multiplier is not None:
+                    loss = loss * float(multiplier[i, t])
+            if importance_sampling_ratio is not None and loss_type != "vespo":
                 loss = loss * _advantage(importance_sampling_ratio, i, t)
             if beta != 0.0:
                 assert ref_log_probs is not None
                 d = ref_log_probs[i, t] - log_probs[i, t]
                 kl = torch.exp(d) - d - 1
-                loss = loss + beta * (kl * ratio if use_bias_correction_kl else kl)
+                loss = loss + beta * (kl * coef_1 if use_bias_correction_kl else kl)
             total = total + loss
         row_sums.append(total)
         counts.append(len(tokens))
+    loss = _trl_normalise(
+        row_sums,
+        counts,
+        loss_type,
+        max_completion_length,
+        num_items_in_batch,
+        num_processes,
+        accumulation,
+        steps_per_generation,
+    )
+    if entropy_coef != 0.0:
+        assert entropy is not None
+        kept = [(i, t) for i in range(rows) for t in range(width) if keep[i][t]
+                and (entropy_keep is None or bool(entropy_keep[i, t]))]  # fmt: skip
+        bonus = sum((entropy[i, t] for i, t in kept), zero) / max(len(kept), 1)
+        loss = loss - entropy_coef * bonus / accumulation
+    return loss
+
+
+def _trl_normalise(
+    row_sums: list[Tensor],
+    counts: list[int],
+    loss_type: str,
+    max_completion_length: int | None,
+    num_items_in_batch: int | None,
+    num_processes: int,
+    accumulation: int,
+    steps_per_generation: int | None,
+) -> Tensor:
+    """TRL's normaliser of each loss type applied to the per-row sums ``Σ_t M L``."""
+    rows = len(row_sums)
     total = sum(row_sums, torch.zeros((), dtype=torch.float64))
     ga = accumulation
-    if loss_type == "grpo":
+    if loss_type in ("grpo", "sapo"):
         means = [s / max(n, 1) for s, n in zip(row_sums, counts, strict=True)]
         return sum(means, total * 0) / rows / ga
     if loss_type == "bnpo":
@@ -1337,7 +1438,7 @@ def trl_grpo_loss(
     if loss_type == "dr_grpo":
         assert max_completion_length is not None
         return total / (rows * max_completion_length) / ga
-    if loss_type == "dapo":
+    if loss_type in ("dapo", "cispo", "vespo"):
         items = sum(counts) if num_items_in_batch is None else num_items_in_batch
         spg = ga if steps_per_generation is None else steps_per_generation
         return total / (max(items, 1) / num_processes * ga / spg)
@@ -1387,8 +1488,14 @@ def verl_policy_losses(
     clip_low: float = 0.2,
     clip_high: float = 0.2,
     clip_c: float = 3.0,
+    tau_pos: float = 1.0,
+    tau_neg: float = 1.05,
+    weights: Tensor | None = None,
 ) -> Tensor:
-    """verl's per-token ``pg_losses`` of vanilla / gspo / gpg, ``(B, T)`` (0 at unselected)."""
+    """verl's per-token ``pg_losses`` (times ``rollout_is_weights``), ``(B, T)``, 0 unselected.
+
+    vanilla / gspo / cispo / sapo / gpg (``geo_mean`` is per row: :func:`verl_geo_mean_loss`).
+    """
     keep = _selected(mask)
     out = torch.zeros_like(log_prob)
     entries: dict[tuple[int, int], Tensor] = {}
@@ -1396,20 +1503,65 @@ def verl_policy_losses(
         tokens = [t for t in range(len(row)) if row[t]]
         for t in tokens:
             a = _advantage(advantages, i, t)
-            if loss_mode == "gpg":
-                entries[(i, t)] = -log_prob[i, t] * a
-                continue
             if loss_mode == "gspo":
                 mean = sum((log_prob[i, u] - old_log_prob[i, u] for u in tokens), out[0, 0] * 0)
                 log_ratio = log_prob[i, t] - log_prob[i, t].detach() + (mean / len(tokens)).detach()
                 ratio = torch.exp(torch.clamp(log_ratio, max=10.0))
             else:
                 ratio = torch.exp(torch.clamp(log_prob[i, t] - old_log_prob[i, t], -20.0, 20.0))
-            loss = torch.maximum(-a * ratio, -a * torch.clamp(ratio, 1 - clip_low, 1 + clip_high))
-            if loss_mode == "vanilla" and a < 0:
-                loss = torch.minimum(-a * clip_c, loss)
-            entries[(i, t)] = loss
+            if loss_mode == "gpg":
+                loss = -log_prob[i, t] * a
+            elif loss_mode == "cispo":
+                clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+                loss = -clipped.detach() * a * log_prob[i, t]
+            elif loss_mode == "sapo":
+                tau = tau_pos if a > 0 else tau_neg
+                loss = -torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau) * a
+            else:
+                clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+                loss = torch.maximum(-a * ratio, -a * clipped)
+                if loss_mode == "vanilla" and a < 0:
+                    loss = torch.minimum(-a * clip_c, loss)
+            entries[(i, t)] = loss if weights is None else loss * weights[i, t]
     return _matrix(entries, tuple(log_prob.shape)) if entries else out
+
+
+def verl_geo_mean_loss(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    weights: Tensor | None = None,
+) -> Tensor:
+    """verl ``compute_policy_loss_geo_mean``: per row ``-mean_t(A)·exp(mean_t clipped Δ)``.
+
+    The clip is per token in log space and sign-aware (``A > 0``: only the upper bound,
+    ``A < 0``: only the lower one); the rows are averaged with ``torch.mean`` over all B rows;
+    ``rollout_is_weights`` enter as the row's ``exp(mean_t log(w + 1e-10))``. verl's
+    ``n_i + 1e-8`` is kept.
+    """
+    keep = _selected(mask)
+    zero = torch.zeros((), dtype=torch.float64)
+    losses = []
+    for i, row in enumerate(keep):
+        tokens = [t for t in range(len(row)) if row[t]]
+        n = len(tokens) + 1e-8
+        log_sum, advantage_sum, log_weights = zero, zero, zero
+        for t in tokens:
+            a = _advantage(advantages, i, t)
+            delta = log_prob[i, t] - old_log_prob[i, t]
+            sign = torch.sign(a)
+            clipped = torch.clamp(delta, -clip_low, clip_high)
+            log_sum = log_sum + sign * torch.minimum(sign * delta, sign * clipped)
+            advantage_sum = advantage_sum + a
+            if weights is not None:
+                log_weights = log_weights + torch.log(weights[i, t] + 1e-10)
+        loss = -(advantage_sum / n) * torch.exp(log_sum / n)
+        losses.append(loss * torch.exp(log_weights / n) if weights is not None else loss)
+    return sum(losses, zero) / len(losses)
 
 
 def openrlhf_policy_loss(
@@ -1426,14 +1578,25 @@ def openrlhf_policy_loss(
     dp_size: int = 1,
     batch_num_tokens: float | None = None,
     global_batch_size: float | None = None,
+    rollout_log_probs: Tensor | None = None,
+    vllm_is_correction_type: str | None = None,
+    threshold: tuple[float, float] = (0.5, 5.0),
 ) -> Tensor:
-    """OpenRLHF ``PolicyLoss.forward``'s loss (3c3be62), token by token."""
+    """OpenRLHF ``PolicyLoss.forward``'s loss (3c3be62), token by token.
+
+    ``vllm_is_correction_type`` (ppo, with ``rollout_log_probs``): the loss of each token times
+    ``tis`` ``clamp(ρ, low, high)``, ``icepop`` ``ρ·[low <= ρ <= high]`` or ``seq-mask-tis``
+    ``[low <= exp(mean_t log ρ) <= high]·ρ``, with ``ρ = exp(old - rollout)``.
+    """
     keep = _selected(mask)
     zero = torch.zeros((), dtype=torch.float64)
     row_losses: list[list[Tensor]] = []
     for i, row in enumerate(keep):
         tokens = [t for t in range(len(row)) if row[t]]
         mean = sum((log_probs[i, t] - old_log_probs[i, t] for t in tokens), zero)
+        weights = _openrlhf_is_weights(
+            old_log_probs, rollout_log_probs, i, tokens, vllm_is_correction_type, threshold
+        )
         losses = []
         for t in tokens:
             a = _advantage(advantages, i, t)
@@ -1446,7 +1609,7 @@ def openrlhf_policy_loss(
             )
             if dual_clip is not None and a < 0:
                 surrogate = torch.maximum(surrogate, dual_clip * a)
-            losses.append(-surrogate)
+            losses.append(-surrogate * weights.get(t, 1.0))
         row_losses.append(losses)
     if token_level_loss and policy_loss_type == "ppo":
         total = sum((v for r in row_losses for v in r), zero)
@@ -1456,6 +1619,29 @@ def openrlhf_policy_loss(
     if global_batch_size is None:
         return sum(means, zero) / len(means)
     return sum(means, zero) / global_batch_size * dp_size
+
+
+def _openrlhf_is_weights(
+    old_log_probs: Tensor,
+    rollout_log_probs: Tensor | None,
+    i: int,
+    tokens: list[int],
+    kind: str | None,
+    threshold: tuple[float, float],
+) -> dict[int, float]:
+    """OpenRLHF's vLLM IS weight of each selected token of row i ({} without the correction)."""
+    if kind is None or rollout_log_probs is None:
+        return {}
+    low, high = threshold
+    log_rho = {t: float(old_log_probs[i, t]) - float(rollout_log_probs[i, t]) for t in tokens}
+    if kind == "tis":
+        return {t: min(max(math.exp(v), low), high) for t, v in log_rho.items()}
+    if kind == "icepop":
+        return {t: math.exp(v) * (low <= math.exp(v) <= high) for t, v in log_rho.items()}
+    assert kind == "seq-mask-tis"
+    geometric = math.exp(sum(log_rho.values()) / len(tokens)) if tokens else math.nan
+    inside = low <= geometric <= high
+    return {t: math.exp(v) * inside for t, v in log_rho.items()}
 
 
 # --- rollout correction and off-policy sequence masking (issue 12, rlobjectives._rollout) -------

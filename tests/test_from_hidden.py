@@ -2,6 +2,9 @@
 
 Every result is compared with the float64 loop references in tests/reference.py (outputs and
 gradients) and with the naive path ``hidden @ weight.T -> log_softmax -> gather -> policy_loss``.
+The reference comparisons, NaN, dtype and golden tests also run on the Triton LM-head kernels
+(the ``backend`` fixture, ``tests/backends.py``; float64 cases in float32 there, since float64
+always takes PyTorch, and ``chunk_size`` does not apply to the kernels).
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import reference
 import rlobjectives
+from backends import FIXTURE_HEALTH, dtype_for, triton_param
 from family_cases import FAMILY_OPTION_SETS
 from rlobjectives import kl_loss, policy_loss
 from rlobjectives._kl import BiasedGradientWarning
@@ -133,7 +137,7 @@ def finite_difference_check(
 # --------------------------------------------------------------------------------------------
 
 
-def test_golden_uniform_and_temperature() -> None:
+def test_golden_uniform_and_temperature(backend: str) -> None:
     # Zero hidden states: every logit is 0, so p = 1/V and log p = -log 4 = -1.3862944 for V = 4,
     # at any temperature; the entropy is log 4.
     hidden, weight = torch.zeros(1, 2, 3), torch.randn(4, 3)
@@ -151,6 +155,7 @@ def test_golden_uniform_and_temperature() -> None:
     assert_close(lp, [[1 - math.log(1 + math.exp(0.5) + math.e)]])
 
 
+@FIXTURE_HEALTH
 @given(
     batch=st.integers(1, 3),
     steps=st.integers(1, 4),
@@ -163,6 +168,7 @@ def test_golden_uniform_and_temperature() -> None:
     seed=st.integers(0, 2**16),
 )
 def test_log_probs_match_reference(
+    backend: str,
     batch: int,
     steps: int,
     hidden_size: int,
@@ -173,7 +179,8 @@ def test_log_probs_match_reference(
     with_mask: bool,
     seed: int,
 ) -> None:
-    case = make_case(batch, steps, hidden_size, vocab, seed=seed, with_bias=with_bias)
+    dtype = dtype_for(backend)
+    case = make_case(batch, steps, hidden_size, vocab, seed=seed, with_bias=with_bias, dtype=dtype)
     mask = case["mask"] if with_mask else None
     inputs = leaves(case)
     bias = inputs[2] if with_bias else None
@@ -187,7 +194,7 @@ def test_log_probs_match_reference(
         mask=mask,
         return_entropy=True,
     )
-    ref_inputs = leaves(case)
+    ref_inputs = [x.double() for x in leaves(case)]
     expected = reference.token_log_probs_from_hidden(
         ref_inputs[0],
         ref_inputs[1],
@@ -196,12 +203,13 @@ def test_log_probs_match_reference(
         temperature=temperature,
         mask=mask,
     )
-    assert out.log_probs.dtype == torch.float64
+    assert out.log_probs.dtype == dtype
     assert_close(out.log_probs, expected[0])
     assert_close(out.entropy, expected[1])
     # Mixed upstream gradients for both outputs.
-    weights = torch.randn(2, batch, steps, dtype=torch.float64)
+    weights = torch.randn(2, batch, steps, dtype=torch.float64).to(dtype)
     actual = grads((out.log_probs * weights[0] + out.entropy * weights[1]).sum(), inputs)
+    weights = weights.double()
     wanted = grads((expected[0] * weights[0] + expected[1] * weights[1]).sum(), ref_inputs)
     for a, e in zip(actual, wanted, strict=True):
         assert_close(a, e)
@@ -229,8 +237,14 @@ def test_log_probs_gradcheck_float64() -> None:
     assert torch.autograd.gradcheck(function, tuple(leaves(case)))
 
 
-@pytest.mark.parametrize("chunk_size", [1, 2, 5, 7, 64, None])
-def test_log_probs_match_naive_float32_any_chunk(chunk_size: int | None) -> None:
+CHUNK_CASES = [
+    *(pytest.param("torch", chunk) for chunk in (1, 2, 5, 7, 64, None)),
+    triton_param(None),  # the kernels size their own tiles: one case
+]
+
+
+@pytest.mark.parametrize(("backend", "chunk_size"), CHUNK_CASES, indirect=["backend"])
+def test_log_probs_match_naive_float32_any_chunk(backend: str, chunk_size: int | None) -> None:
     case = make_case(3, 7, 16, 33, seed=2, dtype=torch.float32)  # N = 21 rows
     inputs, naive_inputs = leaves(case), leaves(case)
     tokens = case["tokens"]
@@ -351,7 +365,7 @@ def assert_bf16_gradient(
     torch.testing.assert_close(actual.double(), expected.detach(), rtol=rtol, atol=atol)
 
 
-def test_log_probs_bfloat16_within_tolerance() -> None:
+def test_log_probs_bfloat16_within_tolerance(backend: str) -> None:
     case = make_case(2, 5, 16, 40, seed=3, dtype=torch.bfloat16)
     inputs, naive_inputs = leaves(case), leaves(case)
     ref_inputs = [t.detach().double().requires_grad_(True) for t in leaves(case)]
@@ -384,7 +398,7 @@ def test_log_probs_bfloat16_within_tolerance() -> None:
         torch.testing.assert_close(a.double(), e, rtol=1.6e-2, atol=4 * 8e-3)
 
 
-def test_bfloat16_weight_gradient_accumulates_in_float32() -> None:
+def test_bfloat16_weight_gradient_accumulates_in_float32(backend: str) -> None:
     # Zero weights, V = 3: p = 1/3 at every row; all tokens are 0 and hidden = 1, so
     # grad_weight[0] = N (1 - 1/3) = 341.33 and grad_weight[1] = -N / 3 = -170.67 (N = 512).
     # Summed over 256 chunks in bf16 (ulp 2 above 256), the +1.33 per chunk would stall; the
@@ -398,8 +412,8 @@ def test_bfloat16_weight_gradient_accumulates_in_float32() -> None:
     assert_close(weight.grad, expected)
 
 
-def test_log_probs_nan_at_masked_positions_and_bad_ids() -> None:
-    case = make_case(3, 4, 5, 6, seed=5)
+def test_log_probs_nan_at_masked_positions_and_bad_ids(backend: str) -> None:
+    case = make_case(3, 4, 5, 6, seed=5, dtype=dtype_for(backend))
     mask = case["mask"].clone()
     mask[0, 0], mask[1, 1] = False, True
     dirty = case["hidden"].clone()
@@ -425,10 +439,10 @@ def test_log_probs_nan_at_masked_positions_and_bad_ids() -> None:
     assert (dirty_grads[0][~mask] == 0).all()
 
 
-def test_log_probs_nan_rows_without_gradient_do_not_poison_weight_grad() -> None:
+def test_log_probs_nan_rows_without_gradient_do_not_poison_weight_grad(backend: str) -> None:
     # No mask given: a NaN hidden row gives a NaN log-prob, but if the caller selects it away
     # (its upstream gradient is 0) the weight gradient stays finite.
-    case = make_case(2, 3, 4, 5, seed=6, with_bias=False)
+    case = make_case(2, 3, 4, 5, seed=6, with_bias=False, dtype=dtype_for(backend))
     hidden = case["hidden"].clone()
     hidden[1, 2] = float("nan")
     weight = case["weight"].clone().requires_grad_(True)
@@ -444,20 +458,21 @@ def test_log_probs_nan_rows_without_gradient_do_not_poison_weight_grad() -> None
     assert_close(weight.grad, weight64.grad)
 
 
-def test_log_probs_noncontiguous_and_empty() -> None:
-    case = make_case(3, 4, 5, 6, seed=7)
+def test_log_probs_noncontiguous_and_empty(backend: str) -> None:
+    dtype = dtype_for(backend)
+    case = make_case(3, 4, 5, 6, seed=7, dtype=dtype)
     transposed = case["hidden"].transpose(0, 1).contiguous().transpose(0, 1)
     assert not transposed.is_contiguous()
     expected = token_log_probs_from_hidden(case["hidden"], case["weight"], case["tokens"])
     actual = token_log_probs_from_hidden(transposed, case["weight"], case["tokens"])
     assert_close(actual, expected)
-    empty_hidden = torch.zeros(0, 3, 5, dtype=torch.float64)
+    empty_hidden = torch.zeros(0, 3, 5, dtype=dtype)
     empty = token_log_probs_from_hidden(empty_hidden, case["weight"], torch.zeros(0, 3).long())
     assert empty.shape == (0, 3)
 
 
-def test_log_probs_does_not_mutate_inputs() -> None:
-    case = make_case(2, 3, 4, 5, seed=8)
+def test_log_probs_does_not_mutate_inputs(backend: str) -> None:
+    case = make_case(2, 3, 4, 5, seed=8, dtype=dtype_for(backend))
     snapshot = {k: v.clone() for k, v in case.items() if isinstance(v, torch.Tensor)}
     inputs = leaves(case)
     out = token_log_probs_from_hidden(inputs[0], inputs[1], case["tokens"], bias=inputs[2])
@@ -523,7 +538,9 @@ def test_log_probs_under_torch_compile() -> None:
 def fused_and_reference(
     case: dict[str, Any], **options: Any
 ) -> tuple[FusedPolicyLossOutput, torch.Tensor, list[torch.Tensor], list[torch.Tensor]]:
-    inputs, ref_inputs = leaves(case), leaves(case)
+    """The library's result and the float64 reference's (on float64 copies of the inputs)."""
+    inputs = leaves(case)
+    ref_inputs = [x.detach().double().requires_grad_(True) for x in inputs]
     with_bias = case["bias"] is not None
     common = {k: case[k] for k in ("tokens", "old_log_probs", "advantages", "mask")}
     ref_log_probs = options.pop("ref_log_probs", None)
@@ -539,6 +556,8 @@ def fused_and_reference(
         )
     options.pop("chunk_size", None)
     options.pop("diagnostics_normalizer", None)
+    if options.get("importance_weights") is not None:
+        options["importance_weights"] = options["importance_weights"].double()
     expected = reference.fused_policy_loss_from_hidden(
         ref_inputs[0],
         ref_inputs[1],
@@ -550,6 +569,7 @@ def fused_and_reference(
     return out, expected, inputs, ref_inputs
 
 
+@FIXTURE_HEALTH
 @given(
     batch=st.integers(1, 3),
     steps=st.integers(1, 4),
@@ -567,6 +587,7 @@ def fused_and_reference(
     entropy_coef=st.sampled_from([0.0, 0.0, 0.2]),
 )
 def test_fused_matches_reference(
+    backend: str,
     batch: int,
     steps: int,
     vocab: int,
@@ -580,7 +601,8 @@ def test_fused_matches_reference(
     weights: str | None,
     entropy_coef: float,
 ) -> None:
-    case = make_case(batch, steps, 3, vocab, seed=seed, with_bias=seed % 2 == 0)
+    dtype = dtype_for(backend)
+    case = make_case(batch, steps, 3, vocab, seed=seed, with_bias=seed % 2 == 0, dtype=dtype)
     options: dict[str, Any] = {
         "symmetric": {"clip_low": 0.2},
         "asymmetric": {"clip_low": 0.1, "clip_high": 0.28},
@@ -594,7 +616,7 @@ def test_fused_matches_reference(
     if weights is not None:  # constants: a NaN at an unselected token must reach nothing
         shape = (batch, steps) if weights == "token" else (batch, 1)
         importance = torch.rand(*shape, generator=torch.Generator().manual_seed(seed)) * 2
-        options["importance_weights"] = importance.double().masked_fill(
+        options["importance_weights"] = importance.to(dtype).masked_fill(
             ~case["mask"] if weights == "token" else torch.zeros(shape, dtype=torch.bool),
             math.nan,
         )
@@ -612,23 +634,40 @@ def test_fused_matches_reference(
             kl_straight_through=kl.endswith("+"),
         )
     out, expected, inputs, ref_inputs = fused_and_reference(case, **options)
-    assert out.loss.dtype == torch.float64
+    assert out.loss.dtype == dtype
     assert_close(out.loss, expected)
     upstream = torch.randn(out.loss.shape, dtype=torch.float64)  # scalar, or (B, T) for "none"
-    actual_grads = grads(out.loss * upstream, inputs)
+    actual_grads = grads(out.loss * upstream.to(dtype), inputs)
     expected_grads = grads(expected * upstream, ref_inputs)
     for a, e in zip(actual_grads, expected_grads, strict=True):
         assert_close(a, e)
 
 
-@pytest.mark.parametrize("options", FAMILY_OPTION_SETS, ids=repr)
-@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "length_weighted"])
-def test_family_matches_reference(options: dict[str, Any], reduction: str) -> None:
+FAMILY_REDUCTIONS = ("token_mean", "sequence_mean", "length_weighted")
+
+
+def _family_cases() -> list[Any]:
+    """PyTorch: every family row x reduction; kernels: every row (GMPO and VESPO compose the
+    Triton log-probabilities with the PyTorch loss), the reductions in turn."""
+    cases = [
+        pytest.param("torch", options, reduction, id=f"torch-{reduction}-{options!r}")
+        for reduction in FAMILY_REDUCTIONS
+        for options in FAMILY_OPTION_SETS
+    ]
+    for index, options in enumerate(FAMILY_OPTION_SETS):
+        reduction = FAMILY_REDUCTIONS[index % 3]
+        cases.append(triton_param(options, reduction, id=f"triton-{reduction}-{options!r}"))
+    return cases
+
+
+@pytest.mark.parametrize(("backend", "options", "reduction"), _family_cases(), indirect=["backend"])
+def test_family_matches_reference(backend: str, options: dict[str, Any], reduction: str) -> None:
     # Every surrogate of the family from hidden states, with token importance weights and the
     # entropy bonus: the token-local ones through the fused chunk loop (the entropy and its
     # gradient formed chunk by chunk), GSPO-level, GMPO and VESPO by composition.
-    case = make_case(3, 4, 3, 5, seed=23)
-    weights = torch.rand(3, 4, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    dtype = dtype_for(backend)
+    case = make_case(3, 4, 3, 5, seed=23, dtype=dtype)
+    weights = torch.rand(3, 4, generator=torch.Generator().manual_seed(1), dtype=dtype)
     out, expected, inputs, ref_inputs = fused_and_reference(
         case, **options, reduction=reduction, chunk_size=5, importance_weights=weights,
         entropy_coef=0.15,
@@ -637,12 +676,13 @@ def test_family_matches_reference(options: dict[str, Any], reduction: str) -> No
     for a, e in zip(grads(out.loss, inputs), grads(expected, ref_inputs), strict=True):
         assert_close(a, e)
     # the parts: the surrogate without the bonus, and the reduced entropy
+    bias = None if case["bias"] is None else case["bias"].double()
     log_probs, entropy = reference.token_log_probs_from_hidden(
-        *(t.detach() for t in ref_inputs[:2]), case["tokens"], bias=case["bias"], mask=case["mask"]
+        *(t.detach() for t in ref_inputs[:2]), case["tokens"], bias=bias, mask=case["mask"]
     )
     policy = reference.policy_loss(
         log_probs, case["old_log_probs"], case["advantages"], case["mask"], reduction=reduction,
-        importance_weights=weights, **options,
+        importance_weights=weights.double(), **options,
     )  # fmt: skip
     entropy_loss = reference.reduce_losses(
         {(i, t): entropy[i, t] for i, t in case["mask"].nonzero().tolist()},
@@ -654,7 +694,7 @@ def test_family_matches_reference(options: dict[str, Any], reduction: str) -> No
     assert_close(out.loss, policy - 0.15 * entropy_loss)
 
 
-def test_fused_entropy_bonus_float32_and_bfloat16() -> None:
+def test_fused_entropy_bonus_float32_and_bfloat16(backend: str) -> None:
     # The chunked entropy bonus against the naive path (full logits, autograd) in float32, and
     # against the float64 reference for bfloat16 inputs (computed in float32).
     case = make_case(3, 6, 8, 31, seed=24, dtype=torch.float32)
@@ -692,8 +732,8 @@ def test_fused_entropy_bonus_float32_and_bfloat16() -> None:
     assert_close(low_out.loss, wanted, dtype=torch.bfloat16)
 
 
-def test_fused_entropy_masked_nan_rows_reach_nothing() -> None:
-    case = make_case(3, 4, 5, 6, seed=26)
+def test_fused_entropy_masked_nan_rows_reach_nothing(backend: str) -> None:
+    case = make_case(3, 4, 5, 6, seed=26, dtype=dtype_for(backend))
     mask = case["mask"]
     dirty = case["hidden"].clone()
     dirty[~mask] = float("nan")
@@ -757,7 +797,7 @@ def test_fused_gradcheck_unfused_paths() -> None:
     assert torch.autograd.gradcheck(function, tuple(leaves(case)))
 
 
-def test_fused_gspo_matches_policy_loss() -> None:
+def test_fused_gspo_matches_policy_loss(backend: str) -> None:
     case = make_case(3, 4, 3, 5, seed=12, dtype=torch.float32)
     inputs, naive_inputs = leaves(case), leaves(case)
     common = {k: case[k] for k in ("old_log_probs", "advantages", "mask")}
@@ -772,8 +812,12 @@ def test_fused_gspo_matches_policy_loss() -> None:
         assert_close(a, e.double())
 
 
-@pytest.mark.parametrize("chunk_size", [1, 4, 6, 50, None])
-def test_fused_matches_naive_composition_float32(chunk_size: int | None) -> None:
+@pytest.mark.parametrize(
+    ("backend", "chunk_size"),
+    [*(pytest.param("torch", chunk) for chunk in (1, 4, 6, 50, None)), triton_param(None)],
+    indirect=["backend"],
+)
+def test_fused_matches_naive_composition_float32(backend: str, chunk_size: int | None) -> None:
     case = make_case(3, 6, 8, 31, seed=13, dtype=torch.float32)
     inputs, naive_inputs = leaves(case), leaves(case)
     common = {k: case[k] for k in ("old_log_probs", "advantages", "mask")}
@@ -802,7 +846,7 @@ def test_fused_matches_naive_composition_float32(chunk_size: int | None) -> None
         assert_close(a, e.double())
 
 
-def test_fused_golden() -> None:
+def test_fused_golden(backend: str) -> None:
     # Zero hidden states, V = 4: log p = -log 4 at every token; old = -log 4, so r = 1 and the
     # surrogate is A: loss = -(A0 + A0 + A1) / 3 = -(2 + 2 - 1) / 3 = -1 (token_mean), and
     # -(2 + (-1)) / 2 = -0.5 (sequence_mean); with k2 and ref = old + 0.5, d = -0.5 and
@@ -821,8 +865,8 @@ def test_fused_golden() -> None:
     assert_close(out.diagnostics.ratio_mean, 1.0)
 
 
-def test_fused_masked_nan_and_fully_masked() -> None:
-    case = make_case(3, 4, 5, 6, seed=14)
+def test_fused_masked_nan_and_fully_masked(backend: str) -> None:
+    case = make_case(3, 4, 5, 6, seed=14, dtype=dtype_for(backend))
     mask = case["mask"]
     dirty = case["hidden"].clone()
     dirty[~mask] = float("nan")
@@ -857,8 +901,8 @@ def test_fused_masked_nan_and_fully_masked() -> None:
         assert torch.equal(grad, torch.zeros_like(grad))
 
 
-def test_fused_scales_by_upstream_gradient_and_frozen_head() -> None:
-    case = make_case(2, 3, 4, 5, seed=15)
+def test_fused_scales_by_upstream_gradient_and_frozen_head(backend: str) -> None:
+    case = make_case(2, 3, 4, 5, seed=15, dtype=dtype_for(backend))
     common = {k: case[k] for k in ("tokens", "old_log_probs", "advantages", "mask")}
     inputs = leaves(case)
     base = grads(fused_policy_loss_from_hidden(*inputs[:2], bias=inputs[2], **common).loss, inputs)
@@ -873,8 +917,8 @@ def test_fused_scales_by_upstream_gradient_and_frozen_head() -> None:
     assert_close(grad_hidden, base[0])
 
 
-def test_fused_second_backward_raises() -> None:
-    case = make_case(2, 3, 4, 5, seed=16)
+def test_fused_second_backward_raises(backend: str) -> None:
+    case = make_case(2, 3, 4, 5, seed=16, dtype=dtype_for(backend))
     common = {k: case[k] for k in ("tokens", "old_log_probs", "advantages", "mask")}
     inputs = leaves(case)
     loss = fused_policy_loss_from_hidden(*inputs[:2], bias=inputs[2], **common).loss
@@ -883,7 +927,7 @@ def test_fused_second_backward_raises() -> None:
         loss.backward()
 
 
-def test_fused_bfloat16_within_tolerance() -> None:
+def test_fused_bfloat16_within_tolerance(backend: str) -> None:
     case = make_case(2, 5, 16, 40, seed=17, dtype=torch.bfloat16)
     inputs, naive_inputs = leaves(case), leaves(case)
     ref_inputs = [t.detach().double().requires_grad_(True) for t in leaves(case)]

@@ -1,4 +1,9 @@
-"""grpo_clipped_surrogate: reference, gradients, dtypes, masking, edge cases."""
+"""grpo_clipped_surrogate: reference, gradients, dtypes, masking, edge cases.
+
+Every test but the gradcheck, the exact padding check and the compiled call runs on both
+backends (the ``backend`` fixture, ``tests/backends.py``: float64 batches become float32 on the
+Triton kernels, since float64 always takes PyTorch).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference
+from backends import FIXTURE_HEALTH, dtype_for
 from rlobjectives import grpo_clipped_surrogate
 from tolerances import assert_close
 
@@ -42,6 +48,7 @@ def reference_outputs(new, old, advantages, mask, eps):  # type: ignore[no-untyp
     )
 
 
+@FIXTURE_HEALTH
 @given(
     batch=st.integers(0, 6),
     tokens=st.integers(0, 7),
@@ -50,13 +57,17 @@ def reference_outputs(new, old, advantages, mask, eps):  # type: ignore[no-untyp
     eps=st.sampled_from([0.0, 0.1, 0.2, 0.35]),
 )
 def test_matches_float64_reference_values_and_gradients(
-    batch: int, tokens: int, seed: int, advantage_shape: str, eps: float
+    backend: str, batch: int, tokens: int, seed: int, advantage_shape: str, eps: float
 ) -> None:
-    new, old, advantages, mask = make_batch(batch, tokens, seed, advantage_shape=advantage_shape)
+    new, old, advantages, mask = make_batch(
+        batch, tokens, seed, advantage_shape=advantage_shape, dtype=dtype_for(backend)
+    )
     new_ours = new.clone().requires_grad_(True)
-    new_ref = new.clone().requires_grad_(True)
+    new_ref = new.double().requires_grad_(True)
     ours = grpo_clipped_surrogate(new_ours, old, advantages, mask, eps)
-    expected = reference.grpo_clipped_surrogate(new_ref, old, advantages, mask, eps)
+    expected = reference.grpo_clipped_surrogate(
+        new_ref, old.double(), advantages.double(), mask, eps
+    )
     for key in KEYS:
         assert ours[key].shape == expected[key].shape
         assert_close(ours[key], expected[key])
@@ -66,7 +77,7 @@ def test_matches_float64_reference_values_and_gradients(
     target = expected["loss"] + (expected["per_sequence_surrogate"] * weights).sum()
     if target.requires_grad:
         target.backward()
-    grad_ref = new_ref.grad if new_ref.grad is not None else torch.zeros_like(new)
+    grad_ref = new_ref.grad if new_ref.grad is not None else torch.zeros_like(new_ref)
     assert_close(new_ours.grad, grad_ref)  # type: ignore[arg-type]
 
 
@@ -81,15 +92,15 @@ def test_gradcheck_float64() -> None:
     assert torch.autograd.gradcheck(loss, (new.clone().requires_grad_(True),))
 
 
-def test_gradient_is_zero_at_unselected_positions() -> None:
-    new, old, advantages, mask = make_batch(4, 6, 2)
+def test_gradient_is_zero_at_unselected_positions(backend: str) -> None:
+    new, old, advantages, mask = make_batch(4, 6, 2, dtype=dtype_for(backend))
     new.requires_grad_(True)
     grpo_clipped_surrogate(new, old, advantages, mask, 0.2)["loss"].backward()
     assert new.grad is not None
     assert torch.all(new.grad[~mask] == 0)
 
 
-def test_token_mean_is_not_mean_of_sequence_means() -> None:
+def test_token_mean_is_not_mean_of_sequence_means(backend: str) -> None:
     # Sequence 0: 1 token, s = 1*2 = 2; sequence 1: 3 tokens, s = 1*(-1) each.
     # token mean: -(2 - 3)/4 = 0.25; the mean of sequence means would be -(2 - 1)/2 = -0.5.
     new = torch.zeros(2, 3)
@@ -100,16 +111,18 @@ def test_token_mean_is_not_mean_of_sequence_means() -> None:
 
 
 @pytest.mark.parametrize("advantage_shape", ["B", "B1", "BT"])
-def test_advantage_shapes(advantage_shape: str) -> None:
-    new, old, advantages, mask = make_batch(3, 4, 3, advantage_shape=advantage_shape)
+def test_advantage_shapes(backend: str, advantage_shape: str) -> None:
+    new, old, advantages, mask = make_batch(
+        3, 4, 3, advantage_shape=advantage_shape, dtype=dtype_for(backend)
+    )
     ours = grpo_clipped_surrogate(new, old, advantages, mask, 0.2)
     expected = reference_outputs(new, old, advantages, mask, 0.2)
     for key in KEYS:
         assert_close(ours[key], expected[key])
 
 
-def test_sequence_advantages_broadcast_like_per_token_copies() -> None:
-    new, old, advantages, mask = make_batch(3, 4, 4)
+def test_sequence_advantages_broadcast_like_per_token_copies(backend: str) -> None:
+    new, old, advantages, mask = make_batch(3, 4, 4, dtype=dtype_for(backend))
     per_sequence = grpo_clipped_surrogate(new, old, advantages, mask, 0.2)
     as_column = grpo_clipped_surrogate(new, old, advantages[:, None], mask, 0.2)
     per_token = grpo_clipped_surrogate(new, old, advantages[:, None].expand(3, 4), mask, 0.2)
@@ -119,8 +132,8 @@ def test_sequence_advantages_broadcast_like_per_token_copies() -> None:
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int64, torch.float32, torch.uint8])
-def test_mask_dtypes(mask_dtype: torch.dtype) -> None:
-    new, old, advantages, mask = make_batch(3, 5, 5)
+def test_mask_dtypes(backend: str, mask_dtype: torch.dtype) -> None:
+    new, old, advantages, mask = make_batch(3, 5, 5, dtype=dtype_for(backend))
     expected = grpo_clipped_surrogate(new, old, advantages, mask, 0.2)
     numeric = mask.to(mask_dtype)
     if mask_dtype == torch.float32:
@@ -131,7 +144,7 @@ def test_mask_dtypes(mask_dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
-def test_dtype_rules(dtype: torch.dtype) -> None:
+def test_dtype_rules(backend: str, dtype: torch.dtype) -> None:
     new, old, advantages, mask = make_batch(4, 9, 6, dtype=dtype)
     new.requires_grad_(True)
     ours = grpo_clipped_surrogate(new, old, advantages, mask, 0.2)
@@ -147,7 +160,7 @@ def test_dtype_rules(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_low_precision_is_computed_in_float32(dtype: torch.dtype) -> None:
+def test_low_precision_is_computed_in_float32(backend: str, dtype: torch.dtype) -> None:
     # bf16/fp16 results equal the float32 computation on the same inputs, rounded once.
     new, old, advantages, mask = make_batch(5, 33, 7, dtype=dtype)
     ours = grpo_clipped_surrogate(new, old, advantages, mask, 0.2)
@@ -156,7 +169,7 @@ def test_low_precision_is_computed_in_float32(dtype: torch.dtype) -> None:
         torch.testing.assert_close(ours[key], in_float32[key].to(dtype), rtol=0, atol=0)
 
 
-def test_fp16_large_log_ratio_does_not_overflow() -> None:
+def test_fp16_large_log_ratio_does_not_overflow(backend: str) -> None:
     # exp(12) = 162754.8 overflows fp16 (max 65504): the ratio must be formed in float32.
     # s = min(r * A, 1.2 * A) with A = 1 -> 1.2; loss = -1.2 (finite).
     new = torch.tensor([[12.0]], dtype=torch.float16)
@@ -165,8 +178,8 @@ def test_fp16_large_log_ratio_does_not_overflow() -> None:
 
 
 @pytest.mark.parametrize("poison", [math.nan, math.inf, -math.inf])
-def test_nonfinite_values_at_masked_positions_are_ignored(poison: float) -> None:
-    new, old, advantages, mask = make_batch(4, 6, 8, advantage_shape="BT")
+def test_nonfinite_values_at_masked_positions_are_ignored(backend: str, poison: float) -> None:
+    new, old, advantages, mask = make_batch(4, 6, 8, advantage_shape="BT", dtype=dtype_for(backend))
     mask[:, 0] = True
     clean_new = new.clone().requires_grad_(True)
     clean = grpo_clipped_surrogate(clean_new, old, advantages, mask, 0.2)
@@ -188,7 +201,7 @@ def test_nonfinite_values_at_masked_positions_are_ignored(poison: float) -> None
     torch.testing.assert_close(dirty_new.grad, clean_new.grad, rtol=0, atol=0)
 
 
-def test_nan_at_selected_position_propagates() -> None:
+def test_nan_at_selected_position_propagates(backend: str) -> None:
     new = torch.tensor([[0.0, math.nan]])
     out = grpo_clipped_surrogate(new, torch.zeros(1, 2), [1.0], [[True, True]], 0.2)
     assert math.isnan(out["loss"].item())
@@ -212,7 +225,7 @@ def test_padding_columns_and_rows_change_nothing() -> None:
 
 
 @pytest.mark.parametrize("shape", [(0, 0), (0, 5), (3, 0)])
-def test_empty_batches(shape: tuple[int, int]) -> None:
+def test_empty_batches(backend: str, shape: tuple[int, int]) -> None:
     zeros = torch.zeros(shape)
     out = grpo_clipped_surrogate(zeros, zeros, torch.zeros(shape[0]), zeros.bool(), 0.2)
     assert out["loss"].item() == 0.0
@@ -221,12 +234,12 @@ def test_empty_batches(shape: tuple[int, int]) -> None:
     assert torch.all(out["per_sequence_surrogate"] == 0)
 
 
-def test_plain_empty_lists() -> None:
+def test_plain_empty_lists(backend: str) -> None:
     out = grpo_clipped_surrogate([], [], [], [], 0.2)
     assert out["loss"].item() == 0.0 and out["per_sequence_surrogate"].shape == (0,)
 
 
-def test_all_masked_gives_zero_loss_and_zero_gradient() -> None:
+def test_all_masked_gives_zero_loss_and_zero_gradient(backend: str) -> None:
     new = torch.randn(3, 4, requires_grad=True)
     out = grpo_clipped_surrogate(new, torch.zeros(3, 4), torch.ones(3), torch.zeros(3, 4), 0.2)
     out["loss"].backward()
@@ -235,7 +248,7 @@ def test_all_masked_gives_zero_loss_and_zero_gradient() -> None:
 
 
 @pytest.mark.parametrize("log_ratio", [1e4, -1e4])
-def test_extreme_log_ratios_are_bounded_by_the_clamp(log_ratio: float) -> None:
+def test_extreme_log_ratios_are_bounded_by_the_clamp(backend: str, log_ratio: float) -> None:
     # r = exp(clamp(+-1e4, -60, 60)) = exp(+-60): finite in float32; with A = 1 and eps = 0.2
     # s = min(r, clip(r)) = 1.2 for r = e^60 and e^-60 for r = e^-60 (the unclipped branch).
     new = torch.tensor([[log_ratio]], requires_grad=True)
@@ -248,7 +261,7 @@ def test_extreme_log_ratios_are_bounded_by_the_clamp(log_ratio: float) -> None:
     assert new.grad.item() == 0.0  # the clamp is saturated: d clamp / d x = 0
 
 
-def test_ratio_exactly_on_band_edges_is_not_clipped() -> None:
+def test_ratio_exactly_on_band_edges_is_not_clipped(backend: str) -> None:
     # r = exp(log(1.25)) = 1.25 = 1 + eps and r = exp(log(0.75)) = 0.75 = 1 - eps exactly
     # (powers of two, exact in float32 and float64), so neither is strictly outside.
     for dtype in (torch.float32, torch.float64):
@@ -262,15 +275,17 @@ def test_ratio_exactly_on_band_edges_is_not_clipped() -> None:
         assert out["clipped_fraction"].item() == 1.0
 
 
-def test_clipped_fraction_counts_both_signs_of_advantage() -> None:
+def test_clipped_fraction_counts_both_signs_of_advantage(backend: str) -> None:
     # r = 0.5 with A > 0 (the unclipped branch wins the min) is still outside the band: counted.
     new = torch.tensor([[math.log(0.5), math.log(1.0)]])
     out = grpo_clipped_surrogate(new, torch.zeros(1, 2), [1.0], [[1, 1]], 0.2)
     assert out["clipped_fraction"].item() == pytest.approx(0.5)
 
 
-def test_inputs_are_not_modified() -> None:
-    new, old, advantages, mask = make_batch(3, 4, 10, advantage_shape="BT")
+def test_inputs_are_not_modified(backend: str) -> None:
+    new, old, advantages, mask = make_batch(
+        3, 4, 10, advantage_shape="BT", dtype=dtype_for(backend)
+    )
     new[~mask] = math.nan
     copies = [t.clone() for t in (new, old, advantages, mask)]
     grpo_clipped_surrogate(new, old, advantages, mask, 0.2)
@@ -278,8 +293,10 @@ def test_inputs_are_not_modified() -> None:
         torch.testing.assert_close(original, copy, equal_nan=True, rtol=0, atol=0)
 
 
-def test_non_contiguous_inputs() -> None:
-    new, old, advantages, mask = make_batch(5, 4, 11, advantage_shape="BT")
+def test_non_contiguous_inputs(backend: str) -> None:
+    new, old, advantages, mask = make_batch(
+        5, 4, 11, advantage_shape="BT", dtype=dtype_for(backend)
+    )
     expected = grpo_clipped_surrogate(new, old, advantages, mask, 0.2)
     transposed = [t.t().contiguous().t() for t in (new, old, advantages, mask)]
     assert not transposed[0].is_contiguous()
@@ -304,8 +321,8 @@ def test_numpy_and_list_inputs() -> None:
         assert_close(from_lists[key], expected[key])
 
 
-def test_clip_epsilon_as_zero_dim_tensor() -> None:
-    new, old, advantages, mask = make_batch(3, 4, 13)
+def test_clip_epsilon_as_zero_dim_tensor(backend: str) -> None:
+    new, old, advantages, mask = make_batch(3, 4, 13, dtype=dtype_for(backend))
     expected = grpo_clipped_surrogate(new, old, advantages, mask, 0.2)
     ours = grpo_clipped_surrogate(
         new, old, advantages, mask, torch.tensor(0.2, dtype=torch.float64)

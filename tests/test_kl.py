@@ -1,4 +1,9 @@
-"""Tests of the sampled KL estimators and their placements (rlobjectives._kl)."""
+"""Tests of the sampled KL estimators and their placements (rlobjectives._kl).
+
+``kl_loss``'s goldens and comparisons with the float64 reference, its NaN, micro-batch and
+importance-weight tests also run on the Triton kernels (the ``backend`` fixture,
+``tests/backends.py``; float32 there, float64 always takes PyTorch).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference
+from backends import FIXTURE_HEALTH, dtype_for, triton_param
 from rlobjectives import (
     BiasedGradientWarning,
     kl_estimate,
@@ -82,7 +88,7 @@ def test_kl_estimate_abs_golden_verl() -> None:
     assert_close(rewards, [[-0.05, 2.0 - 0.15, 0.0]])
 
 
-def test_kl_loss_golden_reductions() -> None:
+def test_kl_loss_golden_reductions(backend: str) -> None:
     # d = [[1, 2], [3, (masked)]], k2 = [[0.5, 2], [4.5, -]]
     log_probs = torch.tensor([[1.0, 2.0], [3.0, 7.0]])
     mask = torch.tensor([[True, True], [True, False]])
@@ -179,6 +185,7 @@ def test_kl_estimate_matches_reference(
     assert_close(ref_log_probs.grad, ref_grad)
 
 
+@FIXTURE_HEALTH
 @given(
     shape=shapes,
     seed=st.integers(0, 2**16),
@@ -188,6 +195,7 @@ def test_kl_estimate_matches_reference(
     normalizer=st.sampled_from([None, 3.0]),
 )
 def test_kl_loss_matches_reference(
+    backend: str,
     shape: tuple[int, int],
     seed: int,
     estimator: str,
@@ -384,6 +392,7 @@ def test_straight_through_gradient_is_unbiased_kl_gradient() -> None:
     assert_close(expected_gradient("k3", False), reverse[0])
 
 
+@FIXTURE_HEALTH
 @given(
     shape=shapes,
     seed=st.integers(0, 2**16),
@@ -391,7 +400,7 @@ def test_straight_through_gradient_is_unbiased_kl_gradient() -> None:
     splits=st.integers(1, 4),
 )
 def test_kl_loss_micro_batches_sum_to_full_batch(
-    shape: tuple[int, int], seed: int, reduction: str, splits: int
+    backend: str, shape: tuple[int, int], seed: int, reduction: str, splits: int
 ) -> None:
     log_probs, ref_log_probs, mask = _inputs(seed, *shape, dtype=torch.float32)
     full = kl_loss(log_probs, ref_log_probs, mask, estimator="k2", reduction=reduction)
@@ -441,11 +450,29 @@ def test_token_rewards_empty_sequence_gets_nothing() -> None:
 # --------------------------------------------------------------------------- masking / dtype
 
 
-@pytest.mark.parametrize("estimator", ESTIMATORS)
-@pytest.mark.parametrize("straight_through", [False, True])
-@pytest.mark.parametrize("reduction", REDUCTIONS)
+def _nonfinite_cases() -> list[object]:
+    """PyTorch: every estimator x straight-through x reduction; kernels: every estimator and
+    straight-through flag, the reductions in turn."""
+    cases: list[object] = [
+        pytest.param("torch", estimator, straight_through, reduction)
+        for estimator in ESTIMATORS
+        for straight_through in (False, True)
+        for reduction in REDUCTIONS
+    ]
+    for index, estimator in enumerate(ESTIMATORS):
+        for straight_through in (False, True):
+            reduction = REDUCTIONS[(index + straight_through) % len(REDUCTIONS)]
+            cases.append(triton_param(estimator, straight_through, reduction))
+    return cases
+
+
+@pytest.mark.parametrize(
+    ("backend", "estimator", "straight_through", "reduction"),
+    _nonfinite_cases(),
+    indirect=["backend"],
+)
 def test_nan_and_inf_at_masked_positions_reach_nothing(
-    estimator: str, straight_through: bool, reduction: str
+    backend: str, estimator: str, straight_through: bool, reduction: str
 ) -> None:
     log_probs, ref_log_probs, mask = _inputs(5, 3, 5, dtype=torch.float32)
     mask[2] = False  # a fully masked sequence too
@@ -474,7 +501,7 @@ def test_nan_and_inf_at_masked_positions_reach_nothing(
     assert bool(torch.isfinite(rewards).all()) and bool((rewards[~mask] == 0).all())
 
 
-def test_fully_masked_batch_gives_zeros() -> None:
+def test_fully_masked_batch_gives_zeros(backend: str) -> None:
     log_probs = torch.full((2, 3), float("nan"), requires_grad=True)
     mask = torch.zeros(2, 3, dtype=torch.bool)
     for reduction in REDUCTIONS:
@@ -514,8 +541,8 @@ def test_integer_and_list_inputs() -> None:
     assert_close(out, [[0.5, 0.0]])
 
 
-def test_does_not_mutate_inputs() -> None:
-    log_probs, ref_log_probs, mask = _inputs(9, 2, 3)
+def test_does_not_mutate_inputs(backend: str) -> None:
+    log_probs, ref_log_probs, mask = _inputs(9, 2, 3, dtype=dtype_for(backend))
     log_probs[~mask] = float("nan")
     copies = (log_probs.clone(), ref_log_probs.clone(), mask.clone())
     with warnings.catch_warnings():
@@ -590,14 +617,16 @@ def test_biased_gradient_warning_is_a_user_warning() -> None:
 # ------------------------------------------------- importance weights (TRL use_bias_correction_kl)
 
 
-def test_kl_loss_importance_weights_trl_bias_correction_golden() -> None:
+def test_kl_loss_importance_weights_trl_bias_correction_golden(backend: str) -> None:
     # TRL golden batch: per_token_kl = k3 * coef_1 with coef_1 = exp(logp - old) (not detached).
     # k3 = e^{-d} + d - 1, d = logp - ref: row 1 [0.0187308, 0.0214028, 0], row 2 [0.0187308,
     # 0.0214028]; times r = [[1.3498588, 0.9048374, 1], [0.6703200, 1.1051709]]: [[0.0252838,
     # 0.0193661, 0], [0.0125556, 0.0236537]]; TRL's logged kl (dapo, N = 5) = 0.0161718387.
-    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, -1.2, -3.0]], dtype=torch.float64)
-    old = logp - torch.tensor([[0.3, -0.1, 0.0], [-0.4, 0.1, 0.7]], dtype=torch.float64)
-    ref = torch.tensor([[-1.2, -1.8, -0.5], [-0.9, -1.0, -2.0]], dtype=torch.float64)
+    # (On the kernels, float32: the differentiable weights take PyTorch, the constant ones not.)
+    dtype = dtype_for(backend)
+    logp = torch.tensor([[-1.0, -2.0, -0.5], [-0.7, -1.2, -3.0]], dtype=dtype)
+    old = logp - torch.tensor([[0.3, -0.1, 0.0], [-0.4, 0.1, 0.7]], dtype=dtype)
+    ref = torch.tensor([[-1.2, -1.8, -0.5], [-0.9, -1.0, -2.0]], dtype=dtype)
     mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
     logp.requires_grad_(True)
     ratio = torch.exp(logp - old)
@@ -619,6 +648,7 @@ def test_kl_loss_importance_weights_trl_bias_correction_golden() -> None:
     assert_close(grad, torch.where(mask, r * -torch.expm1(-d) / 5, 0.0))
 
 
+@FIXTURE_HEALTH
 @given(
     shape=shapes,
     seed=st.integers(0, 2**16),
@@ -628,6 +658,7 @@ def test_kl_loss_importance_weights_trl_bias_correction_golden() -> None:
     differentiable=st.booleans(),
 )
 def test_kl_loss_importance_weights_match_reference(
+    backend: str,
     shape: tuple[int, int],
     seed: int,
     estimator: str,
@@ -635,9 +666,10 @@ def test_kl_loss_importance_weights_match_reference(
     weight_shape: str,
     differentiable: bool,
 ) -> None:
-    log_probs, ref_log_probs, mask = _inputs(seed, *shape)
+    dtype = dtype_for(backend)
+    log_probs, ref_log_probs, mask = _inputs(seed, *shape, dtype=dtype)
     generator = torch.Generator().manual_seed(seed + 1)
-    weights = torch.rand(shape, generator=generator, dtype=torch.float64) * 2
+    weights = (torch.rand(shape, generator=generator, dtype=torch.float64) * 2).to(dtype)
     weights = {"BT": weights, "B1": weights[:, :1], "B": weights[:, 0]}[weight_shape]
     log_probs.requires_grad_(True)
     weights = weights.detach().requires_grad_(differentiable)
@@ -652,17 +684,19 @@ def test_kl_loss_importance_weights_match_reference(
             reduction=reduction,
             importance_weights=poisoned,
         )
+    leaves = [x.detach().double().requires_grad_(x.requires_grad) for x in (log_probs, weights)]
     expected = reference.kl_loss(
-        log_probs,
-        ref_log_probs,
+        leaves[0],
+        ref_log_probs.double(),
         mask,
         estimator=estimator,
         reduction=reduction,
-        importance_weights=weights,
+        importance_weights=leaves[1],
     )
     assert_close(loss, expected)
     inputs = [log_probs, weights] if differentiable else [log_probs]
-    for got, want in zip(_grads(loss, *inputs), _grads(expected, *inputs), strict=True):
+    wanted = _grads(expected, *leaves[: len(inputs)])
+    for got, want in zip(_grads(loss, *inputs), wanted, strict=True):
         assert torch.isfinite(got).all()
         assert_close(got, want)
 

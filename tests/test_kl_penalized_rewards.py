@@ -1,4 +1,9 @@
-"""kl_penalized_rewards: reference, gradients, dtypes, masking, edge cases."""
+"""kl_penalized_rewards: reference, gradients, dtypes, masking, edge cases.
+
+Every test but the compiled call runs on both backends (the ``backend`` fixture,
+``tests/backends.py``: float64 batches become float32 on the Triton kernels, since float64
+always takes PyTorch, which the float64 test checks under ``RLOBJECTIVES_KERNELS=triton``).
+"""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference
+from backends import FIXTURE_HEALTH, dtype_for
 from rlobjectives import kl_penalized_rewards
 from tolerances import assert_close
 
@@ -28,6 +34,7 @@ def make_batch(
     return policy.to(dtype), ref.to(dtype), rewards.to(dtype), mask
 
 
+@FIXTURE_HEALTH
 @given(
     batch=st.integers(0, 6),
     tokens=st.integers(0, 7),
@@ -35,13 +42,13 @@ def make_batch(
     beta=st.sampled_from([0.0, 0.05, 0.5, 3.0]),
 )
 def test_matches_float64_reference_values_and_gradients(
-    batch: int, tokens: int, seed: int, beta: float
+    backend: str, batch: int, tokens: int, seed: int, beta: float
 ) -> None:
-    policy, ref, rewards, mask = make_batch(batch, tokens, seed)
+    policy, ref, rewards, mask = make_batch(batch, tokens, seed, dtype_for(backend))
     ours_in = policy.clone().requires_grad_(True)
-    ref_in = policy.clone().requires_grad_(True)
+    ref_in = policy.double().requires_grad_(True)
     ours = kl_penalized_rewards(ours_in, ref, rewards, mask, beta)
-    expected = reference.kl_penalized_rewards(ref_in, ref, rewards, mask, beta)
+    expected = reference.kl_penalized_rewards(ref_in, ref.double(), rewards.double(), mask, beta)
     for key in KEYS:
         assert ours[key].shape == expected[key].shape
         # float32 outputs (the spec): compare at the float32 tolerance
@@ -51,12 +58,12 @@ def test_matches_float64_reference_values_and_gradients(
     target = expected["objective"] + (expected["penalized_rewards"] * weights).sum()
     if target.requires_grad:
         target.backward()
-    grad_ref = ref_in.grad if ref_in.grad is not None else torch.zeros_like(policy)
+    grad_ref = ref_in.grad if ref_in.grad is not None else torch.zeros_like(ref_in)
     assert ours_in.grad is not None
     assert_close(ours_in.grad, grad_ref, dtype=torch.float32)
 
 
-def test_float64_inputs_are_computed_in_float64() -> None:
+def test_float64_inputs_are_computed_in_float64(backend: str) -> None:
     # The sum runs in float64 before the single rounding to float32.
     policy = torch.tensor([[1e8 + 1.0, -1e8]], dtype=torch.float64)
     ref = torch.zeros(1, 2, dtype=torch.float64)
@@ -65,8 +72,8 @@ def test_float64_inputs_are_computed_in_float64() -> None:
     assert out["sampled_divergences"].item() == 1.0
 
 
-def test_gradient_is_minus_beta_times_mask_over_batch() -> None:
-    policy, ref, rewards, mask = make_batch(3, 4, 1)
+def test_gradient_is_minus_beta_times_mask_over_batch(backend: str) -> None:
+    policy, ref, rewards, mask = make_batch(3, 4, 1, dtype_for(backend))
 
     def objective(x: torch.Tensor) -> torch.Tensor:
         # float32 outputs rule out gradcheck; the objective is linear in x, so its exact
@@ -76,10 +83,10 @@ def test_gradient_is_minus_beta_times_mask_over_batch() -> None:
     x = policy.clone().requires_grad_(True)
     objective(x).backward()
     expected = torch.where(mask, -0.7 / 3, 0.0).double()
-    torch.testing.assert_close(x.grad, expected, rtol=1e-6, atol=1e-7)
+    torch.testing.assert_close(x.grad, expected.to(x.dtype), rtol=1e-6, atol=1e-7)
 
 
-def test_divergence_is_not_clamped_or_length_normalised_and_may_be_negative() -> None:
+def test_divergence_is_not_clamped_or_length_normalised_and_may_be_negative(backend: str) -> None:
     # D = (-1 - (-30)) + (-2 - (-40)) = 29 + 38 = 67; second: (-9 - (-1)) = -8
     policy = [[-1.0, -2.0], [-9.0, 0.0]]
     ref = [[-30.0, -40.0], [-1.0, 5.0]]
@@ -88,8 +95,8 @@ def test_divergence_is_not_clamped_or_length_normalised_and_may_be_negative() ->
 
 
 @pytest.mark.parametrize("mask_dtype", [torch.bool, torch.int32, torch.float64, torch.uint8])
-def test_mask_dtypes(mask_dtype: torch.dtype) -> None:
-    policy, ref, rewards, mask = make_batch(3, 5, 2)
+def test_mask_dtypes(backend: str, mask_dtype: torch.dtype) -> None:
+    policy, ref, rewards, mask = make_batch(3, 5, 2, dtype_for(backend))
     expected = kl_penalized_rewards(policy, ref, rewards, mask, 0.3)
     ours = kl_penalized_rewards(policy, ref, rewards, mask.to(mask_dtype), 0.3)
     for key in KEYS:
@@ -97,7 +104,7 @@ def test_mask_dtypes(mask_dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
-def test_outputs_are_float32_on_the_input_device(dtype: torch.dtype) -> None:
+def test_outputs_are_float32_on_the_input_device(backend: str, dtype: torch.dtype) -> None:
     policy, ref, rewards, mask = make_batch(4, 6, 3, dtype)
     out = kl_penalized_rewards(policy, ref, rewards, mask, 0.3)
     expected = reference.kl_penalized_rewards(
@@ -110,8 +117,8 @@ def test_outputs_are_float32_on_the_input_device(dtype: torch.dtype) -> None:
 
 
 @pytest.mark.parametrize("poison", [math.nan, math.inf, -math.inf])
-def test_nonfinite_values_at_masked_positions_are_ignored(poison: float) -> None:
-    policy, ref, rewards, mask = make_batch(4, 6, 4)
+def test_nonfinite_values_at_masked_positions_are_ignored(backend: str, poison: float) -> None:
+    policy, ref, rewards, mask = make_batch(4, 6, 4, dtype_for(backend))
     clean_in = policy.clone().requires_grad_(True)
     clean = kl_penalized_rewards(clean_in, ref, rewards, mask, 0.5)
     clean["objective"].backward()
@@ -125,8 +132,8 @@ def test_nonfinite_values_at_masked_positions_are_ignored(poison: float) -> None
     torch.testing.assert_close(dirty_in.grad, clean_in.grad)
 
 
-def test_padding_columns_change_nothing() -> None:
-    policy, ref, rewards, mask = make_batch(3, 5, 5)
+def test_padding_columns_change_nothing(backend: str) -> None:
+    policy, ref, rewards, mask = make_batch(3, 5, 5, dtype_for(backend))
     base = kl_penalized_rewards(policy, ref, rewards, mask, 0.5)
     pad = torch.full((3, 3), 9.0, dtype=policy.dtype)
     padded = kl_penalized_rewards(
@@ -141,7 +148,7 @@ def test_padding_columns_change_nothing() -> None:
 
 
 @pytest.mark.parametrize("shape", [(0, 0), (0, 4), (2, 0)])
-def test_empty(shape: tuple[int, int]) -> None:
+def test_empty(backend: str, shape: tuple[int, int]) -> None:
     zeros = torch.zeros(shape)
     rewards = torch.arange(shape[0], dtype=torch.float32)
     out = kl_penalized_rewards(zeros, zeros, rewards, zeros.bool(), 0.5)
@@ -152,15 +159,15 @@ def test_empty(shape: tuple[int, int]) -> None:
     assert out["objective"].item() == pytest.approx(expected_objective)
 
 
-def test_plain_empty_lists() -> None:
+def test_plain_empty_lists(backend: str) -> None:
     out = kl_penalized_rewards([], [], [], [], 0.5)
     assert out["objective"].item() == 0.0
     assert out["objective"].shape == ()
     assert out["penalized_rewards"].shape == (0,) and out["sampled_divergences"].shape == (0,)
 
 
-def test_rewards_as_column_and_numpy() -> None:
-    policy, ref, rewards, mask = make_batch(3, 4, 6)
+def test_rewards_as_column_and_numpy(backend: str) -> None:
+    policy, ref, rewards, mask = make_batch(3, 4, 6, dtype_for(backend))
     expected = kl_penalized_rewards(policy, ref, rewards, mask, 0.5)
     ours = kl_penalized_rewards(
         policy.numpy(), ref.numpy(), rewards[:, None].numpy(), mask.numpy(), 0.5
@@ -172,8 +179,8 @@ def test_rewards_as_column_and_numpy() -> None:
     ].item() == (pytest.approx(expected["objective"].item()))
 
 
-def test_inputs_are_not_modified() -> None:
-    policy, ref, rewards, mask = make_batch(3, 4, 7)
+def test_inputs_are_not_modified(backend: str) -> None:
+    policy, ref, rewards, mask = make_batch(3, 4, 7, dtype_for(backend))
     copies = [t.clone() for t in (policy, ref, rewards, mask)]
     kl_penalized_rewards(policy, ref, rewards, mask, 0.5)
     for original, copy in zip((policy, ref, rewards, mask), copies, strict=True):

@@ -4,18 +4,23 @@ The property that defines the packed layout (issue 15): for random batches (unev
 empty sequences, one-token sequences, sequences with no selected token, right or left padding)
 the packed call (``(N,)`` tensors + ``cu_seqlens``) gives the values and gradients of the padded
 call, to float64 rounding; NaN/inf at unselected tokens changes nothing (bit for bit). The cases
-are the registry of ``tests/packed_cases.py``: a new function is one entry there.
+are the registry of ``tests/packed_cases.py``: a new function is one entry there. The cases of
+the functions with Triton kernels also run on them (the ``backend`` fixture, float32: packed ==
+padded to float32 rounding, the sums being ordered differently).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from backends import FIXTURE_HEALTH, dtype_for, triton_param
 from packed_cases import CASES, Batch, Case, Outputs, View, make_batch, make_tensors
-from tolerances import LAYOUT_TOLERANCE
+from tolerances import LAYOUT_TOLERANCE, tolerance
 
 batches = st.builds(
     make_batch,
@@ -36,9 +41,11 @@ def _weights(outputs: Outputs) -> Outputs:
     }
 
 
-def _evaluate(case: Case, batch: Batch, *, packed: bool, poison: bool) -> tuple[Outputs, Outputs]:
+def _evaluate(
+    case: Case, batch: Batch, *, packed: bool, poison: bool, dtype: torch.dtype
+) -> tuple[Outputs, Outputs]:
     """The case's outputs and the gradients of a fixed weighted sum of them w.r.t. its leaves."""
-    tensors = make_tensors(batch, poison=poison)
+    tensors = make_tensors(batch, poison=poison, dtype=dtype)
     outputs = case.run(View(batch, tensors, packed))
     outputs = {name: value.to(torch.float64) for name, value in outputs.items()}
     weights = _weights(outputs)
@@ -55,7 +62,9 @@ def _evaluate(case: Case, batch: Batch, *, packed: bool, poison: bool) -> tuple[
     return {n: v.detach() for n, v in outputs.items()}, gradients
 
 
-def _assert_same(actual: Outputs, expected: Outputs, what: str, exact: bool = False) -> None:
+def _assert_same(
+    actual: Outputs, expected: Outputs, what: str, exact: bool = False, rtol_atol: Any = None
+) -> None:
     assert actual.keys() == expected.keys(), what
     for name, value in actual.items():
         assert value.shape == expected[name].shape, f"{what}: {name} shape"
@@ -63,17 +72,21 @@ def _assert_same(actual: Outputs, expected: Outputs, what: str, exact: bool = Fa
             assert torch.equal(value, expected[name]), f"{what}: {name} differs"
         else:
             torch.testing.assert_close(
-                value, expected[name], **LAYOUT_TOLERANCE, msg=lambda m, n=name: f"{what} {n}: {m}"
+                value,
+                expected[name],
+                **(rtol_atol or LAYOUT_TOLERANCE),
+                msg=lambda m, n=name: f"{what} {n}: {m}",
             )
 
 
-def _check_case(case: Case, batch: Batch) -> None:
-    padded, padded_grads = _evaluate(case, batch, packed=False, poison=True)
-    packed, packed_grads = _evaluate(case, batch, packed=True, poison=True)
-    _assert_same(packed, padded, "values")
-    _assert_same(packed_grads, padded_grads, "gradients")
+def _check_case(case: Case, batch: Batch, dtype: torch.dtype = torch.float64) -> None:
+    padded, padded_grads = _evaluate(case, batch, packed=False, poison=True, dtype=dtype)
+    packed, packed_grads = _evaluate(case, batch, packed=True, poison=True, dtype=dtype)
+    rounding = None if dtype == torch.float64 else tolerance(dtype)
+    _assert_same(packed, padded, "values", rtol_atol=rounding)
+    _assert_same(packed_grads, padded_grads, "gradients", rtol_atol=rounding)
     # NaN/inf at every unselected token reaches nothing: bit-identical to the clean packed call.
-    clean, clean_grads = _evaluate(case, batch, packed=True, poison=False)
+    clean, clean_grads = _evaluate(case, batch, packed=True, poison=False, dtype=dtype)
     _assert_same(packed, clean, "poisoned values", exact=True)
     _assert_same(packed_grads, clean_grads, "poisoned gradients", exact=True)
     for name, value in packed.items():
@@ -82,21 +95,41 @@ def _check_case(case: Case, batch: Batch) -> None:
 
 LIGHT = [case for case in CASES if not case.heavy]
 HEAVY = [case for case in CASES if case.heavy]
+# The functions with Triton kernels (their PyTorch-only variants excluded).
+KERNEL_FUNCTIONS = (
+    "policy_loss", "grpo_clipped_surrogate", "kl_loss", "kl_penalized_rewards",
+    "token_log_probs_from_hidden", "fused_policy_loss_from_hidden",
+)  # fmt: skip
+TORCH_VARIANTS = ("gmpo", "vespo", "autograd")
 
 
-@pytest.mark.parametrize("case", LIGHT, ids=lambda case: case.name)
-@settings(max_examples=15)
+def _backend_cases(cases: list[Case]) -> list[Any]:
+    """Every case on PyTorch; those with kernels on the Triton backend too."""
+    on_kernels = [
+        case
+        for case in cases
+        if case.name.split("-")[0] in KERNEL_FUNCTIONS
+        and not any(variant in case.name for variant in TORCH_VARIANTS)
+    ]
+    return [
+        *(pytest.param("torch", case, id=f"torch-{case.name}") for case in cases),
+        *(triton_param(case, id=f"triton-{case.name}") for case in on_kernels),
+    ]
+
+
+@pytest.mark.parametrize(("backend", "case"), _backend_cases(LIGHT), indirect=["backend"])
+@settings(FIXTURE_HEALTH, max_examples=15)
 @given(batch=batches)
-def test_packed_equals_padded(case: Case, batch: Batch) -> None:
-    _check_case(case, batch)
+def test_packed_equals_padded(backend: str, case: Case, batch: Batch) -> None:
+    _check_case(case, batch, dtype_for(backend))
 
 
-@pytest.mark.parametrize("case", HEAVY, ids=lambda case: case.name)
-@settings(max_examples=8)
+@pytest.mark.parametrize(("backend", "case"), _backend_cases(HEAVY), indirect=["backend"])
+@settings(FIXTURE_HEALTH, max_examples=8)
 @given(batch=batches)
-def test_packed_equals_padded_vocabulary(case: Case, batch: Batch) -> None:
+def test_packed_equals_padded_vocabulary(backend: str, case: Case, batch: Batch) -> None:
     # The chunked vocabulary passes (logits, LM head) cost more per call: fewer examples.
-    _check_case(case, batch)
+    _check_case(case, batch, dtype_for(backend))
 
 
 def test_registry_covers_the_boundary_functions() -> None:

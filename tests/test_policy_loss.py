@@ -3,6 +3,9 @@
 Covers the clip variants (symmetric, asymmetric/DAPO, none/vanilla PG, dual-clip), GSPO's
 sequence ratio, the log-ratio bound, every reduction with an explicit normalizer, diagnostics,
 NaN/inf at masked positions, dtypes, micro-batch invariance, errors and one compiled call.
+The reference comparisons, the NaN, dtype and micro-batch tests run on both backends (the
+``backend`` fixture of ``tests/backends.py``: PyTorch, then the Triton kernels through the
+interpreter, in float32 since float64 always takes PyTorch).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 import reference
+from backends import FIXTURE_HEALTH, dtype_for, on_kernels, triton_param
 from family_cases import FAMILY_OPTION_SETS
 from rlobjectives import grpo_clipped_surrogate, policy_loss
 from rlobjectives._policy import _policy_loss_autograd
@@ -153,17 +157,42 @@ OPTION_SETS = OPTION_SETS + FAMILY_OPTION_SETS
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("reduction", REDUCTIONS)
-@pytest.mark.parametrize("options", OPTION_SETS, ids=lambda o: repr(o) if o else "defaults")
-@pytest.mark.parametrize("per_token", [False, True], ids=["seq_adv", "token_adv"])
+def _option_id(options: dict[str, Any]) -> str:
+    return repr(options) if options else "defaults"
+
+
+def _every_option_cases() -> list[Any]:
+    """PyTorch: every option x reduction x advantage shape. Kernels: every option row that runs
+    on them, for both advantage shapes, with the reductions in turn (a reduction enters the
+    kernel only as per-token weights, whatever the option)."""
+    cases = [
+        pytest.param(
+            "torch", options, reduction, per_token,
+            id=f"torch-{'token' if per_token else 'seq'}_adv-{_option_id(options)}-{reduction}",
+        )
+        for per_token in (False, True)
+        for options in OPTION_SETS
+        for reduction in REDUCTIONS
+    ]  # fmt: skip
+    for index, options in enumerate(filter(on_kernels, OPTION_SETS)):
+        for per_token in (False, True):
+            reduction = REDUCTIONS[(index + per_token) % len(REDUCTIONS)]
+            name = f"triton-{'token' if per_token else 'seq'}_adv-{_option_id(options)}"
+            cases.append(triton_param(options, reduction, per_token, id=f"{name}-{reduction}"))
+    return cases
+
+
+@pytest.mark.parametrize(
+    ("backend", "options", "reduction", "per_token"), _every_option_cases(), indirect=["backend"]
+)
 def test_matches_reference_every_option(
-    options: dict[str, Any], reduction: str, per_token: bool
+    backend: str, options: dict[str, Any], reduction: str, per_token: bool
 ) -> None:
-    batch = make_batch(5, 7, seed=11, per_token=per_token)
+    batch = make_batch(5, 7, seed=11, per_token=per_token, dtype=dtype_for(backend))
     kwargs = dict(options, reduction=reduction)
     out, grads = run_library(batch, **kwargs, return_per_token=True)
     expected, expected_grads = run_reference(batch, **kwargs)
-    assert out.loss.dtype == F64
+    assert out.loss.dtype == dtype_for(backend)
     assert_close(out.loss, expected)
     for grad, expected_grad in zip(grads, expected_grads, strict=True):
         assert_close(grad, expected_grad)
@@ -183,9 +212,9 @@ def test_matches_reference_every_option(
     ],
 )
 def test_matches_reference_with_normalizer(
-    reduction: str, normalizer: Any, max_response_length: int | None
+    backend: str, reduction: str, normalizer: Any, max_response_length: int | None
 ) -> None:
-    batch = make_batch(6, 5, seed=3)
+    batch = make_batch(6, 5, seed=3, dtype=dtype_for(backend))
     kwargs = dict(reduction=reduction, normalizer=normalizer)
     kwargs["max_response_length"] = max_response_length
     out, grads = run_library(batch, clip_low=0.2, clip_high=0.25, **kwargs)
@@ -214,6 +243,7 @@ option_strategy = st.fixed_dictionaries(
 ).filter(lambda o: not (o["clip_low"] is None and o["clip_high"] is not None))
 
 
+@FIXTURE_HEALTH
 @given(
     batch_size=st.integers(0, 6),
     tokens=st.integers(0, 7),
@@ -225,6 +255,7 @@ option_strategy = st.fixed_dictionaries(
     max_response_length=st.sampled_from([None, 9]),
 )
 def test_matches_reference_property(
+    backend: str,
     batch_size: int,
     tokens: int,
     seed: int,
@@ -234,7 +265,7 @@ def test_matches_reference_property(
     normalizer: int | None,
     max_response_length: int | None,
 ) -> None:
-    batch = make_batch(batch_size, tokens, seed, per_token=per_token)
+    batch = make_batch(batch_size, tokens, seed, per_token=per_token, dtype=dtype_for(backend))
     kwargs = dict(
         options, reduction=reduction, normalizer=normalizer, max_response_length=max_response_length
     )
@@ -250,6 +281,7 @@ def test_matches_reference_property(
     )
 
 
+@FIXTURE_HEALTH
 @given(
     batch_size=st.integers(0, 6),
     tokens=st.integers(0, 7),
@@ -262,6 +294,7 @@ def test_matches_reference_property(
     entropy_coef=st.sampled_from([0.0, 0.3]),
 )
 def test_family_matches_reference_property(
+    backend: str,
     batch_size: int,
     tokens: int,
     seed: int,
@@ -275,21 +308,23 @@ def test_family_matches_reference_property(
     # Every surrogate of the family on random odd shapes (empty batches and rows included), with
     # importance weights and the entropy bonus: values and gradients (log_probs and entropy) of
     # the library (fused or autograd path) and of the float64 loop reference.
-    batch = make_batch(batch_size, tokens, seed, per_token=per_token)
+    dtype = dtype_for(backend)
+    batch = make_batch(batch_size, tokens, seed, per_token=per_token, dtype=dtype)
     generator = torch.Generator().manual_seed(seed)
-    entropy = 3 * torch.rand(batch_size, tokens, generator=generator, dtype=F64)
+    entropy = (3 * torch.rand(batch_size, tokens, generator=generator, dtype=F64)).to(dtype)
     kwargs: dict[str, Any] = dict(options, reduction=reduction, normalizer=normalizer)
     if weights is not None:
         shape = (batch_size, tokens) if weights == "token" else (batch_size, 1)
-        kwargs["importance_weights"] = 2 * torch.rand(*shape, generator=generator, dtype=F64)
+        weight_values = 2 * torch.rand(*shape, generator=generator, dtype=F64)
+        kwargs["importance_weights"] = weight_values.to(dtype)
     kwargs["entropy_coef"] = entropy_coef
     leaves_ = [batch.log_probs.clone().requires_grad_(True), entropy.clone().requires_grad_(True)]
     out = policy_loss(leaves_[0], *batch[1:], entropy=leaves_[1], **kwargs)
-    ref_leaves = [
-        batch.log_probs.clone().requires_grad_(True),
-        entropy.clone().requires_grad_(True),
-    ]
-    expected = reference.policy_loss(ref_leaves[0], *batch[1:], entropy=ref_leaves[1], **kwargs)
+    ref_leaves = [x.to(F64).requires_grad_(True) for x in (batch.log_probs, entropy)]
+    ref_batch = [x.to(F64) for x in batch[1:3]]
+    expected = reference.policy_loss(
+        ref_leaves[0], *ref_batch, batch.mask, entropy=ref_leaves[1], **kwargs
+    )
     assert_close(out.loss, expected)
     for grad, expected_grad in zip(
         grads_of(out.loss, leaves_), grads_of(expected, ref_leaves), strict=True
@@ -744,26 +779,44 @@ def test_extra_padding_changes_nothing(
         assert_close(getattr(padded_out.diagnostics, name), getattr(out.diagnostics, name))
 
 
-@pytest.mark.parametrize("poison", [math.nan, math.inf, -math.inf])
-@pytest.mark.parametrize("reduction", REDUCTIONS)
+POISONS = (math.nan, math.inf, -math.inf)
+NONFINITE_OPTIONS: list[dict[str, Any]] = [
+    {},
+    {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0},
+    {"clip_low": None, "log_ratio_bound": None},
+    {"ratio_level": "sequence"},
+    {"ratio_level": "sequence", "clip_low": None, "log_ratio_bound": None},
+    {"clip_low": 0.1, "delta": 1.6, "dual_clip": 1.3},
+    {"surrogate": "cispo", "cispo_cap": 1.3},
+    {"surrogate": "sapo", "ratio_level": "sequence"},
+    {"surrogate": "gmpo"},
+    {"surrogate": "vespo", "log_ratio_bound": None},
+]
+
+
+def _nonfinite_cases() -> list[Any]:
+    """PyTorch: every poison x reduction x option x dtype. Kernels: every option they run, for
+    both dtypes, with the poisons and reductions in turn."""
+    dtypes = (torch.float32, torch.bfloat16)
+    cases = [
+        pytest.param("torch", poison, reduction, options, dtype)
+        for poison in POISONS
+        for reduction in REDUCTIONS
+        for options in NONFINITE_OPTIONS
+        for dtype in dtypes
+    ]
+    for index, options in enumerate(filter(on_kernels, NONFINITE_OPTIONS)):
+        for offset, dtype in enumerate(dtypes):
+            poison, reduction = POISONS[index % 3], REDUCTIONS[(index + offset) % 5]
+            cases.append(triton_param(poison, reduction, options, dtype))
+    return cases
+
+
 @pytest.mark.parametrize(
-    "options",
-    [
-        {},
-        {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0},
-        {"clip_low": None, "log_ratio_bound": None},
-        {"ratio_level": "sequence"},
-        {"ratio_level": "sequence", "clip_low": None, "log_ratio_bound": None},
-        {"clip_low": 0.1, "delta": 1.6, "dual_clip": 1.3},
-        {"surrogate": "cispo", "cispo_cap": 1.3},
-        {"surrogate": "sapo", "ratio_level": "sequence"},
-        {"surrogate": "gmpo"},
-        {"surrogate": "vespo", "log_ratio_bound": None},
-    ],
+    ("backend", "poison", "reduction", "options", "dtype"), _nonfinite_cases(), indirect=["backend"]
 )
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_nonfinite_at_masked_positions(
-    poison: float, reduction: str, options: dict[str, Any], dtype: torch.dtype
+    backend: str, poison: float, reduction: str, options: dict[str, Any], dtype: torch.dtype
 ) -> None:
     clean = make_batch(4, 6, 9, per_token=True, dtype=dtype)
     unselected = ~clean.mask
@@ -789,7 +842,7 @@ def test_nonfinite_at_masked_positions(
 
 @pytest.mark.parametrize("reduction", REDUCTIONS)
 @pytest.mark.parametrize("shape", [(0, 0), (0, 4), (3, 0), (3, 4)])
-def test_nothing_selected_gives_zeros(reduction: str, shape: tuple[int, int]) -> None:
+def test_nothing_selected_gives_zeros(backend: str, reduction: str, shape: tuple[int, int]) -> None:
     log_probs = torch.full(shape, 3.0, requires_grad=True)
     mask = torch.zeros(shape, dtype=torch.bool)
     out = policy_loss(
@@ -827,8 +880,8 @@ def test_accepts_lists_numpy_and_numeric_masks() -> None:
     assert integer.loss.dtype == torch.get_default_dtype()
 
 
-def test_noncontiguous_equals_contiguous() -> None:
-    batch = make_batch(5, 6, 13, per_token=True)
+def test_noncontiguous_equals_contiguous(backend: str) -> None:
+    batch = make_batch(5, 6, 13, per_token=True, dtype=dtype_for(backend))
     # strided views: every other column of a wider tensor, and transposes of (T, B) storage
     wide = [torch.repeat_interleave(x, 2, dim=-1) for x in batch]
     views = Batch(*(x[:, ::2] for x in wide[:3]), wide[3][:, ::2])
@@ -847,8 +900,8 @@ def test_noncontiguous_equals_contiguous() -> None:
                 torch.testing.assert_close(strided_grad, grad)
 
 
-def test_inputs_not_mutated() -> None:
-    batch = make_batch(3, 4, 6)
+def test_inputs_not_mutated(backend: str) -> None:
+    batch = make_batch(3, 4, 6, dtype=dtype_for(backend))
     poisoned = Batch(batch.log_probs.masked_fill(~batch.mask, math.nan), *batch[1:])
     copies = [x.clone() for x in poisoned]
     policy_loss(*poisoned, ratio_level="sequence", return_per_token=True)
@@ -861,22 +914,40 @@ def test_inputs_not_mutated() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+DTYPE_OPTIONS: list[dict[str, Any]] = [
+    {},
+    {"clip_high": 0.28, "dual_clip": 3.0},
+    {"ratio_level": "sequence", "clip_low": None},
+    {"delta": 1.1},
+    {"surrogate": "cispo", "cispo_cap": 1.3},
+    {"surrogate": "sapo"},
+    {"surrogate": "gmpo"},
+    {"surrogate": "vespo"},
+]
+DTYPE_REDUCTIONS = ("token_mean", "sequence_mean", "none")
+
+
+def _dtype_cases() -> list[Any]:
+    """PyTorch: every dtype x option x reduction. Kernels: the dtypes they read (float64 takes
+    PyTorch) for every option they run, the reductions in turn."""
+    dtypes = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
+    cases = [
+        pytest.param("torch", dtype, options, reduction)
+        for dtype in dtypes
+        for options in DTYPE_OPTIONS
+        for reduction in DTYPE_REDUCTIONS
+    ]
+    for index, options in enumerate(filter(on_kernels, DTYPE_OPTIONS)):
+        for offset, dtype in enumerate(dtypes[1:]):
+            reduction = DTYPE_REDUCTIONS[(index + offset) % 3]
+            cases.append(triton_param(dtype, options, reduction))
+    return cases
+
+
 @pytest.mark.parametrize(
-    "options",
-    [
-        {},
-        {"clip_high": 0.28, "dual_clip": 3.0},
-        {"ratio_level": "sequence", "clip_low": None},
-        {"delta": 1.1},
-        {"surrogate": "cispo", "cispo_cap": 1.3},
-        {"surrogate": "sapo"},
-        {"surrogate": "gmpo"},
-        {"surrogate": "vespo"},
-    ],
+    ("backend", "dtype", "options", "reduction"), _dtype_cases(), indirect=["backend"]
 )
-@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "none"])
-def test_dtypes(dtype: torch.dtype, options: dict[str, Any], reduction: str) -> None:
+def test_dtypes(backend: str, dtype: torch.dtype, options: dict[str, Any], reduction: str) -> None:
     batch = make_batch(4, 5, 17, per_token=True, dtype=dtype)
     out, grads = run_library(batch, reduction=reduction, return_per_token=True, **options)
     assert out.loss.dtype == dtype
@@ -904,7 +975,7 @@ def test_dtypes(dtype: torch.dtype, options: dict[str, Any], reduction: str) -> 
             assert_close(grad, expected_grad)
 
 
-def test_float16_large_log_ratio_is_computed_in_float32() -> None:
+def test_float16_large_log_ratio_is_computed_in_float32(backend: str) -> None:
     # log r = 15: exp(15) = 3.3e6 overflows float16 (max 65504) but not float32; A = 1 and the
     # clip gives s = 1.2, loss = -1.2 (the float16 value nearest to -1.2 is -1.2001953125)
     log_probs = torch.tensor([[15.0, 0.0]], dtype=torch.float16, requires_grad=True)
@@ -973,7 +1044,7 @@ def test_diagnostics_hand_count() -> None:
         assert value.grad_fn is None and not value.requires_grad
 
 
-def test_diagnostics_boundary_not_counted_float32() -> None:
+def test_diagnostics_boundary_not_counted_float32(backend: str) -> None:
     # Band [1, 1] (clip_low = clip_high = 0) and r = exp(0) = 1 exactly: on the edge, not counted.
     out = policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), [1.0, -1.0], torch.ones(2, 3))
     assert out.diagnostics.clipped_fraction == 0
@@ -1027,8 +1098,8 @@ LENGTHS = [1, 12, 3, 0, 11, 2, 7]  # very different response lengths; one empty 
 SPLITS = [(0, 2), (2, 3), (3, 6), (6, 7)]
 
 
-def _long_short_batch() -> Batch:
-    batch = make_batch(len(LENGTHS), 12, 31, per_token=True, empty_row_probability=0.0)
+def _long_short_batch(dtype: torch.dtype = F64) -> Batch:
+    batch = make_batch(len(LENGTHS), 12, 31, per_token=True, empty_row_probability=0.0, dtype=dtype)
     mask = torch.arange(12).unsqueeze(0) < torch.tensor(LENGTHS).unsqueeze(-1)  # (B, T)
     return Batch(batch.log_probs, batch.old_log_probs, batch.advantages, mask)
 
@@ -1039,25 +1110,37 @@ def _micro_batch(batch: Batch, start: int, stop: int) -> Batch:
     return Batch(*(x[start:stop, :width] for x in batch))
 
 
+MICRO_REDUCTIONS = ("token_mean", "sequence_mean", "sequence_sum_normalized", "length_weighted")
+MICRO_OPTIONS: list[dict[str, Any]] = [
+    {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 2.0, "log_ratio_bound": 0.5},
+    {"ratio_level": "sequence", "clip_low": 0.1},
+    {"clip_low": None},
+    {"clip_low": 0.2, "delta": 1.1},
+    {"surrogate": "cispo", "cispo_cap": 1.3},
+    {"surrogate": "cispo"},
+    {"surrogate": "sapo"},
+    {"surrogate": "gmpo"},
+    {"surrogate": "vespo"},
+]
+
+
+def _micro_batch_cases() -> list[Any]:
+    """PyTorch: every reduction x option. Kernels: every option they run, reductions in turn."""
+    cases = [
+        pytest.param("torch", reduction, options)
+        for reduction in MICRO_REDUCTIONS
+        for options in MICRO_OPTIONS
+    ]
+    for index, options in enumerate(filter(on_kernels, MICRO_OPTIONS)):
+        cases.append(triton_param(MICRO_REDUCTIONS[index % 4], options))
+    return cases
+
+
 @pytest.mark.parametrize(
-    "reduction", ["token_mean", "sequence_mean", "sequence_sum_normalized", "length_weighted"]
+    ("backend", "reduction", "options"), _micro_batch_cases(), indirect=["backend"]
 )
-@pytest.mark.parametrize(
-    "options",
-    [
-        {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 2.0, "log_ratio_bound": 0.5},
-        {"ratio_level": "sequence", "clip_low": 0.1},
-        {"clip_low": None},
-        {"clip_low": 0.2, "delta": 1.1},
-        {"surrogate": "cispo", "cispo_cap": 1.3},
-        {"surrogate": "cispo"},
-        {"surrogate": "sapo"},
-        {"surrogate": "gmpo"},
-        {"surrogate": "vespo"},
-    ],
-)
-def test_micro_batch_invariance(reduction: str, options: dict[str, Any]) -> None:
-    batch = _long_short_batch()
+def test_micro_batch_invariance(backend: str, reduction: str, options: dict[str, Any]) -> None:
+    batch = _long_short_batch(dtype_for(backend))
     tokens = int(batch.mask.sum())  # global selected-token count
     non_empty = int((batch.mask.sum(-1) > 0).sum())  # global non-empty sequence count
     normalizer = {
@@ -1069,10 +1152,11 @@ def test_micro_batch_invariance(reduction: str, options: dict[str, Any]) -> None
     kwargs = dict(options, reduction=reduction, max_response_length=12)
     full, full_grads = run_library(batch, **kwargs)
 
-    total = torch.zeros((), dtype=F64)
+    dtype = batch.log_probs.dtype
+    total = torch.zeros((), dtype=dtype)
     grads = [torch.zeros_like(x) for x in batch[:3]]
-    diagnostics = dict.fromkeys(DIAGNOSTIC_NAMES, torch.zeros((), dtype=F64))
-    naive = torch.zeros((), dtype=F64)
+    diagnostics = dict.fromkeys(DIAGNOSTIC_NAMES, torch.zeros((), dtype=dtype))
+    naive = torch.zeros((), dtype=dtype)
     for start, stop in SPLITS:
         micro = _micro_batch(batch, start, stop)
         out, micro_grads = run_library(
@@ -1211,9 +1295,9 @@ def test_hyperparameters_are_keyword_only() -> None:
         policy_loss(*_valid().values(), 0.2)  # type: ignore[misc]
 
 
-def test_tensor_hyperparameters() -> None:
+def test_tensor_hyperparameters(backend: str) -> None:
     # 0-d tensor hyperparameters give the same result as Python numbers
-    batch = make_batch(4, 5, 3, per_token=True, spread=1.0)
+    batch = make_batch(4, 5, 3, per_token=True, spread=1.0, dtype=dtype_for(backend))
     numbers = dict(clip_low=0.2, clip_high=0.3, dual_clip=2.0, log_ratio_bound=0.8, normalizer=9)
     tensors = {k: torch.tensor(float(v), dtype=F64) for k, v in numbers.items()}
     expected = policy_loss(*batch, **numbers)

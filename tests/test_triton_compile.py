@@ -17,8 +17,9 @@ from backends import requires_triton
 pytestmark = requires_triton
 
 FLOATS = (
-    "low", "high", "dual_clip", "delta", "cispo_cap", "tau_positive", "tau_negative", "bound",
-    "diagnostic_bound", "kl_coef", "entropy_coef", "beta", "inv_temperature",
+    "low", "high", "upper_positive", "upper_negative", "dual_clip", "tau_positive",
+    "tau_negative", "half_peak", "bound", "diagnostic_bound", "kl_coef", "entropy_coef", "beta",
+    "inv_temperature",
 )  # fmt: skip
 
 
@@ -76,10 +77,10 @@ TOKEN_POINTERS = {
     "partial_ptr": "*fp32",
 }  # fmt: skip
 TOKEN_FLAGS = {
-    "HAS_CLIP": True, "HAS_DUAL": True, "HAS_DELTA": True, "CISPO_BAND": True,
-    "HAS_BOUND": True, "HAS_WEIGHTS": True, "HAS_SEQUENCE": True, "HAS_IMPORTANCE": True,
-    "HAS_KL": True, "KL_ESTIMATOR": 3, "KL_STRAIGHT_THROUGH": False, "KL_IMPORTANCE": False,
-    "HAS_ENTROPY": True, "STORE_LOSS": True, "COLUMNS": 18, "BLOCK": 1024,
+    "HAS_LOW": True, "HAS_HIGH": True, "HAS_UPPER_POSITIVE": True, "HAS_UPPER_NEGATIVE": True,
+    "HAS_DUAL": True, "HAS_BOUND": True, "HAS_WEIGHTS": True, "HAS_SEQUENCE": True,
+    "HAS_IMPORTANCE": True, "HAS_KL": True, "KL_ESTIMATOR": 3, "KL_STRAIGHT_THROUGH": False,
+    "KL_IMPORTANCE": False, "HAS_ENTROPY": True, "STORE_LOSS": True, "COLUMNS": 17, "BLOCK": 1024,
 }  # fmt: skip
 
 
@@ -89,7 +90,7 @@ def test_token_loss_kernel_compiles(kernels: Any, surrogate: int) -> None:
     if surrogate == 3:
         flags.update(KL_ESTIMATOR=4, KL_STRAIGHT_THROUGH=True, KL_IMPORTANCE=True)
     if surrogate == 1:  # absent optional inputs are passed as None (constexpr None)
-        flags.update(HAS_SEQUENCE=False, HAS_ENTROPY=False, STORE_LOSS=False,
+        flags.update(HAS_SEQUENCE=False, HAS_ENTROPY=False, STORE_LOSS=False, HAS_LOW=False,
                      sequence_ptr=None, entropy_ptr=None, loss_ptr=None)  # fmt: skip
     _compile(kernels.token_loss.token_loss_kernel, TOKEN_POINTERS, flags)
 
@@ -101,8 +102,13 @@ def test_small_kernels_compile(kernels: Any) -> None:
         {"BLOCK": 1024},
     )
     pointers = {"policy_ptr": "*bf16", "reference_ptr": "*bf16", "rewards_ptr": "*fp32",
-                "mask_ptr": "*u8", "divergence_ptr": "*fp32", "penalized_ptr": "*fp32"}  # fmt: skip
-    _compile(kernels.kl_rewards.kl_rewards_kernel, pointers, {"BLOCK": 1024})
+                "mask_ptr": "*u8", "offsets_ptr": "*i64", "divergence_ptr": "*fp32",
+                "penalized_ptr": "*fp32"}  # fmt: skip
+    for packed in (False, True):  # padded rows; one packed row with cu_seqlens
+        flags = {"PACKED": packed, "BLOCK": 1024}
+        if not packed:
+            flags["offsets_ptr"] = None
+        _compile(kernels.kl_rewards.kl_rewards_kernel, pointers, flags)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

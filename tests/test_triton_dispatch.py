@@ -82,13 +82,71 @@ def test_importing_the_library_does_not_import_triton() -> None:
     result = _run(
         """
         import sys
+        import torch
         import rlobjectives
         import rlobjectives._triton
         import rlobjectives._triton._dispatch
         assert "triton" not in sys.modules, "triton imported"
+        # the dispatch of a CPU call (auto) does not import it either
+        ones = torch.ones(2, 3)
+        rlobjectives.policy_loss(ones, ones, torch.ones(2), ones.bool())
+        rlobjectives.kl_loss(ones, ones, ones.bool(), estimator="k2")
+        assert "triton" not in sys.modules, "triton imported by a CPU call"
         """
     )
     assert result.returncode == 0, result.stderr
+
+
+@requires_triton
+def test_traced_code_and_other_devices_take_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
+    with use_kernels("triton"):
+        assert kernel_backend("meta") == "torch"  # the kernels run on CUDA or (interpreted) CPU
+        monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+        assert kernel_backend("cpu") == "torch"  # the launchers are not traceable
+        assert kernel_backend("cuda") == "torch"
+
+
+def _function_names(loss: torch.Tensor) -> set[str]:
+    """Names of the autograd nodes behind ``loss``."""
+    names, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is not None and type(node).__name__ not in names:
+            names.add(type(node).__name__)
+            stack.extend(parent for parent, _ in node.next_functions)
+    return names
+
+
+@requires_triton
+def test_public_functions_take_the_kernels_where_they_apply() -> None:
+    # The dispatch table of docs/kernels.md: the kernels for token-level surrogates and their
+    # options; PyTorch (silently) for GMPO/VESPO, float64, learnable hyperparameters and
+    # differentiable kl_loss importance weights.
+    import warnings
+
+    from rlobjectives import kl_loss, policy_loss
+
+    log_probs = torch.randn(2, 3, requires_grad=True)
+    args = (torch.zeros(2, 3), torch.ones(2), torch.ones(2, 3, dtype=torch.bool))
+    kernel = "TokenLossFunctionBackward"
+    with use_kernels("triton"), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for options in ({}, {"surrogate": "cispo"}, {"ratio_level": "sequence", "delta": 1.5}):
+            assert kernel in _function_names(policy_loss(log_probs, *args, **options).loss)
+        entropy = {"entropy": torch.rand(2, 3), "entropy_coef": 0.1}
+        assert kernel in _function_names(policy_loss(log_probs, *args, **entropy).loss)
+        for options in (
+            {"surrogate": "gmpo"},
+            {"clip_low": torch.tensor(0.2, requires_grad=True)},
+        ):
+            assert kernel not in _function_names(policy_loss(log_probs, *args, **options).loss)
+        double = log_probs.detach().double().requires_grad_(True)
+        assert kernel not in _function_names(policy_loss(double, *args).loss)
+        ref, mask = args[0], args[2]
+        assert "KLLossFunctionBackward" in _function_names(kl_loss(log_probs, ref, mask))
+        weights = torch.ones(2, 3, requires_grad=True)  # TRL's bias correction: autograd
+        weighted = kl_loss(log_probs, ref, mask, importance_weights=weights)
+        assert "KLLossFunctionBackward" not in _function_names(weighted)
 
 
 @requires_triton

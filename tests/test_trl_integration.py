@@ -1,7 +1,8 @@
 """The TRL integration against the real TRL ``GRPOTrainer`` (skipped without the ``trl`` extra).
 
 A 1-layer Llama built from a config (no download), a word-level tokenizer built in memory and a
-toy reward. For each loss type, TRL's own trainer and ``rlobjectives.integrations.trl``'s run
+toy reward. For each loss type (and the entropy mask, entropy bonus and off-policy mask
+together), TRL's own trainer and ``rlobjectives.integrations.trl``'s run
 the same 5 optimizer steps from the same weights and seed (gradient accumulation 2, two
 iterations per generation so the ratios move off 1 and the clip binds): the losses of the first
 step's micro-batches and its gradients agree to float32 rounding, and the parameters after 5
@@ -123,18 +124,56 @@ def _train(
     return trainer, callback.gradients, changes
 
 
-CASES = {
-    "grpo": {"loss_type": "grpo", "beta": 0.04},  # with TRL's bias-corrected KL
-    "bnpo": {"loss_type": "bnpo", "epsilon_high": 0.28},
-    "dr_grpo": {"loss_type": "dr_grpo"},
-    "dapo": {"loss_type": "dapo", "delta": 1.5},
+CLIPS = ("clip_ratio/low_mean", "clip_ratio/high_mean", "clip_ratio/region_mean",
+         "clip_ratio/low_min", "clip_ratio/high_max")  # fmt: skip
+
+#: case -> (GRPOConfig options, the metrics TRL logs besides loss and entropy, one that must
+#: move off 0 in 5 steps (the ratios left 1: the clip, cap or mask binds), or None)
+CASES: dict[str, tuple[dict[str, Any], tuple[str, ...], str | None]] = {
+    "grpo": ({"loss_type": "grpo", "beta": 0.04}, CLIPS, "clip_ratio/region_mean"),  # + KL
+    "bnpo": ({"loss_type": "bnpo", "epsilon_high": 0.28}, CLIPS, "clip_ratio/region_mean"),
+    "dr_grpo": ({"loss_type": "dr_grpo"}, CLIPS, "clip_ratio/region_mean"),
+    "dapo": ({"loss_type": "dapo", "delta": 1.5}, CLIPS, "clip_ratio/region_mean"),
+    "luspo": ({"loss_type": "luspo", "importance_sampling_level": "sequence"}, CLIPS, None),
+    "cispo": (
+        {"loss_type": "cispo", "epsilon_high": 1.05},
+        ("cispo_clip_ratio",),
+        "cispo_clip_ratio",
+    ),  # fmt: skip
+    "sapo": ({"loss_type": "sapo", "sapo_temperature_neg": 1.5}, (), None),
+    "vespo": ({"loss_type": "vespo"}, ("vespo/phi_seq_mean",), None),
+    # the entropy mask, the entropy bonus and the off-policy mask together
+    "masks": (
+        {
+            "loss_type": "dapo",
+            "top_entropy_quantile": 0.5,
+            "entropy_coef": 0.05,
+            "off_policy_mask_threshold": 0.0,
+        },
+        (*CLIPS, "policy_loss", "entropy_coef"),
+        "clip_ratio/region_mean",
+    ),  # fmt: skip
+    # TRL's adaptive entropy controller (coefficient 0 until the first window is measured)
+    "adaptive": (
+        {
+            "loss_type": "grpo",
+            "use_adaptive_entropy": True,
+            "entropy_coef": 0.05,
+            "entropy_target": 10.0,
+            "entropy_coef_delta": 0.02,
+            "top_entropy_quantile": 0.5,
+        },
+        (*CLIPS, "policy_loss", "entropy_coef"),
+        "entropy_coef",
+    ),  # fmt: skip
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_trainer_matches_trl(case: str, model_dir: str) -> None:
-    theirs, their_gradients, their_changes = _train(_TRLTrainer, model_dir, CASES[case])
-    ours, our_gradients, our_changes = _train(_OurTrainer, model_dir, CASES[case])
+    options, metric_names, moving = CASES[case]
+    theirs, their_gradients, their_changes = _train(_TRLTrainer, model_dir, options)
+    ours, our_gradients, our_changes = _train(_OurTrainer, model_dir, options)
     # The same batches (same weights and seed -> same generations and advantages) ...
     for (ids, advantages), (our_ids, our_advantages) in zip(
         theirs.batches, ours.batches, strict=True
@@ -152,27 +191,28 @@ def test_trainer_matches_trl(case: str, model_dir: str) -> None:
     assert moved > 1e-3, "the run must actually train"
     for name, change in their_changes.items():
         torch.testing.assert_close(our_changes[name], change, rtol=1e-4, atol=1e-6)
-    # The logged metrics agree step by step, and the ratios moved off 1 (the clip bound).
-    names = ("loss", "entropy", "clip_ratio/low_mean", "clip_ratio/high_mean",
-             "clip_ratio/region_mean", "clip_ratio/low_min", "clip_ratio/high_max")  # fmt: skip
-    logs = [h for h in theirs.state.log_history if "clip_ratio/region_mean" in h]
-    our_logs = [h for h in ours.state.log_history if "clip_ratio/region_mean" in h]
+    # The logged metrics agree step by step (the same names, the same values).
+    names = ("loss", "entropy", *metric_names)
+    logs = [h for h in theirs.state.log_history if "entropy" in h]
+    our_logs = [h for h in ours.state.log_history if "entropy" in h]
     assert len(logs) == len(our_logs) == STEPS
     for log, our_log in zip(logs, our_logs, strict=True):
+        assert set(our_log) == set(log)
         for name in names:
             assert our_log[name] == pytest.approx(log[name], rel=1e-4, abs=1e-6), name
-    assert max(log["clip_ratio/region_mean"] for log in logs) > 0
+    if moving is not None:
+        assert max(log[moving] for log in logs) > 0
 
 
-def test_unsupported_option_is_named(model_dir: str) -> None:
+def test_rejected_option_is_named(model_dir: str) -> None:
     model = transformers.LlamaForCausalLM.from_pretrained(model_dir)
     args = trl.GRPOConfig(
         output_dir=tempfile.mkdtemp(), use_cpu=True, bf16=False, per_device_train_batch_size=2,
-        num_generations=2, max_completion_length=3, report_to="none", loss_type="cispo",
-        epsilon_high=5.0, use_vllm=False,
+        num_generations=2, max_completion_length=3, report_to="none", loss_type="dapo",
+        delta=0.9, use_vllm=False,
     )  # fmt: skip
     dataset = datasets.Dataset.from_dict({"prompt": ["a b", "c d"]})
-    with pytest.raises(NotImplementedError, match="cispo"):
+    with pytest.raises(ValueError, match="delta must be > 1"):  # TRL accepts it silently
         GRPOTrainer(
             model=model, reward_funcs=_reward, args=args, train_dataset=dataset,
             processing_class=_tokenizer(),

@@ -1,12 +1,15 @@
 """Float64 references of the Triton kernels' contracts (plain autograd, flat token layout).
 
-Written from the math in ``rlobjectives._triton`` docstrings, mirroring autograd's conventions
-(``torch.clamp`` passes the gradient on the closed interval, ``torch.minimum``/``maximum`` split
-ties, selection with ``torch.where``). Nothing here imports the kernels.
+Written from the math in ``rlobjectives._triton`` docstrings (the library's definitions of the
+surrogates and of the diagnostics, PolicyLossDiagnostics), as autograd formulas (``torch.clamp``
+passes the gradient on the closed interval, selection with ``torch.where``; ties of
+``torch.minimum``/``maximum`` are not exercised by the random batches). Nothing here imports
+the kernels.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any, NamedTuple
 
 import torch
@@ -29,7 +32,25 @@ class TokenReference(NamedTuple):
     sums: dict[str, Tensor]
 
 
-def _clip_surrogate(ratio: Tensor, advantages: Tensor, options: Any) -> tuple[Tensor, Tensor]:
+def _clip_edges(options: Any) -> tuple[tuple[float, float] | None, float, float, float]:
+    """``(band, upper for A > 0, lower for A < 0, upper for A < 0)`` (inf: no edge)."""
+    inf = math.inf
+    delta = inf if options.delta is None else options.delta
+    band = None
+    upper_pos, lower_neg, upper_neg = delta, -inf, delta
+    if options.clip_low is not None:
+        high = options.clip_low if options.clip_high is None else options.clip_high
+        band = (1.0 - options.clip_low, 1.0 + high)
+        lower_neg, upper_pos = band[0], min(band[1], delta)
+        upper_neg = inf if options.delta is None else max(band[1], delta)
+    if options.dual_clip is not None:
+        upper_neg = min(upper_neg, options.dual_clip)
+    return band, upper_pos, lower_neg, upper_neg
+
+
+def _clip_surrogate(ratio: Tensor, advantages: Tensor, options: Any) -> tuple[Tensor, ...]:
+    """``s = min(min(r, delta) A, clip(r) A)``, then ``max(s, cA)`` for A < 0 (autograd), the
+    clip sets of PolicyLossDiagnostics and the factor ``w`` of ``s = w A``."""
     unclipped = ratio
     if options.delta is not None:
         unclipped = torch.clamp(ratio, max=options.delta)
@@ -38,16 +59,44 @@ def _clip_surrogate(ratio: Tensor, advantages: Tensor, options: Any) -> tuple[Te
         high = options.clip_low if options.clip_high is None else options.clip_high
         clipped = _clamp(ratio, 1.0 - options.clip_low, 1.0 + high) * advantages
         surrogate = torch.minimum(surrogate, clipped)
-    pre_dual = surrogate
     if options.dual_clip is not None:
         floor = options.dual_clip * advantages
         surrogate = torch.where(advantages < 0, torch.maximum(surrogate, floor), surrogate)
-    dual = (
-        (advantages < 0) & (pre_dual < options.dual_clip * advantages)
-        if options.dual_clip
-        else None
-    )
-    return surrogate, torch.zeros_like(ratio, dtype=torch.bool) if dual is None else dual
+    band, upper_pos, lower_neg, upper_neg = _clip_edges(options)
+    r = ratio.detach()
+    positive, negative = advantages > 0, advantages < 0
+    out = torch.zeros_like(r, dtype=torch.bool) if band is None else (r < band[0]) | (r > band[1])
+    factor = torch.where(positive, r.clamp(max=upper_pos), r)
+    factor = torch.where(negative, r.clamp(lower_neg, upper_neg), factor)
+    sets = (out, negative & (r < lower_neg), positive & (r > upper_pos), negative & (r > upper_neg))
+    return surrogate, *sets, factor
+
+
+def _policy_surrogate(
+    ratio: Tensor, adv: Tensor, lp: Tensor, options: Any
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``(s, out of band, low, high, dual, factor)`` of the surrogate ``options`` names."""
+    if options.surrogate == "clip":
+        return _clip_surrogate(ratio, adv, options)  # type: ignore[return-value]
+    r = ratio.detach()
+    if options.surrogate == "cispo":
+        low, high = -math.inf, math.inf
+        if options.cispo_cap is not None:
+            high = options.cispo_cap
+        elif options.clip_low is not None:
+            eps_high = options.clip_low if options.clip_high is None else options.clip_high
+            low, high = 1 - options.clip_low, 1 + eps_high
+        factor = r.clamp(low, high)
+        below, above = r < low, r > high
+        sets = (below | above, below & (adv < 0), above & (adv > 0), above & (adv < 0))
+        return factor * adv * lp, *sets, factor
+    tau = torch.where(adv > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)
+    gate = 4 / tau * torch.sigmoid(tau * (ratio - 1))
+    x = (tau * (r - 1)).detach()
+    soft = x.abs() > 2.0 * math.log1p(math.sqrt(2.0))
+    up = soft & (x > 0)
+    sets = (soft, soft & (x < 0) & (adv < 0), up & (adv > 0), up & (adv < 0))
+    return gate * adv, *sets, gate.detach()
 
 
 def _kl(d: Tensor, estimator: str, straight_through: bool) -> Tensor:
@@ -100,44 +149,21 @@ def token_loss(
             fired = mask & (log_ratio.detach().abs() > bound)
             log_ratio = _clamp(log_ratio, -bound, bound)
         ratio = torch.exp(log_ratio)
-        flag = torch.zeros(n, dtype=torch.bool)
-        if options.surrogate == "clip":
-            surrogate, flag = _clip_surrogate(ratio, adv, options)
-        elif options.surrogate == "cispo":
-            if options.cispo_cap is not None:
-                weight = torch.clamp(ratio, max=options.cispo_cap).detach()
-            else:
-                high = options.clip_low if options.clip_high is None else options.clip_high
-                weight = _clamp(ratio, 1 - options.clip_low, 1 + high).detach()
-            surrogate = weight * adv * lp
-            flag = weight != ratio.detach()
-        else:
-            tau = torch.where(adv > 0, options.sapo_temperature_pos, options.sapo_temperature_neg)
-            gate = torch.sigmoid(tau * (ratio - 1))
-            surrogate = 4 / tau * gate * adv
-            flag = (4 * gate * (1 - gate)).detach() < 0.5
+        surrogate, *sets, factor = _policy_surrogate(ratio, adv, lp, options)
         policy = _where(mask, -surrogate)
         if importance_weights is not None:
-            policy = policy * _where(mask, importance_weights.to(F64))
+            policy = policy * _where(mask, importance_weights.to(F64).expand(n))
         r = ratio.detach()
-        if options.clip_low is not None:
-            high = options.clip_low if options.clip_high is None else options.clip_high
-            below, above = r < 1 - options.clip_low, r > 1 + high
-        else:
-            below = above = torch.zeros(n, dtype=torch.bool)
         diag = options.diagnostic_bound or (20.0 if bound is None else bound)
         x = _clamp(token_log_ratio.detach(), -diag, diag)
+        names = ("out_of_band", "binding_low", "binding_high", "dual_binding")
+        sums.update({name: (mask & flag).sum() for name, flag in zip(names, sets, strict=True)})
         sums.update(
-            out_of_band=(mask & (below | above)).sum(),
-            binding_low=(mask & below & (adv < 0)).sum(),
-            binding_high=(mask & above & (adv > 0)).sum(),
-            dual_binding=(mask & flag).sum() if options.surrogate == "clip" else 0,
             bound_fired=fired.sum(),
             ratio_sum=_where(mask, r).sum(),
             k1_sum=-token_log_ratio.detach().sum(),
             k3_sum=_where(mask, torch.expm1(x) - x).sum(),
-            capped=(mask & flag).sum() if options.surrogate == "cispo" else 0,
-            gate_low=(mask & flag).sum() if options.surrogate == "sapo" else 0,
+            weight_sum=_where(mask, factor).sum(),
         )
     total = policy
     kl = zeros
@@ -147,7 +173,7 @@ def token_loss(
             d = _clamp(d, -bound, bound)
         kl = _kl(d, options.kl_estimator, options.kl_straight_through)
         if options.kl_importance_weighted:
-            kl = kl * _where(mask, importance_weights.to(F64))
+            kl = kl * _where(mask, importance_weights.to(F64).expand(n))
         kl = _where(mask, kl)
         total = total + options.kl_coef * kl
     ent = zeros

@@ -15,8 +15,9 @@ from ._alignment import (
     response_log_probs,
 )
 from ._entropy import top_entropy_mask
-from ._kl import BiasedGradientWarning, kl_estimate, kl_loss
+from ._kl import BiasedGradientWarning
 from ._kl_control import AdaptiveKLController, FixedKLController
+from ._kl_loss import kl_estimate, kl_loss
 from ._kl_rewards import kl_penalized_token_rewards
 from ._lm_head import TokenLogProbsOutput, token_log_probs_from_hidden
 from ._lm_head_loss import FusedPolicyLossOutput, fused_policy_loss_from_hidden

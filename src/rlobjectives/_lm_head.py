@@ -19,6 +19,7 @@ import torch
 from ._chunking import resolve_chunk_size
 from ._lm_head_chunks import Head, LogProbsFromHidden, default_chunk_size
 from ._packing import packed_layout, token_matrix, token_ndim
+from ._triton._dispatch import kernel_backend
 from ._validation import (
     ArrayLike,
     as_mask,
@@ -273,9 +274,14 @@ def token_log_probs_from_hidden(
         output_shape = batch_shape[1:] if token_ndim(tokens) == 1 else batch_shape
     mask_t = None if mask is None else _row_mask(mask, head, batch_shape, packed).reshape(-1)
     validate_bool(return_entropy, "return_entropy")
-    outputs: tuple[torch.Tensor, torch.Tensor] = LogProbsFromHidden.apply(  # type: ignore[no-untyped-call]
-        head.hidden, head.weight, head.bias, head, mask_t, return_entropy
-    )
+    if kernel_backend(head.hidden.device, dtype=head.dtype) == "triton":  # docs/kernels.md
+        from ._triton._head_call import log_probs_kernels
+
+        outputs = log_probs_kernels(head, mask_t, return_entropy)
+    else:
+        outputs = LogProbsFromHidden.apply(  # type: ignore[no-untyped-call]
+            head.hidden, head.weight, head.bias, head, mask_t, return_entropy
+        )
     log_probs = outputs[0].reshape(output_shape)  # (B, T)
     if not return_entropy:
         return log_probs

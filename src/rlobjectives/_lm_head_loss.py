@@ -6,7 +6,9 @@ token once the reduction's weights are known (from the mask, before the chunk lo
 recompute (Liger-Kernel / Cut Cross-Entropy's fused linear losses;
 :class:`rlobjectives._lm_head_fused.FusedLinearLoss`). Losses that are not token-local (GSPO,
 GMPO, VESPO, ``reduction="none"``) and calls that need no gradient compose the chunked
-log-probabilities (and entropies) with the policy loss instead.
+log-probabilities (and entropies) with the policy loss instead
+(:mod:`rlobjectives._lm_head_compose`). With the Triton kernels selected
+(``RLOBJECTIVES_KERNELS``, docs/kernels.md) both run on them (:mod:`rlobjectives._triton`).
 """
 
 from __future__ import annotations
@@ -18,56 +20,35 @@ import torch
 
 from ._chunking import Block
 from ._fused import FusedSpec, fused_forward, has_fused_stage
-from ._kl import Estimator, kl_gradient, kl_terms, warn_biased_kl_loss
+from ._kl import Estimator, kl_gradient, warn_biased_kl_loss
 from ._layout import padded
 from ._lm_head import prepare_head
 from ._lm_head_args import KLTerm, check_old_log_probs, validate_kl_term
 from ._lm_head_chunks import Head, LogProbsFromHidden
+from ._lm_head_compose import (
+    FusedPolicyLossOutput,
+    composed_loss,
+    entropy_on,
+    fused_output,
+    loss_value,
+)
 from ._lm_head_fused import FusedLinearLoss, FusedTerms
 from ._masking import masked_fill_zero
 from ._packing import token_ndim, token_output
-from ._policy import fused_applicable, run_autograd, run_fused, validate_policy_call
+from ._policy import validate_policy_call
 from ._policy_args import (
     PolicyCall,
-    PolicyLossDiagnostics,
     RatioLevel,
     Surrogate,
     SurrogateOptions,
     validate_entropy_coef,
     validate_surrogate_options,
 )
-from ._reduction import Reduction, ReductionSpec, reduce, row_weights, token_gradient_weights
+from ._reduction import Reduction, ReductionSpec, row_weights, token_gradient_weights
+from ._triton._dispatch import kernel_backend
 from ._validation import ArrayLike, Scalar, compute_dtype
 
 __all__ = ["FusedPolicyLossOutput", "fused_policy_loss_from_hidden"]
-
-
-class FusedPolicyLossOutput(NamedTuple):
-    """Result of :func:`fused_policy_loss_from_hidden`.
-
-    Attributes:
-        loss: scalar total loss ``policy_loss + kl_coef * kl_loss - entropy_coef *
-            entropy_loss`` (differentiable with respect to ``hidden``, ``weight`` and ``bias``);
-            float32 (float64 for float64 ``hidden``), computed in float64 if any input is
-            float64.
-        policy_loss: detached scalar, the surrogate part (as :func:`policy_loss` without the
-            entropy bonus; TRL's ``policy_loss`` metric).
-        kl_loss: detached scalar, the reduced KL estimate (before ``kl_coef``); 0 without
-            ``ref_log_probs``.
-        log_probs: detached ``(B, T)`` log-probabilities of the tokens (zeros at unselected
-            tokens), the same values :func:`token_log_probs_from_hidden` returns.
-        diagnostics: :class:`PolicyLossDiagnostics`, as :func:`policy_loss` reports them.
-        entropy_loss: detached scalar, the reduced entropy ``reduce(H)`` (before
-            ``entropy_coef``; verl's ``actor/entropy_loss``); 0 when ``entropy_coef`` is 0
-            (the entropies are then not computed).
-    """
-
-    loss: torch.Tensor
-    policy_loss: torch.Tensor
-    kl_loss: torch.Tensor
-    log_probs: torch.Tensor
-    diagnostics: PolicyLossDiagnostics
-    entropy_loss: torch.Tensor
 
 
 def fused_policy_loss_from_hidden(
@@ -254,8 +235,7 @@ def fused_policy_loss_from_hidden(
     if kl is not None:
         warn_biased_kl_loss(kl.estimator, kl.straight_through, "fused_policy_loss_from_hidden")
     call = _with_head_dtype(call, head, kl, coef)
-    run = _composed_loss if _needs_composition(head, call) else _fused_loss
-    out = run(head, batch_shape, call, kl)
+    out = _dispatch(head, batch_shape, call, kl)
     if not (packed and token_ndim(tokens) == 1):
         return out
     return out._replace(  # packed (N,) tokens: per-token results as (N,)
@@ -276,6 +256,39 @@ def _with_head_dtype(
     return call._replace(inputs=inputs, entropy_coef=entropy_coef)
 
 
+def _dispatch(
+    head: Head, batch_shape: tuple[int, int], call: PolicyCall, kl: KLTerm | None
+) -> FusedPolicyLossOutput:
+    """The dispatch step: composition or fused chunk loop, on the Triton kernels or PyTorch.
+
+    With the kernels selected (docs/kernels.md) the log-probabilities come from the Triton LM
+    head, and a token-local loss runs the one-pass Triton function (None from it: a
+    hyperparameter the kernels cannot take, the PyTorch chunk loop).
+    """
+    kernels = kernel_backend(head.hidden.device, dtype=call.inputs.dtype) == "triton"
+    if kernels:
+        from ._triton import _head_call
+
+        if _needs_composition(head, call):
+            return composed_loss(head, batch_shape, call, kl, _head_call.log_probs_kernels)
+        out = _head_call.fused_loss_kernels(head, batch_shape, call, kl)
+        if out is not None:
+            return out
+    if _needs_composition(head, call):
+        return composed_loss(head, batch_shape, call, kl, _chunked_log_probs)
+    return _fused_loss(head, batch_shape, call, kl)
+
+
+def _chunked_log_probs(
+    head: Head, mask: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:class:`LogProbsFromHidden` (chunked, recompute in backward) of the composition."""
+    outputs: tuple[torch.Tensor, torch.Tensor] = LogProbsFromHidden.apply(  # type: ignore[no-untyped-call]
+        head.hidden, head.weight, head.bias, head, mask, with_entropy
+    )
+    return outputs
+
+
 def _needs_composition(head: Head, call: PolicyCall) -> bool:
     """Whether the loss is not token-local (GSPO, GMPO, VESPO, ``"none"``) or needs no grad.
 
@@ -291,80 +304,6 @@ def _needs_composition(head: Head, call: PolicyCall) -> bool:
         or call.options.ratio_level == "sequence"
         or not has_fused_stage(call.options)
     )
-
-
-def _entropy_on(call: PolicyCall) -> bool:
-    return isinstance(call.entropy_coef, torch.Tensor) or call.entropy_coef != 0.0
-
-
-class _Values(NamedTuple):
-    """The unfused composition's value and its detached parts."""
-
-    loss: torch.Tensor
-    policy: torch.Tensor
-    kl: torch.Tensor
-    entropy: torch.Tensor
-    diagnostics: PolicyLossDiagnostics
-
-
-def _loss_value(
-    log_probs: torch.Tensor, entropy: torch.Tensor | None, call: PolicyCall, kl: KLTerm | None
-) -> _Values:
-    """The unfused composition on ``(B, T)`` log-probs (and entropies)."""
-    inputs = call.inputs._replace(log_probs=log_probs, output_dtype=log_probs.dtype)
-    policy_call = call._replace(inputs=inputs, entropy_coef=0.0)
-    run = run_fused if fused_applicable(policy_call) else run_autograd
-    out = run(policy_call, return_per_token=False)
-    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
-    loss, kl_loss, entropy_loss = out.loss, zero, zero
-    if kl is not None:
-        terms = kl_terms(
-            log_probs,
-            kl.ref_log_probs,
-            inputs.mask,
-            estimator=kl.estimator,
-            straight_through=kl.straight_through,
-            log_ratio_bound=call.options.log_ratio_bound,
-            dtype=inputs.dtype,
-        )
-        kl_loss = reduce(terms.to(log_probs.dtype), inputs.mask, call.reduction, call.layout)
-        loss = loss + kl.coef * kl_loss if kl.coef > 0 else loss
-    if entropy is not None:
-        selected = masked_fill_zero(entropy.to(log_probs.dtype), inputs.mask)
-        entropy_loss = reduce(selected, inputs.mask, call.reduction, call.layout)
-        loss = loss - call.entropy_coef * entropy_loss
-    return _Values(
-        loss, out.loss.detach(), kl_loss.detach(), entropy_loss.detach(), out.diagnostics
-    )
-
-
-def _output(
-    values: _Values, loss: torch.Tensor, log_probs: torch.Tensor, head: Head
-) -> FusedPolicyLossOutput:
-    output_dtype = head.dtype
-    return FusedPolicyLossOutput(
-        loss.to(output_dtype),
-        values.policy.to(output_dtype),
-        values.kl.to(output_dtype),
-        log_probs.detach().to(output_dtype),
-        values.diagnostics,
-        values.entropy.to(output_dtype),
-    )
-
-
-def _composed_loss(
-    head: Head, batch_shape: tuple[int, int], call: PolicyCall, kl: KLTerm | None
-) -> FusedPolicyLossOutput:
-    """Log-probs (and entropies) with recompute in backward, then the loss by composition."""
-    mask = call.inputs.mask
-    with_entropy = _entropy_on(call)
-    log_probs, entropy = LogProbsFromHidden.apply(  # type: ignore[no-untyped-call]
-        head.hidden, head.weight, head.bias, head, mask.reshape(-1), with_entropy
-    )
-    log_probs = log_probs.reshape(batch_shape).to(call.inputs.dtype)  # (B, T)
-    entropies = entropy.reshape(batch_shape).to(call.inputs.dtype) if with_entropy else None
-    values = _loss_value(log_probs, entropies, call, kl)
-    return _output(values, values.loss, log_probs, head)
 
 
 class _Coefficients(NamedTuple):
@@ -432,7 +371,7 @@ def _fused_loss(
         dtype=dtype,
     )
     entropy_weights = None
-    if _entropy_on(call):  # d loss / d H = -entropy_coef * (the reduction's weight)
+    if entropy_on(call):  # d loss / d H = -entropy_coef * (the reduction's weight)
         entropy_weights = masked_fill_zero(-call.entropy_coef * coefficients.token_weights, mask)
     terms = FusedTerms(mask, partial(_token_coefficients, coefficients), entropy_weights)
     anchor, flat_log_probs, flat_entropy = FusedLinearLoss.apply(  # type: ignore[no-untyped-call]
@@ -441,6 +380,6 @@ def _fused_loss(
     log_probs = flat_log_probs.reshape(batch_shape)  # (B, T), detached
     entropy = None if entropy_weights is None else flat_entropy.reshape(batch_shape)
     with torch.no_grad():
-        values = _loss_value(log_probs, entropy, call, kl)
+        values = loss_value(log_probs, entropy, call, kl)
     # The value is the unfused composition's; the gradient flows through the anchor (value 0).
-    return _output(values, values.loss.detach() + anchor, log_probs, head)
+    return fused_output(values, values.loss.detach() + anchor, log_probs, head)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ._layout import padded
 from ._masking import masked_fill_zero
+from ._packing import token_output, tokens_from_sequences
 from ._rollout import check_pair
 from ._validation import (
     ArrayLike,
@@ -32,6 +32,7 @@ def off_policy_sequence_mask(
     mask: ArrayLike,
     *,
     threshold: Scalar,
+    cu_seqlens: ArrayLike | None = None,
 ) -> torch.Tensor:
     r"""Off-policy sequence masking (DeepSeek-V3.2 OPSM; TRL ``off_policy_mask_threshold``).
 
@@ -57,6 +58,9 @@ def off_policy_sequence_mask(
         advantages: ``(B,)``, ``(B, 1)`` or ``(B, T)`` advantages (TRL broadcasting).
         mask: ``(B, T)``, bool or numeric; nonzero selects the token.
         threshold: :math:`\tau`, a finite real (number or 0-d tensor), e.g. 0.5.
+        cu_seqlens: optional ``(S + 1,)`` boundaries of packed sequences: the per-token
+            tensors are then ``(N,)`` or ``(1, N)`` and per-sequence advantages ``(S,)``; the
+            result has the shape of ``log_probs``.
 
     Returns:
         ``(B, T)`` bool: the selected tokens of the kept sequences (no gradient).
@@ -79,15 +83,22 @@ def off_policy_sequence_mask(
 
     .. versionadded:: 0.2.0
     """
-    log_probs_t, sampling_t, mask_t = check_pair(
-        log_probs, sampling_log_probs, mask, ("log_probs", "sampling_log_probs", "mask")
+    pair = check_pair(
+        log_probs,
+        sampling_log_probs,
+        mask,
+        ("log_probs", "sampling_log_probs", "mask"),
+        cu_seqlens,
     )
+    log_probs_t, sampling_t, mask_t, layout = pair.first, pair.other, pair.mask, pair.layout
     advantages_t = as_float_tensor(advantages, "advantages", log_probs_t.device)
     check_same_device({"log_probs": log_probs_t, "advantages": advantages_t})
-    shape = (log_probs_t.shape[0], log_probs_t.shape[1])
-    advantages_t = expand_per_sequence(advantages_t, "advantages", shape, "log_probs")
+    if layout.sequence_ids is None:
+        shape = (log_probs_t.shape[0], log_probs_t.shape[1])
+        advantages_t = expand_per_sequence(advantages_t, "advantages", shape, "log_probs")
+    else:
+        advantages_t = tokens_from_sequences(advantages_t, "advantages", layout, "log_probs")
     threshold_v = validate_scalar(threshold, "threshold", minimum=None)
-    layout = padded(shape[0])
     dtype = compute_dtype(log_probs_t, sampling_t)
     kl = masked_fill_zero(sampling_t.detach().to(dtype), mask_t) - masked_fill_zero(
         log_probs_t.detach().to(dtype), mask_t
@@ -95,4 +106,4 @@ def off_policy_sequence_mask(
     kl = torch.nan_to_num(kl, nan=0.0)
     mean_kl = layout.row_sums(kl) / layout.row_counts(mask_t).to(dtype).clamp(min=1)  # (S,)
     keep = (advantages_t.detach() >= 0) | (layout.expand(mean_kl) <= threshold_v)
-    return mask_t & keep
+    return token_output(mask_t & keep, pair.flat)

@@ -34,6 +34,7 @@ from ._policy_args import (
 )
 from ._reduction import Reduction, reduce, validate_layout_reduction
 from ._surrogate import policy_terms
+from ._triton._dispatch import kernel_backend
 from ._validation import ArrayLike, Scalar, validate_bool
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "policy_loss",
     "run_autograd",
     "run_fused",
+    "run_policy",
     "validate_policy_call",
 ]
 
@@ -262,8 +264,7 @@ def policy_loss(
         cu_seqlens=cu_seqlens,
     )
     validate_bool(return_per_token, "return_per_token")
-    run = run_fused if fused_applicable(call) else run_autograd
-    output = run(call, return_per_token=return_per_token)
+    output = run_policy(call, return_per_token=return_per_token)
     return packed_output_shape(output, flat=cu_seqlens is not None and token_ndim(log_probs) == 1)
 
 
@@ -309,6 +310,27 @@ def validate_policy_call(
     )
     diagnostics = validate_diagnostics_normalizer(diagnostics_normalizer)
     return PolicyCall(inputs, options, spec, diagnostics, layout, coef)
+
+
+def run_policy(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutput:
+    """The dispatch step: the Triton kernels, the fused Function or the autograd path.
+
+    The kernels (:mod:`rlobjectives._triton._policy_call`) run when
+    :func:`~rlobjectives._triton._dispatch.kernel_backend` selects them (CUDA tensors with triton
+    installed, or ``RLOBJECTIVES_KERNELS=triton``; never float64 nor under ``torch.compile``)
+    for a call the fused path takes whose hyperparameters are numbers (or tensors without
+    grad); every other call takes the PyTorch paths, silently (docs/kernels.md).
+    """
+    if not fused_applicable(call):
+        return run_autograd(call, return_per_token=return_per_token)
+    inputs = call.inputs
+    if kernel_backend(inputs.log_probs.device, dtype=inputs.dtype) == "triton":
+        from ._triton._policy_call import kernel_options, run_kernels
+
+        options = kernel_options(call.options, call.entropy_coef)
+        if options is not None:
+            return run_kernels(call, options, return_per_token=return_per_token)
+    return run_fused(call, return_per_token=return_per_token)
 
 
 def fused_applicable(call: PolicyCall) -> bool:

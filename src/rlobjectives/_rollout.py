@@ -32,13 +32,13 @@ from typing import Literal, NamedTuple, get_args
 
 import torch
 
-from ._layout import Layout, padded
+from ._layout import Layout
 from ._masking import masked_fill_zero
+from ._packing import sequence_layout, token_matrix, token_ndim, token_output
 from ._rollout_metrics import RolloutCorrectionMetrics, rollout_metrics
 from ._validation import (
     ArrayLike,
     Scalar,
-    as_batch_matrix,
     as_float_tensor,
     as_mask,
     check_same_device,
@@ -172,19 +172,36 @@ _MODES: dict[str, Callable[[torch.Tensor, Bound, Bound], _ModeResult]] = {
 
 
 # ------------------------------------------------------------------------------- boundary
+class Pair(NamedTuple):
+    """Validated per-token pair: ``(B, T)`` padded or ``(1, N)`` packed, and its layout."""
+
+    first: torch.Tensor
+    other: torch.Tensor
+    mask: torch.Tensor
+    layout: Layout
+    flat: bool  # the inputs were (N,): results are returned as (N,)
+
+
 def check_pair(
-    log_probs: ArrayLike, other: ArrayLike, mask: ArrayLike, names: tuple[str, str, str]
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Validated ``(B, T)`` log-probs, second log-probs and bool mask (same shape and device)."""
+    log_probs: ArrayLike,
+    other: ArrayLike,
+    mask: ArrayLike,
+    names: tuple[str, str, str],
+    cu_seqlens: ArrayLike | None = None,
+) -> Pair:
+    """Validated log-probs, second log-probs and bool mask (same shape and device), and layout."""
     first_name, other_name, mask_name = names
-    first_t = as_batch_matrix(as_float_tensor(log_probs, first_name), first_name)
+    packed = cu_seqlens is not None
+    first_t = token_matrix(as_float_tensor(log_probs, first_name), first_name, packed)
     device = first_t.device
-    other_t = as_batch_matrix(as_float_tensor(other, other_name, device), other_name)
-    mask_t = as_batch_matrix(as_mask(mask, mask_name, device), mask_name)
+    other_t = token_matrix(as_float_tensor(other, other_name, device), other_name, packed)
+    mask_t = token_matrix(as_mask(mask, mask_name, device), mask_name, packed)
     check_same_device({first_name: first_t, other_name: other_t, mask_name: mask_t})
     check_shape(other_t, other_name, tuple(first_t.shape), first_name)
     check_shape(mask_t, mask_name, tuple(first_t.shape), first_name)
-    return first_t, other_t, mask_t
+    layout = sequence_layout(cu_seqlens, first_t)
+    flat = packed and token_ndim(log_probs) == 1
+    return Pair(first_t, other_t, mask_t, layout, flat)
 
 
 def _number(value: float | torch.Tensor) -> float | None:
@@ -289,6 +306,7 @@ def rollout_correction(
     upper: Scalar | None = 2.0,
     lower: Scalar | None = None,
     veto: Scalar | None = None,
+    cu_seqlens: ArrayLike | None = None,
 ) -> RolloutCorrection:
     r"""Importance weights that correct for the sampler/trainer mismatch (TIS, IcePop, MIS).
 
@@ -348,6 +366,9 @@ def rollout_correction(
         upper: :math:`U > 0` (number or 0-d tensor), or None for no upper bound.
         lower: :math:`L \ge 0`, or None for no lower bound; :math:`L \le U`.
         veto: :math:`v > 0`, or None for no veto.
+        cu_seqlens: optional ``(S + 1,)`` boundaries of packed sequences (the per-token tensors
+            are then ``(N,)`` or ``(1, N)``, and ``weights`` / ``mask`` come back in that
+            shape). The sequence levels need each sequence whole in one call.
 
     Returns:
         :class:`RolloutCorrection` ``(weights, mask, metrics)``: ``weights`` ``(B, T)`` in the
@@ -384,20 +405,23 @@ def rollout_correction(
 
     .. versionadded:: 0.2.0
     """
-    log_probs_t, rollout_t, mask_t = check_pair(
-        log_probs, rollout_log_probs, mask, ("log_probs", "rollout_log_probs", "mask")
+    pair = check_pair(
+        log_probs, rollout_log_probs, mask, ("log_probs", "rollout_log_probs", "mask"), cu_seqlens
     )
     validate_choice(level, "level", LEVELS)
     validate_choice(mode, "mode", MODES)
     upper_v, lower_v, veto_v = _validate_bounds(upper, lower, veto)
-    return _correct(
-        log_probs_t,
-        rollout_t,
-        mask_t,
-        padded(log_probs_t.shape[0]),
+    result = _correct(
+        pair.first,
+        pair.other,
+        pair.mask,
+        pair.layout,
         level=level,
         mode=mode,
         upper=upper_v,
         lower=lower_v,
         veto=veto_v,
+    )
+    return result._replace(
+        weights=token_output(result.weights, pair.flat), mask=token_output(result.mask, pair.flat)
     )

@@ -17,6 +17,7 @@ from ._packing import per_sequence, sequence_layout, token_matrix
 from ._policy_args import PolicyInputs, SurrogateOptions, prepare_layout_inputs
 from ._reduction import ReductionSpec, reduce
 from ._surrogate import policy_terms
+from ._triton._dispatch import kernel_backend
 from ._validation import (
     ArrayLike,
     Scalar,
@@ -149,6 +150,12 @@ def _grpo_outputs(
     learnable_epsilon = (
         isinstance(options.clip_low, torch.Tensor) and options.clip_low.requires_grad
     )
+    if fused and not learnable_epsilon and _on_kernels(inputs):
+        from ._triton._policy_call import seed_outputs
+
+        outputs = seed_outputs(inputs, options, layout)
+        if outputs is not None:
+            return outputs
     if fused and not learnable_epsilon:
         fused_spec = FusedSpec(options, spec, None, inputs.dtype, layout)
         loss, row_sums, diagnostics = ClippedSurrogateFunction.apply(  # type: ignore[no-untyped-call]
@@ -170,6 +177,11 @@ def _grpo_outputs(
         "per_sequence_surrogate": per_sequence.to(output_dtype),
         "clipped_fraction": clipped_fraction.to(output_dtype),
     }
+
+
+def _on_kernels(inputs: PolicyInputs) -> bool:
+    """Whether the dispatch selects the Triton kernels for these inputs."""
+    return kernel_backend(inputs.log_probs.device, dtype=inputs.dtype) == "triton"
 
 
 def kl_penalized_rewards(
@@ -254,6 +266,12 @@ def kl_penalized_rewards(
     coefficient = validate_scalar(beta, "beta", minimum=0.0)
 
     dtype = compute_dtype(policy, reference, rewards_t)
+    if kernel_backend(device, dtype=dtype) == "triton":
+        from ._triton._kl_call import kl_rewards_kernels
+
+        outputs = kl_rewards_kernels((policy, reference, rewards_t, mask), layout, coefficient)
+        if outputs is not None:
+            return outputs
     # The k1 estimate per token, unclamped, through the one KL implementation (rlobjectives._kl).
     log_ratio = kl_terms(
         policy,

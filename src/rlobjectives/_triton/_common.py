@@ -12,6 +12,7 @@ _Function = TypeVar("_Function", bound=Callable[..., Any])
 
 __all__ = [
     "KERNEL_DTYPES",
+    "first_order_only",
     "on_tensor_device",
     "Indexed",
     "check_mask",
@@ -129,5 +130,35 @@ def on_tensor_device(function: _Function) -> _Function:
             with torch.cuda.device(device):
                 return function(first, *args, **kwargs)
         return function(first, *args, **kwargs)
+
+    return cast(_Function, wrapper)
+
+
+_FIRST_ORDER = b"rlobjectives: the Triton kernel path supports first-order gradients only"
+
+
+def first_order_only(backward: _Function) -> _Function:
+    """Decorate an autograd ``backward``: no graph inside, and its gradients not differentiable.
+
+    Where ``torch.autograd.function.once_differentiable`` gives a double backward gradients that
+    silently do not require grad (when the incoming gradient does not), differentiating these
+    raises, as the fused PyTorch path's do (``backward(create_graph=True)``).
+    """
+
+    @functools.wraps(backward)
+    def wrapper(ctx: Any, *grads: Any) -> Any:
+        differentiable = torch.is_grad_enabled()
+        with torch.no_grad():
+            outputs = backward(ctx, *grads)
+        if not differentiable or torch.compiler.is_compiling():
+            return outputs
+        return tuple(
+            output
+            if not isinstance(output, torch.Tensor)
+            else torch._C._functions.DelayedError(_FIRST_ORDER, 1)(
+                output.detach().requires_grad_(True)
+            )
+            for output in outputs
+        )
 
     return cast(_Function, wrapper)

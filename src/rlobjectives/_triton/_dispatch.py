@@ -8,8 +8,9 @@ Rule (read at call time, so tests and users can switch it per call):
 - ``RLOBJECTIVES_KERNELS=triton``: always the Triton kernels; on CPU tensors they run through
   Triton's interpreter (numpy, slow: meant for tests and debugging). Raises when triton is not
   importable.
-- In every mode float64 inputs and code being traced by ``torch.compile`` use PyTorch: the
-  kernels compute in float32, and their launchers are not traceable.
+- In every mode float64 inputs, code being traced by ``torch.compile`` and devices other than
+  CUDA and CPU use PyTorch: the kernels compute in float32, their launchers are not traceable,
+  and they run compiled on CUDA or interpreted on CPU only.
 
 Interpreter constraint (Triton 3.9): ``@triton.jit`` reads ``TRITON_INTERPRET`` when it
 *decorates* a function, not at launch. That holds for our kernels and for ``triton.language``'s
@@ -76,6 +77,7 @@ _KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 _LOCK = threading.Lock()
 _TRUE = ("1", "true", "on", "yes")
 _INTERPRETED_LIBRARY: dict[Any, Any] = {}
+_KERNEL_DEVICES = ("cuda", "cpu")  # compiled, interpreted; other devices keep PyTorch
 
 
 def requested_backend() -> str:
@@ -107,8 +109,11 @@ def kernel_backend(device: torch.device | str, *, dtype: torch.dtype | None = No
         ValueError: on an invalid ``RLOBJECTIVES_KERNELS``.
         RuntimeError: with ``RLOBJECTIVES_KERNELS=triton`` when triton is not importable.
     """
+    if torch.compiler.is_compiling():  # the launchers are not traceable
+        return "torch"
     choice = requested_backend()
-    if choice == "torch" or dtype == torch.float64 or torch.compiler.is_compiling():
+    kind = torch.device(device).type
+    if choice == "torch" or dtype == torch.float64 or kind not in _KERNEL_DEVICES:
         return "torch"
     if choice == "triton":
         if not triton_available():
@@ -117,7 +122,7 @@ def kernel_backend(device: torch.device | str, *, dtype: torch.dtype | None = No
                 '`pip install "rlobjectives[kernels]"` or unset the variable'
             )
         return "triton"
-    return "triton" if torch.device(device).type == "cuda" and triton_available() else "torch"
+    return "triton" if kind == "cuda" and triton_available() else "torch"
 
 
 def interpreted(device: torch.device | str) -> bool:
@@ -182,10 +187,82 @@ def _bridged(run: Callable[..., Any]) -> Callable[..., Any]:
     def bridged_run(*args: Any, **kwargs: Any) -> Any:
         # Lanes outside the data compute log(0), 0/0... and are masked at the store: numpy's
         # warnings about them are noise.
-        with _language_restored(), _library_calls_interpreted(), numpy.errstate(all="ignore"):
-            return run(*args, **kwargs)
+        with _language_restored(), _language_patched_once(), _library_calls_interpreted():
+            with _bfloat16_rounded_to_nearest(), numpy.errstate(all="ignore"):
+                return run(*args, **kwargs)
 
     return bridged_run
+
+
+@contextlib.contextmanager
+def _bfloat16_rounded_to_nearest() -> Iterator[None]:
+    """Round float32 -> bfloat16 conversions to nearest even, as the GPU (and PyTorch) does.
+
+    Triton 3.9's interpreter truncates the mantissa in ``x.to(tl.bfloat16)`` (its conversion
+    drops the low 16 bits), where the compiled kernel's ``cvt.rn.bf16.f32`` rounds to nearest
+    even; bf16 outputs would differ by an ulp from the GPU's and from ``tensor.to(bfloat16)``.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.cast_impl
+
+    def cast_impl(self: Any, src: Any, dst_type: Any) -> Any:
+        if src.dtype.scalar != tl.float32 or dst_type.scalar != tl.bfloat16:
+            return original(self, src, dst_type)
+        bits = np.asarray(src.data, dtype=np.float32).view(np.uint32).astype(np.uint64)
+        rounded = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # nearest, ties to even
+        quiet = (bits >> 16) | 0x0040  # NaN stays NaN (quiet), whatever its payload
+        upper = np.where(np.isnan(src.data), quiet, rounded).astype(np.uint16)
+        return interpreter.TensorHandle(upper, dst_type.scalar)
+
+    builder.cast_impl = cast_impl  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        builder.cast_impl = original  # type: ignore[method-assign]
+
+
+@contextlib.contextmanager
+def _language_patched_once() -> Iterator[None]:
+    """Patch each ``triton.language`` module once per interpreted launch, not at every call.
+
+    The interpreter patches ``triton.language`` again at every device-function call (our
+    helpers, ``tl.sum``...): an ``inspect.getmembers`` of the language modules, about a
+    millisecond each, most of the time of a small launch. Within one launch the patches of a
+    module stay in place until the launch ends (they are undone by the launch's scope and by
+    :func:`_language_restored`), so patching a module again changes nothing; the first call that
+    reaches a module not yet patched (``triton.language.core`` for the library's functions)
+    patches it as before.
+    """
+    import inspect
+
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    original = interpreter._patch_lang
+    languages = (tl, tl.core)
+    patched: set[int] = set()
+    seen: dict[int, set[int]] = {}  # the language modules of each global namespace
+
+    def patch_lang(fn: Any) -> Any:
+        found = seen.get(id(fn.__globals__))
+        if found is None:
+            found = {id(value) for value in fn.__globals__.values() if inspect.ismodule(value)}
+            found &= {id(language) for language in languages}
+            seen[id(fn.__globals__)] = found
+        if found and found <= patched:
+            return interpreter._LangPatchScope()  # nothing to undo
+        patched.update(found)
+        return original(fn)
+
+    interpreter._patch_lang = patch_lang
+    try:
+        yield
+    finally:
+        interpreter._patch_lang = original
 
 
 @contextlib.contextmanager

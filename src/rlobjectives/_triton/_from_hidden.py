@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ._common import first_order_only
 from ._lm_head_backward import lm_head_backward
 from ._lm_head_forward import lm_head_forward
 from ._token_loss import TokenLossOptions, scale_by_mask, token_loss_forward
@@ -51,7 +52,7 @@ class LogProbsFromHiddenFunction(torch.autograd.Function):
         return out.log_probs, entropy
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(  # type: ignore[override]
         ctx: Any, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
@@ -61,6 +62,12 @@ class LogProbsFromHiddenFunction(torch.autograd.Function):
             grad_log_probs = torch.zeros_like(lse)
         if entropy is None or grad_entropy is None or not grad_entropy.numel():
             grad_entropy = None
+        # Rows whose outputs receive no gradient are treated as masked: their hidden states are
+        # not read, so a NaN row the caller selected away cannot reach grad_weight (0 * NaN).
+        active = grad_log_probs != 0
+        if grad_entropy is not None:
+            active = active | (grad_entropy != 0)
+        mask = mask & active
         grads = lm_head_backward(
             hidden, weight, tokens, mask, lse, grad_log_probs.float().contiguous(),
             bias=bias, temperature=options.get("temperature", 1.0), entropy=entropy,
@@ -82,8 +89,9 @@ class FusedPolicyLossFromHiddenFunction(torch.autograd.Function):
     ``entropy`` (``options``, ``row_length``, ``importance_weights``, ``ref_log_probs``,
     ``sequence_log_ratio``...). ``loss`` (0-d float32, :math:`\sum_n w_n L_n`) is
     differentiable with respect to ``hidden``, ``weight`` and ``bias``; ``log_probs`` /
-    ``entropy`` (``(N,)`` float32) and ``totals`` (the 18 sums of
-    :class:`~rlobjectives._triton._token_loss.TokenLossSums`) are detached.
+    ``entropy`` (``(N,)`` float32) and ``totals`` (the 17 sums of
+    :class:`~rlobjectives._triton._token_loss.TokenLossSums`) are detached. One backward pass
+    per forward (a second raises, as the PyTorch path).
     """
 
     @staticmethod
@@ -115,6 +123,7 @@ class FusedPolicyLossFromHiddenFunction(torch.autograd.Function):
         ctx.save_for_backward(
             hidden, weight, bias, tokens, mask, head.lse, head.entropy, out.coefficient, weights
         )
+        ctx.spent = False
         ctx.head_kwargs = head_kwargs
         ctx.entropy_coef = options.entropy_coef
         ctx.row_length = loss_kwargs.get("row_length")
@@ -123,10 +132,15 @@ class FusedPolicyLossFromHiddenFunction(torch.autograd.Function):
         return out.totals[0].clone(), head.log_probs, entropy, out.totals
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(  # type: ignore[override]
         ctx: Any, grad_loss: torch.Tensor, *_: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
+        if ctx.spent:  # the contract of the PyTorch path (its gradients are formed in forward)
+            raise RuntimeError(
+                "fused_policy_loss_from_hidden supports one backward pass per forward"
+            )
+        ctx.spent = True
         hidden, weight, bias, tokens, mask, lse, entropy, coefficient, weights = ctx.saved_tensors
         gradient = grad_loss.float()
         grad_log_probs = coefficient * gradient  # (N,) c g, zero at masked rows

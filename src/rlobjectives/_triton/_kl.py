@@ -17,7 +17,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._common import KERNEL_DTYPES, check_mask, mask_bytes, on_tensor_device
+from ._common import KERNEL_DTYPES, check_mask, first_order_only, mask_bytes, on_tensor_device
 from ._dispatch import kernels
 from ._token_loss import TokenLossOptions, scale_by_mask, token_loss_forward
 
@@ -131,7 +131,7 @@ class KLLossFunction(torch.autograd.Function):
         return out.loss.clone(), per_token
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(  # type: ignore[override]
         ctx: Any, grad_loss: torch.Tensor, grad_per_token: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:
@@ -172,16 +172,19 @@ def kl_penalized_rewards_forward(
     mask: torch.Tensor,
     *,
     beta: float,
+    cu_seqlens: torch.Tensor | None = None,
     block_size: int = _ROW_BLOCK,
 ) -> KLRewardsForward:
     r"""One launch (one program per sequence) for the seed ``kl_penalized_rewards``.
 
     Args:
-        policy_log_probs: ``(B, T)`` (fp16/bf16/fp32; rows may be strided, tokens contiguous).
-        reference_log_probs: ``(B, T)``.
-        rewards: ``(B,)``.
-        mask: ``(B, T)`` bool.
+        policy_log_probs: ``(B, T)`` (fp16/bf16/fp32; rows may be strided, tokens contiguous),
+            or one packed row ``(1, N)`` with ``cu_seqlens``.
+        reference_log_probs: the shape of ``policy_log_probs``.
+        rewards: ``(B,)`` (packed: ``(S,)``).
+        mask: bool, the shape of ``policy_log_probs``.
         beta: :math:`\beta \ge 0` (Python number).
+        cu_seqlens: ``(S + 1,)`` int64 boundaries of the packed sequences (validated), or None.
         block_size: tokens per loop step.
 
     Returns:
@@ -189,26 +192,32 @@ def kl_penalized_rewards_forward(
     """
     device = policy_log_probs.device
     shape = tuple(policy_log_probs.shape)
-    if len(shape) != 2:
-        raise ValueError(f"policy_log_probs must be (B, T), got shape {shape}")
-    batch, tokens = shape
+    if len(shape) != 2 or (cu_seqlens is not None and shape[0] != 1):
+        raise ValueError(f"policy_log_probs must be (B, T) or packed (1, N), got shape {shape}")
+    batch = shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
     _check_rows(policy_log_probs, "policy_log_probs", shape, device)
     _check_rows(reference_log_probs, "reference_log_probs", shape, device)
     _check_rows(rewards, "rewards", (batch,), device)
     _check_rows(mask, "mask", shape, device)
-    policy = _row_contiguous(policy_log_probs)
-    reference = _row_contiguous(reference_log_probs)
-    flags = _row_contiguous(check_mask(mask.reshape(-1), batch * tokens, device).view(shape))
+    packed = cu_seqlens is not None
+    policy = _contiguous(policy_log_probs, packed)
+    reference = _contiguous(reference_log_probs, packed)
+    flags = _contiguous(check_mask(mask.reshape(-1), mask.numel(), device).view(shape), packed)
     divergences = torch.zeros(batch, dtype=torch.float32, device=device)
     penalized = torch.zeros(batch, dtype=torch.float32, device=device)
     if batch > 0:
         kernels(device).kl_rewards.kl_rewards_kernel[(batch,)](
-            policy, reference, rewards.contiguous(), mask_bytes(flags), divergences, penalized,
-            tokens, policy.stride(0), reference.stride(0), flags.stride(0), float(beta),
-            BLOCK=block_size, num_warps=4,
+            policy, reference, rewards.contiguous(), mask_bytes(flags), cu_seqlens, divergences,
+            penalized, shape[1], policy.stride(0), reference.stride(0), flags.stride(0),
+            float(beta), PACKED=packed, BLOCK=block_size, num_warps=4,
         )  # fmt: skip
     objective = penalized.sum() / max(batch, 1)
     return KLRewardsForward(objective, penalized, divergences)
+
+
+def _contiguous(tensor: torch.Tensor, packed: bool) -> torch.Tensor:
+    """Tokens contiguous: the whole packed row, or the last dimension of each padded row."""
+    return tensor.contiguous() if packed else _row_contiguous(tensor)
 
 
 def _row_contiguous(tensor: torch.Tensor) -> torch.Tensor:
@@ -219,7 +228,8 @@ def _row_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 class KLPenalizedRewardsFunction(torch.autograd.Function):
     r"""``(objective, penalized_rewards, sampled_divergences)`` with the seed's gradients.
 
-    ``apply(policy_log_probs, reference_log_probs, rewards, mask, beta)``. With
+    ``apply(policy_log_probs, reference_log_probs, rewards, mask, beta, packing)``, ``packing``
+    None (padded rows) or ``(cu_seqlens, sequence_ids)`` of one packed row. With
     :math:`g_J, g_{\tilde r}, g_D` the incoming gradients, per selected token
     :math:`\partial/\partial \ell_{it} = g_{D,i} - \beta g_{\tilde r, i} - \beta g_J / B`, the
     reference gets the negation, and the rewards :math:`g_{\tilde r, i} + g_J / B`.
@@ -233,37 +243,42 @@ class KLPenalizedRewardsFunction(torch.autograd.Function):
         rewards: torch.Tensor,
         mask: torch.Tensor,
         beta: float,
+        packing: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        cu_seqlens = None if packing is None else packing[0]
         out = kl_penalized_rewards_forward(
-            policy_log_probs, reference_log_probs, rewards, mask, beta=beta
+            policy_log_probs, reference_log_probs, rewards, mask, beta=beta, cu_seqlens=cu_seqlens
         )
-        ctx.save_for_backward(mask)
+        ctx.save_for_backward(mask, None if packing is None else packing[1])
         ctx.beta = float(beta)
+        ctx.batch = out.penalized_rewards.shape[0]
         ctx.dtypes = (policy_log_probs.dtype, reference_log_probs.dtype, rewards.dtype)
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(  # type: ignore[override]
         ctx: Any,
         grad_objective: torch.Tensor,
         grad_penalized: torch.Tensor,
         grad_divergences: torch.Tensor,
     ) -> tuple[torch.Tensor | None, ...]:
-        (mask,) = ctx.saved_tensors
-        batch, tokens = mask.shape
-        per_sequence = grad_objective.float() / max(batch, 1) + grad_penalized.float()  # (B,)
-        row_factor = grad_divergences.float() - ctx.beta * per_sequence  # (B,)
+        mask, sequence_ids = ctx.saved_tensors
+        per_sequence = grad_objective.float() / max(ctx.batch, 1) + grad_penalized.float()  # (S,)
+        row_factor = grad_divergences.float() - ctx.beta * per_sequence  # (S,)
+        row_length: int | None = mask.shape[1]
+        if sequence_ids is not None:  # packed: the factor of each token's sequence
+            row_factor, row_length = row_factor.index_select(0, sequence_ids), None
         flat = mask.reshape(-1)
         one = row_factor.new_ones(1)
         grads: list[torch.Tensor | None] = [None, None, None]
         for index, sign in ((0, 1.0), (1, -1.0)):
-            if ctx.needs_input_grad[index] and tokens == 0:
+            if ctx.needs_input_grad[index] and flat.numel() == 0:
                 grads[index] = mask.new_zeros(mask.shape, dtype=ctx.dtypes[index])
             elif ctx.needs_input_grad[index]:
                 grads[index] = scale_by_mask(
-                    row_factor, one * sign, flat, ctx.dtypes[index], row_length=tokens
-                ).view(batch, tokens)
+                    row_factor, one * sign, flat, ctx.dtypes[index], row_length=row_length
+                ).view(mask.shape)
         if ctx.needs_input_grad[2]:
             grads[2] = per_sequence.to(ctx.dtypes[2])
-        return grads[0], grads[1], grads[2], None, None
+        return grads[0], grads[1], grads[2], None, None, None

@@ -9,16 +9,23 @@ Per selected token (unselected tokens are exact zeros everywhere):
     \Delta = \mathrm{clip}(\ell - \ell^{old}, -b, b), \quad r = e^{\Delta}, \qquad
     L = -\rho\, s(r, A, \ell) + \beta\, k(\mathrm{clip}(\ell - \ell^{ref}, -b, b)) - c_H H,
 
-with ``s`` one of (``options.surrogate``):
+with ``s`` one of (``options.surrogate``), the library's definitions
+(:mod:`rlobjectives._surrogates`, the fused path :mod:`rlobjectives._fused`; the same values,
+gradients and diagnostics up to float32 rounding):
 
-- ``"clip"``: :math:`\min(\min(r, \delta) A, \mathrm{clip}(r, 1-\epsilon_{lo}, 1+\epsilon_{hi}) A)`,
-  then :math:`\max(s, cA)` where :math:`A < 0` with ``dual_clip=c`` (``clip_low=None``: vanilla
-  :math:`rA`; ``delta=None``: :math:`rA` in the first branch). Autograd's tie conventions.
-- ``"cispo"``: :math:`\mathrm{sg}(w) A \ell`, :math:`w = \min(r, \mathrm{cap})` (``cispo_cap``,
-  TRL) or :math:`\mathrm{clip}(r, 1-\epsilon_{lo}, 1+\epsilon_{hi})` (no cap: verl's band).
+- ``"clip"``: :math:`s = A\,\mathrm{clip}(r, L, H)` with the per-sign bounds of
+  :func:`rlobjectives._surrogates.clip_bounds` (the band, ``delta``, ``dual_clip``); the slope
+  :math:`rA` where :math:`L \le r \le H` and the log-ratio bound held, halved at an exact
+  dual-clip tie :math:`r = c` (clipping decided on the ratio, as the fused PyTorch path).
+- ``"cispo"``: :math:`\mathrm{sg}(w) A \ell`, :math:`w = \mathrm{clamp}(r, lo, hi)` with
+  :func:`rlobjectives._surrogates.cispo_bounds` (TRL's cap or verl's band).
 - ``"sapo"``: :math:`(4/\tau) \sigma(\tau (r - 1)) A`, :math:`\tau = \tau_+` if :math:`A > 0`
   else :math:`\tau_-`.
 - ``"none"``: 0 (only the KL term: ``kl_loss``).
+
+The importance weights :math:`\rho` enter the products as :math:`\tilde A = \rho A`; sign
+decisions and diagnostics use :math:`A`. The last nine sums are the numerators of
+:class:`rlobjectives.PolicyLossDiagnostics` (its field order).
 
 ``GSPO``: ``sequence_log_ratio`` replaces :math:`\ell - \ell^{old}` in :math:`\Delta` (value of
 the sequence's mean log-ratio, gradient 1 with respect to :math:`\ell`); the k1/k3 diagnostics
@@ -33,7 +40,19 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._common import check_mask, check_tokens, grid_blocks, indexed, mask_bytes, on_tensor_device
+from .._policy_args import SurrogateOptions
+from .._surrogate import DIAGNOSTIC_LOG_RATIO_BOUND
+from .._surrogates import SAPO_HALF_PEAK, cispo_bounds, clip_bounds
+from ._common import (
+    Indexed,
+    check_mask,
+    check_tokens,
+    first_order_only,
+    grid_blocks,
+    indexed,
+    mask_bytes,
+    on_tensor_device,
+)
 from ._dispatch import kernels
 
 __all__ = [
@@ -104,16 +123,15 @@ class TokenLossSums(NamedTuple):
     kl_sum: torch.Tensor  # sum k
     entropy_sum: torch.Tensor  # sum H
     selected: torch.Tensor  # selected tokens
-    out_of_band: torch.Tensor  # r outside [1 - eps_lo, 1 + eps_hi] (strictly)
-    binding_low: torch.Tensor  # r < 1 - eps_lo and A < 0
-    binding_high: torch.Tensor  # r > 1 + eps_hi and A > 0
-    dual_binding: torch.Tensor  # A < 0 and min(rA, clip(r)A) < cA
-    bound_fired: torch.Tensor  # |policy log-ratio| > b
-    ratio_sum: torch.Tensor  # sum r
+    out_of_band: torch.Tensor  # clipped_fraction's numerator
+    binding_low: torch.Tensor  # clip_fraction_low's
+    binding_high: torch.Tensor  # clip_fraction_high's
+    dual_binding: torch.Tensor  # dual_clip_fraction's
+    bound_fired: torch.Tensor  # log_ratio_bound_fraction's: |policy log-ratio| > b
+    ratio_sum: torch.Tensor  # ratio_mean's: sum r
     k1_sum: torch.Tensor  # sum -(l - l_old) (token log-ratio, unbounded)
     k3_sum: torch.Tensor  # sum g(clip(l - l_old, +-b_diag)), g(x) = e^x - 1 - x
-    capped: torch.Tensor  # CISPO: tokens whose weight differs from r
-    gate_low: torch.Tensor  # SAPO: tokens with 4 sigma (1 - sigma) < 1/2
+    weight_sum: torch.Tensor  # weight_mean's: the factor w of s = w A (or sg(w) A l)
 
 
 class TokenLossForward(NamedTuple):
@@ -123,7 +141,7 @@ class TokenLossForward(NamedTuple):
         coefficient: ``(N,)`` float32, :math:`w\,\partial L / \partial \ell` (with no
             weights: :math:`\partial L / \partial \ell`); 0 at unselected tokens.
         per_token_loss: ``(N,)`` float32 :math:`L` (zeros at unselected tokens) when requested.
-        totals: ``(18,)`` float32, the sums in :class:`TokenLossSums` field order.
+        totals: ``(17,)`` float32, the sums in :class:`TokenLossSums` field order.
     """
 
     coefficient: torch.Tensor
@@ -134,13 +152,45 @@ class TokenLossForward(NamedTuple):
     def sums(self) -> TokenLossSums:
         """:class:`TokenLossSums`: views into ``totals``, built on access.
 
-        Eighteen views cost more host time than the kernel launch at small N, so the autograd
+        Seventeen views cost more host time than the kernel launch at small N, so the autograd
         path never builds them.
         """
         return TokenLossSums(*self.totals.unbind())
 
 
 _DEFAULT_OPTIONS = TokenLossOptions()
+
+
+def _edges(options: TokenLossOptions) -> dict[str, float | None]:
+    """The surrogate's ratio edges, from the library's own definitions (None: no edge).
+
+    ``low``/``high``: the band of ``"clip"`` (its diagnostics and the ``A < 0`` lower edge) or
+    CISPO's weight bounds; ``upper_positive``/``upper_negative``: the per-sign upper edges of
+    ``"clip"`` (:func:`rlobjectives._surrogates.clip_bounds`).
+    """
+    edges: dict[str, float | None] = dict.fromkeys(
+        ("low", "high", "upper_positive", "upper_negative")
+    )
+    spec = SurrogateOptions(
+        clip_low=options.clip_low, clip_high=options.clip_high, dual_clip=options.dual_clip,
+        ratio_level="token", log_ratio_bound=options.log_ratio_bound,
+        surrogate=options.surrogate, delta=options.delta, cispo_cap=options.cispo_cap,
+    )  # fmt: skip
+    if options.surrogate == "cispo":
+        edges["low"], edges["high"] = (_number(edge) for edge in cispo_bounds(spec))
+    elif options.surrogate == "clip":
+        bounds = clip_bounds(spec)
+        band = (None, None) if bounds.band is None else bounds.band
+        edges.update(
+            low=_number(band[0]), high=_number(band[1]),
+            upper_positive=_number(bounds.upper_positive),
+            upper_negative=_number(bounds.upper_negative),
+        )  # fmt: skip
+    return edges
+
+
+def _number(value: float | torch.Tensor | None) -> float | None:
+    return None if value is None else float(value)
 
 
 def _flags(options: TokenLossOptions, kernel_module: Any) -> dict[str, Any]:
@@ -153,36 +203,43 @@ def _flags(options: TokenLossOptions, kernel_module: Any) -> dict[str, Any]:
             f"of {sorted(kernel_module.ESTIMATORS)}, got {options.surrogate!r} and "
             f"{options.kl_estimator!r}"
         )
-    band = options.clip_low is not None
-    if options.surrogate == "cispo" and not band and options.cispo_cap is None:
-        raise ValueError('surrogate="cispo" needs cispo_cap (TRL) or clip_low (verl band)')
-    low = 1.0 - options.clip_low if options.clip_low is not None else 0.0
-    high_eps = options.clip_low if options.clip_high is None else options.clip_high
+    edges = _edges(options)
     bound = options.log_ratio_bound
     diagnostic = options.diagnostic_bound
     if diagnostic is None:
-        diagnostic = 20.0 if bound is None else bound
-    return {
-        "low": low,
-        "high": 1.0 + high_eps if high_eps is not None else 0.0,
-        "dual_clip": 1.0 if options.dual_clip is None else float(options.dual_clip),
-        "delta": 1.0 if options.delta is None else float(options.delta),
-        "cispo_cap": 1.0 if options.cispo_cap is None else float(options.cispo_cap),
-        "tau_positive": float(options.sapo_temperature_pos),
-        "tau_negative": float(options.sapo_temperature_neg),
-        "bound": 0.0 if bound is None else float(bound),
-        "diagnostic_bound": float(diagnostic),
-        "kl_coef": float(options.kl_coef),
-        "entropy_coef": float(options.entropy_coef),
-        "SURROGATE": surrogate,
-        "HAS_CLIP": band,
-        "HAS_DUAL": options.dual_clip is not None and options.surrogate == "clip",
-        "HAS_DELTA": options.delta is not None and options.surrogate == "clip",
-        "CISPO_BAND": options.cispo_cap is None,
-        "HAS_BOUND": bound is not None,
-        "KL_ESTIMATOR": estimator,
-        "KL_STRAIGHT_THROUGH": bool(options.kl_straight_through),
-    }
+        diagnostic = DIAGNOSTIC_LOG_RATIO_BOUND if bound is None else bound
+    flags: dict[str, Any] = {
+        name: 1.0 if value is None else value for name, value in edges.items()
+    }  # placeholders (never read) where an edge is absent
+    flags.update(
+        dual_clip=1.0 if options.dual_clip is None else float(options.dual_clip),
+        tau_positive=float(options.sapo_temperature_pos),
+        tau_negative=float(options.sapo_temperature_neg),
+        half_peak=SAPO_HALF_PEAK,
+        bound=0.0 if bound is None else float(bound),
+        diagnostic_bound=float(diagnostic),
+        kl_coef=float(options.kl_coef),
+        entropy_coef=float(options.entropy_coef),
+        SURROGATE=surrogate,
+        HAS_LOW=edges["low"] is not None,
+        HAS_HIGH=edges["high"] is not None,
+        HAS_UPPER_POSITIVE=edges["upper_positive"] is not None,
+        HAS_UPPER_NEGATIVE=edges["upper_negative"] is not None,
+        HAS_DUAL=options.dual_clip is not None and options.surrogate == "clip",
+        HAS_BOUND=bound is not None,
+        KL_ESTIMATOR=estimator,
+        KL_STRAIGHT_THROUGH=bool(options.kl_straight_through),
+    )
+    return flags
+
+
+def _tensor(argument: Indexed | None) -> torch.Tensor | None:
+    return None if argument is None else argument.tensor
+
+
+def _layout(argument: Indexed | None) -> tuple[int, int]:
+    """``(divisor, stride)`` of an indexed argument (``(1, 0)`` when absent)."""
+    return (1, 0) if argument is None else (argument.divisor, argument.stride)
 
 
 @on_tensor_device
@@ -213,7 +270,7 @@ def token_loss_forward(
         weights: reduction weights :math:`w` ((N,), (B,) or one value); None means 1.
         row_length: ``T``, for ``(B,)``-shaped per-row tensors.
         sequence_log_ratio: GSPO log-ratio per token or per row (replaces the token's).
-        importance_weights: ``(N,)`` constant :math:`\rho` multiplying :math:`-s`.
+        importance_weights: constant :math:`\rho` multiplying :math:`-s` (as ``advantages``).
         ref_log_probs: ``(N,)`` reference log-probabilities: adds :math:`\beta k`.
         entropy: ``(N,)`` entropy :math:`H`: adds :math:`-c_H H`.
         return_per_token: also write the ``(N,)`` per-token loss.
@@ -240,7 +297,7 @@ def token_loss_forward(
         sequence = indexed(sequence_log_ratio, "sequence_log_ratio", count, row_length, device)
     importance = None
     if importance_weights is not None:
-        importance = check_tokens(importance_weights, "importance_weights", count, device)
+        importance = indexed(importance_weights, "importance_weights", count, row_length, device)
     elif options.kl_importance_weighted:
         raise ValueError("kl_importance_weighted=True needs importance_weights")
     ref = None if ref_log_probs is None else check_tokens(ref_log_probs, "ref", count, device)
@@ -251,19 +308,16 @@ def token_loss_forward(
     loss = torch.empty(count, dtype=torch.float32, device=device) if return_per_token else None
     partial = torch.empty((programs, columns), dtype=torch.float32, device=device)
     module.token_loss_kernel[(programs,)](
-        log_probs, old, None if adv is None else adv.tensor, mask_bytes(mask),
-        None if weight is None else weight.tensor, None if sequence is None else sequence.tensor,
-        importance, ref, ent, coefficient, loss, partial, count,
-        1 if adv is None else adv.divisor, 0 if adv is None else adv.stride,
-        1 if weight is None else weight.divisor, 0 if weight is None else weight.stride,
-        1 if sequence is None else sequence.divisor, 0 if sequence is None else sequence.stride,
+        log_probs, old, _tensor(adv), mask_bytes(mask), _tensor(weight), _tensor(sequence),
+        _tensor(importance), ref, ent, coefficient, loss, partial, count,
+        *_layout(adv), *_layout(weight), *_layout(sequence), *_layout(importance),
         HAS_WEIGHTS=weight is not None, HAS_SEQUENCE=sequence is not None,
         HAS_IMPORTANCE=importance is not None, HAS_KL=ref is not None,
         KL_IMPORTANCE=bool(options.kl_importance_weighted), HAS_ENTROPY=ent is not None,
         STORE_LOSS=return_per_token, COLUMNS=columns, BLOCK=block_size, num_warps=_WARPS,
         **flags,
     )  # fmt: skip
-    totals = partial.sum(dim=0)  # (18,), one reduction on the device, deterministic
+    totals = partial.sum(dim=0)  # (17,), one reduction on the device, deterministic
     return TokenLossForward(coefficient, loss, totals)
 
 
@@ -342,7 +396,7 @@ class TokenLossFunction(torch.autograd.Function):
         return out.totals[0].clone(), per_token, out.totals
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @first_order_only
     def backward(  # type: ignore[override]
         ctx: Any, grad_loss: torch.Tensor, grad_per_token: torch.Tensor, _: torch.Tensor
     ) -> tuple[torch.Tensor | None, ...]:

@@ -8,18 +8,12 @@ data parallelism ``torchrun --nproc_per_node=2 -m rlobjectives.demo``. Needs the
 (tqdm, matplotlib), imported only when a run starts.
 """
 
+from .command_line import build_parser, main
+from .config import DemoConfig, DemoResult, Forward
 from .model import TinyTransformer
+from .sampling import response_log_probs, sample_responses
 from .task import TASKS, DigitTask, Rewards
-from .training import (
-    DemoConfig,
-    DemoResult,
-    Forward,
-    build_parser,
-    main,
-    response_log_probs,
-    sample_responses,
-    train,
-)
+from .training import train
 
 __all__ = [
     "TASKS",

@@ -2,6 +2,6 @@
 
 import sys
 
-from .training import main
+from .command_line import main
 
 sys.exit(main())

@@ -42,8 +42,9 @@ from ..distributed import (
     sum_diagnostics,
 )
 from .model import TinyTransformer
+from .ranks import all_reduce_sum
+from .sampling import response_log_probs, sample_responses
 from .task import DigitTask, Rewards
-from .training import _all_reduce_sum, response_log_probs, sample_responses
 
 __all__ = [
     "GAMMA",
@@ -114,7 +115,7 @@ class Rollout(NamedTuple):
 class PPOStep:
     """One PPO step per call, with the critic, its optimizer and the KL controller as state.
 
-    Called like :func:`rlobjectives.demo.training.grpo_step` and returns the same metrics plus
+    Called like :func:`rlobjectives.demo.grpo.grpo_step` and returns the same metrics plus
     ``value_loss``, ``value_clip_fraction``, ``explained_variance`` and ``kl_coef``.
     """
 
@@ -148,7 +149,7 @@ class PPOStep:
         rollout = self._rollout(model, reference, task, config, generator, prompt_generator)
         kl_coef = self.controller.value
         updates = self._update(model, optimizer, task, config, rollout, generator)
-        totals = _all_reduce_sum(
+        totals = all_reduce_sum(
             torch.stack(
                 [
                     rollout.kl.sum(),
@@ -289,7 +290,7 @@ class PPOStep:
 
 
 def _rollout_metrics(rollout: Rollout) -> dict[str, float]:
-    totals = _all_reduce_sum(
+    totals = all_reduce_sum(
         torch.stack(
             [
                 rollout.scores.reward.sum(),
@@ -314,7 +315,7 @@ def _update_metrics(
 ) -> dict[str, float]:
     updates = len(diagnostics)
     summed = sum_diagnostics(list(diagnostics))  # summed over updates and ranks
-    loss_totals = _all_reduce_sum(torch.stack(losses).detach().sum(0))  # (3,)
+    loss_totals = all_reduce_sum(torch.stack(losses).detach().sum(0))  # (3,)
     return {
         "loss": float(loss_totals[0]) / updates,  # sum over ranks of additive losses
         "value_loss": float(loss_totals[1]) / updates,

@@ -11,7 +11,7 @@ turns the ratio :math:`e^{\ell^{old} - \ell^{rollout}}` into truncated importanc
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -19,6 +19,7 @@ from torch import nn
 
 from .. import RolloutCorrection, RolloutCorrectionMetrics, rollout_correction
 from ..distributed import sum_diagnostics
+from .config import Forward
 
 __all__ = [
     "METRIC_KEYS",
@@ -28,7 +29,6 @@ __all__ = [
     "step_metrics",
 ]
 
-Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 #: The keys this module adds to every line of ``metrics.jsonl``.
 METRIC_KEYS = (
     "rollout_effective_sample_size",

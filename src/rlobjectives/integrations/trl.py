@@ -9,16 +9,23 @@ Swap the import and keep everything else::
 
 By default the loss is :func:`rlobjectives.presets.trl_grpo_loss` built from the trainer's
 ``GRPOConfig`` (:func:`loss_from_config`): the same value and gradient as TRL's own
-``_compute_loss`` (tested against the real trainer for grpo, bnpo, dr_grpo and dapo). Pass
-``loss_fn=`` to train with any other objective of the library; it is called once per
-micro-batch as
+``_compute_loss`` (tested against the real trainer for every ``loss_type``, and for the
+entropy mask, entropy bonus and off-policy mask). Pass ``loss_fn=`` to train with any other
+objective of the library; it is called once per micro-batch as
 
 ``loss_fn(log_probs, old_log_probs, advantages, mask, *, ref_log_probs, importance_sampling_ratio,
-num_items_in_batch, num_processes, gradient_accumulation_steps, steps_per_generation)``
+num_items_in_batch, num_processes, gradient_accumulation_steps, steps_per_generation, entropy,
+sampling_log_probs)``
 
-and returns ``(loss, metrics)``: the loss already scaled for gradient accumulation (TRL does
-not rescale it: ``loss_is_scaled_for_ga``) and a mapping of metric names to 0-d tensors, logged
+(``entropy``: TRL's per-token entropies, with their gradient; ``sampling_log_probs``: TRL's
+``sampling_per_token_logps`` or None; accept ``**kwargs`` to ignore what you do not use) and
+returns ``(loss, metrics)``: the loss already scaled for gradient accumulation (TRL does not
+rescale it: ``loss_is_scaled_for_ga``) and a mapping of metric names to 0-d tensors, logged
 under those names.
+
+With ``use_adaptive_entropy`` the trainer runs TRL's controller on TRL's own state attributes
+(``entropy_coef``, checkpointed by TRL) and passes each call's coefficient as
+``entropy_coef=`` (a custom ``loss_fn`` receives it too).
 
 Tested with TRL 1.16 (the minimum, 1.10, is the first release with the loss semantics the
 preset follows).
@@ -39,6 +46,7 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
         "rlobjectives.integrations.trl needs TRL: pip install 'rlobjectives[trl]'"
     ) from error
 
+from ..distributed import global_top_entropy_mask
 from ..presets import TRLGRPOLoss, trl_grpo_loss
 
 __all__ = ["GRPOTrainer", "loss_from_config"]
@@ -60,13 +68,8 @@ def loss_from_config(args: Any) -> TRLGRPOLoss:
         :func:`rlobjectives.presets.trl_grpo_loss` of the config's loss options.
 
     Raises:
-        NotImplementedError: an option the preset does not support yet (its message names it).
+        ValueError: an option value the preset rejects (its message names it).
     """
-    if getattr(args, "use_adaptive_entropy", False):
-        raise NotImplementedError(
-            "TRL use_adaptive_entropy is not supported yet: it needs policy_loss(entropy=, "
-            "entropy_coef=) (issue 13); no approximation is substituted"
-        )
     return trl_grpo_loss(
         loss_type=args.loss_type,
         epsilon=args.epsilon,
@@ -77,6 +80,10 @@ def loss_from_config(args: Any) -> TRLGRPOLoss:
         max_completion_length=args.max_completion_length,
         sapo_temperature_pos=getattr(args, "sapo_temperature_pos", 1.0),
         sapo_temperature_neg=getattr(args, "sapo_temperature_neg", 1.05),
+        vespo_k_pos=getattr(args, "vespo_k_pos", 2.0),
+        vespo_lambda_pos=getattr(args, "vespo_lambda_pos", 3.0),
+        vespo_k_neg=getattr(args, "vespo_k_neg", 3.0),
+        vespo_lambda_neg=getattr(args, "vespo_lambda_neg", 2.0),
         use_bias_correction_kl=getattr(args, "use_bias_correction_kl", False),
         top_entropy_quantile=getattr(args, "top_entropy_quantile", 1.0),
         entropy_coef=getattr(args, "entropy_coef", 0.0),
@@ -97,8 +104,7 @@ class GRPOTrainer(_TRLGRPOTrainer):  # type: ignore[misc]
         **kwargs: ``trl.GRPOTrainer``'s keyword arguments.
 
     Raises:
-        NotImplementedError: with ``loss_fn=None``, a ``GRPOConfig`` option the preset does not
-            support yet.
+        ValueError: with ``loss_fn=None``, a ``GRPOConfig`` loss option out of range.
     """
 
     def __init__(self, *args: Any, loss_fn: Callable[..., Any] | None = None, **kwargs: Any):
@@ -128,6 +134,8 @@ class GRPOTrainer(_TRLGRPOTrainer):  # type: ignore[misc]
         old_log_probs = inputs.get("old_per_token_logps")
         correction = self.use_vllm and self.vllm_importance_sampling_correction
         ratio = inputs.get("importance_sampling_ratio") if correction else None
+        adaptive = getattr(self, "use_adaptive_entropy", False)
+        extra = {"entropy_coef": self._adaptive_coefficient()} if adaptive else {}
         loss, metrics = self.loss_fn(
             log_probs,
             log_probs.detach() if old_log_probs is None else old_log_probs,
@@ -139,6 +147,9 @@ class GRPOTrainer(_TRLGRPOTrainer):  # type: ignore[misc]
             num_processes=self.accelerator.num_processes,
             gradient_accumulation_steps=accumulation,
             steps_per_generation=generation_steps,
+            entropy=entropies,
+            sampling_log_probs=inputs.get("sampling_per_token_logps"),
+            **extra,
         )
         mode = "train" if training else "eval"
         if self.aux_loss_enabled:
@@ -146,7 +157,53 @@ class GRPOTrainer(_TRLGRPOTrainer):  # type: ignore[misc]
             aux = self.accelerator.gather_for_metrics(aux_loss).mean().item()
             self._metrics[mode]["aux_loss"].append(aux)
         self._log_metrics(mode, entropies, mask, metrics)
+        if adaptive and mode == "train":
+            self._update_entropy_coefficient(entropies, mask)
+        bonus = getattr(self, "_entropy_bonus_enabled", False)
+        if bonus and mode == "train" and self.accelerator.sync_gradients:
+            self._metrics[mode]["entropy_coef"].append(self.entropy_coef)  # as TRL
         return loss
+
+    def _adaptive_coefficient(self) -> float:
+        """TRL's adaptive bonus coefficient of this step (0 until the first window is measured).
+
+        ``entropy_coef`` while the last window's global entropy is at or below
+        ``entropy_target``, else 0.
+        """
+        config: Any = self.args  # a GRPOConfig (typed as TrainingArguments)
+        last = float(self._last_world_entropy)
+        return float(self.entropy_coef) if last <= config.entropy_target else 0.0
+
+    @torch.no_grad()
+    def _update_entropy_coefficient(self, entropies: torch.Tensor, mask: torch.Tensor) -> None:
+        """TRL's adaptive entropy controller, on the state attributes TRL checkpoints.
+
+        Sums the entropy and the count of the tokens the bonus acts on (the selected tokens, or
+        the high-entropy ones with ``top_entropy_quantile < 1``) over the accumulation window;
+        at the optimizer step, their global mean moves ``entropy_coef`` up by
+        ``entropy_coef_delta`` when at or below ``entropy_target`` and down otherwise, within
+        ``[entropy_coef_min, entropy_coef_max]``.
+        """
+        effective = mask != 0
+        if self.top_entropy_quantile < 1.0:
+            quantile = 1.0 - self.top_entropy_quantile
+            effective = global_top_entropy_mask(entropies, effective, quantile=quantile)
+        values = torch.where(effective, entropies.detach(), torch.zeros_like(entropies))
+        stats = torch.stack([values.sum(), effective.sum().to(values.dtype)])
+        window = self._entropy_window_stats
+        self._entropy_window_stats = stats if window is None else window + stats  # type: ignore[assignment]
+        if not self.accelerator.sync_gradients:
+            return
+        totals = self.accelerator.reduce(self._entropy_window_stats, reduction="sum")
+        world = (totals[0] / totals[1].clamp(min=1.0)).item()
+        config: Any = self.args  # a GRPOConfig (typed as TrainingArguments)
+        coef = float(self.entropy_coef)
+        if world <= config.entropy_target:
+            self.entropy_coef = min(coef + config.entropy_coef_delta, config.entropy_coef_max)
+        else:
+            self.entropy_coef = max(coef - config.entropy_coef_delta, config.entropy_coef_min)
+        self._last_world_entropy = world
+        self._entropy_window_stats = None
 
     def _log_probs(self, model: torch.nn.Module, inputs: dict[str, Any]) -> Any:
         """TRL's per-token log-probabilities, entropies and aux loss of the completions."""

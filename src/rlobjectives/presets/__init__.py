@@ -3,15 +3,19 @@
 Each preset takes a peer's options under the peer's names and returns a function whose result
 equals the peer's loss, value and gradient, for the same tensors, with the peer's metric names:
 
-- :func:`trl_grpo_loss`: TRL ``GRPOTrainer._compute_loss`` (``loss_type`` grpo, bnpo, dr_grpo,
-  dapo, luspo; token and sequence level; ``beta`` with ``use_bias_correction_kl``; ``delta``).
-- :func:`verl_policy_loss`: verl's registered policy losses (``loss_mode`` vanilla, gspo, gpg,
-  every ``loss_agg_mode``), with verl's signature for ``register_policy_loss``.
-- :func:`openrlhf_policy_loss`: OpenRLHF's ``PolicyLoss`` (ppo, gspo, dual clip).
+- :func:`trl_grpo_loss`: TRL ``GRPOTrainer._compute_loss`` (every ``loss_type``: grpo, bnpo,
+  dr_grpo, dapo, luspo, cispo, sapo, vespo; token and sequence level; ``beta`` with
+  ``use_bias_correction_kl``; ``delta``; ``top_entropy_quantile``; ``entropy_coef``;
+  ``off_policy_mask_threshold``; the vLLM ``importance_sampling_ratio``).
+- :func:`verl_policy_loss`: verl's registered policy losses (``loss_mode`` vanilla, gspo,
+  cispo, sapo, geo_mean, gpg; every ``loss_agg_mode``), with verl's signature for
+  ``register_policy_loss``.
+- :func:`openrlhf_policy_loss`: OpenRLHF's ``PolicyLoss`` (ppo, gspo, dual clip, the vLLM IS
+  correction tis / icepop / seq-mask-tis).
 
-The presets import torch only (never the peers). Options that need a library feature this
-version lacks raise ``NotImplementedError`` naming it; nothing is approximated. See
-``docs/objectives.md``, section "Drop-in".
+The presets import torch only (never the peers). Each is a table of peer options -> calls of
+the public API; see ``docs/objectives.md``, section "Drop-in", for what is covered and the
+peer options left out.
 """
 
 from ._openrlhf import OpenRLHFPolicyLoss, OpenRLHFPolicyLossOutput, openrlhf_policy_loss

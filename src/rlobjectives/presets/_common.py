@@ -12,8 +12,9 @@ from typing import Any, NamedTuple
 
 import torch
 
+from .._masking import masked_fill_zero
 from .._policy import policy_loss
-from .._policy_args import PolicyLossDiagnostics
+from .._policy_args import PolicyLossDiagnostics, validate_surrogate_options
 from .._reduction import aggregate
 from .._validation import Scalar
 
@@ -21,8 +22,8 @@ __all__ = [
     "ReductionArgs",
     "WeightedPolicyTerm",
     "as_bool_mask",
+    "check_options",
     "nonempty_rows",
-    "not_yet",
     "option",
     "reduce_terms",
     "weighted_policy_loss",
@@ -80,17 +81,22 @@ def weighted_policy_loss(
     options: Mapping[str, Any],
     args: ReductionArgs,
     weights: torch.Tensor | None = None,
+    token_filter: torch.Tensor | None = None,
 ) -> WeightedPolicyTerm:
-    """:func:`rlobjectives.policy_loss` reduced as ``args``, each token's loss times ``weights``.
+    """:func:`rlobjectives.policy_loss` reduced as ``args``, with importance weights and a filter.
 
-    Without weights this is one ``policy_loss`` call. With constant per-token (or ``(B, 1)``)
-    weights it is the per-token loss (``reduction="none"``) times the weights, reduced with the
-    same arguments: exactly how verl's ``rollout_is_weights`` and TRL's
-    ``importance_sampling_ratio`` enter (after the clip, before the reduction; the denominators
-    keep the mask). The weights are selected with ``torch.where`` first, so NaN/inf at unselected
-    tokens reaches neither the value nor the gradient.
+    ``weights`` (constant ``(B, T)`` or ``(B, 1)``) go to ``policy_loss(importance_weights=)``:
+    they multiply each token's loss after the clip and before the reduction, the denominators
+    keep the mask (verl's ``rollout_is_weights``, TRL's ``importance_sampling_ratio``, 0/1
+    masks that TRL multiplies in). One call.
+
+    ``token_filter`` (``(B, T)`` bool, or None) zeroes the per-token loss of the tokens it drops
+    after the surrogate is formed, the denominators unchanged: for a surrogate that folds the
+    importance weights into its own formula (VESPO), where a 0/1 multiplier cannot travel as a
+    weight. Then the loss is ``policy_loss(reduction="none")`` selected by the filter and
+    reduced with :func:`rlobjectives.aggregate` under ``args`` (the same numbers as one call).
     """
-    if weights is None:
+    if token_filter is None:
         out = policy_loss(
             log_probs,
             old_log_probs,
@@ -99,16 +105,37 @@ def weighted_policy_loss(
             reduction=args.reduction,  # type: ignore[arg-type]
             normalizer=args.normalizer,
             max_response_length=args.max_response_length,
+            importance_weights=weights,
             **options,
         )
         loss = out.loss / args.divisor if args.divisor != 1.0 else out.loss
         return WeightedPolicyTerm(loss, out.diagnostics)
-    out = policy_loss(log_probs, old_log_probs, advantages, mask, reduction="none", **options)
-    selected = as_bool_mask(mask, log_probs)
-    weights_t = torch.as_tensor(weights, device=log_probs.device).detach()
-    zero = torch.zeros((), dtype=out.loss.dtype, device=log_probs.device)
-    weights_t = torch.where(selected, weights_t.to(out.loss.dtype), zero)  # (B, T)
-    return WeightedPolicyTerm(reduce_terms(out.loss * weights_t, mask, args), out.diagnostics)
+    out = policy_loss(
+        log_probs, old_log_probs, advantages, mask, reduction="none",
+        importance_weights=weights, **options,
+    )  # fmt: skip
+    per_token = masked_fill_zero(out.loss, token_filter)  # (B, T)
+    return WeightedPolicyTerm(reduce_terms(per_token, mask, args), out.diagnostics)
+
+
+#: ``policy_loss``'s defaults of the keywords ``validate_surrogate_options`` requires.
+_POLICY_DEFAULTS: dict[str, Any] = {
+    "clip_low": 0.2,
+    "clip_high": None,
+    "dual_clip": None,
+    "ratio_level": "token",
+    "log_ratio_bound": 20.0,
+}
+
+
+def check_options(options: Mapping[str, Any]) -> None:
+    """Validate a row's ``policy_loss`` keywords once, when the preset is built.
+
+    Raises:
+        ValueError: an option out of range or one the surrogate does not take (the message
+            names the ``policy_loss`` keyword).
+    """
+    validate_surrogate_options(**{**_POLICY_DEFAULTS, **options})
 
 
 def option(config: object, name: str, default: Any) -> Any:
@@ -120,12 +147,3 @@ def option(config: object, name: str, default: Any) -> Any:
     else:
         value = getattr(config, name, None)
     return default if value is None else value
-
-
-def not_yet(option_text: str, missing: str) -> NotImplementedError:
-    """The error for a peer option that needs a library feature this version does not have."""
-    return NotImplementedError(
-        f"{option_text} is not supported yet: it needs {missing}, which this version of "
-        "rlobjectives does not have. No approximation is substituted; see docs/objectives.md "
-        "'Drop-in' for the options that are supported."
-    )

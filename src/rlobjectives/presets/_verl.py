@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._masking import clamp, masked_fill_zero, masked_mean
+from .._masking import clamp, masked_fill_zero, masked_mean, mean_selected
 from .._policy_args import PolicyLossDiagnostics
 from .._validation import validate_choice
 from ._common import (
@@ -40,13 +40,11 @@ from ._common import (
     WeightedPolicyTerm,
     as_bool_mask,
     nonempty_rows,
-    not_yet,
     option,
-    reduce_terms,
     weighted_policy_loss,
 )
 
-__all__ = ["VERL_AGGREGATIONS", "VERL_LOSS_MODES", "VERL_PENDING", "VerlPolicyLoss"]
+__all__ = ["VERL_AGGREGATIONS", "VERL_LOSS_MODES", "VerlPolicyLoss"]
 __all__ += ["VerlLossOutput", "verl_policy_loss"]
 
 
@@ -136,40 +134,100 @@ def _k1(call: _Call, bound: float | None) -> torch.Tensor:
     return masked_mean(-log_ratio.float(), call.mask)
 
 
+def _metrics(
+    call: _Call, clipfrac: torch.Tensor, lower: torch.Tensor | None, kl_bound: float | None
+) -> dict[str, torch.Tensor]:
+    """The three metric keys of verl (``lower`` None: verl's constant 0.0)."""
+    zero = torch.zeros((), dtype=torch.float32, device=call.log_prob.device)
+    return {
+        "actor/pg_clipfrac": clipfrac.float(),
+        "actor/ppo_kl": _k1(call, kl_bound),
+        "actor/pg_clipfrac_lower": zero if lower is None else lower.float(),
+    }
+
+
 def _vanilla(call: _Call, args: ReductionArgs) -> VerlLossOutput:
     """PPO clip with verl's always-on dual clip ``clip_ratio_c`` and the ±20 log-ratio clamp."""
     options = {**_clip_band(call.config), "dual_clip": option(call.config, "clip_ratio_c", 3.0)}
     term = _policy_term(call, args, {**options, "log_ratio_bound": 20.0})
-    metrics = {
-        "actor/pg_clipfrac": _pg_clipfrac(term.diagnostics),
-        "actor/ppo_kl": _k1(call, 20.0),
-        "actor/pg_clipfrac_lower": term.diagnostics.dual_clip_fraction.float(),
-    }
-    return VerlLossOutput(term.loss, metrics)
+    clipfrac = _pg_clipfrac(term.diagnostics)
+    lower = term.diagnostics.dual_clip_fraction
+    return VerlLossOutput(term.loss, _metrics(call, clipfrac, lower, 20.0))
 
 
 def _gspo(call: _Call, args: ReductionArgs) -> VerlLossOutput:
     """GSPO-token (the stop-gradient form, as verl), sequence log-ratio bounded by 10."""
     options = {**_clip_band(call.config), "ratio_level": "sequence", "log_ratio_bound": 10.0}
     term = _policy_term(call, args, options)
-    zero = torch.zeros((), dtype=torch.float32, device=call.log_prob.device)
-    metrics = {
-        "actor/pg_clipfrac": _pg_clipfrac(term.diagnostics),
-        "actor/ppo_kl": _k1(call, None),
-        "actor/pg_clipfrac_lower": zero,
+    return VerlLossOutput(term.loss, _metrics(call, _pg_clipfrac(term.diagnostics), None, None))
+
+
+def _cispo(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+    """CISPO with verl's two-sided band on the (±20-clamped) ratio, any sign of A."""
+    options = {**_clip_band(call.config), "surrogate": "cispo", "log_ratio_bound": 20.0}
+    term = _policy_term(call, args, options)
+    # verl: ratio != clip(ratio), either side, whatever the sign of A
+    clipfrac = term.diagnostics.clipped_fraction
+    return VerlLossOutput(term.loss, _metrics(call, clipfrac, None, 20.0))
+
+
+def _sapo(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+    """SAPO's soft gate with ``tau_pos`` / ``tau_neg`` (A = 0 takes tau_neg); no clip metric."""
+    options = {
+        "surrogate": "sapo",
+        "sapo_temperature_pos": option(call.config, "tau_pos", 1.0),
+        "sapo_temperature_neg": option(call.config, "tau_neg", 1.05),
+        "log_ratio_bound": 20.0,
     }
-    return VerlLossOutput(term.loss, metrics)
+    term = _policy_term(call, args, options)
+    zero = torch.zeros((), dtype=torch.float32, device=call.log_prob.device)
+    return VerlLossOutput(term.loss, _metrics(call, zero, None, 20.0))
+
+
+def _geo_mean(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+    r"""GMPO (verl ``geo_mean``): the geometric-mean ratio, mean over the B rows.
+
+    verl ignores ``loss_agg_mode`` and the global counts (``torch.mean`` over the rows, empty
+    rows included) and weights each row by the geometric mean of its ``rollout_is_weights``,
+    :math:`\exp(\mathrm{mean}_t \log(w + 10^{-10}))`.
+    """
+    options = {**_clip_band(call.config), "surrogate": "gmpo", "log_ratio_bound": None}
+    weights = None
+    if call.weights is not None:
+        log_weights = torch.log(call.weights.detach() + 1e-10)
+        weights = torch.exp(mean_selected(log_weights, call.mask, dim=-1)).unsqueeze(-1)  # (B, 1)
+    term = weighted_policy_loss(
+        call.log_prob, call.old_log_prob, call.advantages, call.mask, options=options,
+        args=args, weights=weights,
+    )  # fmt: skip
+    return VerlLossOutput(term.loss, _gmpo_metrics(call, options))
+
+
+@torch.no_grad()
+def _gmpo_metrics(call: _Call, options: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The geo_mean metrics of verl: the log-ratio outside ``[-clip_low, clip_high]`` by sign.
+
+    verl counts a token whichever side it leaves the band on (so also tokens the sign-aware
+    clip does not clip), split by ``A > 0`` (``pg_clipfrac``) and ``A < 0`` (``_lower``).
+    """
+    log_ratio = masked_fill_zero(call.log_prob.detach() - call.old_log_prob, call.mask).float()
+    outside = (log_ratio < -options["clip_low"]) | (log_ratio > options["clip_high"])
+    advantages = call.advantages.detach()
+    advantages = advantages.unsqueeze(-1) if advantages.ndim == 1 else advantages
+    clipfrac = masked_mean((outside & (advantages > 0)).float(), call.mask)
+    lower = masked_mean((outside & (advantages < 0)).float(), call.mask)
+    return _metrics(call, clipfrac, lower, None)
 
 
 def _gpg(call: _Call, args: ReductionArgs) -> VerlLossOutput:
-    """GPG: ``-A·log_prob`` (times the weights), aggregated; no metrics."""
-    advantages = call.advantages.unsqueeze(-1) if call.advantages.ndim == 1 else call.advantages
-    per_token = -masked_fill_zero(advantages.expand_as(call.log_prob), call.mask) * (
-        masked_fill_zero(call.log_prob, call.mask)
-    )  # (B, T)
-    if call.weights is not None:
-        per_token = per_token * masked_fill_zero(call.weights.detach(), call.mask)
-    return VerlLossOutput(reduce_terms(per_token, call.mask, args), {})
+    """GPG: ``-A·log_prob`` (times the weights), aggregated; no metrics.
+
+    ``policy_loss(log_prob, log_prob.detach(), A, M, surrogate="cispo", clip_low=None)``: the
+    ratio is 1, so CISPO's weight is 1 and its value and gradient are ``-A·log_prob``.
+    """
+    options = {"surrogate": "cispo", "clip_low": None, "log_ratio_bound": None}
+    on_policy = call._replace(old_log_prob=call.log_prob.detach())
+    return VerlLossOutput(_policy_term(on_policy, args, options).loss, {})
 
 
 def _policy_term(call: _Call, args: ReductionArgs, options: dict[str, Any]) -> WeightedPolicyTerm:
@@ -186,7 +244,7 @@ def _policy_term(call: _Call, args: ReductionArgs, options: dict[str, Any]) -> W
 
 def _pg_clipfrac(diagnostics: PolicyLossDiagnostics) -> torch.Tensor:
     """The ``pg_clipfrac`` of verl = the binding clips: ``(A>0, r>1+ε_h) ∪ (A<0, r<1-ε_l)``."""
-    return (diagnostics.clip_fraction_low + diagnostics.clip_fraction_high).float()
+    return diagnostics.clip_fraction_low + diagnostics.clip_fraction_high
 
 
 class _Mode(NamedTuple):
@@ -196,20 +254,24 @@ class _Mode(NamedTuple):
     forced_aggregation: str | None
 
 
-#: verl ``loss_mode`` -> (formula, forced aggregation). cispo / sapo / geo_mean are one row each
-#: once ``policy_loss(surrogate=)`` exists (issue 13): cispo (band clip_ratio_low/high, user
-#: mode), sapo (tau_pos / tau_neg, forced "seq-mean-token-mean"), geo_mean ("gmpo", mean over B).
+def _rows_mean(mask: torch.Tensor, info: dict[str, Any]) -> ReductionArgs:
+    """The ``torch.mean`` over the B rows of verl ``geo_mean`` (empty rows count; no counts)."""
+    del info
+    return ReductionArgs("sequence_mean", normalizer=max(mask.shape[0], 1))
+
+
+_FORCED_AGGREGATIONS = {**VERL_AGGREGATIONS, "rows": _rows_mean}
+
+#: verl ``loss_mode`` -> (formula, forced aggregation). gspo and sapo force
+#: ``seq-mean-token-mean``; geo_mean averages over the rows ("rows"), whatever
+#: ``loss_agg_mode`` and ``global_batch_info`` say (as verl).
 VERL_LOSS_MODES: dict[str, _Mode] = {
     "vanilla": _Mode(_vanilla, None),
     "gspo": _Mode(_gspo, "seq-mean-token-mean"),
+    "cispo": _Mode(_cispo, None),
+    "sapo": _Mode(_sapo, "seq-mean-token-mean"),
+    "geo_mean": _Mode(_geo_mean, "rows"),
     "gpg": _Mode(_gpg, None),
-}
-
-#: verl loss modes this version cannot reproduce: mode -> what it needs.
-VERL_PENDING: dict[str, str] = {
-    "cispo": "policy_loss(surrogate='cispo') with the clip_low/clip_high band (issue 13)",
-    "sapo": "policy_loss(surrogate='sapo', sapo_temperature_pos/neg) (issue 13)",
-    "geo_mean": "policy_loss(surrogate='gmpo') (issue 13)",
 }
 
 
@@ -231,10 +293,11 @@ class VerlPolicyLoss:
     ) -> VerlLossOutput:
         """The ``(pg_loss, pg_metrics)`` of verl for these tensors (:func:`verl_policy_loss`)."""
         mode = VERL_LOSS_MODES[self.loss_mode]
-        aggregation = mode.forced_aggregation or loss_agg_mode
-        validate_choice(aggregation, "loss_agg_mode", tuple(VERL_AGGREGATIONS))
+        aggregation = mode.forced_aggregation
+        if aggregation is None:
+            aggregation = validate_choice(loss_agg_mode, "loss_agg_mode", tuple(VERL_AGGREGATIONS))
         mask = as_bool_mask(response_mask, log_prob)
-        args = VERL_AGGREGATIONS[aggregation](mask, _global_info(config))
+        args = _FORCED_AGGREGATIONS[aggregation](mask, _global_info(config))
         call = _Call(old_log_prob, log_prob, advantages, mask, config, rollout_is_weights)
         return mode.loss(call, args)
 
@@ -246,9 +309,9 @@ def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
     response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None) ->
     (loss, metrics)`` and can be registered with ``register_policy_loss``. ``config`` is any
     object (or mapping) with verl's names: ``clip_ratio``, ``clip_ratio_low``,
-    ``clip_ratio_high``, ``clip_ratio_c`` and ``global_batch_info`` (``dp_size``,
-    ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``); missing values take
-    verl's defaults (0.2, 0.2, 0.2, 3.0, local counts).
+    ``clip_ratio_high``, ``clip_ratio_c``, ``tau_pos``, ``tau_neg`` and ``global_batch_info``
+    (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``); missing
+    values take verl's defaults (0.2, 0.2, 0.2, 3.0, 1.0, 1.05, local counts).
 
     - ``"vanilla"``: ``policy_loss(clip_low=clip_ratio_low, clip_high=clip_ratio_high,
       dual_clip=clip_ratio_c, log_ratio_bound=20)``; metrics ``actor/pg_clipfrac`` (the
@@ -259,23 +322,39 @@ def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
       sequence log-ratio from above only; the library bound is symmetric, so the two differ
       only for a sequence ratio below :math:`e^{-10}`. Equal to verl for per-token advantages
       too (both use the GSPO-token form). ``actor/pg_clipfrac_lower`` is 0.
-    - ``"gpg"``: ``aggregate(-A·log_prob, mask)``; no metrics.
+    - ``"cispo"``: ``policy_loss(surrogate="cispo", clip_low=clip_ratio_low,
+      clip_high=clip_ratio_high, log_ratio_bound=20)`` (verl's two-sided band, any sign of
+      :math:`A`); ``actor/pg_clipfrac`` = the ratio outside the band; ``_lower`` is 0.
+    - ``"sapo"``: ``policy_loss(surrogate="sapo", sapo_temperature_pos=tau_pos,
+      sapo_temperature_neg=tau_neg, log_ratio_bound=20)`` (``config.tau_pos`` / ``tau_neg``,
+      1.0 / 1.05) aggregated as ``"seq-mean-token-mean"`` (forced, as verl); both clip
+      fractions are 0.
+    - ``"geo_mean"``: ``policy_loss(surrogate="gmpo", clip_low=clip_ratio_low,
+      clip_high=clip_ratio_high, log_ratio_bound=None, reduction="sequence_mean",
+      normalizer=B)``: verl's ``torch.mean`` over the B rows, whatever ``loss_agg_mode`` and
+      the global counts say; ``rollout_is_weights`` enter as each row's geometric mean
+      :math:`\exp(\mathrm{mean}_t\log(w + 10^{-10}))` (verl's); ``actor/pg_clipfrac`` /
+      ``_lower``: the log-ratio outside ``[-clip_ratio_low, clip_ratio_high]`` (either side)
+      where :math:`A > 0` / :math:`A < 0`.
+    - ``"gpg"``: ``policy_loss(log_prob, log_prob.detach(), A, M, surrogate="cispo",
+      clip_low=None)`` = ``-A·log_prob`` aggregated; no metrics.
 
-    ``rollout_is_weights`` multiplies the per-token loss before the aggregation (verl's
-    placement). The metric values are 0-d float32 tensors.
+    ``rollout_is_weights`` multiply the per-token loss before the aggregation (verl's
+    placement; ``policy_loss(importance_weights=)``). The metric values are 0-d float32
+    tensors. ``actor/ppo_kl`` is the mean of ``-Δ``, clamped to ±20 where verl clamps
+    (vanilla, cispo, sapo).
 
     Args:
-        loss_mode: ``"vanilla"``, ``"gspo"`` or ``"gpg"`` (``"cispo"``, ``"sapo"``,
-            ``"geo_mean"`` raise ``NotImplementedError`` until ``policy_loss(surrogate=)``
-            exists).
+        loss_mode: ``"vanilla"``, ``"gspo"``, ``"cispo"``, ``"sapo"``, ``"geo_mean"`` or
+            ``"gpg"``.
 
     Returns:
         A :class:`VerlPolicyLoss`.
 
     Raises:
         ValueError: an unknown ``loss_mode``; at call time an unknown ``loss_agg_mode``, or
-            ``dp_size > 1`` without the global count the mode needs (as verl).
-        NotImplementedError: a mode listed in :data:`VERL_PENDING`.
+            ``dp_size > 1`` without the global count the mode needs (as verl), or a
+            ``config`` value out of range.
 
     Examples:
         >>> import torch
@@ -286,7 +365,5 @@ def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
         >>> loss
         tensor(-1., grad_fn=<...>)
     """
-    validate_choice(loss_mode, "loss_mode", (*VERL_LOSS_MODES, *VERL_PENDING))
-    if loss_mode in VERL_PENDING:
-        raise not_yet(f"verl loss_mode={loss_mode!r}", VERL_PENDING[loss_mode])
+    validate_choice(loss_mode, "loss_mode", tuple(VERL_LOSS_MODES))
     return VerlPolicyLoss(loss_mode)
