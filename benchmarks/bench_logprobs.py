@@ -290,12 +290,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-memory", action="store_true")
+    parser.add_argument("--clock", choices=("wall", "process"), default="wall",
+                        help="wall clock, or process CPU time (shared machines)")  # fmt: skip
     parser.add_argument("--only", action="append", type=int, default=None, metavar="INDEX",
                         help="case indices to run (repeatable); default all")  # fmt: skip
     parser.add_argument("--output", default=None, help="results stem (default logprobs[-quick])")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     machine = harness.machine_line(args.device)
+    if args.device == "cpu" and args.clock == "process":
+        machine += " | clock: process CPU time"
     print(machine, flush=True)
     all_cases = cases(quick=args.quick, device=args.device)
     rows = harness.run_cases(
@@ -307,6 +311,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         repeats=args.repeats,
         threads=args.threads,
         memory=not args.no_memory,
+        clock=args.clock,
         only=args.only,
         echo=lambda line: print(line, flush=True),
     )
@@ -316,7 +321,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "" if args.device == "cpu" else f"-{args.device}"
     )
     if stem:
-        print(f"wrote {write_csv(table, harness.machine_line(args.device), stem)}")
+        print(f"wrote {write_csv(table, machine, stem)}")
     return 0
 
 

@@ -17,6 +17,7 @@ import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import reference
 import rlobjectives
@@ -29,6 +30,7 @@ from rlobjectives._lm_head import (
     default_chunk_size,
     token_log_probs_from_hidden,
 )
+from rlobjectives._lm_head_chunks import HEAD_BUDGET, chunk_row_bytes
 from rlobjectives._lm_head_loss import FusedPolicyLossOutput, fused_policy_loss_from_hidden
 from tolerances import assert_close
 
@@ -260,9 +262,87 @@ def test_log_probs_match_naive_float32_any_chunk(backend: str, chunk_size: int |
 
 
 def test_default_chunk_size() -> None:
-    assert default_chunk_size(32000) == 2**24 // 32000 == 524
-    assert default_chunk_size(128000) == default_chunk_size(2**30) == 256
-    assert default_chunk_size(0) == 2**24
+    # The budget (HEAD_BUDGET): at most N // 16 rows and 2**26 bytes of buffers (float32 scores,
+    # plus the low-precision copy), at least 256 rows, at most N.
+    assert default_chunk_size(32000, 4096) == 4096 // 16 == 256  # the issue-17 shape: 32 MiB
+    assert default_chunk_size(32000, 8192) == 8192 // 16 == 512
+    assert default_chunk_size(32000, 10**6) == 2**26 // (4 * 32000) == 524  # 64 MiB ceiling
+    assert default_chunk_size(32000, 10**6, torch.bfloat16) == 2**26 // (6 * 32000) == 349
+    assert default_chunk_size(32000, 10**6, torch.float64) == 2**26 // (8 * 32000) == 262
+    assert default_chunk_size(128000, 10**6) == default_chunk_size(2**30, 10**6) == 256  # floor
+    assert default_chunk_size(32000, 1000) == 256  # floor wins over N // 16
+    assert default_chunk_size(32000, 100) == 100  # never more than N
+    assert default_chunk_size(32000, 0) == 1
+    assert default_chunk_size(0, 10**6) == 10**6 // 16
+
+
+@given(
+    vocab=st.integers(1, 2**20),
+    rows=st.integers(0, 2**20),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float64]),
+)
+def test_default_chunk_size_fits_the_budget(vocab: int, rows: int, dtype: torch.dtype) -> None:
+    chunk = default_chunk_size(vocab, rows, dtype)
+    row_bytes = chunk_row_bytes(vocab, dtype)
+    assert 1 <= chunk <= max(rows, 1)
+    if chunk > HEAD_BUDGET.min_rows:  # above the floor: both bounds hold, and one binds
+        assert chunk <= rows * HEAD_BUDGET.fraction and chunk * row_bytes <= HEAD_BUDGET.max_bytes
+        assert (chunk + 1) > rows * HEAD_BUDGET.fraction or (
+            chunk + 1
+        ) * row_bytes > HEAD_BUDGET.max_bytes
+    else:
+        assert chunk == min(HEAD_BUDGET.min_rows, max(rows, 1))
+
+
+class _LargeAllocations(TorchDispatchMode):
+    """Counts the op results of at least ``numel`` elements that are fresh allocations.
+
+    A result counts when its storage is none of the op's tensor arguments' (``out=`` and
+    in-place results, and views, do not).
+    """
+
+    def __init__(self, numel: int) -> None:
+        super().__init__()
+        self.numel = numel
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        arguments = [*args, *kwargs.values()]
+        inputs = {t.untyped_storage().data_ptr() for t in arguments if isinstance(t, torch.Tensor)}
+        for tensor in out if isinstance(out, (tuple, list)) else [out]:
+            if isinstance(tensor, torch.Tensor) and tensor.numel() >= self.numel:
+                self.count += tensor.untyped_storage().data_ptr() not in inputs
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("entropy_coef", [0.0, 0.1])
+def test_one_chunk_buffer_per_pass(dtype: torch.dtype, entropy_coef: float) -> None:
+    """Every chunk reuses the pass's ``(chunk, V)`` buffers: no per-chunk ``(n, V)`` temporary.
+
+    N = 96 rows in 3 chunks of 32; a ``(16, V)`` block is half a chunk, larger than the
+    entropy's scratch (8 rows at V = 16384) and than the weight and its gradient ``(V, 8)``.
+    """
+    vocab, chunk = 16384, 32
+    case = make_case(2, 48, 8, vocab, seed=5, dtype=dtype)
+    inputs = leaves(case)
+    common = {k: case[k] for k in ("tokens", "mask")}
+    common |= {k: case[k].float() for k in ("old_log_probs", "advantages")}  # float32 loss
+    low = dtype != torch.float32
+    with _LargeAllocations(16 * vocab) as fused:
+        out = fused_policy_loss_from_hidden(
+            *inputs[:2], bias=inputs[2], **common, chunk_size=chunk, entropy_coef=entropy_coef
+        )
+        out.loss.backward()
+    assert fused.count == 1 + low  # the scores (and the low-precision product)
+    with _LargeAllocations(16 * vocab) as recompute:
+        log_probs, entropy = token_log_probs_from_hidden(
+            *inputs[:2], case["tokens"], bias=inputs[2], chunk_size=chunk, return_entropy=True
+        )
+        (log_probs.sum() + entropy.sum()).backward()
+    assert recompute.count == 2 * (1 + low)  # the same, in forward and in backward
 
 
 def assert_bf16_gradient(

@@ -17,12 +17,15 @@ Loops run over Python lists built from static shapes (no ``.item()``), so they u
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import torch
 
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
+    "LOGITS_BUDGET",
     "Block",
+    "ChunkBudget",
     "block_rows",
     "chunk_rows",
     "flat_rows",
@@ -31,25 +34,69 @@ __all__ = [
     "run_blocks",
 ]
 
-#: Default number of float32 elements per chunk (rows * V): 2**23 = 32 MiB.
+#: Default number of float32 elements per chunk of the logits functions (rows * V): 2**23 = 32 MiB.
 DEFAULT_CHUNK_ELEMENTS = 1 << 23
 
 #: A block: an index into the leading dimensions, ``(slice,)`` or ``(int, slice)``.
 Block = tuple[int | slice, ...]
 
 
-def chunk_rows(row_width: int, *, elements: int = DEFAULT_CHUNK_ELEMENTS, minimum: int = 1) -> int:
-    """The chunk-size policy: rows per chunk so that a chunk holds about ``elements`` values.
+class ChunkBudget(NamedTuple):
+    """The memory budget of one chunk, for :func:`chunk_rows`.
+
+    Attributes:
+        fraction: the share of the rows one chunk may hold, or None for no share term. The
+            unchunked computation holds its ``(rows, V)`` buffers for every row at once, so a
+            chunk of ``fraction * rows`` rows holds ``fraction`` of their bytes.
+        max_bytes: the most bytes the buffers of one chunk may hold, whatever ``rows`` is.
+        min_rows: the fewest rows per chunk (it wins over the two bounds above): below it the
+            per-chunk costs (e.g. the ``(V, H)`` read-modify-write of ``grad_weight`` in an
+            update of inner dimension ``rows``) dominate.
+    """
+
+    fraction: float | None
+    max_bytes: int
+    min_rows: int
+
+
+#: The logits functions' budget: 32 MiB of float32 per chunk (their ``(rows, V)`` input exists
+#: already, so the chunk is a fixed extra, not a share of it).
+LOGITS_BUDGET = ChunkBudget(fraction=None, max_bytes=4 * DEFAULT_CHUNK_ELEMENTS, min_rows=1)
+
+
+def chunk_rows(
+    row_bytes: int, *, rows: int | None = None, budget: ChunkBudget = LOGITS_BUDGET
+) -> int:
+    r"""The chunk-size policy: the most rows per chunk whose buffers fit ``budget``.
+
+    .. math::
+
+        \text{chunk} = \min\Big(\max\big(\min(\lfloor f R \rfloor,
+            \lfloor M / b \rfloor),\ m\big),\ \max(R, 1)\Big)
+
+    with ``f`` = ``budget.fraction`` (the term is dropped when it or ``rows`` is None), ``M`` =
+    ``budget.max_bytes``, ``m`` = ``budget.min_rows``, ``b`` = ``row_bytes`` and ``R`` = ``rows``.
 
     Args:
-        row_width: values per row (V for logits).
-        elements: the budget of values per chunk (float32: 4 bytes each).
-        minimum: the smallest number of rows per chunk.
+        row_bytes: bytes of one row of the chunk's buffers (e.g. ``4 V`` for one float32 row of
+            logits); 0 counts as 1.
+        rows: the number of rows to process (N), or None when unknown (no share term, no cap).
+        budget: the :class:`ChunkBudget`.
 
     Returns:
-        ``max(minimum, elements // row_width)`` (``row_width`` 0 counts as 1).
+        Rows per chunk, at least 1.
+
+    Examples:
+        >>> chunk_rows(4 * 32000)  # the logits functions: 32 MiB of float32
+        262
+        >>> chunk_rows(4 * 32000, rows=8192, budget=ChunkBudget(1 / 16, 1 << 26, 256))
+        512
     """
-    return max(minimum, elements // max(row_width, 1))
+    allowed = budget.max_bytes // max(row_bytes, 1)
+    if budget.fraction is not None and rows is not None:
+        allowed = min(allowed, int(budget.fraction * rows))
+    allowed = max(allowed, budget.min_rows, 1)
+    return allowed if rows is None else min(allowed, max(rows, 1))
 
 
 def resolve_chunk_size(chunk_size: int | None, *, row_width: int, name: str = "chunk_size") -> int:
@@ -73,7 +120,7 @@ def resolve_chunk_size(chunk_size: int | None, *, row_width: int, name: str = "c
         ValueError: if ``chunk_size < 1``.
     """
     if chunk_size is None:
-        return chunk_rows(row_width)
+        return chunk_rows(4 * max(row_width, 1))
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int):
         raise TypeError(
             f"{name} must be a positive int (rows per chunk) or None, "

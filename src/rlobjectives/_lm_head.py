@@ -1,9 +1,9 @@
 """Log-probabilities and the fused policy loss straight from hidden states and the LM head.
 
 The ``(B, T, V)`` logits tensor is never formed: the passes of :mod:`rlobjectives._lm_head_chunks`
-process tokens in chunks of rows and at most one ``(chunk, V)`` block of logits (two with
-entropy) is alive at any time. This module is the public shell: it validates once, then
-dispatches.
+process tokens in chunks of rows and one ``(chunk, V)`` buffer of logits, reused by every
+chunk, is alive at any time (the entropy adds a few rows of scratch). This module is the public
+shell: it validates once, then dispatches.
 
 - :func:`token_log_probs_from_hidden`: chunked log-softmax with recompute in backward.
 - :func:`rlobjectives.fused_policy_loss_from_hidden` (in :mod:`rlobjectives._lm_head_loss`)
@@ -131,7 +131,9 @@ def prepare_head(
     check_shape(tokens_t, "tokens", batch_shape, "hidden[..., 0]")
     tau = validate_scalar(temperature, "temperature", minimum=0.0, strict=True, allow_tensor=False)
     if chunk_size is None:
-        rows = default_chunk_size(weight_t.shape[0])
+        rows = default_chunk_size(
+            weight_t.shape[0], hidden_t.shape[0] * hidden_t.shape[1], weight_t.dtype
+        )
     else:
         rows = resolve_chunk_size(chunk_size, row_width=weight_t.shape[0])
     head = Head(
@@ -212,10 +214,11 @@ def token_log_probs_from_hidden(
         \mathcal{H}_{it} = -\sum_v p_{itv} \log p_{itv}, \quad
         p_{it} = \mathrm{softmax}(z_{it} / \tau).
 
-    Tokens are processed ``chunk_size`` rows at a time; only one ``(chunk_size, V)`` block of
-    logits is alive (two with ``return_entropy``), and only the per-token log-normaliser is kept
-    for backward, which recomputes each chunk's logits and accumulates ``grad_hidden``,
-    ``grad_weight`` and ``grad_bias`` (float32 accumulators for bf16/fp16 weights). Values and
+    Tokens are processed ``chunk_size`` rows at a time; only one ``(chunk_size, V)`` buffer of
+    logits is alive (reused by every chunk; ``return_entropy`` adds a few rows), and only the
+    per-token log-normaliser is kept for backward, which recomputes each chunk's logits and
+    accumulates ``grad_hidden``, ``grad_weight`` and ``grad_bias`` (float32 accumulators for
+    bf16/fp16 weights). Values and
     gradients equal those of ``log_softmax((hidden @ weight.T + bias).float() / temperature)``
     gathered at ``tokens``.
 
@@ -230,7 +233,8 @@ def token_log_probs_from_hidden(
         tokens: ``(B, T)`` integer token ids in ``[0, V)`` (any id where ``mask`` is False).
         bias: optional ``(V,)`` LM-head bias, same dtype as ``weight``.
         temperature: :math:`\tau > 0` dividing the logits (sampling temperature).
-        chunk_size: rows per chunk; None uses :func:`default_chunk_size` (about 2**24 logits).
+        chunk_size: rows per chunk; None uses :func:`default_chunk_size`: at most N/16 rows
+            and 64 MiB of buffers, at least 256 rows (256 rows, 32 MiB, at N = 4096, V = 32000).
         mask: optional ``(B, T)`` bool/numeric; where False the hidden row and token id are
             ignored (NaN/inf-safe) and the outputs are 0.
         return_entropy: also return the per-token entropy.

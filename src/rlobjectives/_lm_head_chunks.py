@@ -1,8 +1,10 @@
 r"""Forward and backward passes of the LM-head functions, one chunk of rows at a time.
 
 The ``(N, V)`` logits ``hidden @ weight.T + bias`` are never formed whole: each pass runs the
-chunk driver of :mod:`rlobjectives._chunking` with a per-chunk step, so at most one ``(chunk, V)``
-block of logits (two with entropy) is alive. The module-level passes are:
+chunk driver of :mod:`rlobjectives._chunking` with a per-chunk step, and every chunk works in
+the pass's :class:`ChunkBuffers` (one ``(chunk, V)`` block in the computation dtype, plus one
+in the weight's dtype for bf16/fp16 heads and a few rows of scratch for the entropy), sized by the
+budget :data:`HEAD_BUDGET` unless ``chunk_size`` is given. The module-level passes are:
 
 - :func:`log_probs_forward` / :func:`log_probs_backward`: log-probabilities (and entropy) of the
   given tokens; the forward keeps only the per-row log-normaliser (and entropy), the backward
@@ -21,44 +23,65 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ._chunking import Block, block_rows, chunk_rows, run_blocks
-from ._logits_chunks import finite_log_probs_
+from ._chunking import Block, ChunkBudget, block_rows, chunk_rows, run_blocks
+from ._logits_chunks import entropy_logit_grads_, entropy_stats_, finite_log_probs_, scratch_rows
 from ._masking import masked_fill_zero
 
 __all__ = [
+    "HEAD_BUDGET",
+    "ChunkBuffers",
     "Grads",
     "Head",
     "LogProbsFromHidden",
     "accumulate_grads",
+    "chunk_row_bytes",
     "chunk_scores",
     "default_chunk_size",
     "finish_grads",
     "log_probs_backward",
     "log_probs_forward",
+    "new_buffers",
     "new_grads",
     "select_rows",
     "softmax_",
 ]
 
-# Rows per chunk when ``chunk_size`` is None: about 2**24 logits (64 MiB of float32) per chunk, but
-# at least 256 rows, below which the per-chunk ``grad_weight += grad_logits.T @ hidden`` update
-# (a (V, H) read-modify-write per chunk) dominates on CPU; see benchmarks/bench_logprobs.py.
-_CHUNK_ELEMENTS = 2**24
-_MIN_CHUNK_ROWS = 256
+#: The chunk budget of the hidden-state functions when ``chunk_size`` is None: a chunk holds at
+#: most 1/16 of the rows (so its buffers hold 1/16 of the bytes of the ``(N, V)`` logits that the
+#: unchunked computation forms, which also forms their softmax and gradient) and at most 64 MiB
+#: of buffers, but at least 256 rows: the ``grad_weight += grad_logits.T @ hidden`` update has
+#: inner dimension ``rows``, and in a sweep on CPU (float32, N = 4096, H = 1024, V = 32000, one
+#: thread, process time; benchmarks/README.md) the fused loss took 1.27x the three-GEMM floor at
+#: 64 rows, 1.11x at 128, 1.03x at 256 and 1.05x at 524.
+HEAD_BUDGET = ChunkBudget(fraction=1 / 16, max_bytes=1 << 26, min_rows=256)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
 
-def default_chunk_size(vocab_size: int) -> int:
-    """Rows per chunk used when ``chunk_size=None``.
+def chunk_row_bytes(vocab_size: int, dtype: torch.dtype) -> int:
+    """Bytes of one row of a chunk's buffers (:class:`ChunkBuffers`) for a head of ``dtype``.
+
+    ``V`` scores in the computation dtype (float64 for a float64 head, float32 else), plus ``V``
+    values in ``dtype`` for a low-precision head (its product and its gradient's cast).
+    """
+    if dtype == torch.float64:
+        return 8 * vocab_size
+    return vocab_size * (4 + (dtype.itemsize if dtype in _LOW_PRECISION else 0))
+
+
+def default_chunk_size(vocab_size: int, rows: int, dtype: torch.dtype = torch.float32) -> int:
+    """Rows per chunk used when ``chunk_size=None``: the :data:`HEAD_BUDGET` policy.
 
     Args:
         vocab_size: V, the number of rows of the LM-head weight.
+        rows: N, the number of hidden-state rows of the call.
+        dtype: the head's dtype.
 
     Returns:
-        ``max(256, 2**24 // V)``: 524 rows at V = 32000 (64 MiB of float32 logits per chunk),
-        256 rows at V >= 65536 (V KiB per chunk).
+        ``min(max(min(N // 16, 2**26 // b), 256), max(N, 1))`` with ``b`` the
+        :func:`chunk_row_bytes`: e.g. 256 rows (32 MiB) at N = 4096, V = 32000, float32;
+        512 rows at N = 8192; 524 rows (64 MiB) from N = 8384 on; 256 rows at V >= 65536.
     """
-    return chunk_rows(vocab_size, elements=_CHUNK_ELEMENTS, minimum=_MIN_CHUNK_ROWS)
+    return chunk_rows(chunk_row_bytes(vocab_size, dtype), rows=rows, budget=HEAD_BUDGET)
 
 
 class Head(NamedTuple):
@@ -78,17 +101,62 @@ class Head(NamedTuple):
 # --------------------------------------------------------------------------------------------
 
 
-def chunk_scores(hidden_chunk: torch.Tensor, head: Head) -> torch.Tensor:
+class ChunkBuffers(NamedTuple):
+    """The ``(chunk, V)`` buffers of one pass, allocated once and reused by every chunk.
+
+    Chunks write into them (``out=`` and in-place operations), so a pass holds one ``(chunk,
+    V)`` block in the computation dtype whatever the chunk math does, and nothing is allocated
+    (and page-faulted) per chunk.
+    """
+
+    scores: torch.Tensor  # (chunk, V) computation dtype: logits, then their gradient
+    # (chunk, V) in the weight's dtype where it is not the computation dtype (bf16/fp16 heads, or
+    # a float32 head in a float64 loss): the product, then the gradient's cast
+    product: torch.Tensor | None
+    scratch: torch.Tensor | None  # (c, V) computation dtype: a few rows of probabilities (entropy)
+
+
+def new_buffers(head: Head, *, with_entropy: bool, rows: int | None = None) -> ChunkBuffers:
+    """The buffers of a pass over ``head`` (:func:`chunk_row_bytes` bytes per chunk row).
+
+    ``rows``: rows per buffer; by default the chunk size (at most N).
+    """
+    if rows is None:
+        rows = min(head.chunk_size, head.hidden.shape[0])
+    vocab, weight, dtype = head.weight.shape[0], head.weight, head.dtype
+    cast = weight.dtype != dtype
+    scratch = min(rows, scratch_rows(vocab))
+    return ChunkBuffers(
+        scores=torch.empty(rows, vocab, dtype=dtype, device=weight.device),
+        product=torch.empty(rows, vocab, dtype=weight.dtype, device=weight.device)
+        if cast
+        else None,
+        scratch=torch.empty(scratch, vocab, dtype=dtype, device=weight.device)
+        if with_entropy
+        else None,
+    )
+
+
+def chunk_scores(
+    hidden_chunk: torch.Tensor, head: Head, buffers: ChunkBuffers | None = None
+) -> torch.Tensor:
     """Temperature-scaled logits ``(h W^T + b) / tau`` of one chunk, ``(n, V)`` in ``head.dtype``.
 
     The product runs in the weight's dtype (as ``hidden @ weight.T`` would); low-precision logits
-    are then widened for the softmax. The result is a fresh tensor the caller may overwrite.
+    are then widened for the softmax. The result is the first ``n`` rows of ``buffers.scores``
+    (a fresh tensor without ``buffers``), which the caller may overwrite.
     """
+    rows = hidden_chunk.shape[0]
+    if buffers is None:
+        buffers = new_buffers(head, with_entropy=False, rows=rows)
+    scores = buffers.scores[:rows]  # (n, V)
+    product = scores if buffers.product is None else buffers.product[:rows]  # (n, V), weight dtype
     if head.bias is None:
-        logits = hidden_chunk @ head.weight.T  # (n, V)
+        torch.mm(hidden_chunk, head.weight.T, out=product)
     else:
-        logits = torch.addmm(head.bias, hidden_chunk, head.weight.T)  # (n, V)
-    scores = logits.to(head.dtype)  # a fresh tensor either way
+        torch.addmm(head.bias, hidden_chunk, head.weight.T, out=product)
+    if buffers.product is not None:
+        scores.copy_(product)
     if head.inv_temperature != 1.0:
         scores.mul_(head.inv_temperature)
     return scores
@@ -145,25 +213,32 @@ def new_grads(head: Head, needs: tuple[bool, bool, bool]) -> Grads:
 
 
 def accumulate_grads(
-    grad_scores: torch.Tensor, hidden_chunk: torch.Tensor, head: Head, grads: Grads
-) -> torch.Tensor:
-    """Add one chunk's ``grad_weight``/``grad_bias``; return the chunk's ``grad_hidden``.
+    grad_scores: torch.Tensor,
+    hidden_chunk: torch.Tensor,
+    head: Head,
+    grads: Grads,
+    buffers: ChunkBuffers,
+    block: Block,
+) -> None:
+    """Write one chunk's ``grad_hidden`` rows (at ``block``); add its ``grad_weight``/``grad_bias``.
 
     ``grad_scores`` is the gradient with respect to the chunk's logits, ``(n, V)`` in the
-    computation dtype; low-precision weights get the product in their dtype (as autograd casts)
-    and a float32 accumulation over chunks (casting a low-precision product afterwards would not
-    help: Liger-Kernel #1432).
+    computation dtype. A weight in another dtype gets the ``grad_hidden`` product in its dtype
+    (as autograd casts the gradient of ``(hidden @ weight.T).float()``, through
+    ``buffers.product``); ``grad_weight`` accumulates over chunks in float32 (float64) (casting
+    a low-precision product afterwards would not help: Liger-Kernel #1432).
     """
     weight = head.weight
-    if weight.dtype in _LOW_PRECISION:
-        grad_hidden_chunk = grad_scores.to(weight.dtype) @ weight  # (n, H)
-    else:
-        grad_hidden_chunk = grad_scores @ weight.to(grad_scores.dtype)  # (n, H)
+    if grads.hidden is not None:
+        if buffers.product is not None:
+            grad_cast = buffers.product[: grad_scores.shape[0]].copy_(grad_scores)  # (n, V)
+            torch.mm(grad_cast, weight, out=grads.hidden[block])  # (n, H)
+        else:
+            torch.mm(grad_scores, weight, out=grads.hidden[block])  # (n, H)
     if grads.weight is not None:  # grad_scores has the accumulator's dtype
         grads.weight.addmm_(grad_scores.T, hidden_chunk.to(grads.weight.dtype))  # (V, H)
     if grads.bias is not None:
         grads.bias.add_(grad_scores.sum(dim=0))  # (V,)
-    return grad_hidden_chunk
 
 
 def finish_grads(head: Head, grads: Grads) -> tuple[torch.Tensor | None, ...]:
@@ -181,27 +256,18 @@ def finish_grads(head: Head, grads: Grads) -> tuple[torch.Tensor | None, ...]:
 
 
 def _log_probs_step(
-    head: Head, mask: torch.Tensor | None, with_entropy: bool, block: Block
+    head: Head, mask: torch.Tensor | None, buffers: ChunkBuffers, block: Block
 ) -> list[torch.Tensor]:
-    """One chunk: ``[log_probs, lse, entropy]`` (entropy: an empty placeholder without it)."""
+    """One chunk: ``[log_probs, lse]``, and ``entropy`` with ``buffers.scratch``."""
     active = None if mask is None else mask[block]
     hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], active)
-    scores = chunk_scores(hidden_chunk, head)  # (n, V)
+    scores = chunk_scores(hidden_chunk, head, buffers)  # (n, V)
     target = scores.gather(1, tokens_chunk.unsqueeze(1)).squeeze(1)  # (n,)
-    if not with_entropy:
+    if buffers.scratch is None:
         lse = softmax_(scores)[1]  # (n,)
         return [target - lse, lse]
-    maximum = scores.amax(dim=1, keepdim=True)  # (n, 1)
-    # Shifted scores s - max; -inf logits (banned tokens) become the most negative finite value,
-    # whose exp is 0 and whose product with a zero probability is 0 (not 0 * -inf = NaN).
-    shifted = finite_log_probs_(scores.sub_(maximum))  # (n, V)
-    probs = shifted.exp()  # (n, V) unnormalised
-    total = probs.sum(dim=1, keepdim=True)  # (n, 1)
-    # H = log Z - E_p[s - max] with Z = sum exp(s - max); the row dot products as a batched
-    # product so that no third (n, V) buffer is formed.
-    dots = torch.bmm(probs.unsqueeze(1), shifted.unsqueeze(2)).reshape(-1, 1)  # (n, 1)
-    lse = (maximum + total.log()).squeeze(1)  # (n,)
-    return [target - lse, lse, (total.log() - dots / total).squeeze(1)]
+    lse, entropy, _ = entropy_stats_(scores, buffers.scratch)  # (n,) each
+    return [target - lse, lse, entropy]
 
 
 def log_probs_forward(
@@ -214,7 +280,8 @@ def log_probs_forward(
     entropy = torch.zeros(rows if with_entropy else 0, dtype=head.dtype, device=device)
     outputs = [log_probs, log_normalizer, entropy] if with_entropy else [log_probs, log_normalizer]
     blocks = block_rows((rows,), head.chunk_size, flat=True)
-    run_blocks(blocks, partial(_log_probs_step, head, mask, with_entropy), outputs)
+    buffers = new_buffers(head, with_entropy=with_entropy)
+    run_blocks(blocks, partial(_log_probs_step, head, mask, buffers), outputs)
     if mask is not None:
         log_probs = masked_fill_zero(log_probs, mask)
         entropy = masked_fill_zero(entropy, mask) if with_entropy else entropy
@@ -231,23 +298,30 @@ class _Upstream(NamedTuple):
 
 
 def _log_probs_grad_step(
-    head: Head, active: torch.Tensor, upstream: _Upstream, grads: Grads, block: Block
+    head: Head,
+    active: torch.Tensor,
+    upstream: _Upstream,
+    state: tuple[Grads, ChunkBuffers],
+    block: Block,
 ) -> list[torch.Tensor]:
+    grads, buffers = state
     hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], active[block])
-    scores = chunk_scores(hidden_chunk, head)  # (n, V)
-    g_lp = upstream.log_probs[block].unsqueeze(1)  # (n, 1)
-    if upstream.entropy is None or upstream.entropy_values is None:
-        grad_scores = softmax_(scores)[0].mul_(-g_lp)  # -g p, (n, V)
+    scores = chunk_scores(hidden_chunk, head, buffers)  # (n, V)
+    g_lp = upstream.log_probs[block]  # (n,)
+    if upstream.entropy is None or upstream.entropy_values is None or buffers.scratch is None:
+        grad_scores = softmax_(scores)[0].mul_(-g_lp.unsqueeze(1))  # -g p, (n, V)
     else:
         # log p, with -inf (banned tokens) made finite so that p * log p = 0 * finite = 0
         log_p = finite_log_probs_(scores.sub_(upstream.log_normalizer[block].unsqueeze(1)))
-        probs = log_p.exp()  # (n, V)
-        # dH/ds_v = -p_v (log p_v + H); dlp/ds_v = 1[v = y] - p_v
-        grad_scores = log_p.add_(upstream.entropy_values[block].unsqueeze(1))
-        grad_scores.mul_(upstream.entropy[block].unsqueeze(1)).add_(g_lp).mul_(probs).neg_()
-    grad_scores.scatter_add_(1, tokens_chunk.unsqueeze(1), g_lp)  # + g 1[v = y]
-    grad_hidden_chunk = accumulate_grads(grad_scores, hidden_chunk, head, grads)
-    return [] if grads.hidden is None else [grad_hidden_chunk]
+        grad_scores = entropy_logit_grads_(  # -p (g_lp + g_H (log p + H)), (n, V)
+            log_p,
+            upstream.entropy_values[block],
+            (g_lp, upstream.entropy[block]),
+            buffers.scratch,
+        )
+    grad_scores.scatter_add_(1, tokens_chunk.unsqueeze(1), g_lp.unsqueeze(1))  # + g 1[v = y]
+    accumulate_grads(grad_scores, hidden_chunk, head, grads, buffers, block)
+    return []
 
 
 def log_probs_backward(
@@ -281,11 +355,10 @@ def log_probs_backward(
         log_normalizer=torch.where(active, log_normalizer, zero_row_lse),
         entropy_values=None if grad_h is None else masked_fill_zero(entropy, active),
     )
-    grads = new_grads(head, needs)
+    state = (new_grads(head, needs), new_buffers(head, with_entropy=grad_h is not None))
     blocks = block_rows((head.hidden.shape[0],), head.chunk_size, flat=True)
-    outputs = [] if grads.hidden is None else [grads.hidden]
-    run_blocks(blocks, partial(_log_probs_grad_step, head, active, upstream, grads), outputs)
-    return finish_grads(head, grads)
+    run_blocks(blocks, partial(_log_probs_grad_step, head, active, upstream, state), [])
+    return finish_grads(head, state[0])
 
 
 class LogProbsFromHidden(torch.autograd.Function):

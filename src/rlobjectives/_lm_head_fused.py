@@ -12,8 +12,9 @@ For a loss whose derivative with respect to each token's log-probability, :math:
 
 and its products with the weight and the hidden rows right away: the fused-linear-cross-entropy
 technique (Liger-Kernel, Cut Cross-Entropy), with no recompute in backward.
-:class:`FusedLinearLoss` wires it to autograd through a zero-valued anchor. At most one
-``(chunk, V)`` block of logits is alive (two with the entropy term).
+:class:`FusedLinearLoss` wires it to autograd through a zero-valued anchor. One
+``(chunk, V)`` buffer of logits is alive, reused by every chunk (:class:`ChunkBuffers`; the
+entropy term adds a few rows of scratch).
 """
 
 from __future__ import annotations
@@ -25,15 +26,17 @@ import torch
 
 from ._chunking import Block, block_rows, run_blocks
 from ._lm_head_chunks import (
+    ChunkBuffers,
     Grads,
     Head,
     accumulate_grads,
     chunk_scores,
+    new_buffers,
     new_grads,
     select_rows,
     softmax_,
 )
-from ._logits_chunks import finite_log_probs_
+from ._logits_chunks import entropy_logit_grads_, entropy_stats_, finite_log_probs_
 from ._masking import masked_fill_zero
 
 __all__ = ["CoefficientFn", "FusedLinearLoss", "FusedTerms", "fused_linear_forward"]
@@ -53,51 +56,61 @@ class FusedTerms(NamedTuple):
     entropy_weights: torch.Tensor | None  # (N,) dL / dH (zero at unselected rows), or None
 
 
-def _entropy_chunk(scores: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """``(probs, log_probs, log_normalizer, entropy)`` of one chunk; ``scores`` is consumed.
+class _ChunkGradient(NamedTuple):
+    """One chunk's ``dL/dlogits`` (without its ``c 1[v = y]`` term) and per-row values."""
 
-    ``-inf`` logits (banned tokens) get a finite log-probability so that ``p log p = 0``.
+    grad_scores: torch.Tensor  # (n, V), in the chunk's scores buffer
+    row_coefficient: torch.Tensor  # (n,) c / tau
+    log_probs: torch.Tensor  # (n,), 0 at masked rows
+    entropy: torch.Tensor | None  # (n,) with the entropy term
+
+
+def _logit_grads(
+    scores: torch.Tensor,
+    target: torch.Tensor,
+    terms: FusedTerms,
+    scratch: torch.Tensor | None,
+    inv_temperature: float,
+    block: Block,
+) -> _ChunkGradient:
+    """``-(c p + g p (log p + H)) / tau`` in place of ``scores`` ``(n, V)``; ``target`` ``(n,)``.
+
+    ``c = dL/dlog_prob`` and ``g = dL/dH`` (0 at masked tokens); one ``(n, V)`` buffer
+    (``scores``), plus a few rows of ``scratch`` for the entropy term.
     """
-    maximum = scores.amax(dim=1, keepdim=True)  # (n, 1)
-    shifted = scores.sub_(maximum)  # (n, V), s - max
-    probs = shifted.exp()  # (n, V), unnormalised
-    total = probs.sum(dim=1, keepdim=True)  # (n, 1)
-    log_total = total.log()  # (n, 1)
-    probs.div_(total)
-    log_p = finite_log_probs_(shifted.sub_(log_total))  # (n, V)
-    # -sum_v p log p as a batched product: no third (n, V) buffer
-    entropy = -torch.bmm(probs.unsqueeze(1), log_p.unsqueeze(2)).reshape(-1)  # (n,)
-    return probs, log_p, (maximum + log_total).squeeze(1), entropy
+    active = terms.mask[block]  # (n,)
+    if terms.entropy_weights is None or scratch is None:
+        probs, lse = softmax_(scores)  # (n, V), (n,)
+        log_probs = masked_fill_zero(target - lse, active)  # (n,)
+        row_coefficient = terms.coefficient(log_probs, block) * inv_temperature  # (n,)
+        grad_scores = probs.mul_((-row_coefficient).unsqueeze(1))  # -c p / tau
+        return _ChunkGradient(grad_scores, row_coefficient, log_probs, None)
+    lse, entropy, log_total = entropy_stats_(scores, scratch)  # scores becomes s - max
+    log_probs = masked_fill_zero(target - lse, active)  # (n,)
+    row_coefficient = terms.coefficient(log_probs, block) * inv_temperature  # (n,)
+    entropy_weight = terms.entropy_weights[block] * inv_temperature  # (n,)
+    log_p = finite_log_probs_(scores.sub_(log_total))  # (n, V)
+    grad_scores = entropy_logit_grads_(
+        log_p, entropy, (row_coefficient, entropy_weight), scratch
+    )  # -p (c + g (log p + H)) / tau
+    return _ChunkGradient(grad_scores, row_coefficient, log_probs, entropy)
 
 
-def _fused_step(head: Head, terms: FusedTerms, grads: Grads, block: Block) -> list[torch.Tensor]:
+def _fused_step(
+    head: Head, terms: FusedTerms, state: tuple[Grads, ChunkBuffers], block: Block
+) -> list[torch.Tensor]:
+    grads, buffers = state
     active = terms.mask[block]  # (n,)
     hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], active)
-    scores = chunk_scores(hidden_chunk, head)  # (n, V)
+    scores = chunk_scores(hidden_chunk, head, buffers)  # (n, V)
     target = scores.gather(1, tokens_chunk.unsqueeze(1)).squeeze(1)  # (n,)
-    if terms.entropy_weights is None:
-        probs, lse = softmax_(scores)  # (n, V), (n,)
-        log_p = entropy = None
-    else:
-        probs, log_p, lse, entropy = _entropy_chunk(scores)
-    chunk_log_probs = masked_fill_zero(target - lse, active)  # (n,)
-    # dL/dlogits = c (1[v = y] - p) / tau, with c = dL/dlog_prob (0 at masked tokens).
-    row_coefficient = terms.coefficient(chunk_log_probs, block) * head.inv_temperature  # (n,)
-    if log_p is None or entropy is None or terms.entropy_weights is None:
-        grad_scores = probs.mul_((-row_coefficient).unsqueeze(1))  # (n, V)
-    else:
-        # - p (c + g (log p + H)) / tau, g = dL/dH (0 at masked tokens)
-        entropy_weight = (terms.entropy_weights[block] * head.inv_temperature).unsqueeze(1)
-        grad_scores = log_p.add_(entropy.unsqueeze(1)).mul_(entropy_weight)
-        grad_scores.add_(row_coefficient.unsqueeze(1)).mul_(probs).neg_()
-    grad_scores.scatter_add_(1, tokens_chunk.unsqueeze(1), row_coefficient.unsqueeze(1))
-    grad_hidden_chunk = accumulate_grads(grad_scores, hidden_chunk, head, grads)
-    outputs = [chunk_log_probs]
-    if entropy is not None:
-        outputs.append(masked_fill_zero(entropy, active))
-    if grads.hidden is not None:
-        outputs.append(grad_hidden_chunk)
-    return outputs
+    chunk = _logit_grads(scores, target, terms, buffers.scratch, head.inv_temperature, block)
+    # + c 1[v = y] / tau
+    chunk.grad_scores.scatter_add_(1, tokens_chunk.unsqueeze(1), chunk.row_coefficient.unsqueeze(1))
+    accumulate_grads(chunk.grad_scores, hidden_chunk, head, grads, buffers, block)
+    if chunk.entropy is None:
+        return [chunk.log_probs]
+    return [chunk.log_probs, masked_fill_zero(chunk.entropy, active)]
 
 
 def fused_linear_forward(
@@ -114,9 +127,9 @@ def fused_linear_forward(
     entropy = torch.zeros(rows if with_entropy else 0, dtype=head.dtype, device=device)
     grads = new_grads(head, needs)
     outputs = [log_probs, *([entropy] if with_entropy else [])]
-    outputs += [] if grads.hidden is None else [grads.hidden]
     blocks = block_rows((rows,), head.chunk_size, flat=True)
-    run_blocks(blocks, partial(_fused_step, head, terms, grads), outputs)
+    state = (grads, new_buffers(head, with_entropy=with_entropy))
+    run_blocks(blocks, partial(_fused_step, head, terms, state), outputs)
     return log_probs, entropy, grads
 
 

@@ -11,15 +11,23 @@ from __future__ import annotations
 import torch
 
 __all__ = [
+    "SCRATCH_ELEMENTS",
     "chunk_entropy",
     "chunk_entropy_grad",
     "chunk_kl",
     "chunk_kl_grads",
     "chunk_token_log_probs",
     "chunk_token_log_probs_grad",
+    "entropy_logit_grads_",
+    "entropy_stats_",
     "finite_log_probs_",
+    "scratch_rows",
     "xlogy_terms",
 ]
+
+#: Elements of the scratch block of :func:`entropy_stats_` / :func:`entropy_logit_grads_`: a
+#: few rows (2**17 float32 values = 512 KiB) whose probabilities stay in cache while used.
+SCRATCH_ELEMENTS = 1 << 17
 
 
 def xlogy_terms(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -163,3 +171,79 @@ def chunk_kl_grads(
     if need_ref:
         grads.append(log_q.exp_().sub_(probs).mul_(upstream))  # dKL/dy_v = q_v - p_v
     return grads
+
+
+# ------------------------------------------------------------------------------------------------
+# Entropy terms in place on one (C, V) block, with a few rows of scratch (no second (C, V) buffer)
+# ------------------------------------------------------------------------------------------------
+
+
+def scratch_rows(width: int) -> int:
+    """Rows of the scratch block for rows of ``width`` values: ``max(1, 2**17 // width)``."""
+    return max(1, SCRATCH_ELEMENTS // max(width, 1))
+
+
+def entropy_stats_(
+    scores: torch.Tensor, scratch: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Log-normaliser and entropy of each row of ``scores`` ``(C, V)``; ``scores`` is consumed.
+
+    With :math:`m = \max_v s_v`, :math:`Z = \sum_v e^{s_v - m}`:
+    :math:`\log\sum_v e^{s_v} = m + \log Z` and
+    :math:`H = -\sum_v p_v \log p_v = \log Z - \sum_v e^{s_v - m}(s_v - m) / Z`.
+    The exponentials are formed ``scratch.shape[0]`` rows at a time in ``scratch``
+    ``(c, V)``, so no second ``(C, V)`` buffer is needed. ``scores`` becomes :math:`s - m`, with
+    ``-inf`` (banned tokens) made the most negative finite value (so that ``0 * log 0 = 0``).
+
+    Returns:
+        ``(log_normalizer, entropy, log_total)``: ``(C,)``, ``(C,)`` and ``log Z`` ``(C, 1)``.
+    """
+    maximum = scores.amax(dim=1, keepdim=True)  # (C, 1)
+    shifted = finite_log_probs_(scores.sub_(maximum))  # (C, V), s - m
+    totals, dots = [], []
+    step = scratch.shape[0]
+    for start in range(0, shifted.shape[0], step):
+        part = shifted[start : start + step]  # (c, V)
+        exps = torch.exp(part, out=scratch[: part.shape[0]])  # (c, V)
+        totals.append(exps.sum(dim=1))  # (c,)
+        # the row dot products as a batched product: no (c, V) product buffer either
+        dots.append(torch.bmm(exps.unsqueeze(1), part.unsqueeze(2)).reshape(-1))  # (c,)
+    total = torch.cat(totals).unsqueeze(1)  # (C, 1)
+    log_total = total.log()  # (C, 1)
+    entropy = (log_total - torch.cat(dots).unsqueeze(1) / total).squeeze(1)  # (C,)
+    return (maximum + log_total).squeeze(1), entropy, log_total
+
+
+def entropy_logit_grads_(
+    log_probs: torch.Tensor,
+    entropy: torch.Tensor,
+    coefficients: tuple[torch.Tensor, torch.Tensor],
+    scratch: torch.Tensor,
+) -> torch.Tensor:
+    r"""``-p (c + g (log p + H))`` in place of ``log_probs`` ``(C, V)`` (finite log-probs).
+
+    The gradient with respect to the logits of :math:`\sum_n c_n \log p_{n y_n} + g_n H_n`,
+    without its :math:`c_n \mathbb{1}[v = y_n]` term (the caller scatters it):
+    :math:`\partial H/\partial s_v = -p_v(\log p_v + H)` and
+    :math:`\partial \log p_y / \partial s_v = \mathbb{1}[v = y] - p_v`.
+
+    Args:
+        log_probs: ``(C, V)`` finite log-probabilities (overwritten with the result).
+        entropy: ``(C,)`` the rows' entropies.
+        coefficients: ``(c, g)``, each ``(C,)``: the upstream gradients of the log-probabilities
+            of the tokens and of the entropies.
+        scratch: ``(c, V)``: the probabilities of ``c`` rows at a time.
+
+    Returns:
+        ``log_probs``, holding the gradient.
+    """
+    row_coefficient, entropy_weight = (t.unsqueeze(1) for t in coefficients)  # (C, 1) each
+    entropies = entropy.unsqueeze(1)  # (C, 1)
+    step = scratch.shape[0]
+    for start in range(0, log_probs.shape[0], step):
+        rows = slice(start, start + step)
+        part = log_probs[rows]  # (c, V)
+        probs = torch.exp(part, out=scratch[: part.shape[0]])  # (c, V)
+        part.add_(entropies[rows]).mul_(entropy_weight[rows]).add_(row_coefficient[rows])
+        part.mul_(probs).neg_()
+    return log_probs
