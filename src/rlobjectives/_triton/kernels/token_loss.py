@@ -244,6 +244,10 @@ def token_loss_kernel(
 
     Reads every input once and writes every output (coefficient, optional per-token loss, one
     row of partial sums); the formulas live in :func:`policy_terms` and :func:`kl_terms`.
+    Longer than the library's other functions on purpose: it is the one launch of the forward,
+    so every optional input (importance weights, sequence log-ratio, KL, entropy, reduction
+    weights) is loaded and combined here under its compile-time flag, in the order the outputs
+    are written; each branch is a few lines and the math stays in the two helpers.
     """
     pid = tl.program_id(0)
     offsets = pid * BLOCK + tl.arange(0, BLOCK)
