@@ -66,12 +66,6 @@ def mention(argument: str) -> str:
     return rf"\b{re.escape(argument)}\b"
 
 
-# Known failures of the contract today; the coordinator removes them as fixes land. (The
-# issue 10 items themselves are fixed on main; these are the same classes, found by this table.)
-# Known failures of the scalar rows of hyperparameters that accept 0-d tensors.
-TENSOR_SCALAR: dict[str, str] = {}
-
-
 # --- wrong inputs by kind of argument ---------------------------------------------------------
 
 
@@ -291,7 +285,7 @@ def mask_wrongs(argument: str = "mask", **kw: Any) -> tuple[Wrong, ...]:
 def reduction_wrongs(*, normalizer: bool = True, max_length: bool = True) -> tuple[Wrong, ...]:
     rows = choice_wrongs("reduction")
     if normalizer:
-        rows += scalar_wrongs("normalizer", below=0.0, xfail=TENSOR_SCALAR)
+        rows += scalar_wrongs("normalizer", below=0.0)
     if max_length:
         # A fractional length is a value error (decided for issue 10), not a type error.
         rows += int_wrongs("max_response_length", minimum=1, fractional=False) + (
@@ -314,7 +308,7 @@ def with_reduction(valid: Callable[[], Arguments]) -> Callable[[], Arguments]:
 
 def hyper(argument: str, *, below: float | None, above: float | None = None) -> tuple[Wrong, ...]:
     """A real hyperparameter that accepts 0-d tensors (known failures attached)."""
-    return scalar_wrongs(argument, below=below, above=above, xfail=TENSOR_SCALAR)
+    return scalar_wrongs(argument, below=below, above=above)
 
 
 TEMPERATURE = scalar_wrongs("temperature", below=0.0)

@@ -1,9 +1,8 @@
 """Regression tests of issue 10 (reliability), one per item, through the public API.
 
 Each test is named after its item and quotes it; each failed on main before the fixes (checked
-at 44ee47e). Items still open are strict xfails that document the expected behaviour; the
-marks go as the fixes land. The CI-stability item (the flaky ``torchrun`` test) is checked
-deterministically by ``tests/test_demo.py::test_torchrun_two_ranks`` itself, the test the issue
+at 44ee47e); none is marked xfail any more. The CI-stability item (the flaky ``torchrun``
+test) is checked by ``tests/test_demo.py::test_torchrun_two_ranks`` itself, the test the issue
 names.
 """
 
@@ -30,7 +29,6 @@ import rlobjectives as rlo
 from rlobjectives.cli import main as cli_main
 from tolerances import assert_close
 
-REFACTOR = "issue 10: {} (fixed with the refactor)"
 CONTRADICTION = re.compile(r"0-d real tensor, got Tensor\(shape=\(\)")
 
 
@@ -42,10 +40,6 @@ def _one_thread() -> Any:
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
-
-
-def refactor(item: str) -> pytest.MarkDecorator:
-    return pytest.mark.xfail(strict=True, reason=REFACTOR.format(item))
 
 
 def _policy_batch(
