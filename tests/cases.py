@@ -980,6 +980,7 @@ CASES: tuple[Case, ...] = (
         + group_ids_wrongs()
         + flag_wrongs("unbiased")
         + hyper("eps", below=-0.1)
+        + choice_wrongs("holes")
         + cu_seqlens_wrongs(),
     ),
     Case(

@@ -379,6 +379,7 @@ def _reinforce_plus_plus(draw: Draw) -> Batch:
         "gamma": draw(st.sampled_from((1.0, 0.9))),
         "group_size": group,
         "eps": draw(st.sampled_from((1e-8, 0.0))),
+        "holes": draw(st.sampled_from(("skip", "zero"))),
     }
     poison: dict[str, torch.Tensor] = {}
     if draw(st.booleans()):

@@ -422,6 +422,11 @@ CASES: list[Case] = [
         "reinforce_plus_plus_advantages", _reinforce_plus_plus(gamma=0.95), ("token_rewards_leaf",)
     ),
     Case(
+        "reinforce_plus_plus_advantages-holes=zero",
+        _reinforce_plus_plus(gamma=0.95, holes="zero"),
+        ("token_rewards_leaf",),
+    ),
+    Case(
         "reinforce_plus_plus_advantages-baseline",
         _reinforce_plus_plus(baseline=True),
         ("token_rewards_leaf",),

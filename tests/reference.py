@@ -789,8 +789,13 @@ def reinforce_plus_plus_advantages(
     gamma: float = 1.0,
     group_size: int | None = None,
     eps: float = 1e-8,
+    holes: str = "skip",
 ) -> Tensor:
-    """Reference of rlobjectives.reinforce_plus_plus_advantages (loops over selected tokens)."""
+    """Reference of rlobjectives.reinforce_plus_plus_advantages (loops over selected tokens).
+
+    ``holes="zero"``: the loop visits every position up to the last selected one (reward 0 at
+    unselected ones) and keeps the returns of the selected ones.
+    """
     m = _as_list_mask(mask)
     zero = torch.zeros((), dtype=torch.float64)
     scores = [rewards.reshape(-1)[i] for i in range(len(m))]
@@ -804,14 +809,17 @@ def reinforce_plus_plus_advantages(
     returns: dict[tuple[int, int], Tensor] = {}
     for i, row in enumerate(m):
         selected = [t for t, keep in enumerate(row) if keep]
+        steps = selected if holes == "skip" else list(range(selected[-1] + 1 if selected else 0))
         running = zero
-        for k in reversed(range(len(selected))):
-            t = selected[k]
-            reward = token_rewards[i, t] if token_rewards is not None else zero
-            if k == len(selected) - 1:
+        for t in reversed(steps):
+            reward = zero
+            if row[t]:
+                reward = token_rewards[i, t] if token_rewards is not None else zero
+            if t == selected[-1]:
                 reward = reward + scores[i]
             running = reward + gamma * running
-            returns[(i, t)] = running
+            if row[t]:
+                returns[(i, t)] = running
     count = len(returns)
     if count == 0:
         return torch.zeros(tuple(mask.shape), dtype=torch.float64)
@@ -1216,8 +1224,12 @@ def reinforce_plus_plus_grouped(
     gamma: float = 1.0,
     unbiased: bool = False,
     eps: float = 1e-8,
+    holes: str = "skip",
 ) -> Tensor:
-    """Reference of rlobjectives.reinforce_plus_plus_advantages with group labels / unbiased."""
+    """Reference of rlobjectives.reinforce_plus_plus_advantages with group labels / unbiased.
+
+    ``holes`` as in :func:`reinforce_plus_plus_advantages` above.
+    """
     zero = torch.zeros((), dtype=torch.float64)
     scores = [rewards.reshape(-1)[i] for i in range(mask.shape[0])]
     if labels is not None:
@@ -1230,14 +1242,17 @@ def reinforce_plus_plus_grouped(
     returns: dict[tuple[int, int], Tensor] = {}
     for i, row in enumerate(_as_list_mask(mask)):
         selected = [t for t, keep in enumerate(row) if keep]
+        steps = selected if holes == "skip" else list(range(selected[-1] + 1 if selected else 0))
         running = zero
-        for k in reversed(range(len(selected))):
-            t = selected[k]
-            reward = token_rewards[i, t] if token_rewards is not None else zero
-            if k == len(selected) - 1:
+        for t in reversed(steps):
+            reward = zero
+            if row[t]:
+                reward = token_rewards[i, t] if token_rewards is not None else zero
+            if t == selected[-1]:
                 reward = reward + scores[i]
             running = reward + gamma * running
-            returns[(i, t)] = running
+            if row[t]:
+                returns[(i, t)] = running
     count = len(returns)
     if count == 0:
         return torch.zeros(tuple(mask.shape), dtype=torch.float64)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import pytest
 import torch
@@ -240,6 +241,7 @@ def test_reinforce_plus_plus_gamma_one_is_paper_return(shape: tuple[int, int], s
     gamma=st.sampled_from([1.0, 0.9, 0.0]),
     with_tokens=st.booleans(),
     group_size=st.sampled_from([None, 1]),
+    holes=st.sampled_from(["skip", "zero"]),
 )
 def test_reinforce_plus_plus_matches_reference(
     shape: tuple[int, int],
@@ -247,15 +249,15 @@ def test_reinforce_plus_plus_matches_reference(
     gamma: float,
     with_tokens: bool,
     group_size: int | None,
+    holes: str,
 ) -> None:
     token_rewards, _, mask = _token_inputs(seed, *shape)
     token_rewards = token_rewards * 0.1 if with_tokens else None
     scores = torch.randn(shape[0], generator=_generator(seed + 5), dtype=torch.float64)
-    out = reinforce_plus_plus_advantages(
-        scores, mask, token_rewards=token_rewards, gamma=gamma, group_size=group_size
-    )
+    options: dict[str, Any] = {"gamma": gamma, "group_size": group_size, "holes": holes}
+    out = reinforce_plus_plus_advantages(scores, mask, token_rewards=token_rewards, **options)
     expected = reference.reinforce_plus_plus_advantages(
-        scores, mask, token_rewards=token_rewards, gamma=gamma, group_size=group_size
+        scores, mask, token_rewards=token_rewards, **options
     )
     assert out.dtype == torch.float64
     assert_close(out, expected)
@@ -280,6 +282,29 @@ def test_reinforce_plus_plus_gradients(gamma: float) -> None:
     wanted = torch.autograd.grad((expected * weights).sum(), (scores, token_rewards))
     for g, w in zip(got, wanted, strict=True):
         assert_close(g, w)
+
+
+def test_reinforce_plus_plus_holes_zero_golden_openrlhf() -> None:
+    # OpenRLHF's get_cumulative_returns discounts through a hole (gamma 0.5, no token rewards):
+    # mask [[1, 0, 1], [1, 1, 1]], scores [1, 2]
+    # "zero":  returns [[0.25, -, 1], [0.5, 1, 2]]; mean 4.75 / 5 = 0.95, deviations
+    #          -0.7, 0.05, -0.45, 0.05, 1.05, variance 1.8 / 5 = 0.36, std 0.6
+    # "skip":  returns [[0.5, -, 1], [0.5, 1, 2]]; mean 1, variance 1.5 / 5 = 0.3
+    mask = [[1, 0, 1], [1, 1, 1]]
+    zero = reinforce_plus_plus_advantages([1.0, 2.0], mask, gamma=0.5, eps=0.0, holes="zero")
+    assert_close(zero, [[-0.7 / 0.6, 0.0, 0.05 / 0.6], [-0.45 / 0.6, 0.05 / 0.6, 1.05 / 0.6]])
+    skip = reinforce_plus_plus_advantages([1.0, 2.0], mask, gamma=0.5, eps=0.0)
+    std = math.sqrt(0.3)
+    assert_close(skip, [[-0.5 / std, 0.0, 0.0], [-0.5 / std, 0.0, 1.0 / std]])
+    # Without holes (trailing padding only), or with gamma = 1, both are the same.
+    padded = ([1.0, 2.0], [[1, 1, 0], [1, 1, 1]])
+    for args, gamma in ((padded, 0.5), (([1.0, 2.0], mask), 1.0)):
+        assert torch.equal(
+            reinforce_plus_plus_advantages(*args, gamma=gamma, holes="zero"),
+            reinforce_plus_plus_advantages(*args, gamma=gamma),
+        )
+    with pytest.raises(ValueError, match=r"holes must be one of \['skip', 'zero'\], got 'x'"):
+        reinforce_plus_plus_advantages([1.0], [[1]], holes="x")  # type: ignore[arg-type]
 
 
 def test_reinforce_plus_plus_group_baseline() -> None:

@@ -172,6 +172,7 @@ def reinforce_plus_plus_advantages(
     group_ids: Any = None,
     unbiased: bool = False,
     eps: Scalar = 1e-8,
+    holes: Holes = "skip",
     cu_seqlens: ArrayLike | None = None,
 ) -> torch.Tensor:
     r"""REINFORCE++ token advantages: discounted token returns, whitened over the whole batch.
@@ -187,7 +188,8 @@ def reinforce_plus_plus_advantages(
         A_{it} = \frac{G_{it} - \mu}{\sigma + \epsilon},
 
     where :math:`n_{ts} = |\{u : t < u \le s,\ M_{iu} = 1\}|` counts selected tokens only (the
-    discount skips unselected ones), :math:`b_i` is 0, or with ``group_size`` / ``group_ids``
+    discount skips unselected ones; ``holes="zero"`` counts every position, :math:`n_{ts} = s - t`,
+    see below), :math:`b_i` is 0, or with ``group_size`` / ``group_ids``
     the mean score of the sequence's group (REINFORCE++-baseline), and :math:`\mu`,
     :math:`\sigma` are the mean and standard deviation of :math:`G` over **all selected tokens
     of the batch** (global normalization): the population standard deviation (divisor
@@ -223,6 +225,11 @@ def reinforce_plus_plus_advantages(
         unbiased: whiten with the Bessel-corrected variance (verl) instead of the population
             variance (OpenRLHF, the default).
         eps: :math:`\epsilon \ge 0` added to :math:`\sigma`.
+        holes: what an unselected token between two selected ones (a hole: a tool output, an
+            observation turn) does to the discount: ``"skip"`` (verl; the default) jumps over
+            it, ``"zero"`` (OpenRLHF's ``get_cumulative_returns``) runs the recursion through
+            it with reward 0, one factor of :math:`\gamma` per position. The same without
+            holes or with :math:`\gamma = 1`.
         cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
             non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
 
@@ -233,7 +240,8 @@ def reinforce_plus_plus_advantages(
     Raises:
         ValueError: on mismatched shapes/devices, an invalid grouping (``B`` not divisible by
             ``group_size``, both ``group_size`` and ``group_ids``, labels not one per row),
-            ``gamma`` outside [0, 1], a negative ``eps`` or a malformed ``cu_seqlens``.
+            ``gamma`` outside [0, 1], a negative ``eps``, an unknown ``holes`` or a malformed
+            ``cu_seqlens``.
         TypeError: on non-numeric inputs or a non-bool ``unbiased``.
 
     References:
@@ -248,7 +256,7 @@ def reinforce_plus_plus_advantages(
 
     .. versionadded:: 0.1.0
     .. versionchanged:: 0.2.0
-       ``unbiased``, ``group_ids``; magnitudes up to the float limits.
+       ``unbiased``, ``group_ids``, ``holes``; magnitudes up to the float limits.
     """
     packed = cu_seqlens is not None
     mask_in = as_mask(mask, "mask")
@@ -276,6 +284,7 @@ def reinforce_plus_plus_advantages(
     discount = _validate_discount(gamma, "gamma")
     validate_flag(unbiased, "unbiased")
     epsilon = validate_scalar(eps, "eps", minimum=0.0)
+    validate_choice(holes, "holes", HOLES)
     dtype = compute_dtype(*tensors.values())
 
     scores = scores.to(dtype)  # (B,)
@@ -292,7 +301,8 @@ def reinforce_plus_plus_advantages(
     token_level = masked_fill_zero(layout.expand(scores).expand(mask_t.shape), last)
     if extra_selected is not None:
         token_level = token_level + extra_selected / unit  # (B, T)
-    returns = _discounted_sum(token_level, mask_t, discount, layout)  # (B, T) G / unit
+    chain = mask_t if holes == "skip" else torch.ones_like(mask_t)  # the recursion's steps
+    returns = _discounted_sum(token_level, chain, discount, layout)  # (B, T) G / unit
     moments = masked_moments(returns, mask_t, unbiased=unbiased)  # in units of unit * scale
     denominator = safe_sqrt(moments.variance) + epsilon / (unit * moments.scale)  # ()
     return token_output(divide_or_zero(moments.centered, denominator), flat)  # (B, T)
