@@ -275,9 +275,14 @@ def test_verl_vanilla_golden() -> None:
     # row 1: [-max(1.5, 1.2), -max(0.5, 0.8), -1] = [-1.2, -0.5, -1]; row 2: t0 r = 4 -> dual
     # clip min(3, 4) = 3, t1 max(0.75, 0.8) = 0.8. (-1.2 - 0.5 - 1 + 3 + 0.8)/5 = 0.22
     assert_close(loss, 0.22)
-    assert_close(metrics["actor/pg_clipfrac"], 0.4, torch.float32)  # row 1 t0, row 2 t1
-    assert_close(metrics["actor/pg_clipfrac_lower"], 0.2, torch.float32)  # row 2 t0
-    assert_close(metrics["actor/ppo_kl"], -math.log(2.25) / 5, torch.float32)
+    assert_close(metrics["actor/pg_clipfrac"], 0.4)  # row 1 t0, row 2 t1
+    assert_close(metrics["actor/pg_clipfrac_lower"], 0.2)  # row 2 t0
+    assert_close(metrics["actor/ppo_kl"], -math.log(2.25) / 5)
+    # Metrics in the computation dtype: float64 here, float32 for bf16 inputs.
+    assert {value.dtype for value in metrics.values()} == {torch.float64}
+    low = verl_policy_loss("vanilla")(*(x.to(torch.bfloat16) for x in (old, log_prob)),
+                                      advantages, mask)  # fmt: skip
+    assert {value.dtype for value in low.metrics.values()} == {torch.float32}
     loss.backward()
     assert log_prob.grad is not None
     assert_close(log_prob.grad, [[0, -0.1, -0.2], [0, 0, 0]])  # -A r / 5 where unclipped

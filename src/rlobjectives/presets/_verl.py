@@ -126,23 +126,31 @@ def _clip_band(config: object) -> dict[str, Any]:
     }
 
 
+def _metric_dtype(call: _Call) -> torch.dtype:
+    """float64 for float64 log-probabilities, float32 otherwise (the computation dtype)."""
+    return torch.promote_types(call.log_prob.dtype, torch.float32)
+
+
 def _k1(call: _Call, bound: float | None) -> torch.Tensor:
     """The ``ppo_kl`` of verl: masked mean of ``-(log_prob - old_log_prob)`` (clamped if bound)."""
-    log_ratio = masked_fill_zero(call.log_prob.detach() - call.old_log_prob, call.mask)
+    dtype = _metric_dtype(call)
+    log_ratio = call.log_prob.detach().to(dtype) - call.old_log_prob.to(dtype)
+    log_ratio = masked_fill_zero(log_ratio, call.mask)
     if bound is not None:
         log_ratio = clamp(log_ratio, -bound, bound)
-    return masked_mean(-log_ratio.float(), call.mask)
+    return masked_mean(-log_ratio, call.mask)
 
 
 def _metrics(
     call: _Call, clipfrac: torch.Tensor, lower: torch.Tensor | None, kl_bound: float | None
 ) -> dict[str, torch.Tensor]:
     """The three metric keys of verl (``lower`` None: verl's constant 0.0)."""
-    zero = torch.zeros((), dtype=torch.float32, device=call.log_prob.device)
+    dtype = _metric_dtype(call)
+    zero = torch.zeros((), dtype=dtype, device=call.log_prob.device)
     return {
-        "actor/pg_clipfrac": clipfrac.float(),
+        "actor/pg_clipfrac": clipfrac.to(dtype),
         "actor/ppo_kl": _k1(call, kl_bound),
-        "actor/pg_clipfrac_lower": zero if lower is None else lower.float(),
+        "actor/pg_clipfrac_lower": zero if lower is None else lower.to(dtype),
     }
 
 
@@ -180,7 +188,7 @@ def _sapo(call: _Call, args: ReductionArgs) -> VerlLossOutput:
         "log_ratio_bound": 20.0,
     }
     term = _policy_term(call, args, options)
-    zero = torch.zeros((), dtype=torch.float32, device=call.log_prob.device)
+    zero = torch.zeros((), dtype=_metric_dtype(call), device=call.log_prob.device)
     return VerlLossOutput(term.loss, _metrics(call, zero, None, 20.0))
 
 
@@ -214,8 +222,9 @@ def _gmpo_metrics(call: _Call, options: dict[str, Any]) -> dict[str, torch.Tenso
     outside = (log_ratio < -options["clip_low"]) | (log_ratio > options["clip_high"])
     advantages = call.advantages.detach()
     advantages = advantages.unsqueeze(-1) if advantages.ndim == 1 else advantages
-    clipfrac = masked_mean((outside & (advantages > 0)).float(), call.mask)
-    lower = masked_mean((outside & (advantages < 0)).float(), call.mask)
+    dtype = _metric_dtype(call)
+    clipfrac = masked_mean((outside & (advantages > 0)).to(dtype), call.mask)
+    lower = masked_mean((outside & (advantages < 0)).to(dtype), call.mask)
     return _metrics(call, clipfrac, lower, None)
 
 
@@ -340,9 +349,9 @@ def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
       clip_low=None)`` = ``-A·log_prob`` aggregated; no metrics.
 
     ``rollout_is_weights`` multiply the per-token loss before the aggregation (verl's
-    placement; ``policy_loss(importance_weights=)``). The metric values are 0-d float32
-    tensors. ``actor/ppo_kl`` is the mean of ``-Δ``, clamped to ±20 where verl clamps
-    (vanilla, cispo, sapo).
+    placement; ``policy_loss(importance_weights=)``). The metric values are 0-d tensors in the
+    computation dtype (float64 for float64 inputs, float32 otherwise). ``actor/ppo_kl`` is the
+    mean of ``-Δ``, clamped to ±20 where verl clamps (vanilla, cispo, sapo).
 
     Args:
         loss_mode: ``"vanilla"``, ``"gspo"``, ``"cispo"``, ``"sapo"``, ``"geo_mean"`` or
