@@ -18,6 +18,7 @@ from hypothesis import strategies as st
 import reference
 import rlobjectives as rlo
 from packed_cases import make_batch, make_tensors
+from rlobjectives._packing import _traced_sequence_ids
 from tolerances import LAYOUT_TOLERANCE
 
 F64 = torch.float64
@@ -364,6 +365,23 @@ def test_packed_shift_never_crosses_a_boundary() -> None:
 # --------------------------------------------------------------------------------------------
 # torch.compile (one compile)
 # --------------------------------------------------------------------------------------------
+
+
+def test_traced_sequence_ids_equal_eager() -> None:
+    # The ids built while tracing (boundary counts + cumsum) equal repeat_interleave's, with
+    # empty sequences anywhere (first, middle, last) and an empty row.
+    generator = torch.Generator().manual_seed(4)
+    for lengths in (
+        [0, 3, 0, 0, 2, 0],
+        [5],
+        [0],
+        [],
+        *(torch.randint(0, 4, (9,), generator=generator).tolist() for _ in range(3)),
+    ):
+        cu = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()])
+        tokens = int(cu[-1])
+        eager = torch.repeat_interleave(cu.diff(), output_size=tokens)
+        assert torch.equal(_traced_sequence_ids(cu, tokens), eager), lengths
 
 
 @pytest.mark.compile

@@ -179,8 +179,24 @@ def layout_from_cu_seqlens(cu: torch.Tensor, num_tokens: int) -> Layout:
     ``repeat_interleave`` of the lengths, which returns those indices directly (no gather of an
     ``arange``), with a static output size (no host sync; an empty sequence owns no token).
     """
-    sequence_ids = torch.repeat_interleave(cu.diff(), output_size=num_tokens)  # (N,)
+    if torch.compiler.is_compiling():
+        sequence_ids = _traced_sequence_ids(cu, num_tokens)
+    else:
+        sequence_ids = torch.repeat_interleave(cu.diff(), output_size=num_tokens)  # (N,)
     return Layout(cu.shape[0] - 1, sequence_ids, cu)
+
+
+def _traced_sequence_ids(cu: torch.Tensor, num_tokens: int) -> torch.Tensor:
+    """``sequence_ids`` while ``torch.compile`` traces: a count of boundaries, then a cumsum.
+
+    Inductor lowers ``repeat_interleave`` with ``output_size`` to a ``searchsorted`` that runs
+    as a scalar binary search per token (0.8 ms for N = 140k on one CPU thread, more than the
+    whole fused loss); ``ids[t] = #{s >= 1 : cu[s] <= t}`` by a scatter of the ``S`` boundaries and
+    an integer cumulative sum is exact and fuses with its neighbours.
+    """
+    starts = torch.zeros(num_tokens + 1, dtype=torch.int64, device=cu.device)
+    starts = starts.index_add(0, cu[1:], torch.ones_like(cu[1:]))  # boundaries at each token
+    return starts[:num_tokens].cumsum(0)  # (N,)
 
 
 def packed_layout(
