@@ -793,41 +793,14 @@ def reinforce_plus_plus_advantages(
 ) -> Tensor:
     """Reference of rlobjectives.reinforce_plus_plus_advantages (loops over selected tokens).
 
+    ``group_size`` is :func:`reinforce_plus_plus_grouped` with contiguous group labels.
     ``holes="zero"``: the loop visits every position up to the last selected one (reward 0 at
     unselected ones) and keeps the returns of the selected ones.
     """
-    m = _as_list_mask(mask)
-    zero = torch.zeros((), dtype=torch.float64)
-    scores = [rewards.reshape(-1)[i] for i in range(len(m))]
-    if group_size is not None:
-        baselined = []
-        for i, score in enumerate(scores):
-            start = (i // group_size) * group_size
-            group = scores[start : start + group_size]
-            baselined.append(score - sum(group, zero) / group_size)
-        scores = baselined
-    returns: dict[tuple[int, int], Tensor] = {}
-    for i, row in enumerate(m):
-        selected = [t for t, keep in enumerate(row) if keep]
-        steps = selected if holes == "skip" else list(range(selected[-1] + 1 if selected else 0))
-        running = zero
-        for t in reversed(steps):
-            reward = zero
-            if row[t]:
-                reward = token_rewards[i, t] if token_rewards is not None else zero
-            if t == selected[-1]:
-                reward = reward + scores[i]
-            running = reward + gamma * running
-            if row[t]:
-                returns[(i, t)] = running
-    count = len(returns)
-    if count == 0:
-        return torch.zeros(tuple(mask.shape), dtype=torch.float64)
-    mean = sum(returns.values(), zero) / count
-    variance = sum(((g - mean) ** 2 for g in returns.values()), zero) / count
-    std = torch.sqrt(variance)
-    entries = {key: (g - mean) / (std + eps) for key, g in returns.items()}
-    return _matrix(entries, tuple(mask.shape))  # type: ignore[arg-type]
+    labels = None if group_size is None else [i // group_size for i in range(mask.shape[0])]
+    return reinforce_plus_plus_grouped(
+        rewards, mask, labels=labels, token_rewards=token_rewards, gamma=gamma, eps=eps, holes=holes
+    )
 
 
 def gae(
@@ -1228,7 +1201,7 @@ def reinforce_plus_plus_grouped(
 ) -> Tensor:
     """Reference of rlobjectives.reinforce_plus_plus_advantages with group labels / unbiased.
 
-    ``holes`` as in :func:`reinforce_plus_plus_advantages` above.
+    ``holes``: as in :func:`reinforce_plus_plus_advantages`.
     """
     zero = torch.zeros((), dtype=torch.float64)
     scores = [rewards.reshape(-1)[i] for i in range(mask.shape[0])]
