@@ -280,8 +280,8 @@ def test_verl_vanilla_golden() -> None:
     assert_close(metrics["actor/ppo_kl"], -math.log(2.25) / 5)
     # Metrics in the computation dtype: float64 here, float32 for bf16 inputs.
     assert {value.dtype for value in metrics.values()} == {torch.float64}
-    low = verl_policy_loss("vanilla")(*(x.to(torch.bfloat16) for x in (old, log_prob)),
-                                      advantages, mask)  # fmt: skip
+    low = verl_policy_loss("vanilla")(*(x.to(torch.bfloat16) for x in (old, log_prob, advantages)),
+                                      mask)  # fmt: skip
     assert {value.dtype for value in low.metrics.values()} == {torch.float32}
     loss.backward()
     assert log_prob.grad is not None

@@ -34,7 +34,7 @@ import torch
 
 from .._masking import clamp, masked_fill_zero, masked_mean, mean_selected
 from .._policy_args import PolicyLossDiagnostics
-from .._validation import validate_choice
+from .._validation import compute_dtype, validate_choice
 from ._common import (
     ReductionArgs,
     WeightedPolicyTerm,
@@ -127,8 +127,8 @@ def _clip_band(config: object) -> dict[str, Any]:
 
 
 def _metric_dtype(call: _Call) -> torch.dtype:
-    """float64 for float64 log-probabilities, float32 otherwise (the computation dtype)."""
-    return torch.promote_types(call.log_prob.dtype, torch.float32)
+    """The computation dtype of the loss (float64 if an input is float64, float32 otherwise)."""
+    return compute_dtype(call.log_prob, call.old_log_prob, call.advantages)
 
 
 def _k1(call: _Call, bound: float | None) -> torch.Tensor:
