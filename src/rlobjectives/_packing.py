@@ -21,8 +21,9 @@ The boundary helpers (:func:`packed_layout`, :func:`token_matrix`, :func:`tokens
 layout: they validate once and build the :class:`~rlobjectives._layout.Layout` through which all
 per-sequence math runs. Reading ``cu_seqlens``'s values to validate them is the one host
 synchronisation (one ``(S + 1,)`` copy); it is skipped while ``torch.compile`` traces, and the
-math after it has none (sequence ids by ``repeat_interleave`` with a static size, segment sums
-by ``segment_reduce``).
+math after it has none (sequence ids by ``repeat_interleave`` with a static size, or while
+tracing by a scatter of the boundaries and an integer cumsum; segment sums by
+``segment_reduce``).
 """
 
 from __future__ import annotations
