@@ -282,6 +282,21 @@ def mask_wrongs(argument: str = "mask", **kw: Any) -> tuple[Wrong, ...]:
     return tensor_wrongs(argument, shapes=MATRIX_SHAPES, dtype=torch.bool, **kw)
 
 
+def unbroadcastable_mask() -> tuple[Wrong, ...]:
+    """A ``(T,)`` mask for ``(B, T)`` values: broadcastable, yet rejected (the mask must have
+    the values' shape, never broadcast silently)."""
+    return (
+        Wrong(
+            "mask",
+            "shape",
+            "broadcastable",
+            lambda a: torch.ones(T, dtype=torch.bool),
+            ValueError,
+            subject("mask"),
+        ),
+    )
+
+
 def reduction_wrongs(*, normalizer: bool = True, max_length: bool = True) -> tuple[Wrong, ...]:
     rows = choice_wrongs("reduction")
     if normalizer:
@@ -900,15 +915,8 @@ CASES: tuple[Case, ...] = (
             lambda: {"values": per_token(), "mask": token_mask()},
             tensor_wrongs("values", shapes=(), reference=True)
             + mask_wrongs()
+            + unbroadcastable_mask()
             + (
-                Wrong(
-                    "mask",
-                    "shape",
-                    "broadcastable",
-                    lambda a: torch.ones(T, dtype=torch.bool),
-                    ValueError,
-                    subject("mask"),
-                ),
                 Wrong(
                     "dim",
                     "value",
@@ -1078,16 +1086,7 @@ CASES: tuple[Case, ...] = (
             lambda: {"values": per_token(), "mask": token_mask()},
             tensor_wrongs("values", shapes=(), reference=True)
             + mask_wrongs()
-            + (
-                Wrong(
-                    "mask",
-                    "shape",
-                    "broadcastable",
-                    lambda a: torch.ones(T, dtype=torch.bool),
-                    ValueError,
-                    subject("mask"),
-                ),
-            )
+            + unbroadcastable_mask()
             + flag_wrongs("shift_mean")
             + flag_wrongs("unbiased")
             + hyper("eps", below=-0.1)
