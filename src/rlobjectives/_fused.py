@@ -12,26 +12,16 @@ is keyed by the ``surrogate`` option (:data:`TOKEN_STAGES`): the bit-trick stage
 clip decisions and the diagnostics use :math:`A`.
 
 The math is that of :mod:`rlobjectives._surrogates` (the readable specification, which it is
-tested against). The ``"clip"`` surrogate is written per sign of the advantage:
-
-.. math::
-
-    s = A \cdot \mathrm{clip}(r, L, H), \qquad
-    (L, H) = \begin{cases} (-\infty,\ \min(1 + \epsilon_{high}, \delta)) & A > 0 \\
-                           (1 - \epsilon_{low},\ \min(c, \max(1 + \epsilon_{high}, \delta)))
-                           & A < 0 \end{cases}
-
-(:math:`c = \delta = \infty` when not given; without clipping :math:`H = \delta` for
-:math:`A > 0` and :math:`\min(c, \delta)` for :math:`A < 0`; see
-:func:`rlobjectives._surrogates.clip_bounds`), which is
-``max(min(min(r, delta)A, clip(r)A), cA)`` product for product, and
-:math:`\partial s / \partial \ell = rA` where :math:`L \le r \le H` and the log-ratio is within
-its bound, else 0. This reproduces autograd's conventions: ``torch.clamp`` passes the gradient on
-the closed interval (ratio band and log-ratio bound); in the band ``torch.minimum`` sees a tie of
-two equal products and its two halves add up to the full gradient; at an exact dual-clip tie
-:math:`r = c` ``torch.maximum`` passes half, and so does the fused path. Unselected positions are
-exact zeros before any arithmetic (log-ratio 0, ratio 1, advantage 0): NaN/inf there reaches no
-value, diagnostic or gradient. NaN at a selected position propagates to the loss.
+tested against). The ``"clip"`` surrogate, written per sign of the advantage, and its
+derivative are stated in :mod:`rlobjectives._fused_clip`:
+:math:`\partial s / \partial \ell = rA` where the ratio is inside its per-sign band and the
+log-ratio within its bound, else 0. This reproduces autograd's conventions: ``torch.clamp``
+passes the gradient on the closed interval (ratio band and log-ratio bound); in the band
+``torch.minimum`` sees a tie of two equal products and its two halves add up to the full
+gradient; at an exact dual-clip tie :math:`r = c` ``torch.maximum`` passes half, and so does the
+fused path. Unselected positions are exact zeros before any arithmetic (log-ratio 0, ratio 1,
+advantage 0): NaN/inf there reaches no value, diagnostic or gradient. NaN at a selected
+position propagates to the loss.
 
 The stages of :func:`fused_forward`: :func:`_log_ratio_stage` (select, GSPO form, k1/k3 sums;
 at token level the clamped log-ratio of k3 is the ratio's), :func:`_ratio_stage` (bound, exp,
