@@ -9,7 +9,8 @@ Operations (forward + backward with respect to ``hidden`` and ``weight``, float3
   the naive log-probs followed by the trainer-style eager loss (``tests/eager_reference.py``), the
   same compiled, and Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (eager, ``loss_type="dapo"`` =
   token mean, no KL) when ``liger_kernel`` is importable -- a benchmark-only comparison row,
-  never a dependency of the library.
+  never a dependency of the library. ``--chunk-size ROWS`` (repeatable) adds our fused loss at
+  fixed chunk sizes: the sweep behind ``HEAD_BUDGET`` in ``src/rlobjectives/_lm_head_chunks.py``.
 
 Shapes (full run): N = B*T = 4096, H = 1024 and N = 8192, H = 256, each at V = 32000 and
 V = 128000. Quick run: N = 1024, H = 256, V = 8000. Every token selected except a 10% tail.
@@ -90,10 +91,24 @@ def _ours_log_probs(x: Inputs) -> torch.Tensor:
     return rlobjectives.token_log_probs_from_hidden(x["hidden"], x["weight"], x["tokens"])
 
 
-def _ours_loss(x: Inputs) -> torch.Tensor:
+def _ours_loss(x: Inputs, chunk_size: int | None = None) -> torch.Tensor:
     return rlobjectives.fused_policy_loss_from_hidden(
-        x["hidden"], x["weight"], x["tokens"], x["old_log_probs"], x["advantages"], x["mask"]
+        x["hidden"],
+        x["weight"],
+        x["tokens"],
+        x["old_log_probs"],
+        x["advantages"],
+        x["mask"],
+        chunk_size=chunk_size,
     ).loss
+
+
+def _ours_loss_chunked(chunk_size: int) -> harness.Variant:
+    """Our fused loss at a fixed ``chunk_size`` (the sweep behind ``HEAD_BUDGET``)."""
+    return harness.Variant(
+        f"ours fused_policy_loss_from_hidden chunk_size={chunk_size}",
+        lambda x: _ours_loss(x, chunk_size),
+    )
 
 
 def _liger_variant() -> harness.Variant | None:
@@ -147,7 +162,8 @@ def shapes(quick: bool, device: str = "cpu") -> list[tuple[int, int, int, int]]:
             (8, 1024, 256, 128000)]  # fmt: skip
 
 
-def cases(*, quick: bool, device: str) -> list[harness.Case]:
+def cases(*, quick: bool, device: str, chunk_sizes: Sequence[int] = ()) -> list[harness.Case]:
+    """The cases; ``chunk_sizes`` adds our fused loss at each fixed chunk size to its cases."""
     result: list[harness.Case] = []
     liger = _liger_variant()
     dtype = torch.bfloat16 if device == "cuda" and not quick else torch.float32
@@ -174,6 +190,7 @@ def cases(*, quick: bool, device: str) -> list[harness.Case]:
             harness.Variant("naive eager (unfused loss)", _naive_loss, role="reference"),
             harness.Variant("naive eager (unfused loss)", _naive_loss, compile=True),
             harness.Variant("ours fused_policy_loss_from_hidden", _ours_loss),
+            *(_ours_loss_chunked(chunk) for chunk in chunk_sizes),
         ]
         if liger is not None:
             loss_variants.append(liger)
@@ -294,6 +311,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="wall clock, or process CPU time (shared machines)")  # fmt: skip
     parser.add_argument("--only", action="append", type=int, default=None, metavar="INDEX",
                         help="case indices to run (repeatable); default all")  # fmt: skip
+    parser.add_argument("--chunk-size", action="append", type=int, default=[], metavar="ROWS",
+                        help="also time our fused loss at this chunk_size")  # fmt: skip
     parser.add_argument("--output", default=None, help="results stem (default logprobs[-quick])")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -301,7 +320,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.device == "cpu" and args.clock == "process":
         machine += " | clock: process CPU time"
     print(machine, flush=True)
-    all_cases = cases(quick=args.quick, device=args.device)
+    all_cases = cases(quick=args.quick, device=args.device, chunk_sizes=args.chunk_size)
     rows = harness.run_cases(
         MODULE,
         all_cases,

@@ -51,8 +51,9 @@ __all__ = [
 #: unchunked computation forms, which also forms their softmax and gradient) and at most 64 MiB
 #: of buffers, but at least 256 rows: the ``grad_weight += grad_logits.T @ hidden`` update has
 #: inner dimension ``rows``, and in a sweep on CPU (float32, N = 4096, H = 1024, V = 32000, one
-#: thread, process time; benchmarks/sweep_head_chunks.py and benchmarks/README.md) the fused loss
-#: took 11.0 s at 64 rows, 9.8 s at 128, 9.2 s at 256, 9.1 s at 512 and 9.2 s at 1024 per call.
+#: thread, process time; ``bench_logprobs.py --chunk-size``, benchmarks/README.md) the fused loss
+#: took 1.23x the three-GEMM floor at 64 rows, 1.03x at 128, 1.01x at 256, 1.09x at 512 and
+#: 1.01x at 1024.
 HEAD_BUDGET = ChunkBudget(fraction=1 / 16, max_bytes=1 << 26, min_rows=256)
 _LOW_PRECISION = (torch.float16, torch.bfloat16)
 
