@@ -48,7 +48,7 @@ def cases(*, quick: bool, device: str) -> list[harness.Case]:
     dtypes = [torch.float32] if quick else [torch.float32, torch.bfloat16]
     kl_module = None
     try:
-        kl_module = importlib.import_module("rlobjectives._kl_loss")
+        kl_module = importlib.import_module("rlobjectives.kl.loss")
     except ImportError:  # pragma: no cover - the KL estimators are optional here
         pass
     result: list[harness.Case] = []

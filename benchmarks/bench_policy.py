@@ -20,7 +20,7 @@ import torch
 import eager_reference as eager
 import harness
 import rlobjectives
-from rlobjectives import _policy
+from rlobjectives.policy import loss as _policy
 
 Inputs = harness.Inputs
 

@@ -16,12 +16,12 @@ from typing import Any
 import torch
 
 import triton_reference as reference
-from rlobjectives._triton._from_hidden import (
+from rlobjectives.kernels.from_hidden import (
     FusedPolicyLossFromHiddenFunction,
     LogProbsFromHiddenFunction,
 )
-from rlobjectives._triton._kl import KLPenalizedRewardsFunction, kl_loss_forward
-from rlobjectives._triton._token_loss import TokenLossFunction, TokenLossOptions, TokenLossSums
+from rlobjectives.kernels.kl import KLPenalizedRewardsFunction, kl_loss_forward
+from rlobjectives.kernels.token_loss import TokenLossFunction, TokenLossOptions, TokenLossSums
 
 Result = tuple[str, bool, str]
 VALUE_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-5}  # fp32 math on rounded inputs

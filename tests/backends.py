@@ -1,7 +1,7 @@
 """Backend parametrisation: run a test once on the PyTorch path and once on the Triton kernels.
 
 The Triton kernels run through Triton's interpreter on CPU tensors (``RLOBJECTIVES_KERNELS=triton``;
-see ``rlobjectives._triton._dispatch``). ``tests/conftest.py`` loads this module as a plugin, so
+see ``rlobjectives.kernels.loading``). ``tests/conftest.py`` loads this module as a plugin, so
 every test module can take the ``backend`` fixture::
 
     from backends import dtype_for
@@ -36,8 +36,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from rlobjectives._triton import triton_available
-from rlobjectives._triton._dispatch import use_kernels
+from rlobjectives.kernels import triton_available
+from rlobjectives.kernels.loading import use_kernels
 
 __all__ = [
     "BACKEND_PARAMS",

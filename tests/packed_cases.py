@@ -18,8 +18,8 @@ from typing import Any
 import torch
 
 import rlobjectives as rlo
-from rlobjectives._policy import _policy_loss_autograd
-from rlobjectives._specified import _grpo_clipped_surrogate_autograd
+from rlobjectives.policy.loss import _policy_loss_autograd
+from rlobjectives.policy.seeds import _grpo_clipped_surrogate_autograd
 
 VOCAB, HIDDEN = 7, 5
 # Differentiable per-token inputs (S, T), per-token constants, per-sequence inputs (S,).

@@ -613,7 +613,8 @@ def response_log_probs(
     return torch.stack(out).reshape(len(mask), response_length), mask
 
 
-# --- KL estimators, KL placements and advantages (rlobjectives._kl, rlobjectives._advantages) ---
+# --- KL estimators, KL placements and advantages (rlobjectives.kl.estimators,
+# rlobjectives.advantages.gae) ---
 
 
 def _matrix(entries: dict[tuple[int, int], Tensor], shape: tuple[int, int]) -> Tensor:
@@ -922,7 +923,8 @@ def fused_policy_loss_from_hidden(
 
 # === PPO: whitening, value loss, GAE options, REINFORCE++ options, outcome advantages ===
 
-# (issue 14: rlobjectives._whitening, _value, _advantages, _outcome_advantages, _kl_control)
+# (issue 14: rlobjectives.advantages.whitening, _value, _advantages, _outcome_advantages,
+# _kl_control)
 
 
 def _selected_entries(values: Tensor, mask: Tensor) -> list[tuple[tuple[int, ...], Tensor]]:
@@ -1632,7 +1634,8 @@ def _openrlhf_is_weights(
     return {t: math.exp(v) * inside for t, v in log_rho.items()}
 
 
-# --- rollout correction and off-policy sequence masking (issue 12, rlobjectives._rollout) -------
+# --- rollout correction and off-policy sequence masking (issue 12,
+# rlobjectives.rollout.correction) -------
 
 ROLLOUT_BOUND = 20.0
 

@@ -1,6 +1,6 @@
 """Float64 references of the Triton kernels' contracts (plain autograd, flat token layout).
 
-Written from the math in ``rlobjectives._triton`` docstrings (the library's definitions of the
+Written from the math in ``rlobjectives.kernels`` docstrings (the library's definitions of the
 surrogates and of the diagnostics, PolicyLossDiagnostics), as autograd formulas (``torch.clamp``
 passes the gradient on the closed interval, selection with ``torch.where``; ties of
 ``torch.minimum``/``maximum`` are not exercised by the random batches). Nothing here imports

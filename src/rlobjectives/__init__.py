@@ -7,39 +7,18 @@ Masks have the shape of the log-probabilities and True/nonzero selects a token.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from ._advantages import GAEOutput, gae, reinforce_plus_plus_advantages
-from ._alignment import (
-    ResponseAlignment,
-    ResponseLogProbs,
-    response_alignment,
-    response_log_probs,
-)
-from ._entropy import top_entropy_mask
-from ._kl import BiasedGradientWarning
-from ._kl_control import AdaptiveKLController, FixedKLController
-from ._kl_loss import kl_estimate, kl_loss
-from ._kl_rewards import kl_penalized_token_rewards
-from ._lm_head import TokenLogProbsOutput, token_log_probs_from_hidden
-from ._lm_head_loss import FusedPolicyLossOutput, fused_policy_loss_from_hidden
-from ._logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, token_log_probs
-from ._masking import masked_mean, masked_sum
-from ._off_policy import off_policy_sequence_mask
-from ._outcome_advantages import (
+from ._core.masking import masked_mean, masked_sum
+from ._core.packing import PackedTokens, UnpackedTokens, pack, unpack
+from ._core.reduction import Reduction, aggregate
+from .advantages.gae import GAEOutput, gae, reinforce_plus_plus_advantages
+from .advantages.outcome import (
     group_relative_advantages,
     opo_advantages,
     passk_advantages,
     remax_advantages,
     rloo_advantages,
 )
-from ._packing import PackedTokens, UnpackedTokens, pack, unpack
-from ._policy import policy_loss
-from ._policy_args import PolicyLossDiagnostics, PolicyLossOutput
-from ._reduction import Reduction, aggregate
-from ._rollout import RolloutCorrection, rollout_correction
-from ._rollout_metrics import RolloutCorrectionMetrics
-from ._specified import grpo_clipped_surrogate, kl_penalized_rewards
-from ._value import ValueLossDiagnostics, ValueLossOutput, value_loss
-from ._whitening import masked_whiten
+from .advantages.whitening import masked_whiten
 from .distributed import (
     Normalizers,
     data_parallel_loss_scale,
@@ -49,6 +28,27 @@ from .distributed import (
     normalizer_for_reduction,
     sum_diagnostics,
 )
+from .kl.control import AdaptiveKLController, FixedKLController
+from .kl.estimators import BiasedGradientWarning
+from .kl.loss import kl_estimate, kl_loss
+from .kl.rewards import kl_penalized_token_rewards
+from .logprobs.alignment import (
+    ResponseAlignment,
+    ResponseLogProbs,
+    response_alignment,
+    response_log_probs,
+)
+from .logprobs.fused import FusedPolicyLossOutput, fused_policy_loss_from_hidden
+from .logprobs.hidden import TokenLogProbsOutput, token_log_probs_from_hidden
+from .logprobs.logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, token_log_probs
+from .policy.entropy import top_entropy_mask
+from .policy.inputs import PolicyLossDiagnostics, PolicyLossOutput
+from .policy.loss import policy_loss
+from .policy.seeds import grpo_clipped_surrogate, kl_penalized_rewards
+from .rollout.correction import RolloutCorrection, rollout_correction
+from .rollout.metrics import RolloutCorrectionMetrics
+from .rollout.off_policy import off_policy_sequence_mask
+from .value.loss import ValueLossDiagnostics, ValueLossOutput, value_loss
 
 try:
     __version__ = version("rlobjectives")

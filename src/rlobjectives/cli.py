@@ -19,7 +19,7 @@ from typing import Any, NoReturn
 
 import torch
 
-from ._specified import grpo_clipped_surrogate, kl_penalized_rewards
+from .policy.seeds import grpo_clipped_surrogate, kl_penalized_rewards
 
 __all__ = ["main"]
 

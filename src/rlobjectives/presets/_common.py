@@ -12,11 +12,11 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._masking import masked_fill_zero
-from .._policy import policy_loss
-from .._policy_args import PolicyLossDiagnostics, validate_surrogate_options
-from .._reduction import aggregate
-from .._validation import Scalar
+from .._core.masking import masked_fill_zero
+from .._core.reduction import aggregate
+from .._core.validation import Scalar
+from ..policy.inputs import PolicyLossDiagnostics, validate_surrogate_options
+from ..policy.loss import policy_loss
 
 __all__ = [
     "ReductionArgs",

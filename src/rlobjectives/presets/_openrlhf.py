@@ -40,9 +40,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._masking import masked_mean
-from .._rollout import RolloutCorrection, rollout_correction
-from .._validation import validate_choice
+from .._core.masking import masked_mean
+from .._core.validation import validate_choice
+from ..rollout.correction import RolloutCorrection, rollout_correction
 from ._common import ReductionArgs, check_options, weighted_policy_loss
 
 __all__ = ["OPENRLHF_IS_CORRECTIONS", "OPENRLHF_POLICY_LOSS_TYPES", "OpenRLHFPolicyLoss"]

@@ -39,12 +39,12 @@ from typing import NamedTuple
 
 import torch
 
-from .._kl_loss import kl_loss
-from .._masking import masked_mean, mean_selected
-from .._off_policy import off_policy_sequence_mask
-from .._reduction import aggregate
-from .._validation import Scalar, validate_choice, validate_scalar
+from .._core.masking import masked_mean, mean_selected
+from .._core.reduction import aggregate
+from .._core.validation import Scalar, validate_choice, validate_scalar
 from ..distributed import global_top_entropy_mask
+from ..kl.loss import kl_loss
+from ..rollout.off_policy import off_policy_sequence_mask
 from ._common import as_bool_mask, check_options, reduce_terms, weighted_policy_loss
 from ._trl_metrics import MetricInputs, importance_ratio
 from ._trl_rows import TRL_LOSS_TYPES, Batch, LossType

@@ -23,8 +23,8 @@ from typing import NamedTuple
 
 import torch
 
-from .._masking import masked_fill_zero, masked_mean
-from .._surrogates import VESPO_LOG_WEIGHT_RANGE
+from .._core.masking import masked_fill_zero, masked_mean
+from ..policy.formulas import VESPO_LOG_WEIGHT_RANGE
 
 __all__ = [
     "MetricInputs",

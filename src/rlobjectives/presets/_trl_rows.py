@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from .._validation import Scalar
+from .._core.validation import Scalar
 from ._common import ReductionArgs
 from ._trl_metrics import MetricInputs, cispo_metrics, clip_metrics, no_metrics, vespo_metrics
 

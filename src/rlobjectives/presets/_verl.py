@@ -32,9 +32,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._masking import clamp, masked_fill_zero, masked_mean, mean_selected
-from .._policy_args import PolicyLossDiagnostics
-from .._validation import compute_dtype, validate_choice
+from .._core.masking import clamp, masked_fill_zero, masked_mean, mean_selected
+from .._core.validation import compute_dtype, validate_choice
+from ..policy.inputs import PolicyLossDiagnostics
 from ._common import (
     ReductionArgs,
     WeightedPolicyTerm,

@@ -1,0 +1,286 @@
+r"""The named reductions from per-token values to a loss: one implementation for every path.
+
+Every reduction except ``"none"`` is linear in the per-token values :math:`L_{it}`:
+
+.. math::
+
+    \mathcal{L} = \frac{1}{D} \sum_i \frac{1}{d_i} \sum_t M_{it} L_{it},
+
+with a per-row divisor :math:`d_i` and a common denominator :math:`D` that depend on the mask
+only (and on an explicit ``normalizer``). :func:`row_weights` computes :math:`(d_i, D)` once;
+the autograd path (:func:`reduce`), the fused policy path and the hidden-state path all use it,
+the last two also as the gradient :math:`\partial\mathcal{L}/\partial L_{it} = 1/(d_i D)`.
+
+- ``token_mean``: :math:`d_i = 1`, :math:`D = N = \sum M` (at least 1) or ``normalizer``;
+- ``sequence_mean``: :math:`d_i = \max(n_i, 1)`, :math:`D` = the non-empty rows (at least 1)
+  or ``normalizer``;
+- ``sequence_sum_normalized``: :math:`d_i = 1`, :math:`D = \max(B, 1)\,C` or
+  ``normalizer`` :math:`\cdot C`;
+- ``length_weighted``: :math:`d_i = 1`, :math:`D = \max(B, 1)` or ``normalizer`` (each
+  sequence's token mean weighted by its length :math:`n_i`, averaged over the rows: TRL LUSPO).
+
+(:math:`n_i = \sum_t M_{it}`, :math:`C = \max(` ``max_response_length`` or :math:`T`, 1 :math:`)`).
+A user-given ``normalizer`` is used exactly as given (fractional values included); only counts
+are raised to 1, so that an empty selection gives 0 instead of 0/0.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple, get_args
+
+import torch
+
+from .layout import Layout, padded
+from .masking import masked_fill_zero
+from .packing import longest_sequence, sequence_layout, token_matrix, token_output
+from .spellings import canonical_reduction
+from .validation import (
+    ArrayLike,
+    Scalar,
+    as_float_tensor,
+    as_mask,
+    check_same_device,
+    check_shape,
+    validate_choice,
+    validate_length,
+    validate_scalar,
+)
+
+__all__ = [
+    "REDUCTIONS",
+    "Reduction",
+    "ReductionSpec",
+    "RowWeights",
+    "aggregate",
+    "reduce",
+    "reduce_rows",
+    "row_weights",
+    "token_gradient_weights",
+    "validate_layout_reduction",
+    "validate_normalizer",
+    "validate_reduction",
+]
+
+Reduction = Literal[
+    "token_mean", "sequence_mean", "sequence_sum_normalized", "length_weighted", "none"
+]
+REDUCTIONS: tuple[str, ...] = get_args(Reduction)
+
+
+class ReductionSpec(NamedTuple):
+    """A validated reduction: its name, explicit normaliser (or None) and Dr. GRPO constant."""
+
+    reduction: str
+    normalizer: float | torch.Tensor | None
+    constant: float | torch.Tensor  # C = max(max_response_length or T, 1)
+
+
+class RowWeights(NamedTuple):
+    """Per-row divisors ``(B,)`` (None = all ones) and the common denominator ``()``."""
+
+    divisor: torch.Tensor | None
+    denominator: torch.Tensor
+
+
+def validate_normalizer(value: Scalar | None, name: str) -> float | torch.Tensor | None:
+    """A positive finite normaliser (number or 0-d tensor), or None."""
+    if value is None:
+        return None
+    return validate_scalar(value, name, minimum=0.0, strict=True)
+
+
+def validate_reduction(
+    reduction: object,
+    *,
+    normalizer: Scalar | None,
+    max_response_length: Scalar | None,
+    tokens: int,
+) -> ReductionSpec:
+    """Validate the reduction arguments of a public function (``tokens`` = T)."""
+    reduction = canonical_reduction(reduction)  # peers' spellings: alias or "did you mean"
+    validate_choice(reduction, "reduction", REDUCTIONS)
+    normalizer_value = validate_normalizer(normalizer, "normalizer")
+    if max_response_length is None:
+        constant: float | torch.Tensor = float(max(tokens, 1))
+    else:
+        length = validate_length(max_response_length, "max_response_length")
+        constant = length if isinstance(length, torch.Tensor) else float(length)
+    return ReductionSpec(str(reduction), normalizer_value, constant)
+
+
+def validate_layout_reduction(
+    reduction: object,
+    *,
+    normalizer: Scalar | None,
+    max_response_length: Scalar | None,
+    layout: Layout,
+    tokens: int,
+) -> ReductionSpec:
+    """:func:`validate_reduction` for a layout; ``tokens`` = the width of the per-token rows.
+
+    The default Dr. GRPO constant is the padded width ``T``: for a packed ``(1, N)`` row, the
+    longest sequence (the width :func:`rlobjectives.unpack` pads to), not ``N``.
+    """
+    spec = validate_reduction(
+        reduction, normalizer=normalizer, max_response_length=max_response_length, tokens=tokens
+    )
+    packed = layout.sequence_ids is not None
+    if packed and max_response_length is None and spec.reduction == "sequence_sum_normalized":
+        spec = spec._replace(constant=longest_sequence(layout, tokens))
+    return spec
+
+
+def _as_tensor(
+    value: float | torch.Tensor, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    return torch.as_tensor(value, dtype=dtype, device=device)
+
+
+def row_weights(
+    counts: torch.Tensor, spec: ReductionSpec, *, dtype: torch.dtype, batch: int
+) -> RowWeights:
+    """The divisors :math:`d_i` and the denominator :math:`D` of ``spec`` (see module doc).
+
+    Args:
+        counts: ``(B,)`` selected tokens per row (integer).
+        spec: a validated :class:`ReductionSpec` (not ``"none"``).
+        dtype: the computation dtype.
+        batch: B, the number of rows (static).
+    """
+    device = counts.device
+    normalizer = None if spec.normalizer is None else _as_tensor(spec.normalizer, dtype, device)
+    if spec.reduction == "sequence_mean":
+        divisor = counts.to(dtype).clamp(min=1)  # (B,)
+        if normalizer is None:
+            normalizer = (counts > 0).sum().to(dtype).clamp(min=1)
+        return RowWeights(divisor, normalizer)
+    if spec.reduction in ("sequence_sum_normalized", "length_weighted"):
+        rows = _as_tensor(float(max(batch, 1)), dtype, device) if normalizer is None else normalizer
+        if spec.reduction == "length_weighted":  # LUSPO: sum_i n_i (sum_t L / n_i) / B
+            return RowWeights(None, rows)
+        constant = _as_tensor(spec.constant, dtype, device).clamp(min=1)
+        return RowWeights(None, rows * constant)
+    # token_mean
+    if normalizer is None:
+        normalizer = counts.sum().to(dtype).clamp(min=1)
+    return RowWeights(None, normalizer)
+
+
+def token_gradient_weights(weights: RowWeights, layout: Layout, dtype: torch.dtype) -> torch.Tensor:
+    """Derivative of the reduced loss w.r.t. each per-token value, broadcastable to the tokens.
+
+    ``(B, 1)`` for the padded layout, ``(1, N)`` for a packed one; ``(1, 1)`` when every
+    sequence has the same weight (no per-row divisor).
+    """
+    if weights.divisor is None:
+        return (1 / weights.denominator.to(dtype)).reshape(1, 1)
+    rows = layout.num_sequences
+    ones = torch.ones(rows, dtype=dtype, device=weights.denominator.device)
+    if weights.divisor is not None:
+        ones = ones / weights.divisor
+    return layout.expand(ones / weights.denominator)
+
+
+def reduce_rows(row_sums: torch.Tensor, weights: RowWeights) -> torch.Tensor:
+    r"""The loss from per-row sums ``(B,)``: :math:`\sum_i (s_i / d_i) / D`."""
+    if weights.divisor is not None:
+        row_sums = row_sums / weights.divisor
+    return row_sums.sum() / weights.denominator
+
+
+def reduce(
+    values: torch.Tensor, mask: torch.Tensor, spec: ReductionSpec, layout: Layout | None = None
+) -> torch.Tensor:
+    """Unchecked :func:`aggregate` of per-token values in their own dtype.
+
+    ``layout`` maps tokens to sequences (default: padded ``(B, T)``, one sequence per row).
+    """
+    layout = padded(values.shape[0]) if layout is None else layout
+    selected = masked_fill_zero(values, mask)  # (B, T)
+    if spec.reduction == "none":
+        return selected
+    counts = layout.row_counts(mask)  # (S,)
+    weights = row_weights(counts, spec, dtype=values.dtype, batch=layout.num_sequences)
+    if weights.divisor is None:
+        return selected.sum() / weights.denominator
+    return reduce_rows(layout.row_sums(selected), weights)
+
+
+def aggregate(
+    values: ArrayLike,
+    mask: ArrayLike,
+    *,
+    reduction: Reduction = "token_mean",
+    normalizer: Scalar | None = None,
+    max_response_length: Scalar | None = None,
+    cu_seqlens: ArrayLike | None = None,
+) -> torch.Tensor:
+    r"""Reduce per-token values ``(B, T)`` to the loss under one of the named reductions.
+
+    With :math:`M` the mask, :math:`n_i = \sum_t M_{it}` and :math:`L` the per-token values:
+
+    - ``"token_mean"``: :math:`\sum_{it} M_{it} L_{it} / N`, with :math:`N = \sum_{it} M_{it}`
+      or the given ``normalizer`` (global selected-token count). DAPO / BNPO and the seed GRPO loss.
+    - ``"sequence_mean"``: :math:`\sum_i \big(\sum_t M_{it} L_{it} / n_i\big) / S`, with :math:`S`
+      the number of sequences with at least one selected token, or the given ``normalizer``
+      (global count of such sequences). Original GRPO (mean of per-sequence token means).
+    - ``"sequence_sum_normalized"``: :math:`\sum_{it} M_{it} L_{it} / (S \cdot C)` with
+      :math:`S = B` or the given ``normalizer`` (global sequence count) and the constant
+      :math:`C` = ``max_response_length`` (default ``T``). Dr. GRPO.
+    - ``"length_weighted"``: :math:`\sum_{it} M_{it} L_{it} / S` with :math:`S = B` or the given
+      ``normalizer`` (global sequence count): each sequence's token mean weighted by its length,
+      averaged over the rows (TRL ``loss_type="luspo"`` since 1.10, whose loss is
+      ``(per_token_loss * mask).sum(-1).mean()``; LUSPO, arXiv:2602.05261).
+    - ``"none"``: :math:`M \odot L` as a ``(B, T)`` tensor (zeros at unselected tokens).
+
+    Packed layout (``cu_seqlens`` given): ``values`` and ``mask`` are ``(N,)`` or ``(1, N)``,
+    sequence :math:`i` is the run ``cu_seqlens[i]:cu_seqlens[i + 1]`` (:math:`S` sequences in
+    place of the :math:`B` rows), and the default :math:`C` is the longest sequence; the result
+    equals the padded call on :func:`rlobjectives.unpack`'s layout.
+
+    With an explicit ``normalizer`` the result is additive over micro-batches: summing the losses
+    of the micro-batches of an optimizer step gives the full-batch loss. The normaliser is used
+    exactly as given; counted denominators are raised to 1 (an empty selection gives 0).
+
+    Args:
+        values: per-token values, ``(B, T)``.
+        mask: bool ``(B, T)``; True selects the token.
+        reduction: one of ``"token_mean"``, ``"sequence_mean"``, ``"sequence_sum_normalized"``,
+            ``"length_weighted"``, ``"none"``.
+        normalizer: optional positive denominator (number or 0-d tensor), see above.
+        max_response_length: the Dr. GRPO constant :math:`C`, a positive integer (int or 0-d
+            tensor); ``None`` uses ``T`` (packed: the longest sequence).
+        cu_seqlens: optional ``(S + 1,)`` integer sequence boundaries of a packed row (0 first,
+            non-decreasing, ``N`` last); see ``docs/conventions.md``.
+
+    Returns:
+        A scalar tensor, or ``(B, T)`` for ``"none"`` (packed: the shape of ``values``), with the
+        dtype of ``values`` (float16 and bfloat16 values are reduced in float32 and rounded once).
+
+    Raises:
+        ValueError: if ``values`` is not ``(B, T)`` (packed: ``(N,)`` or ``(1, N)``), ``mask`` has
+            another shape or device, ``reduction`` is unknown, ``normalizer`` is not positive,
+            ``max_response_length`` is not a positive integer, or ``cu_seqlens`` is malformed.
+        TypeError: on non-numeric inputs.
+    """
+    packed = cu_seqlens is not None
+    values_t = as_float_tensor(values, "values")
+    flat = values_t.ndim == 1
+    values_t = token_matrix(values_t, "values", packed)
+    mask_t = token_matrix(as_mask(mask, "mask", values_t.device), "mask", packed)
+    check_same_device({"values": values_t, "mask": mask_t})
+    check_shape(mask_t, "mask", tuple(values_t.shape), "values")
+    layout = sequence_layout(cu_seqlens, values_t)
+    spec = validate_layout_reduction(
+        reduction,
+        normalizer=normalizer,
+        max_response_length=max_response_length,
+        layout=layout,
+        tokens=values_t.shape[-1],
+    )
+    if values_t.dtype in (torch.float16, torch.bfloat16):
+        # Reduce in float32 and round once to the half-precision output dtype.
+        result = reduce(values_t.float(), mask_t, spec, layout).to(values_t.dtype)
+    else:
+        result = reduce(values_t, mask_t, spec, layout)
+    return token_output(result, flat and result.ndim == 2)

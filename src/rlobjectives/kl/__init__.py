@@ -1,0 +1,1 @@
+"""KL terms: the sampled estimators, the KL loss, KL-penalised rewards and the KL controllers."""

@@ -1,0 +1,263 @@
+r"""The public KL functions: the per-token estimate and the KL loss term.
+
+The estimator math (one table of values and derivatives), the validation of the options and
+the biased-gradient warnings are in :mod:`rlobjectives.kl.estimators`; this module validates the
+public arguments once and dispatches (PyTorch, or the Triton kernels on a GPU).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._core.masking import masked_fill_zero
+from .._core.packing import (
+    token_output,
+    tokens_from_sequences,
+)
+from .._core.reduction import Reduction, reduce, validate_layout_reduction
+from .._core.validation import (
+    ArrayLike,
+    Scalar,
+    as_float_tensor,
+    check_same_device,
+    compute_dtype,
+    expand_per_sequence,
+)
+from ..kernels.loading import kernel_backend
+from .estimators import (
+    Estimator,
+    KLInputs,
+    validate_kl_options,
+    warn_biased,
+    warn_biased_kl_loss,
+)
+
+__all__ = ["kl_estimate", "kl_loss"]
+
+
+def kl_estimate(
+    log_probs: ArrayLike,
+    ref_log_probs: ArrayLike,
+    mask: ArrayLike,
+    *,
+    estimator: Estimator = "k3",
+    straight_through: bool = False,
+    log_ratio_bound: Scalar | None = 20.0,
+) -> torch.Tensor:
+    r"""Per-token sampled estimate of :math:`\mathrm{KL}(\pi \,\|\, \pi_{ref})`.
+
+    With :math:`d_{it} = \mathrm{clip}(\ell_{it} - \ell^{ref}_{it}, -b, b)` on selected tokens,
+
+    .. math::
+
+        k_1 = d, \qquad k_2 = \tfrac12 d^2, \qquad k_3 = e^{-d} + d - 1,
+        \qquad k_{abs} = |d| .
+
+    ``"abs"`` is verl's ``kl_penalty="abs"`` (a distance, not an unbiased KL estimate).
+    ``straight_through=True`` returns the value of the chosen estimator with the gradient of
+    :math:`k_2`, i.e. :math:`\mathrm{sg}(k) + k_2 - \mathrm{sg}(k_2)` (verl's ``k3+`` /
+    ``low_var_kl+``), whose expected gradient on on-policy samples,
+    :math:`E_\pi[d\,\nabla\log\pi]`, is exactly :math:`\nabla\mathrm{KL}(\pi\|\pi_{ref})`.
+    :math:`k_2, k_3 \ge 0`, with equality where the policies agree (:math:`d = 0`). See the module
+    docstring for which estimator is unbiased in which placement.
+
+    Args:
+        log_probs: ``(B, T)`` log-probabilities of the sampled tokens under :math:`\pi`
+            (differentiable).
+        ref_log_probs: ``(B, T)`` log-probabilities under the reference policy.
+        mask: ``(B, T)``, bool or numeric; nonzero selects the token.
+        estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"``.
+        straight_through: value of ``estimator``, gradient of ``k2``.
+        log_ratio_bound: :math:`b > 0`, clamp on :math:`d` before ``exp`` (the gradient is zero
+            where it fires), or None for no clamp.
+
+    Returns:
+        ``(B, T)`` estimates, exact zeros at unselected tokens (NaN/inf there never reaches the
+        value or the gradient), with the dtype and device of ``log_probs``; computed in float32
+        (float64 if an input is float64) even for bf16/fp16 inputs.
+
+    Raises:
+        ValueError: on mismatched shapes/devices, inputs that are not ``(B, T)``, an unknown
+            ``estimator`` or a non-positive/non-finite ``log_ratio_bound``.
+        TypeError: on non-numeric inputs or a non-bool ``straight_through``.
+
+    References:
+        Schulman 2020, "Approximating KL divergence" (k1, k2, k3); Shao et al. 2024, GRPO,
+        arXiv:2402.03300 Eq. 4 (k3); verl PR #2953 (straight-through ``k3+``).
+
+    Examples:
+        >>> import torch
+        >>> kl_estimate(torch.tensor([[0.0, 1.0]]), torch.zeros(1, 2), torch.tensor([[1, 1]]))
+        tensor([[0.0000, 0.3679]])
+
+    .. versionadded:: 0.1.0
+    """
+    inputs = KLInputs(log_probs, ref_log_probs, mask)
+    bound = validate_kl_options(estimator, straight_through, log_ratio_bound)
+    terms = inputs.terms(
+        estimator=estimator, straight_through=straight_through, log_ratio_bound=bound
+    )  # (B, T)
+    return terms.to(inputs.log_probs.dtype)
+
+
+def kl_loss(
+    log_probs: ArrayLike,
+    ref_log_probs: ArrayLike,
+    mask: ArrayLike,
+    *,
+    estimator: Estimator = "k3",
+    straight_through: bool = False,
+    reduction: Reduction = "token_mean",
+    normalizer: Scalar | None = None,
+    max_response_length: Scalar | None = None,
+    log_ratio_bound: Scalar | None = 20.0,
+    importance_weights: ArrayLike | None = None,
+    cu_seqlens: ArrayLike | None = None,
+) -> torch.Tensor:
+    r"""KL(pi || ref) as a loss term: :func:`kl_estimate` reduced with ``reduction``.
+
+    .. math::
+
+        L_{KL} = \mathrm{reduce}_M\big(w_{it}\,k_{it}\big),
+
+    where :math:`k_{it}` is the per-token estimate of :func:`kl_estimate`, :math:`w_{it}` the
+    optional ``importance_weights`` (1 by default, see below) and the reduction is one
+    of :func:`rlobjectives.aggregate`'s (``"token_mean"``: :math:`\sum M k / \sum M`;
+    ``"sequence_mean"``: mean over non-empty sequences of per-sequence token means;
+    ``"sequence_sum_normalized"``: :math:`\sum M k / (B\,C)`; ``"none"``). Add it to the policy
+    loss as ``loss = policy_loss(...).loss + kl_coef * kl_loss(...)``. With an explicit
+    ``normalizer`` (the global selected-token count, sequence count...) the losses of
+    micro-batches sum to the full-batch loss. Packed sequences (``cu_seqlens`` given): the
+    tensors are ``(N,)`` or ``(1, N)`` and the per-sequence reductions run over the runs
+    ``cu_seqlens[i]:cu_seqlens[i + 1]``, as :func:`rlobjectives.aggregate` does.
+
+    Gradient (on-policy samples; see the module docstring):
+
+    - ``"k2"``, or any estimator with ``straight_through=True``: unbiased
+      :math:`\nabla\mathrm{KL}(\pi\|\pi_{ref})` (verl ``k2`` / ``k3+``, OpenRLHF PR #1101).
+    - ``"k1"``: zero expected gradient (:math:`E_\pi[\nabla\log\pi] = 0`); emits
+      :class:`BiasedGradientWarning`.
+    - ``"k3"`` (GRPO's default, TRL ``beta > 0``, verl ``low_var_kl``): expected gradient is
+      :math:`\nabla\mathrm{KL}(\pi_{ref}\|\pi)`, not the KL it estimates; emits
+      :class:`BiasedGradientWarning` (verl PR #2953).
+
+    Importance weights (``importance_weights`` :math:`w`): the per-token estimate becomes
+    :math:`w_{it} k_{it}` before the reduction (the denominators keep the mask). The weights
+    are used **as given**, not detached:
+
+    - TRL ``use_bias_correction_kl=True`` (the default since TRL 1.10) multiplies the k3 term by
+      ``coef_1 = exp(log_probs - old_log_probs)`` (token level; ``exp`` of the masked mean
+      log-ratio, ``(B, 1)``, for ``importance_sampling_level="sequence"``), taken **before**
+      the ``delta`` clamp and **with its gradient**. Reproduce it, value and gradient, with
+      ``importance_weights=torch.exp(log_probs - old_log_probs)`` (not detached). The gradient
+      :math:`\nabla(\rho k) = \rho k\,\nabla\log\pi + \rho\nabla k` then has expectation
+      :math:`\nabla E_\pi[k] = \nabla\mathrm{KL}(\pi\|\pi_{ref})` under the behaviour
+      policy for ``"k1"`` and ``"k3"``: the correction also removes k3's gradient bias, and
+      no :class:`BiasedGradientWarning` is emitted for them. (TRL also logs the weighted KL.)
+    - Constant weights (detached, e.g. :func:`rlobjectives.rollout_correction`'s) only rescale
+      each token's term and gradient; the warnings are those of the unweighted estimator.
+
+    Args:
+        log_probs: ``(B, T)`` log-probabilities under the current policy (differentiable).
+        ref_log_probs: ``(B, T)`` log-probabilities under the reference policy.
+        mask: ``(B, T)``, bool or numeric; nonzero selects the token.
+        estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"``.
+        straight_through: value of ``estimator``, gradient of ``k2``.
+        reduction: ``"token_mean"``, ``"sequence_mean"``, ``"sequence_sum_normalized"`` or
+            ``"none"``.
+        normalizer: explicit positive denominator (number or 0-d tensor) for micro-batch/rank
+            additive losses.
+        max_response_length: Dr. GRPO constant :math:`C` for ``"sequence_sum_normalized"``
+            (default ``T``).
+        log_ratio_bound: clamp :math:`b > 0` on the log-ratio, or None.
+        importance_weights: ``(B, T)``, ``(B, 1)`` or ``(B,)`` weights :math:`w` multiplying the
+            per-token estimate (see above), or None. NaN/inf at unselected tokens is ignored.
+        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
+
+    Returns:
+        A scalar (``(B, T)`` for ``reduction="none"``, packed: the shape of ``log_probs``) with
+        the dtype and device of ``log_probs``; computed in float32 (float64 for float64
+        inputs). Fully masked inputs give 0.
+
+    Raises:
+        ValueError: on mismatched shapes/devices, an unknown ``estimator`` or ``reduction``, a
+            non-positive ``normalizer``/``max_response_length``/``log_ratio_bound``, or a
+            malformed ``cu_seqlens``.
+        TypeError: on non-numeric inputs or a non-bool ``straight_through``.
+
+    Warns:
+        BiasedGradientWarning: for ``"k1"`` or ``"k3"`` without ``straight_through``; with
+            differentiable ``importance_weights``, for ``"k2"`` or ``straight_through`` instead.
+
+    References:
+        Shao et al. 2024, GRPO, arXiv:2402.03300 Eq. 3-4; Schulman 2020, "Approximating KL
+        divergence"; verl PR #2953; TRL ``GRPOConfig.use_bias_correction_kl`` (DeepSeek-V3.2,
+        arXiv:2512.02556, the unbiased KL estimate).
+
+    Examples:
+        >>> import torch
+        >>> kl_loss(torch.tensor([[0.0, 2.0]]), torch.zeros(1, 2), torch.tensor([[1, 1]]),
+        ...         estimator="k2")
+        tensor(1.)
+        >>> kl_loss(torch.tensor([[0.0, 2.0]]), torch.zeros(1, 2), torch.tensor([[1, 1]]),
+        ...         estimator="k2", importance_weights=torch.tensor([[1.0, 0.5]]))
+        tensor(0.5000)
+
+    .. versionadded:: 0.1.0
+    """
+    inputs = KLInputs(log_probs, ref_log_probs, mask, cu_seqlens)
+    bound = validate_kl_options(estimator, straight_through, log_ratio_bound)
+    spec = validate_layout_reduction(
+        reduction,
+        normalizer=normalizer,
+        max_response_length=max_response_length,
+        layout=inputs.layout,
+        tokens=inputs.log_probs.shape[-1],
+    )
+    weights = _importance_weights(importance_weights, inputs)
+    if weights is not None and weights.requires_grad:
+        _warn_biased_ratio_weighted(estimator, straight_through)
+    else:
+        warn_biased_kl_loss(estimator, straight_through, "kl_loss")
+    dtype = compute_dtype(inputs.log_probs, inputs.ref_log_probs)
+    if kernel_backend(inputs.log_probs.device, dtype=dtype) == "triton":  # docs/kernels.md
+        from ..kernels.calls.kl import kl_loss_kernels
+
+        loss = kl_loss_kernels(inputs, spec, estimator, straight_through, bound, weights)
+        if loss is not None:
+            return token_output(loss, inputs.flat and loss.ndim == 2)
+    terms = inputs.terms(
+        estimator=estimator, straight_through=straight_through, log_ratio_bound=bound
+    )  # (B, T)
+    if weights is not None:
+        # Select the weights first: NaN/inf at unselected tokens reaches no value or gradient.
+        terms = terms * masked_fill_zero(weights.to(terms.dtype), inputs.mask)  # (B, T)
+    loss = reduce(terms, inputs.mask, spec, inputs.layout).to(inputs.log_probs.dtype)
+    return token_output(loss, inputs.flat and loss.ndim == 2)
+
+
+def _importance_weights(weights: ArrayLike | None, inputs: KLInputs) -> torch.Tensor | None:
+    """Validated ``(B, 1)`` or ``(B, T)`` weights of :func:`kl_loss` (None stays None)."""
+    if weights is None:
+        return None
+    device = inputs.log_probs.device
+    weights_t = as_float_tensor(weights, "importance_weights", device)
+    check_same_device({"log_probs": inputs.log_probs, "importance_weights": weights_t})
+    if inputs.layout.sequence_ids is not None:  # packed: (S,) per sequence or per token
+        return tokens_from_sequences(weights_t, "importance_weights", inputs.layout, "log_probs")
+    shape = (inputs.log_probs.shape[0], inputs.log_probs.shape[1])
+    return expand_per_sequence(weights_t, "importance_weights", shape, "log_probs")
+
+
+def _warn_biased_ratio_weighted(estimator: str, straight_through: bool) -> None:
+    """Warn for ratio-weighted KL terms whose expected gradient is not grad KL(pi || ref)."""
+    if estimator in ("k1", "k3") and not straight_through:
+        return
+    warn_biased(
+        f'kl_loss(estimator="{estimator}", straight_through={straight_through}) with '
+        "differentiable importance_weights (the ratio pi/pi_old, TRL use_bias_correction_kl) has "
+        "a biased expected gradient (grad of E[w k] needs an estimator unbiased in value); use "
+        'estimator="k3" or "k1" without straight_through, or detach the weights',
+        stacklevel=4,
+    )

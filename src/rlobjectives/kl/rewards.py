@@ -1,0 +1,126 @@
+r"""KL as a reward penalty: per-token rewards with the sequence score at the last token.
+
+The reward placement of the sampled KL estimators of :mod:`rlobjectives.kl.estimators` (OpenRLHF /
+torchtune / InstructGPT convention): :math:`R_{it} = -\beta k_{it}` on selected tokens, plus the
+sequence score at the last selected token.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._core.masking import masked_fill_zero
+from .._core.packing import per_sequence, token_output
+from .._core.validation import (
+    ArrayLike,
+    Scalar,
+    as_float_tensor,
+    check_same_device,
+    compute_dtype,
+    validate_scalar,
+)
+from .estimators import Estimator, KLInputs, validate_kl_options, warn_biased
+
+__all__ = ["kl_penalized_token_rewards"]
+
+
+def kl_penalized_token_rewards(
+    log_probs: ArrayLike,
+    ref_log_probs: ArrayLike,
+    scores: ArrayLike,
+    mask: ArrayLike,
+    *,
+    kl_coef: Scalar,
+    estimator: Estimator = "k1",
+    log_ratio_bound: Scalar | None = None,
+    cu_seqlens: ArrayLike | None = None,
+) -> torch.Tensor:
+    r"""Per-token rewards: a KL penalty on every selected token, the score on the last one.
+
+    .. math::
+
+        R_{it} = -\beta\, k_{it} + \mathbb{1}[t = t^{last}_i]\, s_i \quad (M_{it} = 1), \qquad
+        R_{it} = 0 \quad (M_{it} = 0),
+
+    with :math:`k_{it}` the :func:`kl_estimate` of ``estimator`` and :math:`t^{last}_i` the last
+    selected token of sequence :math:`i` (OpenRLHF / torchtune / InstructGPT convention). A
+    sequence with no selected token gets no reward at all (its score is dropped, no NaN). At
+    :math:`\gamma = 1` the return of sequence :math:`i` is
+    :math:`\sum_t R_{it} = s_i - \beta \sum_t M_{it} k_{it}`, which for ``"k1"`` without a bound
+    is the seed :func:`rlobjectives.kl_penalized_rewards`'s penalized reward
+    :math:`r_i - \beta D_i`. Packed sequences (``cu_seqlens`` given): the per-token tensors are
+    ``(N,)`` or ``(1, N)``, ``scores`` ``(S,)``, and each score lands on the last selected token
+    of its run ``cu_seqlens[i]:cu_seqlens[i + 1]``.
+
+    The rewards are meant to be used as constants (pass the behaviour-policy ``old_log_probs``
+    or detach): the KL gradient then arrives through the policy-gradient score function, which is
+    unbiased only for ``"k1"``; ``"k2"``/``"k3"`` (and a clamped ``"k1"``) emit
+    :class:`BiasedGradientWarning`. verl's ``use_kl_in_reward`` corresponds to this placement.
+
+    Args:
+        log_probs: ``(B, T)`` log-probabilities of the sampled tokens (usually ``old_log_probs``).
+        ref_log_probs: ``(B, T)`` reference log-probabilities.
+        scores: ``(B,)`` or ``(B, 1)`` sequence scores (reward-model or verifier output).
+        mask: ``(B, T)``, bool or numeric; nonzero selects the token.
+        kl_coef: :math:`\beta \ge 0` (number or 0-d tensor).
+        estimator: ``"k1"`` (default, unbiased as a reward), ``"k2"`` or ``"k3"``.
+        log_ratio_bound: optional clamp :math:`b > 0` on the log-ratio (default None).
+        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
+
+    Returns:
+        ``(B, T)`` rewards (packed: the shape of ``log_probs``), zeros at unselected tokens, on
+        the device of ``log_probs``; float32 (float64 if an input is float64), also for bf16/fp16
+        inputs.
+
+    Raises:
+        ValueError: on mismatched shapes/devices, ``scores`` not of length B (packed: S), an
+            unknown ``estimator``, a negative/non-finite ``kl_coef``, a non-positive
+            ``log_ratio_bound``, or a malformed ``cu_seqlens``.
+        TypeError: on non-numeric inputs.
+
+    Warns:
+        BiasedGradientWarning: for ``"k2"``/``"k3"``, or ``"k1"`` with a ``log_ratio_bound``.
+
+    References:
+        Ziegler et al. 2019, arXiv:1909.08593 Eq. 2; Ouyang et al. 2022, arXiv:2203.02155 Eq. 2;
+        Hu et al. 2025, REINFORCE++, arXiv:2501.03262 (token-level KL penalty).
+
+    Examples:
+        >>> import torch
+        >>> kl_penalized_token_rewards(torch.tensor([[-1.0, -2.0, 0.0]]),
+        ...                            torch.tensor([[-1.5, -2.5, 0.0]]), torch.tensor([3.0]),
+        ...                            torch.tensor([[1, 1, 0]]), kl_coef=0.5)
+        tensor([[-0.2500,  2.7500,  0.0000]])
+
+    .. versionadded:: 0.1.0
+    """
+    inputs = KLInputs(log_probs, ref_log_probs, mask, cu_seqlens)
+    scores_t = as_float_tensor(scores, "scores", inputs.log_probs.device)
+    check_same_device({"log_probs": inputs.log_probs, "scores": scores_t})
+    scores_t = per_sequence(scores_t, "scores", inputs.layout, "log_probs")
+    coefficient = validate_scalar(kl_coef, "kl_coef", minimum=0.0)
+    bound = validate_kl_options(estimator, False, log_ratio_bound)
+    if estimator != "k1":
+        warn_biased(
+            f'kl_penalized_token_rewards(estimator="{estimator}"): as a (detached) reward the '
+            f"{estimator} penalty gives a biased policy gradient of KL(pi || ref); k1 is the "
+            "unbiased reward penalty (use k2 or k3 with straight_through=True in kl_loss instead)"
+        )
+    elif bound is not None:
+        warn_biased(
+            "kl_penalized_token_rewards: clamping the k1 log-ratio (log_ratio_bound) biases the "
+            "summed KL penalty wherever the bound fires"
+        )
+    dtype = compute_dtype(inputs.log_probs, inputs.ref_log_probs, scores_t)
+    kl = inputs.terms(
+        estimator=estimator, straight_through=False, log_ratio_bound=bound, dtype=dtype
+    )  # (B, T)
+    if isinstance(coefficient, torch.Tensor):
+        coefficient = coefficient.to(dtype=dtype, device=kl.device)
+    penalty = masked_fill_zero(-coefficient * kl, inputs.mask)  # (B, T)
+    last = inputs.layout.last_selected(inputs.mask)  # (B, T)
+    score_at_last = masked_fill_zero(
+        inputs.layout.expand(scores_t.to(dtype)).expand_as(penalty), last
+    )
+    return token_output(penalty + score_at_last, inputs.flat)  # (B, T)

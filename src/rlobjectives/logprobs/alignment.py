@@ -1,0 +1,439 @@
+"""Causal-LM alignment: which logits row predicts each response token (the one-token shift).
+
+For a causal LM the logits (or the final hidden state) at position ``j`` predict the token at
+``j + 1``. :func:`response_alignment` locates the response tokens of a padded batch and the rows
+that predict them; :func:`response_log_probs` gathers the response-token log-probabilities from
+full-sequence logits with that shift.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .._core.chunking import resolve_chunk_size
+from .._core.masking import masked_fill_zero
+from .._core.packing import token_matrix, token_ndim, token_output
+from .._core.validation import (
+    ArrayLike,
+    as_batch_matrix,
+    as_mask,
+    as_token_ids,
+    check_same_device,
+    check_shape,
+    compute_dtype,
+    validate_bool,
+)
+from .functions import TokenLogProbsFunction
+from .logits import _as_logits, _validate_temperature
+from .packed_shift import packed_alignment
+
+__all__ = [
+    "ResponseAlignment",
+    "ResponseLogProbs",
+    "response_alignment",
+    "response_log_probs",
+]
+
+
+class ResponseAlignment(NamedTuple):
+    """Where each response token of a causal-LM batch sits, and which row predicts it.
+
+    Attributes:
+        positions: ``(B, R)`` int64: index ``j - 1`` of the logits/hidden row (in the ``L``
+            axis) that predicts response token ``t`` at absolute position ``j``; a valid index
+            (not meaningful) where ``mask`` is False. Packed: ``(N,)`` (the shape of
+            ``input_ids``), entry ``j`` for the token at ``j``.
+        tokens: ``(B, R)`` int64: the response token ``input_ids[b, j]``; 0 where ``mask`` is
+            False. Packed: ``(N,)``.
+        mask: ``(B, R)`` bool: True for real response tokens. Packed: ``(N,)``, True at the
+            response tokens of each sequence.
+    """
+
+    positions: torch.Tensor
+    tokens: torch.Tensor
+    mask: torch.Tensor
+
+
+class ResponseLogProbs(NamedTuple):
+    """Result of :func:`response_log_probs`.
+
+    Attributes:
+        log_probs: ``(B, R)`` float32 log-probabilities of the response tokens, 0 where
+            ``mask`` is False. Packed: ``(N,)`` (the shape of ``input_ids``), aligned with the
+            tokens.
+        mask: ``(B, R)`` bool response mask, ready for :func:`rlobjectives.policy_loss`
+            (packed: ``(N,)``, with the same ``cu_seqlens``).
+    """
+
+    log_probs: torch.Tensor
+    mask: torch.Tensor
+
+
+def _start_argument(
+    prompt_lengths: ArrayLike | None,
+    response_start: ArrayLike | int | None,
+    batch: int,
+    device: torch.device,
+) -> tuple[str, torch.Tensor]:
+    """``(name, tensor)`` of the one given start argument, checked for shape ``(B,)``."""
+    if (prompt_lengths is None) == (response_start is None):
+        raise ValueError(
+            "give exactly one of prompt_lengths (real prompt lengths) and response_start "
+            "(absolute column of the first response token), got "
+            f"{'both' if prompt_lengths is not None else 'neither'}"
+        )
+    name = "prompt_lengths" if prompt_lengths is not None else "response_start"
+    value = as_token_ids(prompt_lengths if response_start is None else response_start, name, device)
+    if name == "response_start" and value.ndim == 0:
+        value = value.expand(batch)
+    if value.ndim != 1 or value.shape[0] != batch:
+        raise ValueError(
+            f"{name} must have shape (B,) = ({batch},) from input_ids, got shape "
+            f"{tuple(value.shape)}"
+        )
+    return name, value
+
+
+def _split_layout_with_unequal_starts(
+    attention_mask: torch.Tensor, lengths: torch.Tensor, start: torch.Tensor, end: torch.Tensor
+) -> torch.Tensor:
+    """Whether responses start at different columns in a verl/TRL-layout batch.
+
+    A row padded on both sides marks that layout (left-padded prompts, right-padded
+    responses), where every response starts at one column. Rows padded on one side only are
+    ambiguous (each row may have its own layout), so they are never flagged.
+    """
+    nonempty = lengths > 0  # (B,)
+    both_sides = nonempty & (attention_mask[:, 0] == 0) & (end < attention_mask.shape[1])
+    low = torch.where(nonempty, start, start.max()).min()
+    high = torch.where(nonempty, start, start.min()).max()
+    return both_sides.any() & (low != high)
+
+
+def _check_layout(
+    attention_mask: torch.Tensor,
+    prompt_lengths: torch.Tensor,
+    lengths: torch.Tensor,
+    start: torch.Tensor,
+    end: torch.Tensor,
+    response_length: int,
+    name: str,
+) -> None:
+    """Host-side check of the padding layout (one synchronisation; skipped under compile)."""
+    # Each row's attended tokens must be one contiguous run: at most one 0 -> 1 transition.
+    padded = torch.nn.functional.pad(attention_mask.to(torch.int8), (1, 0))  # (B, L + 1)
+    run_starts = (padded[:, 1:] > padded[:, :-1]).sum(-1)  # (B,)
+    checks = torch.stack(
+        [
+            (run_starts > 1).any(),
+            (prompt_lengths < 1).any(),
+            (prompt_lengths > lengths).any(),
+            ((end - start) > response_length).any(),
+            _split_layout_with_unequal_starts(attention_mask, lengths, start, end),
+        ]
+    ).tolist()
+    if checks[0]:
+        raise ValueError(
+            "attention_mask must mark each sequence as one contiguous run of ones (right "
+            "padding, left padding, or left-padded prompt + right-padded response); got a row "
+            "with more than one run (packed sequences are not supported)"
+        )
+    if name == "prompt_lengths":
+        too_short = "must be >= 1 for every sequence (the first token has no logits predicting it)"
+        too_long = f"must be <= the number of attended tokens of each sequence {lengths.tolist()}"
+        given = prompt_lengths.tolist()
+    else:
+        too_short = (
+            "must leave at least one prompt token in every sequence (column f_b + 1 or later)"
+        )
+        too_long = (
+            f"must leave the response inside the attended tokens (lengths {lengths.tolist()})"
+        )
+        given = start.tolist()
+    if checks[1]:
+        raise ValueError(f"{name} {too_short}, got {given}")
+    if checks[2]:
+        raise ValueError(f"{name} {too_long}, got {given}")
+    if checks[4] and name == "prompt_lengths":
+        raise ValueError(
+            "prompt_lengths: this batch has left-padded prompts and right-padded responses (the "
+            "verl/TRL layout), where every response starts at the same column, but "
+            f"first attended position + prompt_lengths gives starts {start.tolist()}; pass the "
+            "real prompt lengths (padding excluded), or response_start=<padded prompt width>"
+        )
+    if checks[3]:
+        raise ValueError(
+            f"response_length={response_length} is shorter than the longest response "
+            f"{int((end - start).max())}; pass a larger response_length"
+        )
+
+
+def response_alignment(
+    input_ids: ArrayLike,
+    prompt_lengths: ArrayLike | None,
+    attention_mask: ArrayLike,
+    *,
+    response_length: int | None = None,
+    check_layout: bool = True,
+    response_start: ArrayLike | int | None = None,
+    cu_seqlens: ArrayLike | None = None,
+) -> ResponseAlignment:
+    r"""Locate the response tokens of a causal-LM batch and the rows that predict them.
+
+    For a causal LM the logits (or final hidden state) at position :math:`j` predict the token
+    at position :math:`j + 1`. With :math:`f_b` the first attended position of row :math:`b`,
+    :math:`n_b = \sum_j \text{attention\_mask}_{bj}` and :math:`P_b` the prompt length, the
+    response occupies positions :math:`j \in [f_b + P_b,\ f_b + n_b)` and response token
+    :math:`t` (:math:`j = f_b + P_b + t`) is predicted by row :math:`j - 1`:
+
+    .. math::
+
+        \log \pi(y_{bt}) = \log\mathrm{softmax}(\text{logits}_{b, j-1})[\text{input\_ids}_{bj}].
+
+    Supported layouts (each row's ones in ``attention_mask`` form one contiguous run):
+    right padding (``[prompt, response, pad]``), left padding (``[pad, prompt, response]``),
+    and the verl/TRL layout of left-padded prompts concatenated with right-padded responses
+    (``[pad, prompt, response, pad]``). Packed rows (several runs) are rejected.
+
+    Give either ``prompt_lengths`` (the real prompt lengths :math:`P_b`, padding excluded) or
+    ``response_start`` (the absolute column :math:`j` of each row's first response token). In
+    the verl/TRL layout the responses start at the padded prompt width for every row: pass
+    ``response_start=prompt_width`` there. Passing the padded width as ``prompt_lengths``
+    would be wrong for rows whose prompt is left-padded (their first :math:`f_b` columns are
+    padding), and cannot be detected from the masks alone.
+
+    Packed sequences (``cu_seqlens`` given): ``input_ids`` is one row ``(N,)`` (or ``(1, N)``)
+    of ``S`` concatenated sequences, each a prompt then a response; ``prompt_lengths`` or
+    ``response_start`` (absolute positions in the row) are ``(S,)``, ``attention_mask`` may be
+    None (every token is real) and ``response_length`` must be None. The result is ``(N,)``
+    aligned with ``input_ids``: ``mask`` selects the response tokens, ``positions[j] = j - 1``.
+    The shift never crosses a boundary: the first token of a sequence is never selected, so its
+    predicting row is always inside the same sequence (a prompt of at least one token is
+    required, and checked with ``check_layout``).
+
+    Use the result with logits via :func:`response_log_probs`, or with hidden states by
+    gathering the predicting rows first (cheap: ``(B, R, H)``)::
+
+        rows = hidden.gather(1, alignment.positions.unsqueeze(-1).expand(-1, -1, H))
+        log_probs = token_log_probs_from_hidden(rows, weight, alignment.tokens)
+        log_probs = torch.where(alignment.mask, log_probs, 0.0)
+
+    Args:
+        input_ids: ``(B, L)`` integer token ids of the full sequences.
+        prompt_lengths: ``(B,)`` integer number of prompt tokens of each row (excluding
+            padding), each in ``[1, n_b]``; None when ``response_start`` is given.
+        attention_mask: ``(B, L)`` bool or numeric, nonzero = real token.
+        response_length: R, the number of response columns of the result (a static int >= 1);
+            None uses ``L - 1`` (always enough; trailing columns may be fully masked). Pass the
+            generation length to get a tight ``(B, R)``.
+        check_layout: check the layout rules above on the host (one device synchronisation,
+            skipped while ``torch.compile`` traces). Disable in a hot loop once the data
+            pipeline is trusted.
+        response_start: instead of ``prompt_lengths``: the absolute column of the first response
+            token of each row, an int (the same for every row, e.g. the padded prompt width of
+            the verl/TRL layout) or ``(B,)`` integers, each in ``[f_b + 1, f_b + n_b]``.
+        cu_seqlens: ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last), or None for the padded layout (see above).
+
+    Returns:
+        :class:`ResponseAlignment` ``(positions, tokens, mask)``, each ``(B, R)`` (packed: the
+        shape of ``input_ids``).
+
+    Raises:
+        ValueError: on wrong ranks, mismatched shapes or devices, ``response_length < 1``, and
+            (with ``check_layout``) a non-contiguous attention mask, a prompt length outside
+            ``[1, n_b]`` (a response start outside ``[f_b + 1, f_b + n_b]``) or a response longer
+            than ``response_length``; both or neither of ``prompt_lengths`` and
+            ``response_start``; a malformed ``cu_seqlens``, or packed sequences whose prompt is
+            empty or whose start lies outside them (with ``check_layout``).
+        TypeError: on non-integer ``input_ids`` or ``prompt_lengths``.
+
+    References:
+        The next-token factorisation of causal language models, Radford et al. 2018 (GPT)
+        Eq. 1; response-only log-probabilities as used by PPO-RLHF, Ouyang et al. 2022,
+        arXiv:2203.02155 Eq. 2.
+
+    Examples:
+        >>> import torch
+        >>> ids = torch.tensor([[5, 6, 7, 0], [5, 6, 7, 8]])
+        >>> a = response_alignment(ids, [2, 1], ids != 0, response_length=3)
+        >>> a.positions.tolist(), a.tokens.tolist(), a.mask.tolist()
+        ([[1, 0, 0], [0, 1, 2]], [[7, 0, 0], [6, 7, 8]], [[True, False, False], [True, True, True]])
+
+    .. versionadded:: 0.1.0
+    """
+    if cu_seqlens is not None:
+        return _packed_response_alignment(
+            input_ids,
+            prompt_lengths,
+            attention_mask,
+            response_length=response_length,
+            check_layout=check_layout,
+            response_start=response_start,
+            cu_seqlens=cu_seqlens,
+        )
+    ids = as_batch_matrix(as_token_ids(input_ids, "input_ids", None), "input_ids")
+    device = ids.device
+    attention = as_batch_matrix(as_mask(attention_mask, "attention_mask", device), "attention_mask")
+    batch, length = ids.shape
+    if length < 1:
+        raise ValueError(f"input_ids must have at least one position, got shape {(batch, length)}")
+    check_shape(attention, "attention_mask", (batch, length), "input_ids")
+    name, starts = _start_argument(prompt_lengths, response_start, batch, device)
+    check_same_device({"input_ids": ids, "attention_mask": attention, name: starts})
+    if response_length is None:
+        response_length = max(length - 1, 1)
+    elif isinstance(response_length, bool) or not isinstance(response_length, int):
+        raise TypeError(
+            f"response_length must be an int or None, got {type(response_length).__name__}"
+        )
+    elif response_length < 1:
+        raise ValueError(f"response_length must be >= 1, got {response_length}")
+    lengths = attention.sum(-1)  # (B,) n_b
+    first = attention.to(torch.int8).argmax(-1)  # (B,) f_b (0 for an empty row)
+    starts = starts.to(torch.int64)
+    # absolute position of the first response token, and the equivalent prompt lengths
+    start = first + starts if name == "prompt_lengths" else starts.expand(batch)  # (B,)
+    end = first + lengths  # (B,) one past the last attended position
+    if validate_bool(check_layout, "check_layout") and not torch.compiler.is_compiling():
+        _check_layout(attention, start - first, lengths, start, end, response_length, name)
+    offsets = torch.arange(response_length, device=device)  # (R,)
+    absolute = start.unsqueeze(-1) + offsets  # (B, R) positions j
+    mask = (absolute < end.unsqueeze(-1)) & (absolute >= 1)  # (B, R)
+    absolute = torch.where(mask, absolute, 1).clamp(max=length - 1)  # (B, R)
+    tokens = masked_fill_zero(ids.gather(1, absolute).to(torch.int64), mask)  # (B, R)
+    positions = (absolute - 1).clamp(min=0)  # (B, R) rows predicting the response tokens
+    return ResponseAlignment(positions=positions, tokens=tokens, mask=mask)
+
+
+def _packed_response_alignment(
+    input_ids: ArrayLike,
+    prompt_lengths: ArrayLike | None,
+    attention_mask: ArrayLike | None,
+    *,
+    response_length: int | None,
+    check_layout: bool,
+    response_start: ArrayLike | int | None,
+    cu_seqlens: ArrayLike,
+) -> ResponseAlignment:
+    """:func:`response_alignment` on a packed row (:mod:`rlobjectives.logprobs.packed_shift`)."""
+    if response_length is not None:
+        raise ValueError(
+            f"response_length does not apply to the packed layout (the result is aligned with "
+            f"the N tokens of input_ids), got response_length={response_length!r}"
+        )
+    ids = as_token_ids(input_ids, "input_ids", None)
+    flat = ids.ndim == 1
+    alignment = packed_alignment(
+        ids, prompt_lengths, attention_mask, response_start, cu_seqlens, check_layout
+    )
+    return ResponseAlignment(*(token_output(tensor, flat) for tensor in alignment))
+
+
+def response_log_probs(
+    logits: ArrayLike,
+    input_ids: ArrayLike,
+    prompt_lengths: ArrayLike | None,
+    attention_mask: ArrayLike,
+    *,
+    response_start: ArrayLike | int | None = None,
+    response_length: int | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    check_layout: bool = True,
+    cu_seqlens: ArrayLike | None = None,
+) -> ResponseLogProbs:
+    r"""Response-token log-probabilities from full-sequence causal-LM logits, shift included.
+
+    .. math::
+
+        \text{log\_probs}_{bt} = \log\mathrm{softmax}(\text{logits}_{b, j-1} / \tau)
+        [\text{input\_ids}_{bj}], \qquad j = f_b + P_b + t,
+
+    for the response tokens located by :func:`response_alignment` (see it for the supported
+    padding layouts); 0 elsewhere. The log-softmax runs through :func:`token_log_probs` on the
+    full ``(B, L, V)`` logits with non-predicting rows masked out, so no ``(B, R, V)`` copy is
+    gathered and the memory stays O(chunk_size * V) besides the logits and their gradient.
+
+    Packed sequences (``cu_seqlens`` given): ``logits`` is ``(N, V)`` or ``(1, N, V)`` and
+    ``input_ids`` ``(N,)`` or ``(1, N)``, the concatenated prompts and responses of ``S``
+    sequences; the log-probabilities and the mask are ``(N,)`` aligned with ``input_ids``
+    (selecting the response tokens), and each token is scored by the logits of the previous
+    token of its own sequence (see :func:`response_alignment`), never across a boundary.
+
+    Args:
+        logits: ``(B, L, V)`` logits of the full sequences (position ``j`` predicts ``j + 1``).
+        input_ids: ``(B, L)`` integer token ids.
+        prompt_lengths: ``(B,)`` integer prompt lengths (without padding), each >= 1; None
+            when ``response_start`` is given.
+        response_start: instead of ``prompt_lengths``: the absolute column of each row's first
+            response token (int or ``(B,)``); see :func:`response_alignment`.
+        attention_mask: ``(B, L)`` bool or numeric, nonzero = real token.
+        response_length: R (static int), or None for ``L - 1``; see :func:`response_alignment`.
+        temperature: :math:`\tau > 0` (the sampling temperature).
+        chunk_size: rows per chunk, or None for ``max(1, 2**23 // V)``.
+        check_layout: validate the layout on the host (see :func:`response_alignment`).
+        cu_seqlens: ``(S + 1,)`` integer boundaries of packed sequences, or None for the padded
+            layout (see above).
+
+    Returns:
+        :class:`ResponseLogProbs` ``(log_probs, mask)``: ``(B, R)`` float32 log-probabilities
+        (float64 for float64 logits) and the ``(B, R)`` bool response mask (packed: the shape
+        of ``input_ids``).
+
+    Raises:
+        ValueError: on shapes that do not match ``(B, L, V)`` / ``(B, L)``, and as
+            :func:`response_alignment` and :func:`token_log_probs`.
+        TypeError: as :func:`response_alignment` and :func:`token_log_probs`.
+
+    References:
+        Radford et al. 2018 (GPT) Eq. 1; Ouyang et al. 2022, arXiv:2203.02155 Eq. 2.
+
+    Examples:
+        >>> import torch
+        >>> logits = torch.zeros(1, 3, 4)  # uniform next-token distributions
+        >>> out = response_log_probs(logits, [[1, 2, 3]], [1], [[1, 1, 1]], response_length=2)
+        >>> out.log_probs, out.mask
+        (tensor([[-1.3863, -1.3863]]), tensor([[True, True]]))
+
+    .. versionadded:: 0.1.0
+    """
+    packed = cu_seqlens is not None
+    logits_t = _as_logits(logits, "logits")
+    if packed and logits_t.ndim == 2:
+        logits_t = logits_t.unsqueeze(0)  # (1, N, V)
+    if logits_t.ndim != 3 or (packed and logits_t.shape[0] != 1):
+        expected = "(N, V) or (1, N, V) (packed: cu_seqlens given)" if packed else "(B, L, V)"
+        raise ValueError(f"logits must have shape {expected}, got shape {tuple(logits_t.shape)}")
+    ids = as_token_ids(input_ids, "input_ids", logits_t.device)
+    flat = packed and token_ndim(input_ids) == 1
+    ids = token_matrix(ids, "input_ids", packed)
+    check_same_device({"logits": logits_t, "input_ids": ids})
+    check_shape(ids, "input_ids", tuple(logits_t.shape[:2]), "logits without V")
+    alignment = response_alignment(
+        ids,
+        prompt_lengths,
+        attention_mask,
+        response_length=response_length,
+        check_layout=check_layout,
+        response_start=response_start,
+        cu_seqlens=cu_seqlens,
+    )  # (B, R), packed (1, N)
+    batch, length = ids.shape
+    # Row k of the logits predicts input_ids[:, k + 1]; only rows that predict a response token
+    # are computed. Rows selected: scatter the response mask onto the predicting rows.
+    rows = torch.zeros((batch, length), dtype=torch.int64, device=ids.device)  # (B, L)
+    rows = rows.scatter_add(1, alignment.positions, alignment.mask.to(torch.int64)) > 0
+    targets = torch.nn.functional.pad(ids[:, 1:].to(torch.int64), (0, 1))  # (B, L)
+    tau = _validate_temperature(temperature)
+    chunk = resolve_chunk_size(chunk_size, row_width=logits_t.shape[-1])
+    targets = torch.where(rows, targets, 0)  # (B, L)
+    full: torch.Tensor = TokenLogProbsFunction.apply(  # type: ignore[no-untyped-call]
+        logits_t, targets, rows, True, tau, chunk, compute_dtype(logits_t)
+    )  # (B, L)
+    log_probs = masked_fill_zero(full.gather(1, alignment.positions), alignment.mask)  # (B, R)
+    return ResponseLogProbs(
+        log_probs=token_output(log_probs, flat), mask=token_output(alignment.mask, flat)
+    )

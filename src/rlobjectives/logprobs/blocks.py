@@ -1,0 +1,249 @@
+r"""Per-block math of the chunked logits functions, on ``(C, V)`` logits already divided by tau.
+
+Forward functions (``chunk_*``) and their closed-form gradients (``chunk_*_grad``): plain
+functions that the chunked autograd Functions of :mod:`rlobjectives.logprobs.functions` (and the
+tests) call on one block of rows at a time. The gradient functions work in place on their own
+intermediates: call them where autograd is off.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "SCRATCH_ELEMENTS",
+    "chunk_entropy",
+    "chunk_entropy_grad",
+    "chunk_kl",
+    "chunk_kl_grads",
+    "chunk_token_log_probs",
+    "chunk_token_log_probs_grad",
+    "entropy_logit_grads_",
+    "entropy_stats_",
+    "finite_log_probs_",
+    "scratch_rows",
+    "xlogy_terms",
+]
+
+#: Elements of the scratch block of :func:`entropy_stats_` / :func:`entropy_logit_grads_`: a
+#: few rows (2**17 float32 values = 512 KiB) whose probabilities stay in cache while used.
+SCRATCH_ELEMENTS = 1 << 17
+
+
+def xlogy_terms(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``probs * values`` with 0 wherever ``probs == 0`` (so 0 * -inf = 0 for -inf logits).
+
+    NaN probabilities (NaN logits in a selected row) still propagate.
+    """
+    return torch.where(
+        probs == 0, torch.zeros((), dtype=probs.dtype, device=probs.device), probs * values
+    )
+
+
+def finite_log_probs_(log_probs: torch.Tensor) -> torch.Tensor:
+    """Clamp ``-inf`` log-probabilities to the most negative finite value, in place.
+
+    Then ``p * log p = 0 * finite = 0`` for ``-inf`` logits; NaN still propagates.
+    """
+    return log_probs.clamp_(min=torch.finfo(log_probs.dtype).min)
+
+
+def chunk_token_log_probs(
+    logits: torch.Tensor, tokens: torch.Tensor, *, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    r"""Log-softmax at the sampled tokens of one chunk: :math:`x_{n,y_n} - \log\sum_v e^{x_{nv}}`.
+
+    Args:
+        logits: ``(C, V)`` logits of the chunk, already divided by the temperature.
+        tokens: ``(C,)`` int64 token ids in ``[0, V)``.
+        dtype: computation and result dtype (float32, or float64).
+
+    Returns:
+        ``(C,)`` log-probabilities in ``dtype`` (differentiable).
+    """
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=dtype)  # (C, V)
+    return log_probs.gather(-1, tokens.unsqueeze(-1)).squeeze(-1)
+
+
+def chunk_token_log_probs_grad(
+    logits: torch.Tensor,
+    tokens: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    r"""Gradient of :func:`chunk_token_log_probs` w.r.t. its logits: ``(onehot - p) g``.
+
+    .. math::
+
+        \frac{\partial}{\partial x_{nv}} \sum_n g_n \log p_{n y_n}
+        = g_n (\mathbb{1}[v = y_n] - p_{nv}).
+
+    Args:
+        logits: ``(C, V)`` as passed to :func:`chunk_token_log_probs` (not modified).
+        tokens: ``(C,)`` int64.
+        grad: ``(C,)`` upstream gradient of the log-probs, in ``dtype``.
+        dtype: computation and result dtype.
+
+    Returns:
+        ``(C, V)`` gradient in ``dtype`` (a new tensor; not differentiable).
+    """
+    grad_logits = torch.softmax(logits, dim=-1, dtype=dtype)  # (C, V) p
+    grad_logits.mul_((-grad).unsqueeze(-1))  # (C, V) -g p
+    return grad_logits.scatter_add_(-1, tokens.unsqueeze(-1), grad.unsqueeze(-1))
+
+
+def chunk_entropy(logits: torch.Tensor, *, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    r"""Entropy of the softmax of one chunk: :math:`-\sum_v p_v \log p_v` (0 log 0 = 0).
+
+    Args:
+        logits: ``(C, V)`` logits already divided by the temperature.
+        dtype: computation and result dtype.
+
+    Returns:
+        ``(C,)`` entropies in ``dtype`` (not differentiable: in-place ops).
+    """
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=dtype)  # (C, V)
+    probs = torch.exp(log_probs)  # (C, V)
+    entropy: torch.Tensor = -torch.linalg.vecdot(probs, finite_log_probs_(log_probs))  # (C,)
+    return entropy
+
+
+def chunk_entropy_grad(
+    logits: torch.Tensor,
+    entropy: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    r"""Gradient of :func:`chunk_entropy` w.r.t. its logits (not differentiable).
+
+    .. math::
+
+        \frac{\partial H_n}{\partial x_{nv}} = -p_{nv} (\log p_{nv} + H_n).
+
+    Args:
+        logits: ``(C, V)`` (not modified).
+        entropy: ``(C,)`` from :func:`chunk_entropy`.
+        grad: ``(C,)`` upstream gradient of the entropy, in ``dtype``.
+        dtype: computation and result dtype.
+
+    Returns:
+        ``(C, V)`` gradient in ``dtype`` (a new tensor).
+    """
+    log_probs = torch.log_softmax(logits, dim=-1, dtype=dtype)  # (C, V)
+    probs = torch.exp(log_probs)  # (C, V)
+    finite_log_probs_(log_probs).add_(entropy.unsqueeze(-1))  # (C, V) log p + H
+    return probs.mul_(log_probs).mul_((-grad).unsqueeze(-1))
+
+
+def chunk_kl(chunk: torch.Tensor, ref_chunk: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """KL(p || q) per row of one chunk, ``(C,)``."""
+    log_p = torch.log_softmax(chunk, dim=-1, dtype=dtype)  # (C, V)
+    log_q = torch.log_softmax(ref_chunk, dim=-1, dtype=dtype)  # (C, V)
+    probs = torch.exp(log_p)  # (C, V)
+    return xlogy_terms(probs, log_p.sub_(log_q)).sum(-1)  # (C,)
+
+
+def chunk_kl_grads(
+    chunk: torch.Tensor,
+    ref_chunk: torch.Tensor,
+    kl: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    dtype: torch.dtype,
+    need_logits: bool,
+    need_ref: bool,
+) -> list[torch.Tensor]:
+    r"""Gradients of :func:`chunk_kl`: :math:`p_v(\log p_v - \log q_v - KL)` and :math:`q_v - p_v`.
+
+    Returns the ``(C, V)`` gradients that are needed, logits first, each scaled by ``grad``.
+    """
+    log_p = torch.log_softmax(chunk, dim=-1, dtype=dtype)  # (C, V)
+    log_q = torch.log_softmax(ref_chunk, dim=-1, dtype=dtype)  # (C, V)
+    probs = torch.exp(log_p)  # (C, V)
+    upstream = grad.unsqueeze(-1)  # (C, 1)
+    grads = []
+    if need_logits:
+        # dKL/dx_v = p_v (log p_v - log q_v - KL)
+        difference = log_p.sub(log_q).sub_(kl.unsqueeze(-1))  # (C, V)
+        grads.append(xlogy_terms(probs, difference).mul_(upstream))
+    if need_ref:
+        grads.append(log_q.exp_().sub_(probs).mul_(upstream))  # dKL/dy_v = q_v - p_v
+    return grads
+
+
+# ------------------------------------------------------------------------------------------------
+# Entropy terms in place on one (C, V) block, with a few rows of scratch (no second (C, V) buffer)
+# ------------------------------------------------------------------------------------------------
+
+
+def scratch_rows(width: int) -> int:
+    """Rows of the scratch block for rows of ``width`` values: ``max(1, 2**17 // width)``."""
+    return max(1, SCRATCH_ELEMENTS // max(width, 1))
+
+
+def entropy_stats_(
+    scores: torch.Tensor, scratch: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    r"""Log-normaliser and entropy of each row of ``scores`` ``(C, V)``; ``scores`` is consumed.
+
+    With :math:`m = \max_v s_v`, :math:`Z = \sum_v e^{s_v - m}`:
+    :math:`\log\sum_v e^{s_v} = m + \log Z` and
+    :math:`H = -\sum_v p_v \log p_v = \log Z - \sum_v e^{s_v - m}(s_v - m) / Z`.
+    The exponentials are formed ``scratch.shape[0]`` rows at a time in ``scratch``
+    ``(c, V)``, so no second ``(C, V)`` buffer is needed. ``scores`` becomes :math:`s - m`, with
+    ``-inf`` (banned tokens) made the most negative finite value (so that ``0 * log 0 = 0``).
+
+    Returns:
+        ``(log_normalizer, entropy, log_total)``: ``(C,)``, ``(C,)`` and ``log Z`` ``(C, 1)``.
+    """
+    maximum = scores.amax(dim=1, keepdim=True)  # (C, 1)
+    shifted = finite_log_probs_(scores.sub_(maximum))  # (C, V), s - m
+    totals, dots = [], []
+    step = scratch.shape[0]
+    for start in range(0, shifted.shape[0], step):
+        part = shifted[start : start + step]  # (c, V)
+        exps = torch.exp(part, out=scratch[: part.shape[0]])  # (c, V)
+        totals.append(exps.sum(dim=1))  # (c,)
+        # the row dot products as a batched product: no (c, V) product buffer either
+        dots.append(torch.bmm(exps.unsqueeze(1), part.unsqueeze(2)).reshape(-1))  # (c,)
+    total = torch.cat(totals).unsqueeze(1)  # (C, 1)
+    log_total = total.log()  # (C, 1)
+    entropy = (log_total - torch.cat(dots).unsqueeze(1) / total).squeeze(1)  # (C,)
+    return (maximum + log_total).squeeze(1), entropy, log_total
+
+
+def entropy_logit_grads_(
+    log_probs: torch.Tensor,
+    entropy: torch.Tensor,
+    coefficients: tuple[torch.Tensor, torch.Tensor],
+    scratch: torch.Tensor,
+) -> torch.Tensor:
+    r"""``-p (c + g (log p + H))`` in place of ``log_probs`` ``(C, V)`` (finite log-probs).
+
+    The gradient with respect to the logits of :math:`\sum_n c_n \log p_{n y_n} + g_n H_n`,
+    without its :math:`c_n \mathbb{1}[v = y_n]` term (the caller scatters it):
+    :math:`\partial H/\partial s_v = -p_v(\log p_v + H)` and
+    :math:`\partial \log p_y / \partial s_v = \mathbb{1}[v = y] - p_v`.
+
+    Args:
+        log_probs: ``(C, V)`` finite log-probabilities (overwritten with the result).
+        entropy: ``(C,)`` the rows' entropies.
+        coefficients: ``(c, g)``, each ``(C,)``: the upstream gradients of the log-probabilities
+            of the tokens and of the entropies.
+        scratch: ``(c, V)``: the probabilities of ``c`` rows at a time.
+
+    Returns:
+        ``log_probs``, holding the gradient.
+    """
+    row_coefficient, entropy_weight = (t.unsqueeze(1) for t in coefficients)  # (C, 1) each
+    entropies = entropy.unsqueeze(1)  # (C, 1)
+    step = scratch.shape[0]
+    for start in range(0, log_probs.shape[0], step):
+        rows = slice(start, start + step)
+        part = log_probs[rows]  # (c, V)
+        probs = torch.exp(part, out=scratch[: part.shape[0]])  # (c, V)
+        part.add_(entropies[rows]).mul_(entropy_weight[rows]).add_(row_coefficient[rows])
+        part.mul_(probs).neg_()
+    return log_probs

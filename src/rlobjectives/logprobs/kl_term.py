@@ -1,0 +1,77 @@
+"""Validated arguments of :func:`rlobjectives.fused_policy_loss_from_hidden` besides the policy's.
+
+The KL term (``ref_log_probs``, ``kl_coef``, ``kl_estimator``, ``kl_straight_through``) and the
+check of ``old_log_probs`` against the token ids, which fix the shapes of the policy tensors.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .._core.packing import token_matrix
+from .._core.spellings import check_estimator_spelling
+from .._core.validation import (
+    ArrayLike,
+    as_float_tensor,
+    check_same_device,
+    check_shape,
+    validate_bool,
+    validate_choice,
+    validate_scalar,
+)
+from ..kl.estimators import ESTIMATORS
+from .passes import Head
+
+__all__ = ["KLTerm", "check_old_log_probs", "validate_kl_term"]
+
+
+class KLTerm(NamedTuple):
+    """The KL term of the loss: ``coef * reduce(k(log_probs, ref_log_probs))``."""
+
+    ref_log_probs: torch.Tensor  # (B, T) or packed (1, N), detached
+    coef: float
+    estimator: str
+    straight_through: bool
+
+
+def check_old_log_probs(
+    old_log_probs: ArrayLike, head: Head, batch_shape: tuple[int, int], packed: bool = False
+) -> None:
+    """``old_log_probs`` against the tokens (the reference of the policy tensors' shapes).
+
+    ``packed``: ``(N,)`` or ``(1, N)``, compared as ``(1, N)``.
+    """
+    old = as_float_tensor(old_log_probs, "old_log_probs", head.hidden.device)
+    if packed:
+        old = token_matrix(old, "old_log_probs", packed)
+    check_same_device({"hidden": head.hidden, "old_log_probs": old})
+    check_shape(old, "old_log_probs", batch_shape, "tokens")
+
+
+def validate_kl_term(
+    ref_log_probs: ArrayLike | None,
+    kl_coef: float,
+    kl_estimator: str,
+    kl_straight_through: bool,
+    head: Head,
+    batch_shape: tuple[int, int],
+    packed: bool = False,
+) -> KLTerm | None:
+    """The KL term's arguments; None when there is no reference (a zero KL loss is reported)."""
+    beta = float(validate_scalar(kl_coef, "kl_coef", minimum=0.0, allow_tensor=False))
+    check_estimator_spelling(kl_estimator, ESTIMATORS, prefix="kl_")
+    validate_choice(kl_estimator, "kl_estimator", ESTIMATORS)
+    validate_bool(kl_straight_through, "kl_straight_through")
+    if ref_log_probs is None:
+        if beta > 0:
+            raise ValueError(f"kl_coef > 0 requires ref_log_probs, got kl_coef={kl_coef!r}")
+        return None
+    device = head.hidden.device
+    ref_t = token_matrix(
+        as_float_tensor(ref_log_probs, "ref_log_probs", device), "ref_log_probs", packed
+    )
+    check_same_device({"hidden": head.hidden, "ref_log_probs": ref_t})
+    check_shape(ref_t, "ref_log_probs", batch_shape, "tokens")
+    return KLTerm(ref_t.detach(), beta, kl_estimator, kl_straight_through)

@@ -1,0 +1,412 @@
+"""Log-probabilities, entropy and exact full-vocabulary KL from logits (public functions).
+
+Every function reads the logits ``(B, T, V)`` / ``(N, V)`` one block of rows at a time through
+the chunked autograd Functions of :mod:`rlobjectives.logprobs.functions`: no float32 copy of the
+whole logits tensor is ever made (a strided view such as ``logits[:, :-1]`` is read block by
+block, not copied), and only per-row statistics are kept for the backward pass.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._core.chunking import resolve_chunk_size
+from .._core.packing import sequence_layout, token_matrix, token_ndim, token_output
+from .._core.reduction import Reduction, reduce, validate_layout_reduction
+from .._core.validation import (
+    ArrayLike,
+    Scalar,
+    as_float_tensor,
+    as_mask,
+    as_token_ids,
+    check_same_device,
+    check_shape,
+    compute_dtype,
+    validate_scalar,
+)
+from .functions import EntropyFunction, FullVocabKLFunction, TokenLogProbsFunction
+
+__all__ = [
+    "full_vocab_kl",
+    "full_vocab_kl_loss",
+    "token_entropy",
+    "token_log_probs",
+]
+
+
+# ---------------------------------------------------------------------------------------------
+# Boundary validation
+# ---------------------------------------------------------------------------------------------
+
+
+def _check_logits(logits: torch.Tensor, name: str) -> None:
+    if logits.ndim not in (2, 3):
+        raise ValueError(
+            f"{name} must have shape (B, T, V) or (N, V), got shape {tuple(logits.shape)} "
+            f"({logits.ndim} dimensions)"
+        )
+    if logits.shape[-1] < 1:
+        raise ValueError(
+            f"{name} must have a vocabulary dimension V >= 1, got shape {tuple(logits.shape)}"
+        )
+
+
+def _as_logits(logits: ArrayLike, name: str) -> torch.Tensor:
+    tensor = as_float_tensor(logits, name)
+    _check_logits(tensor, name)
+    return tensor
+
+
+def _row_mask(
+    mask: ArrayLike | None, name: str, logits: torch.Tensor, logits_name: str
+) -> torch.Tensor:
+    """The bool rows to compute (the leading shape of ``logits``): ``mask``, or all True."""
+    batch_shape = tuple(logits.shape[:-1])
+    if mask is None:
+        return torch.ones(batch_shape, dtype=torch.bool, device=logits.device)
+    mask_t = as_mask(mask, name, logits.device)
+    check_same_device({logits_name: logits, name: mask_t})
+    if tuple(mask_t.shape) != batch_shape:
+        raise ValueError(
+            f"{name} must have shape {batch_shape} (the shape of {logits_name} without its last "
+            f"dimension V), got shape {tuple(mask_t.shape)}"
+        )
+    return mask_t
+
+
+def _validate_temperature(temperature: float) -> float:
+    value = validate_scalar(
+        temperature, "temperature", minimum=0.0, strict=True, allow_tensor=False
+    )
+    return float(value)
+
+
+# ---------------------------------------------------------------------------------------------
+# Public functions
+# ---------------------------------------------------------------------------------------------
+
+
+def token_log_probs(
+    logits: ArrayLike,
+    tokens: ArrayLike,
+    *,
+    mask: ArrayLike | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    r"""Log-probabilities of the sampled tokens, computed in float32 chunk by chunk.
+
+    With :math:`x = \text{logits} / \tau`,
+
+    .. math::
+
+        \log \pi(y_{bt}) = x_{bt, y_{bt}} - \log \sum_{v=1}^{V} \exp(x_{btv}),
+
+    evaluated on blocks of ``chunk_size`` rows, each upcast to float32 on its own, so no float32
+    copy of the ``(B, T, V)`` logits is made (TRL's ``selective_log_softmax`` and torchtune's
+    ``log_softmax(dtype=float32)`` upcast the whole tensor). The gradient is exact,
+    :math:`\partial / \partial \text{logits}_{btv} = g_{bt} (\mathbb{1}[v = y_{bt}] - p_{btv})
+    / \tau`; it is recomputed chunk by chunk in the backward pass (only the logits and the
+    ``(N,)`` log-normalisers are saved) and written in the logits' dtype. Invariant to adding a
+    constant to each row of the logits. Second-order gradients are not supported.
+
+    Args:
+        logits: ``(B, T, V)`` or ``(N, V)`` floating logits (any float dtype).
+        tokens: ``(B, T)`` or ``(N,)`` integer token ids, in ``[0, V)`` wherever ``mask`` is True
+            (not checked on the device: an out-of-range id raises inside ``gather``).
+        mask: optional ``(B, T)`` / ``(N,)`` bool or numeric, nonzero = compute this position.
+            Unselected positions give 0, and any value there (NaN/inf logits, padding ids such
+            as -100) reaches neither the output nor the gradient. Default: every position.
+        temperature: :math:`\tau > 0`; the logits are divided by it (the sampling temperature).
+        chunk_size: rows per chunk (positive int), or None for
+            ``max(1, 2**23 // V)`` rows (about 32 MiB of float32 per chunk).
+
+    Returns:
+        ``(B, T)`` or ``(N,)`` log-probabilities, float32 (float64 for float64 logits) whatever
+        the logits' dtype, on the logits' device. Rows with a zero upstream gradient get an exact
+        zero logits gradient.
+
+    Raises:
+        ValueError: on wrong ranks, mismatched shapes or devices, ``temperature <= 0`` or
+            non-finite, ``chunk_size < 1``.
+        TypeError: on non-numeric logits, non-integer tokens, a non-int ``chunk_size`` or a
+            non-number ``temperature``.
+
+    References:
+        The log-softmax gather of the policy-gradient estimator, Williams 1992 (REINFORCE) and
+        Schulman et al. 2017, PPO, arXiv:1707.06347 Eq. 6-7; chunked float32 evaluation as in
+        Liger-Kernel (Hsu et al. 2024, arXiv:2410.10989 Sec. 3.3) and Cut Cross-Entropy
+        (Wijmans et al. 2024, arXiv:2411.09009).
+
+    Examples:
+        >>> import torch
+        >>> token_log_probs(torch.log(torch.tensor([[0.25, 0.75]])), torch.tensor([1]))
+        tensor([-0.2877])
+
+    .. versionadded:: 0.1.0
+    """
+    logits_t = _as_logits(logits, "logits")
+    tokens_t = _as_tokens(tokens, "tokens", logits_t, "logits")
+    active = _row_mask(mask, "mask", logits_t, "logits")
+    tau = _validate_temperature(temperature)
+    chunk = resolve_chunk_size(chunk_size, row_width=logits_t.shape[-1])
+    safe_tokens = torch.where(active, tokens_t.to(torch.int64), 0)  # (B, T) or (N,)
+    out: torch.Tensor = TokenLogProbsFunction.apply(  # type: ignore[no-untyped-call]
+        logits_t, safe_tokens, active, mask is not None, tau, chunk, compute_dtype(logits_t)
+    )
+    return out
+
+
+def _as_tokens(
+    tokens: ArrayLike, name: str, logits: torch.Tensor, logits_name: str
+) -> torch.Tensor:
+    tokens_t = as_token_ids(tokens, name, logits.device)
+    check_same_device({logits_name: logits, name: tokens_t})
+    expected = tuple(logits.shape[:-1])
+    if tuple(tokens_t.shape) != expected:
+        raise ValueError(
+            f"{name} must have shape {expected} (the shape of {logits_name} without its last "
+            f"dimension V), got shape {tuple(tokens_t.shape)}"
+        )
+    return tokens_t
+
+
+def token_entropy(
+    logits: ArrayLike,
+    *,
+    mask: ArrayLike | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    r"""Entropy of the next-token distribution at every position, in float32, chunk by chunk.
+
+    With :math:`p = \mathrm{softmax}(\text{logits} / \tau)` over the vocabulary,
+
+    .. math::
+
+        H_{bt} = -\sum_{v=1}^{V} p_{btv} \log p_{btv}, \qquad
+        \frac{\partial H_{bt}}{\partial \text{logits}_{btv}}
+        = -\frac{p_{btv} (\log p_{btv} + H_{bt})}{\tau}.
+
+    Terms with :math:`p_v = 0` (e.g. ``-inf`` logits of banned tokens) contribute 0. Memory and
+    dtype behaviour as in :func:`token_log_probs`: float32 chunks, only the logits and two
+    ``(N,)`` vectors saved, exact gradient in the logits' dtype, no second-order gradients.
+
+    Args:
+        logits: ``(B, T, V)`` or ``(N, V)`` floating logits.
+        mask: optional ``(B, T)`` / ``(N,)``; unselected positions give 0 and never reach the
+            output or the gradient. Default: every position.
+        temperature: :math:`\tau > 0`.
+        chunk_size: rows per chunk, or None for ``max(1, 2**23 // V)``.
+
+    Returns:
+        ``(B, T)`` or ``(N,)`` entropies in nats, float32 (float64 for float64 logits).
+
+    Raises:
+        ValueError: on wrong ranks, mismatched shapes or devices, ``temperature <= 0``,
+            ``chunk_size < 1``.
+        TypeError: on non-numeric logits or a non-int ``chunk_size``.
+
+    References:
+        Shannon 1948; the entropy bonus of Mnih et al. 2016, A3C, arXiv:1602.01783 Sec. 4, and
+        the entropy diagnostics of DAPO, arXiv:2503.14476 Sec. 3.1.
+
+    Examples:
+        >>> import torch
+        >>> token_entropy(torch.zeros(1, 4))  # uniform over 4 tokens: log 4
+        tensor([1.3863])
+
+    .. versionadded:: 0.1.0
+    """
+    logits_t = _as_logits(logits, "logits")
+    active = _row_mask(mask, "mask", logits_t, "logits")
+    tau = _validate_temperature(temperature)
+    chunk = resolve_chunk_size(chunk_size, row_width=logits_t.shape[-1])
+    out: torch.Tensor = EntropyFunction.apply(  # type: ignore[no-untyped-call]
+        logits_t, active, mask is not None, tau, chunk, compute_dtype(logits_t)
+    )
+    return out
+
+
+def _prepare_kl(
+    logits: ArrayLike,
+    ref_logits: ArrayLike,
+    mask: ArrayLike | None,
+    temperature: float,
+    chunk_size: int | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, int]:
+    logits_t = _as_logits(logits, "logits")
+    ref_t = _as_logits(ref_logits, "ref_logits")
+    check_same_device({"logits": logits_t, "ref_logits": ref_t})
+    check_shape(ref_t, "ref_logits", tuple(logits_t.shape), "logits")
+    active = _row_mask(mask, "mask", logits_t, "logits")
+    tau = _validate_temperature(temperature)
+    chunk = resolve_chunk_size(chunk_size, row_width=logits_t.shape[-1])
+    return logits_t, ref_t, active, tau, chunk
+
+
+def full_vocab_kl(
+    logits: ArrayLike,
+    ref_logits: ArrayLike,
+    *,
+    mask: ArrayLike | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    r"""Exact per-token KL(pi || ref) over the whole vocabulary, chunked over tokens.
+
+    With :math:`p = \mathrm{softmax}(\text{logits}/\tau)` and
+    :math:`q = \mathrm{softmax}(\text{ref\_logits}/\tau)` at each position,
+
+    .. math::
+
+        \mathrm{KL}_{bt} = \sum_{v=1}^{V} p_{btv} (\log p_{btv} - \log q_{btv}) \ \ge 0,
+
+    .. math::
+
+        \frac{\partial \mathrm{KL}}{\partial \text{logits}_v}
+        = \frac{p_v (\log p_v - \log q_v - \mathrm{KL})}{\tau}, \qquad
+        \frac{\partial \mathrm{KL}}{\partial \text{ref\_logits}_v} = \frac{q_v - p_v}{\tau}.
+
+    This is the exact value that the sampled estimators k1/k2/k3 (Schulman 2020) estimate from
+    one token per position; none of verl (``kl_penalty="full"`` raises NotImplementedError),
+    TRL or OpenRLHF computes it. Both forward and backward process ``chunk_size`` positions at a
+    time in float32 (only the two logit tensors and three ``(N,)`` vectors are saved), so the
+    extra memory is O(chunk_size * V) in both passes; gradients are written in each input's
+    dtype, for ``ref_logits`` only when it requires grad. Terms with :math:`p_v = 0` contribute
+    0; the KL is ``inf`` where the reference gives zero probability to a token the policy
+    supports. Both distributions use the same temperature (the sampling temperature).
+
+    To reduce to a loss use :func:`full_vocab_kl_loss` (or
+    ``aggregate(full_vocab_kl(...), mask, reduction=...)``).
+
+    Args:
+        logits: ``(B, T, V)`` or ``(N, V)`` policy logits.
+        ref_logits: reference-policy logits, same shape (any float dtype).
+        mask: optional ``(B, T)`` / ``(N,)``; unselected positions give exactly 0, and NaN/inf
+            in their logits reaches neither the output nor a gradient. Default: every position.
+        temperature: :math:`\tau > 0`, applied to both logit tensors.
+        chunk_size: positions per chunk, or None for ``max(1, 2**23 // V)``.
+
+    Returns:
+        ``(B, T)`` or ``(N,)`` KL in nats, float32 (float64 if either input is float64).
+
+    Raises:
+        ValueError: on wrong ranks, mismatched shapes or devices, ``temperature <= 0``,
+            ``chunk_size < 1``.
+        TypeError: on non-numeric logits or a non-int ``chunk_size``.
+
+    References:
+        Kullback & Leibler 1951; the KL-regularised RL objective of Ouyang et al. 2022,
+        arXiv:2203.02155 Eq. 2, and GRPO, arXiv:2402.03300 Eq. 3-4 (whose k3 term estimates this
+        quantity from the sampled token).
+
+    Examples:
+        >>> import torch
+        >>> logits = torch.log(torch.tensor([[0.5, 0.5]]))
+        >>> ref_logits = torch.log(torch.tensor([[0.25, 0.75]]))
+        >>> full_vocab_kl(logits, ref_logits)  # 0.5 log 2 + 0.5 log(2/3)
+        tensor([0.1438])
+
+    .. versionadded:: 0.1.0
+    """
+    logits_t, ref_t, active, tau, chunk = _prepare_kl(
+        logits, ref_logits, mask, temperature, chunk_size
+    )
+    out: torch.Tensor = FullVocabKLFunction.apply(  # type: ignore[no-untyped-call]
+        logits_t, ref_t, active, mask is not None, tau, chunk, compute_dtype(logits_t, ref_t)
+    )
+    return out
+
+
+def full_vocab_kl_loss(
+    logits: ArrayLike,
+    ref_logits: ArrayLike,
+    mask: ArrayLike,
+    *,
+    reduction: Reduction = "token_mean",
+    normalizer: Scalar | None = None,
+    max_response_length: Scalar | None = None,
+    temperature: float = 1.0,
+    chunk_size: int | None = None,
+    cu_seqlens: ArrayLike | None = None,
+) -> torch.Tensor:
+    r"""Exact full-vocabulary KL(pi || ref) reduced to a loss term.
+
+    .. math::
+
+        \mathcal{L}_{KL} = \mathrm{reduce}_{M}\big(\mathrm{KL}_{bt}\big),
+
+    with :math:`\mathrm{KL}_{bt}` from :func:`full_vocab_kl` and the reduction of
+    :func:`rlobjectives.aggregate` (``"token_mean"``, ``"sequence_mean"``,
+    ``"sequence_sum_normalized"``, ``"none"``). Multiply by the KL coefficient and add it to the
+    policy loss (GRPO's KL term, arXiv:2402.03300 Eq. 3, with the exact KL in place of k3).
+    With an explicit ``normalizer`` the loss of micro-batches adds up to the full-batch loss.
+    Packed sequences (``cu_seqlens`` given): ``logits`` ``(N, V)`` or ``(1, N, V)`` and ``mask``
+    ``(N,)`` or ``(1, N)``, reduced per sequence as :func:`rlobjectives.aggregate` does.
+
+    Args:
+        logits: ``(B, T, V)`` policy logits.
+        ref_logits: ``(B, T, V)`` reference logits.
+        mask: ``(B, T)`` bool or numeric; nonzero selects the token.
+        reduction: see :func:`rlobjectives.aggregate`.
+        normalizer: optional explicit denominator (see :func:`rlobjectives.aggregate`).
+        max_response_length: Dr. GRPO constant for ``"sequence_sum_normalized"``.
+        temperature: :math:`\tau > 0`, applied to both logit tensors.
+        chunk_size: positions per chunk, or None for ``max(1, 2**23 // V)``.
+        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
+
+    Returns:
+        Scalar loss (``(B, T)`` for ``reduction="none"``, packed: the shape of ``mask``),
+        float32 (float64 for float64 inputs).
+
+    Raises:
+        ValueError: as :func:`full_vocab_kl`, for logits that are not ``(B, T, V)`` (packed:
+            ``(N, V)`` / ``(1, N, V)``), an unknown ``reduction``, a non-positive
+            ``normalizer`` or a malformed ``cu_seqlens``.
+        TypeError: on non-numeric logits.
+
+    References:
+        Shao et al. 2024, GRPO, arXiv:2402.03300 Eq. 3; Ouyang et al. 2022, arXiv:2203.02155
+        Eq. 2.
+
+    Examples:
+        >>> import torch
+        >>> loss = full_vocab_kl_loss(torch.zeros(1, 2, 3), torch.zeros(1, 2, 3),
+        ...                           torch.ones(1, 2, dtype=torch.bool))
+        >>> loss
+        tensor(0.)
+
+    .. versionadded:: 0.1.0
+    """
+    packed = cu_seqlens is not None
+    logits_t = _as_logits(logits, "logits")
+    if packed and logits_t.ndim == 2:
+        logits_t = logits_t.unsqueeze(0)  # (1, N, V)
+        ref_logits = _as_logits(ref_logits, "ref_logits")
+        ref_logits = ref_logits.unsqueeze(0) if ref_logits.ndim == 2 else ref_logits
+    if logits_t.ndim != 3 or (packed and logits_t.shape[0] != 1):
+        expected = "(N, V) or (1, N, V) (packed: cu_seqlens given)" if packed else "(B, T, V)"
+        raise ValueError(
+            f"logits must have shape {expected} for a reduced loss, got shape "
+            f"{tuple(logits_t.shape)}"
+        )
+    flat = packed and token_ndim(mask) == 1
+    mask_t = token_matrix(as_mask(mask, "mask", logits_t.device), "mask", packed)
+    layout = sequence_layout(cu_seqlens, logits_t[..., 0])
+    spec = validate_layout_reduction(
+        reduction,
+        normalizer=normalizer,
+        max_response_length=max_response_length,
+        layout=layout,
+        tokens=logits_t.shape[1],
+    )
+    logits_t, ref_t, active, tau, chunk = _prepare_kl(
+        logits_t, ref_logits, mask_t, temperature, chunk_size
+    )
+    kl: torch.Tensor = FullVocabKLFunction.apply(  # type: ignore[no-untyped-call]
+        logits_t, ref_t, active, True, tau, chunk, compute_dtype(logits_t, ref_t)
+    )  # (B, T)
+    loss = reduce(kl, active, spec, layout)
+    return token_output(loss, flat and loss.ndim == 2)

@@ -1,0 +1,402 @@
+"""Arguments and results of the policy loss: validation at the boundary, named results.
+
+:func:`prepare_policy_inputs` and :func:`validate_surrogate_options` run once per public call
+(:func:`rlobjectives.policy_loss`, :func:`rlobjectives.grpo_clipped_surrogate`,
+:func:`rlobjectives.fused_policy_loss_from_hidden`); everything after them works on the
+validated :class:`PolicyInputs` / :class:`SurrogateOptions` without checking again.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, NamedTuple, get_args
+
+import torch
+
+from .._core.layout import Layout
+from .._core.packing import sequence_layout, token_matrix, tokens_from_sequences
+from .._core.reduction import ReductionSpec, validate_normalizer
+from .._core.validation import (
+    ArrayLike,
+    Scalar,
+    as_float_tensor,
+    as_mask,
+    check_same_device,
+    check_shape,
+    compute_dtype,
+    expand_per_sequence,
+    validate_choice,
+    validate_scalar,
+)
+
+__all__ = [
+    "RATIO_LEVELS",
+    "SURROGATES",
+    "PolicyCall",
+    "PolicyInputs",
+    "PolicyLossDiagnostics",
+    "PolicyLossOutput",
+    "RatioLevel",
+    "Surrogate",
+    "SurrogateOptions",
+    "prepare_entropy",
+    "prepare_importance_weights",
+    "prepare_layout_inputs",
+    "prepare_policy_inputs",
+    "validate_diagnostics_normalizer",
+    "validate_entropy_coef",
+    "validate_surrogate_options",
+]
+
+RatioLevel = Literal["token", "sequence"]
+RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
+Surrogate = Literal["clip", "cispo", "sapo", "gmpo", "vespo"]
+SURROGATES: tuple[str, ...] = get_args(Surrogate)
+# Surrogates that form their own sequence ratio: ratio_level must be "token" for them.
+_OWN_SEQUENCE_RATIO = ("gmpo", "vespo")
+
+
+_ZERO = torch.zeros(())  # default of a diagnostic added after version 0.1 (never modified)
+
+
+class PolicyLossDiagnostics(NamedTuple):
+    """Detached, masked, NaN-proof diagnostics of a policy-loss call.
+
+    Token fractions and means are over selected tokens: the numerator is summed over the batch
+    and divided by the local selected-token count, or by ``diagnostics_normalizer`` when given
+    (used exactly as given, so that the values of micro-batches add up to the full-batch
+    values). All are float32 (float64 for float64 inputs). They describe the ratio and the
+    surrogate: ``importance_weights`` do not enter them (except VESPO's ``weight_mean``, whose
+    gamma weight takes them in).
+
+    The clip fields have one meaning for every ``surrogate``, with ``r`` the ratio after the
+    log-ratio bound: ``clipped_fraction`` counts ``r`` outside the variant's band, any sign of
+    ``A``; ``clip_fraction_low`` the tokens with ``A < 0`` whose surrogate the low edge changes,
+    ``clip_fraction_high`` those with ``A > 0`` whose surrogate the high edge changes, and
+    ``dual_clip_fraction`` those with ``A < 0`` whose surrogate an upper edge changes. Per
+    variant:
+
+    - ``"clip"``: band ``[1 - clip_low, 1 + clip_high]``; low: ``r < 1 - clip_low``; high:
+      ``r > min(1 + clip_high, delta)``; dual: ``r > min(dual_clip, max(1 + clip_high,
+      delta))`` (``min(dual_clip, delta)`` without clipping; none without either).
+    - ``"cispo"``: the weight is capped: band ``[1 - clip_low, 1 + clip_high]`` (verl) or
+      ``[0, cispo_cap]`` (TRL, no low edge); low: ``r`` below the band; high and dual: above.
+    - ``"sapo"``: the soft gate's gradient weight ``4 sigma (1 - sigma)``,
+      ``sigma = sigmoid(tau (r - 1))``, is below half its peak 1 (``|tau (r - 1)| >
+      2 ln(1 + sqrt(2)) = 1.7627``): ``clipped_fraction`` any side and sign; low: ``r < 1``;
+      high and dual: ``r > 1``.
+    - ``"gmpo"``: the log-space band ``[-clip_low, clip_high]`` of ``log r`` (ratio band
+      ``[e^{-clip_low}, e^{clip_high}]``) per token; low: below with ``A < 0``; high: above with
+      ``A > 0``; dual: 0 (only one edge binds per sign).
+    - ``"vespo"``: no clipping (the clip fields are 0).
+
+    Attributes:
+        clipped_fraction: ratio strictly outside the band, any sign of the advantage (the seed's
+            definition; a superset of the binding clips). 0 without a band.
+        clip_fraction_low: the low edge binds: ``r`` below it and ``A < 0``.
+        clip_fraction_high: the high edge binds: ``r`` above it and ``A > 0``.
+            ``clip_fraction_low + clip_fraction_high`` is verl/OpenRLHF's ``pg_clipfrac`` and
+            TRL's ``clip_ratio`` (up to ties at ``A = 0``).
+        dual_clip_fraction: an upper edge changes an ``A < 0`` token (``dual_clip`` or the
+            two-sided ``delta`` of ``"clip"``: verl's ``pg_clipfrac_lower``; CISPO's cap;
+            SAPO's gate).
+        log_ratio_bound_fraction: ``|log_ratio| > log_ratio_bound`` (the bound fired).
+        ratio_mean: mean importance ratio ``r`` (after the bound; the sequence ratio at each
+            token for ``ratio_level="sequence"``).
+        approx_kl_k1: k1 estimate of KL(old || new): mean of ``-log_ratio``.
+        approx_kl_k3: k3 estimate of KL(old || new): mean of ``r - 1 - log r`` (``log r`` bounded),
+            computed without cancellation (``expm1``).
+        weight_mean: mean of the factor ``w`` that multiplies the advantage in the surrogate,
+            ``s = w A`` (``"clip"``: the clipped ratio of the selected branch; ``"sapo"``: the
+            gate ``4 sigma / tau``; ``"gmpo"``: the sequence's clipped geometric-mean ratio) or
+            ``s = sg(w) A log_probs`` (``"cispo"``: the capped ratio; ``"vespo"``: the
+            sequence's gamma weight ``phi``, TRL's ``vespo/phi_seq_mean`` per token).
+    """
+
+    clipped_fraction: torch.Tensor
+    clip_fraction_low: torch.Tensor
+    clip_fraction_high: torch.Tensor
+    dual_clip_fraction: torch.Tensor
+    log_ratio_bound_fraction: torch.Tensor
+    ratio_mean: torch.Tensor
+    approx_kl_k1: torch.Tensor
+    approx_kl_k3: torch.Tensor
+    weight_mean: torch.Tensor = _ZERO  # a default keeps 8-field constructions working
+
+
+class PolicyLossOutput(NamedTuple):
+    """Result of :func:`rlobjectives.policy_loss`.
+
+    Attributes:
+        loss: the reduced loss (scalar; ``(B, T)`` for ``reduction="none"``), dtype of
+            ``log_probs``.
+        per_token_loss: ``(B, T)`` per-token loss (zeros at unselected tokens) when
+            ``return_per_token=True``, else None: ``-w s`` (``w`` the importance weights, 1
+            without them) minus ``entropy_coef * entropy``; ``loss`` is its reduction.
+        diagnostics: :class:`PolicyLossDiagnostics`.
+    """
+
+    loss: torch.Tensor
+    per_token_loss: torch.Tensor | None
+    diagnostics: PolicyLossDiagnostics
+
+
+class PolicyInputs(NamedTuple):
+    """The validated tensors of a policy-loss call."""
+
+    log_probs: torch.Tensor  # (B, T) or packed (1, N), floating, original dtype (grad flows)
+    old_log_probs: torch.Tensor  # (B, T) / (1, N), detached: a constant
+    advantages: torch.Tensor  # (B, 1), (B, T) or packed (1, N), detached: a constant
+    mask: torch.Tensor  # (B, T) / (1, N) bool
+    output_dtype: torch.dtype
+    dtype: torch.dtype  # computation dtype (float32 or float64)
+    importance_weights: torch.Tensor | None = None  # (B, 1) or (B, T), detached: a constant
+    entropy: torch.Tensor | None = None  # (B, T), floating (grad flows)
+
+
+class SurrogateOptions(NamedTuple):
+    """The validated surrogate options (Python numbers or 0-d tensors)."""
+
+    clip_low: float | torch.Tensor | None
+    clip_high: float | torch.Tensor | None
+    dual_clip: float | torch.Tensor | None
+    ratio_level: str
+    log_ratio_bound: float | torch.Tensor | None
+    surrogate: str = "clip"
+    delta: float | torch.Tensor | None = None
+    cispo_cap: float | torch.Tensor | None = None
+    sapo_temperature_pos: float | torch.Tensor = 1.0
+    sapo_temperature_neg: float | torch.Tensor = 1.05
+    vespo_k_pos: float | torch.Tensor = 2.0
+    vespo_lambda_pos: float | torch.Tensor = 3.0
+    vespo_k_neg: float | torch.Tensor = 3.0
+    vespo_lambda_neg: float | torch.Tensor = 2.0
+
+
+class PolicyCall(NamedTuple):
+    """Everything a policy-loss path needs, validated once."""
+
+    inputs: PolicyInputs
+    options: SurrogateOptions
+    reduction: ReductionSpec
+    diagnostics_normalizer: float | torch.Tensor | None
+    layout: Layout  # which tokens form which sequence
+    entropy_coef: float | torch.Tensor = 0.0  # the entropy bonus -c reduce(H) (with inputs.entropy)
+
+
+def prepare_policy_inputs(
+    log_probs: ArrayLike,
+    old_log_probs: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
+    names: tuple[str, str, str, str],
+) -> PolicyInputs:
+    """The padded ``(B, T)`` case of :func:`prepare_layout_inputs` (no ``cu_seqlens``)."""
+    return prepare_layout_inputs(log_probs, old_log_probs, advantages, mask, names)[0]
+
+
+def prepare_layout_inputs(
+    log_probs: ArrayLike,
+    old_log_probs: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
+    names: tuple[str, str, str, str],
+    *,
+    cu_seqlens: ArrayLike | None = None,
+) -> tuple[PolicyInputs, Layout]:
+    """Coerce and validate the four tensor arguments (named as the public function names them).
+
+    Padded: ``(B, T)`` tensors, advantages ``(B,)``, ``(B, 1)`` or ``(B, T)``. Packed
+    (``cu_seqlens`` given): ``(N,)`` or ``(1, N)`` tensors, kept as ``(1, N)``; advantages
+    ``(S,)`` / ``(S, 1)`` per sequence are broadcast to their tokens, ``(N,)`` / ``(1, N)`` per
+    token. ``old_log_probs`` and ``advantages`` are detached: the policy loss treats them as
+    constants on every path, so an undetached critic or behaviour policy never receives policy
+    gradient. Returns the inputs and the :class:`Layout` of their sequences.
+    """
+    log_probs_name, old_name, advantages_name, mask_name = names
+    packed = cu_seqlens is not None
+    log_probs_t = token_matrix(as_float_tensor(log_probs, log_probs_name), log_probs_name, packed)
+    device = log_probs_t.device
+    old_t = token_matrix(as_float_tensor(old_log_probs, old_name, device), old_name, packed)
+    advantages_t = as_float_tensor(advantages, advantages_name, device)
+    mask_t = token_matrix(as_mask(mask, mask_name, device), mask_name, packed)
+    check_same_device(
+        {
+            log_probs_name: log_probs_t,
+            old_name: old_t,
+            advantages_name: advantages_t,
+            mask_name: mask_t,
+        }
+    )
+    shape = (log_probs_t.shape[0], log_probs_t.shape[1])
+    check_shape(old_t, old_name, shape, log_probs_name)
+    check_shape(mask_t, mask_name, shape, log_probs_name)
+    layout = sequence_layout(cu_seqlens, log_probs_t)
+    if packed:
+        advantages_t = tokens_from_sequences(advantages_t, advantages_name, layout, log_probs_name)
+    else:
+        if advantages_t.ndim == 1 and advantages_t.numel() == 0 and shape[0] == 0:
+            advantages_t = advantages_t.reshape(0)
+        advantages_t = expand_per_sequence(advantages_t, advantages_name, shape, log_probs_name)
+    inputs = PolicyInputs(
+        log_probs=log_probs_t,
+        old_log_probs=old_t.detach(),
+        advantages=advantages_t.detach(),
+        mask=mask_t,
+        output_dtype=log_probs_t.dtype,
+        dtype=compute_dtype(log_probs_t, old_t, advantages_t),
+    )
+    return inputs, layout
+
+
+def prepare_importance_weights(
+    inputs: PolicyInputs,
+    importance_weights: ArrayLike | None,
+    reference: str,
+    layout: Layout | None = None,
+) -> PolicyInputs:
+    """Add validated ``importance_weights``: ``(B,)``, ``(B, 1)`` or ``(B, T)``, detached.
+
+    Packed ``layout``: ``(S,)`` / ``(S, 1)`` per sequence, ``(N,)`` / ``(1, N)`` per token.
+
+    Their values are not inspected (no host sync): they are expected to be finite and
+    non-negative at selected tokens; unselected entries are ignored (NaN/inf there reaches
+    nothing). A float64 tensor makes the computation float64, as for the other inputs.
+    """
+    if importance_weights is None:
+        return inputs
+    name = "importance_weights"
+    weights = as_float_tensor(importance_weights, name, inputs.mask.device)
+    check_same_device({reference: inputs.mask, name: weights})
+    shape = (inputs.mask.shape[0], inputs.mask.shape[1])
+    if layout is not None and layout.sequence_ids is not None:
+        weights = tokens_from_sequences(weights, name, layout, reference).detach()  # (1, N)
+    else:
+        if weights.ndim == 1 and weights.numel() == 0 and shape[0] == 0:
+            weights = weights.reshape(0)
+        weights = expand_per_sequence(weights, name, shape, reference).detach()
+    dtype = compute_dtype(torch.empty(0, dtype=inputs.dtype), weights)
+    return inputs._replace(importance_weights=weights, dtype=dtype)
+
+
+def prepare_entropy(
+    inputs: PolicyInputs, entropy: ArrayLike | None, reference: str, packed: bool = False
+) -> PolicyInputs:
+    """Add a validated ``(B, T)`` (packed: ``(N,)`` or ``(1, N)``) ``entropy`` (differentiable)."""
+    if entropy is None:
+        return inputs
+    entropy_t = as_float_tensor(entropy, "entropy", inputs.mask.device)
+    entropy_t = token_matrix(entropy_t, "entropy", packed)
+    check_same_device({reference: inputs.mask, "entropy": entropy_t})
+    check_shape(entropy_t, "entropy", tuple(inputs.mask.shape), reference)
+    return inputs._replace(entropy=entropy_t)
+
+
+def validate_entropy_coef(
+    entropy_coef: Scalar, *, has_entropy: bool, allow_tensor: bool = True
+) -> float | torch.Tensor:
+    """A finite ``entropy_coef``; a nonzero one needs the ``entropy`` tensor (``has_entropy``)."""
+    coef = validate_scalar(entropy_coef, "entropy_coef", minimum=None, allow_tensor=allow_tensor)
+    nonzero = isinstance(coef, torch.Tensor) or coef != 0.0
+    if nonzero and not has_entropy:
+        raise ValueError(
+            f"entropy_coef != 0 requires entropy (the (B, T) per-token entropies), got "
+            f"entropy=None and entropy_coef={entropy_coef!r}"
+        )
+    return coef
+
+
+def _positive(value: Scalar, name: str) -> float | torch.Tensor:
+    return validate_scalar(value, name, minimum=0.0, strict=True)
+
+
+def _only_with(value: object, name: str, surrogate: str, allowed: str) -> None:
+    """Raise unless ``value`` is None or ``surrogate`` is ``allowed``."""
+    if value is not None and surrogate != allowed:
+        raise ValueError(
+            f"{name} applies to surrogate={allowed!r} only, got {name}={value!r} with "
+            f"surrogate={surrogate!r}"
+        )
+
+
+def validate_surrogate_options(
+    *,
+    clip_low: Scalar | None,
+    clip_high: Scalar | None,
+    dual_clip: Scalar | None,
+    ratio_level: str,
+    log_ratio_bound: Scalar | None,
+    surrogate: str = "clip",
+    delta: Scalar | None = None,
+    cispo_cap: Scalar | None = None,
+    sapo_temperature_pos: Scalar = 1.0,
+    sapo_temperature_neg: Scalar = 1.05,
+    vespo_k_pos: Scalar = 2.0,
+    vespo_lambda_pos: Scalar = 3.0,
+    vespo_k_neg: Scalar = 3.0,
+    vespo_lambda_neg: Scalar = 2.0,
+) -> SurrogateOptions:
+    """Validate the surrogate, its band, dual clip, delta, cap, temperatures and gamma shape."""
+    validate_choice(surrogate, "surrogate", SURROGATES)
+    validate_choice(ratio_level, "ratio_level", RATIO_LEVELS)
+    band = _validate_band(clip_low, clip_high)
+    dual = None
+    if dual_clip is not None:
+        dual = validate_scalar(dual_clip, "dual_clip", minimum=1.0, strict=True)
+    delta_value = None
+    if delta is not None:
+        delta_value = validate_scalar(delta, "delta", minimum=1.0, strict=True)
+    cap = None if cispo_cap is None else _positive(cispo_cap, "cispo_cap")
+    bound = None if log_ratio_bound is None else _positive(log_ratio_bound, "log_ratio_bound")
+    options = SurrogateOptions(
+        clip_low=band[0],
+        clip_high=band[1],
+        dual_clip=dual,
+        ratio_level=ratio_level,
+        log_ratio_bound=bound,
+        surrogate=surrogate,
+        delta=delta_value,
+        cispo_cap=cap,
+        sapo_temperature_pos=_positive(sapo_temperature_pos, "sapo_temperature_pos"),
+        sapo_temperature_neg=_positive(sapo_temperature_neg, "sapo_temperature_neg"),
+        vespo_k_pos=validate_scalar(vespo_k_pos, "vespo_k_pos", minimum=0.0),
+        vespo_lambda_pos=_positive(vespo_lambda_pos, "vespo_lambda_pos"),
+        vespo_k_neg=validate_scalar(vespo_k_neg, "vespo_k_neg", minimum=0.0),
+        vespo_lambda_neg=_positive(vespo_lambda_neg, "vespo_lambda_neg"),
+    )
+    _check_combination(options)
+    return options
+
+
+def _check_combination(options: SurrogateOptions) -> None:
+    """Options given to a surrogate that does not use them; ratio levels it cannot take."""
+    surrogate, ratio_level = options.surrogate, options.ratio_level
+    if ratio_level != "token" and surrogate in _OWN_SEQUENCE_RATIO:
+        raise ValueError(
+            f"surrogate={surrogate!r} forms its own sequence ratio: ratio_level must be 'token', "
+            f"got ratio_level={ratio_level!r}"
+        )
+    _only_with(options.dual_clip, "dual_clip", surrogate, "clip")
+    _only_with(options.delta, "delta", surrogate, "clip")
+    _only_with(options.cispo_cap, "cispo_cap", surrogate, "cispo")
+
+
+def _validate_band(
+    clip_low: Scalar | None, clip_high: Scalar | None
+) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None]:
+    """``clip_low`` in ``[0, 1)`` (or None: no band) and ``clip_high >= 0`` (needs clip_low)."""
+    if clip_low is None and clip_high is not None:
+        raise ValueError(
+            f"clip_high requires clip_low (clip_low=None disables clipping), got clip_low=None "
+            f"and clip_high={clip_high!r}"
+        )
+    low = None
+    if clip_low is not None:
+        # The lower edge 1 - clip_low must stay positive: clip_low in [0, 1).
+        low = validate_scalar(clip_low, "clip_low", minimum=0.0, maximum=1.0)
+    high = None if clip_high is None else validate_scalar(clip_high, "clip_high", minimum=0.0)
+    return low, high
+
+
+def validate_diagnostics_normalizer(value: Scalar | None) -> float | torch.Tensor | None:
+    """A positive finite ``diagnostics_normalizer`` (used exactly as given), or None."""
+    return validate_normalizer(value, "diagnostics_normalizer")

@@ -1,0 +1,293 @@
+"""The two specified objectives: the clipped GRPO surrogate and KL-penalized sequence rewards.
+
+Their argument names, defaults and outputs are fixed by the seed specifications; each is a thin
+wrapper over the general functions (:func:`rlobjectives.policy_loss`' paths and the KL estimator
+implementation of :mod:`rlobjectives.kl.estimators`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .._core.layout import Layout
+from .._core.masking import masked_fill_zero, safe_divide
+from .._core.packing import per_sequence, sequence_layout, token_matrix
+from .._core.reduction import ReductionSpec, reduce
+from .._core.validation import (
+    ArrayLike,
+    Scalar,
+    as_float_tensor,
+    as_mask,
+    check_same_device,
+    check_shape,
+    compute_dtype,
+    validate_scalar,
+)
+from ..kernels.loading import kernel_backend
+from ..kl.estimators import kl_terms
+from .fused import ClippedSurrogateFunction, FusedSpec
+from .inputs import PolicyInputs, SurrogateOptions, prepare_layout_inputs
+from .specification import policy_terms
+
+__all__ = ["grpo_clipped_surrogate", "kl_penalized_rewards"]
+
+# The seed's log-ratio bound.
+_SEED_LOG_RATIO_BOUND = 60.0
+
+
+def grpo_clipped_surrogate(
+    new_log_probs: ArrayLike,
+    old_log_probs: ArrayLike,
+    advantages: ArrayLike,
+    token_mask: ArrayLike,
+    clip_epsilon: Scalar,
+    *,
+    cu_seqlens: ArrayLike | None = None,
+) -> dict[str, torch.Tensor]:
+    r"""Clipped GRPO surrogate over selected response tokens (the seed specification).
+
+    .. math::
+
+        r_{it} = \exp(\mathrm{clip}(\ell^{new}_{it} - \ell^{old}_{it}, -60, 60)), \qquad
+        s_{it} = \min\big(r_{it} A_i,\ \mathrm{clip}(r_{it}, 1-\epsilon, 1+\epsilon) A_i\big)
+
+    ``loss`` is :math:`-\sum_{it} m_{it} s_{it} / \sum_{it} m_{it}` (token mean over the whole
+    batch); ``per_sequence_surrogate[i]`` is the mean of :math:`s_{it}` over sequence ``i``'s
+    selected tokens (0 if none); ``clipped_fraction`` is the fraction of selected ratios strictly
+    outside :math:`[1-\epsilon, 1+\epsilon]`. With no selected token both scalars are 0.
+
+    This is :func:`rlobjectives.policy_loss` with ``clip_low=clip_epsilon``,
+    ``log_ratio_bound=60`` and ``reduction="token_mean"`` (any :math:`\epsilon \ge 0` is
+    accepted, as specified: for :math:`\epsilon \ge 1` the lower edge never binds).
+
+    Packed sequences (``cu_seqlens`` given): the per-token tensors are ``(N,)`` or ``(1, N)``,
+    sequence :math:`i` is the run ``cu_seqlens[i]:cu_seqlens[i + 1]``, advantages are ``(S,)``
+    (or per token) and ``per_sequence_surrogate`` is ``(S,)``; the values equal the padded call
+    on the same sequences.
+
+    Args:
+        new_log_probs: ``(B, T)`` current log-probabilities (differentiable).
+        old_log_probs: ``(B, T)`` behaviour log-probabilities (a constant: no gradient).
+        advantages: ``(B,)``, ``(B, 1)`` or ``(B, T)`` (a constant: no gradient).
+        token_mask: ``(B, T)`` bool or numeric; nonzero selects the token.
+        clip_epsilon: :math:`\epsilon \ge 0`, finite.
+        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
+
+    Returns:
+        ``{"loss": (), "per_sequence_surrogate": (B,), "clipped_fraction": ()}`` (packed:
+        ``(S,)``), all with the dtype and device of ``new_log_probs``.
+
+    Raises:
+        ValueError: on mismatched shapes or devices, a negative/NaN/infinite ``clip_epsilon``,
+            or a malformed ``cu_seqlens``.
+        TypeError: on non-numeric inputs.
+
+    References:
+        Shao et al. 2024, DeepSeekMath (GRPO), arXiv:2402.03300 Eq. 3 (token-mean aggregation as
+        in DAPO, arXiv:2503.14476 Eq. 8).
+
+    Examples:
+        >>> out = grpo_clipped_surrogate([[0.1823215567939546, -0.2231435513142097]], [[0, 0]],
+        ...                              [1], [[True, True]], 0.2)
+        >>> round(float(out["loss"]), 6)
+        -1.0
+    """
+    inputs, options, layout = _seed_call(
+        new_log_probs, old_log_probs, advantages, token_mask, clip_epsilon, cu_seqlens
+    )
+    return _grpo_outputs(inputs, options, layout, fused=True)
+
+
+def _seed_call(
+    new_log_probs: ArrayLike,
+    old_log_probs: ArrayLike,
+    advantages: ArrayLike,
+    token_mask: ArrayLike,
+    clip_epsilon: Scalar,
+    cu_seqlens: ArrayLike | None,
+) -> tuple[PolicyInputs, SurrogateOptions, Layout]:
+    inputs, layout = prepare_layout_inputs(
+        new_log_probs,
+        old_log_probs,
+        advantages,
+        token_mask,
+        ("new_log_probs", "old_log_probs", "advantages", "token_mask"),
+        cu_seqlens=cu_seqlens,
+    )
+    epsilon = validate_scalar(clip_epsilon, "clip_epsilon", minimum=0.0)
+    options = SurrogateOptions(
+        clip_low=epsilon,
+        clip_high=None,
+        dual_clip=None,
+        ratio_level="token",
+        log_ratio_bound=_SEED_LOG_RATIO_BOUND,
+    )
+    return inputs, options, layout
+
+
+def _grpo_clipped_surrogate_autograd(
+    new_log_probs: ArrayLike,
+    old_log_probs: ArrayLike,
+    advantages: ArrayLike,
+    token_mask: ArrayLike,
+    clip_epsilon: Scalar,
+    *,
+    cu_seqlens: ArrayLike | None = None,
+) -> dict[str, torch.Tensor]:
+    """:func:`grpo_clipped_surrogate` through the autograd path (the fused path's reference)."""
+    inputs, options, layout = _seed_call(
+        new_log_probs, old_log_probs, advantages, token_mask, clip_epsilon, cu_seqlens
+    )
+    return _grpo_outputs(inputs, options, layout, fused=False)
+
+
+def _grpo_outputs(
+    inputs: PolicyInputs, options: SurrogateOptions, layout: Layout, *, fused: bool
+) -> dict[str, torch.Tensor]:
+    """The seed outputs: token-mean loss, per-sequence means, out-of-band fraction."""
+    spec = ReductionSpec("token_mean", None, float(max(inputs.log_probs.shape[-1], 1)))
+    learnable_epsilon = (
+        isinstance(options.clip_low, torch.Tensor) and options.clip_low.requires_grad
+    )
+    if fused and not learnable_epsilon and _on_kernels(inputs):
+        from ..kernels.calls.policy import seed_outputs
+
+        outputs = seed_outputs(inputs, options, layout)
+        if outputs is not None:
+            return outputs
+    if fused and not learnable_epsilon:
+        fused_spec = FusedSpec(options, spec, None, inputs.dtype, layout)
+        loss, row_sums, diagnostics = ClippedSurrogateFunction.apply(  # type: ignore[no-untyped-call]
+            inputs.log_probs, inputs.old_log_probs, inputs.advantages, inputs.mask, fused_spec,
+            None,
+        )  # fmt: skip
+        per_sequence = safe_divide(row_sums, layout.row_counts(inputs.mask))  # (S,)
+        clipped_fraction = diagnostics[0]
+    else:
+        terms = policy_terms(inputs, options, None, layout)
+        loss = reduce(terms.per_token_loss, inputs.mask, spec, layout)
+        per_sequence = safe_divide(
+            layout.row_sums(-terms.per_token_loss), layout.row_counts(inputs.mask)
+        )  # (S,)
+        clipped_fraction = terms.diagnostics.clipped_fraction
+    output_dtype = inputs.output_dtype
+    return {
+        "loss": loss.to(output_dtype),
+        "per_sequence_surrogate": per_sequence.to(output_dtype),
+        "clipped_fraction": clipped_fraction.to(output_dtype),
+    }
+
+
+def _on_kernels(inputs: PolicyInputs) -> bool:
+    """Whether the dispatch selects the Triton kernels for these inputs."""
+    return kernel_backend(inputs.log_probs.device, dtype=inputs.dtype) == "triton"
+
+
+def kl_penalized_rewards(
+    policy_log_probs: ArrayLike,
+    reference_log_probs: ArrayLike,
+    rewards: ArrayLike,
+    response_mask: ArrayLike,
+    beta: Scalar,
+    *,
+    cu_seqlens: ArrayLike | None = None,
+) -> dict[str, torch.Tensor]:
+    r"""Penalize sequence rewards by the sampled KL divergence to a reference policy.
+
+    .. math::
+
+        D_i = \sum_t m_{it} (\ell^{\pi}_{it} - \ell^{ref}_{it}), \qquad
+        \tilde r_i = r_i - \beta D_i, \qquad
+        J = \frac{1}{B} \sum_i \tilde r_i
+
+    :math:`D_i` is the k1 (log-ratio) estimate of KL(pi || ref) summed over the response: it is not
+    clamped, not divided by the response length, and may be negative. Unselected tokens contribute
+    exactly zero (NaN/inf there is ignored); an empty batch has :math:`J = 0`.
+
+    Packed sequences (``cu_seqlens`` given): the per-token tensors are ``(N,)`` or ``(1, N)``,
+    :math:`D_i` sums over the run ``cu_seqlens[i]:cu_seqlens[i + 1]``, ``rewards`` and the
+    per-sequence outputs are ``(S,)`` and :math:`J` divides by :math:`S`; the values equal the
+    padded call on the same sequences.
+
+    Args:
+        policy_log_probs: ``(B, T)`` log-probabilities under the policy (differentiable).
+        reference_log_probs: ``(B, T)`` log-probabilities under the reference policy.
+        rewards: ``(B,)`` (or ``(B, 1)``) scalar rewards.
+        response_mask: ``(B, T)`` bool or numeric; nonzero selects the token.
+        beta: KL coefficient :math:`\beta \ge 0`, finite.
+        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
+
+    Returns:
+        ``{"objective": (), "penalized_rewards": (B,), "sampled_divergences": (B,)}`` (packed:
+        ``(S,)``), float32 on the device of ``policy_log_probs`` (computed in float64 when any
+        input is float64).
+
+    Raises:
+        ValueError: on mismatched shapes or devices, rewards of the wrong length, a
+            negative/NaN/infinite ``beta``, or a malformed ``cu_seqlens``.
+        TypeError: on non-numeric inputs.
+
+    References:
+        Ziegler et al. 2019, arXiv:1909.08593 Eq. 2; Ouyang et al. 2022 (InstructGPT),
+        arXiv:2203.02155 Eq. 2.
+
+    Examples:
+        >>> out = kl_penalized_rewards([[-1, -2]], [[-1.5, -2.5]], [3], [[True, True]], 0.5)
+        >>> float(out["objective"])
+        2.5
+    """
+    packed = cu_seqlens is not None
+    policy = token_matrix(
+        as_float_tensor(policy_log_probs, "policy_log_probs"), "policy_log_probs", packed
+    )
+    device = policy.device
+    reference = token_matrix(
+        as_float_tensor(reference_log_probs, "reference_log_probs", device),
+        "reference_log_probs",
+        packed,
+    )
+    rewards_t = as_float_tensor(rewards, "rewards", device)
+    mask = token_matrix(as_mask(response_mask, "response_mask", device), "response_mask", packed)
+    check_same_device(
+        {
+            "policy_log_probs": policy,
+            "reference_log_probs": reference,
+            "rewards": rewards_t,
+            "response_mask": mask,
+        }
+    )
+    check_shape(reference, "reference_log_probs", policy.shape, "policy_log_probs")
+    check_shape(mask, "response_mask", policy.shape, "policy_log_probs")
+    layout = sequence_layout(cu_seqlens, policy)
+    batch = layout.num_sequences
+    rewards_t = per_sequence(rewards_t, "rewards", layout, "policy_log_probs")
+    coefficient = validate_scalar(beta, "beta", minimum=0.0)
+
+    dtype = compute_dtype(policy, reference, rewards_t)
+    if kernel_backend(device, dtype=dtype) == "triton":
+        from ..kernels.calls.kl import kl_rewards_kernels
+
+        outputs = kl_rewards_kernels((policy, reference, rewards_t, mask), layout, coefficient)
+        if outputs is not None:
+            return outputs
+    # The k1 estimate per token, unclamped, through the one KL implementation
+    # (rlobjectives.kl.estimators).
+    log_ratio = kl_terms(
+        policy,
+        reference,
+        mask,
+        estimator="k1",
+        straight_through=False,
+        log_ratio_bound=None,
+        dtype=dtype,
+    )  # (B, T), zeros at unselected tokens
+    divergences = layout.row_sums(masked_fill_zero(log_ratio, mask))  # (B,)
+    penalized = rewards_t.to(dtype) - coefficient * divergences  # (B,)
+    objective = safe_divide(penalized.sum(), batch)  # ()
+    return {
+        "objective": objective.to(torch.float32),
+        "penalized_rewards": penalized.to(torch.float32),
+        "sampled_divergences": divergences.to(torch.float32),
+    }

@@ -1,0 +1,1 @@
+"""The PPO critic's loss (:func:`rlobjectives.value_loss`)."""

@@ -1,0 +1,169 @@
+"""Hidden-state path on the Triton kernels (interpreter, tiny shapes) against float64 autograd."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import pytest
+import torch
+
+from backends import requires_triton
+from rlobjectives.kernels.from_hidden import (
+    FusedPolicyLossFromHiddenFunction,
+    LogProbsFromHiddenFunction,
+)
+from rlobjectives.kernels.head_backward import lm_head_backward, vocab_chunk
+from rlobjectives.kernels.head_forward import lm_head_forward
+from rlobjectives.kernels.loading import use_kernels
+from rlobjectives.kernels.token_loss import TokenLossOptions
+from tolerances import assert_close
+from triton_reference import head_log_probs
+from triton_reference import token_loss as reference_loss
+
+pytestmark = requires_triton
+
+N, H, V = 13, 40, 37  # 16-wide tiles: 1 row block, 3 hidden steps, 3 vocabulary blocks
+# float32 tolerance for products over H = 40 terms and softmax sums over V = 37 terms
+FP32 = {"rtol": 1e-5, "atol": 2e-6}
+
+
+@pytest.fixture(autouse=True)
+def _triton_backend() -> Any:
+    with use_kernels("triton"):
+        yield
+
+
+def _head(dtype: torch.dtype, *, banned: bool = False, seed: int = 0) -> dict[str, Any]:
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(N, H, generator=g)
+    weight = torch.randn(V, H, generator=g) / math.sqrt(H) * 2
+    bias = torch.randn(V, generator=g)
+    mask = torch.rand(N, generator=g) < 0.7
+    tokens = torch.randint(0, V, (N,), generator=g)
+    if banned:
+        bias[[3, 17, 18, 36]] = -math.inf
+        tokens = torch.where(torch.isin(tokens, torch.tensor([3, 17, 18, 36])), 0, tokens)
+    hidden = torch.where(mask[:, None], hidden, math.nan)  # masked rows hold NaN
+    tokens = torch.where(mask, tokens, -100)  # and invalid ids
+    return {
+        "hidden": hidden.to(dtype),
+        "weight": weight.to(dtype),
+        "bias": bias.to(dtype),
+        "tokens": tokens,
+        "mask": mask,
+    }
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+@pytest.mark.parametrize("banned", [False, True])
+def test_forward_matches_log_softmax(splits: int, banned: bool) -> None:
+    head = _head(torch.float32, banned=banned)
+    out = lm_head_forward(
+        head["hidden"], head["weight"], head["tokens"], head["mask"], bias=head["bias"],
+        temperature=0.7, with_entropy=True, splits=splits,
+    )  # fmt: skip
+    log_probs, entropy = head_log_probs(
+        head["hidden"], head["weight"], head["tokens"], head["mask"], bias=head["bias"],
+        temperature=0.7,
+    )  # fmt: skip
+    assert out.entropy is not None
+    assert torch.isfinite(out.log_probs).all() and torch.isfinite(out.entropy).all()
+    torch.testing.assert_close(out.log_probs.double(), log_probs, **FP32)
+    torch.testing.assert_close(out.entropy.double(), entropy, **FP32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("chunk_bytes", [None, 1])  # one chunk, or one 16-wide chunk per step
+def test_backward_matches_autograd(dtype: torch.dtype, chunk_bytes: int | None) -> None:
+    head = _head(dtype, banned=True, seed=1)
+    leaves = {k: head[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")}
+    log_probs, entropy = LogProbsFromHiddenFunction.apply(
+        leaves["hidden"], leaves["weight"], leaves["bias"], head["tokens"], head["mask"],
+        {"temperature": 1.3, "with_entropy": True, "splits": 2, "chunk_bytes": chunk_bytes},
+    )  # fmt: skip
+    g = torch.Generator().manual_seed(2)
+    upstream = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    ((log_probs * upstream[0]).sum() + (entropy * upstream[1]).sum()).backward()
+    reference = {k: head[k].double().requires_grad_(True) for k in ("hidden", "weight", "bias")}
+    expected = head_log_probs(
+        reference["hidden"], reference["weight"], head["tokens"], head["mask"],
+        bias=reference["bias"], temperature=1.3,
+    )  # fmt: skip
+    ((expected[0] * upstream[0]).sum() + (expected[1] * upstream[1]).sum()).backward()
+    torch.testing.assert_close(log_probs.double(), expected[0].detach(), **FP32)
+    for name, leaf in leaves.items():
+        want = reference[name].grad
+        assert leaf.grad is not None and want is not None and leaf.grad.dtype == dtype
+        assert torch.isfinite(leaf.grad).all(), name
+        if dtype == torch.float32:
+            torch.testing.assert_close(leaf.grad.double(), want, **FP32, msg=name)
+        else:  # one bf16 rounding of dL/dz before the products, one of the result
+            assert_close(leaf.grad, want)
+    assert torch.equal(leaves["hidden"].grad[~head["mask"]], torch.zeros(1, H, dtype=dtype)
+                       .expand(int((~head["mask"]).sum()), H))  # fmt: skip
+
+
+def test_vocab_chunk_respects_the_budget() -> None:
+    assert vocab_chunk(1000, 64, 50000, 2, 128, None) == 33536  # 64 MiB / (1000 * 2) -> tiles
+    assert vocab_chunk(8, 4, 100, 4, 16, 1) == 16  # at least one tile
+    assert vocab_chunk(8, 4, 100, 4, 16, 10**9) == 100  # at most V
+
+
+def test_backward_without_requested_gradients_and_empty_rows() -> None:
+    head = _head(torch.float32)
+    out = lm_head_forward(head["hidden"], head["weight"], head["tokens"], head["mask"])
+    grads = lm_head_backward(
+        head["hidden"], head["weight"], head["tokens"], head["mask"], out.lse,
+        torch.ones(N), need_hidden=False, need_weight=False,
+    )  # fmt: skip
+    assert grads == (None, None, None)
+    none = torch.zeros(N, dtype=torch.bool)
+    empty = lm_head_forward(head["hidden"], head["weight"], head["tokens"], none)
+    assert torch.equal(empty.log_probs, torch.zeros(N))
+    grads = lm_head_backward(
+        head["hidden"], head["weight"], head["tokens"], none, empty.lse, torch.ones(N)
+    )
+    assert grads.hidden is not None and grads.weight is not None
+    assert torch.equal(grads.hidden, torch.zeros(N, H))
+    assert torch.equal(grads.weight, torch.zeros(V, H))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_policy_loss_matches_composition(dtype: torch.dtype) -> None:
+    head = _head(dtype, banned=True, seed=3)
+    g = torch.Generator().manual_seed(5)
+    old = (-torch.rand(N, generator=g) * 4).to(dtype)
+    advantages = torch.randn(N, generator=g).to(dtype)
+    ref = (-torch.rand(N, generator=g) * 4).to(dtype)
+    weights = torch.tensor(1.0) / head["mask"].sum()
+    options = TokenLossOptions(clip_low=0.2, clip_high=0.28, kl_coef=0.05, kl_estimator="k2",
+                               entropy_coef=0.02, log_ratio_bound=5.0)  # fmt: skip
+    leaves = {k: head[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")}
+    loss, log_probs, entropy, totals = FusedPolicyLossFromHiddenFunction.apply(
+        leaves["hidden"], leaves["weight"], leaves["bias"], head["tokens"], head["mask"],
+        old, advantages, weights, {"temperature": 0.9, "splits": 2, "chunk_bytes": 1},
+        {"options": options, "ref_log_probs": ref, "block_size": 16},
+    )  # fmt: skip
+    (2.0 * loss).backward()
+    reference = {k: head[k].double().requires_grad_(True) for k in ("hidden", "weight", "bias")}
+    ref_log_probs, ref_entropy = head_log_probs(
+        reference["hidden"], reference["weight"], head["tokens"], head["mask"],
+        bias=reference["bias"], temperature=0.9,
+    )  # fmt: skip
+    expected = reference_loss(
+        ref_log_probs, old, advantages, head["mask"], options, weights=weights,
+        ref_log_probs=ref, entropy=ref_entropy,
+    )  # fmt: skip
+    (2.0 * expected.loss).backward()
+    torch.testing.assert_close(loss.double(), expected.loss.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(log_probs.double(), ref_log_probs.detach(), **FP32)
+    assert not log_probs.requires_grad and not entropy.requires_grad
+    assert not totals.requires_grad
+    for name, leaf in leaves.items():
+        want = reference[name].grad
+        assert leaf.grad is not None and want is not None
+        if dtype == torch.float32:
+            torch.testing.assert_close(leaf.grad.double(), want, rtol=1e-5, atol=1e-7, msg=name)
+        else:
+            assert_close(leaf.grad, want)
