@@ -33,7 +33,7 @@ import torch
 import eager_reference as eager
 import harness
 import rlobjectives
-from rlobjectives.kernels.loading import use_kernels
+from rlobjectives._core.backend import use_kernels
 
 Inputs = harness.Inputs
 TRITON = "triton (RLOBJECTIVES_KERNELS=triton)"  # the verdicts find the row by this prefix

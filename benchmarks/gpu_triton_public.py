@@ -18,7 +18,7 @@ import torch
 
 import rlobjectives as rlo
 from gpu_triton_checks import GRAD_TOLERANCE, VALUE_TOLERANCE, Result, compare
-from rlobjectives.kernels.loading import use_kernels
+from rlobjectives._core.backend import use_kernels
 
 Call = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 LEAVES = ("log_probs", "entropy", "hidden", "weight")

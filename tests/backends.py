@@ -36,8 +36,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
-from rlobjectives.kernels import triton_available
-from rlobjectives.kernels.loading import use_kernels
+from rlobjectives._core.backend import triton_available, use_kernels
 
 __all__ = [
     "BACKEND_PARAMS",

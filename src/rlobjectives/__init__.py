@@ -7,9 +7,8 @@ Masks have the shape of the log-probabilities and True/nonzero selects a token.
 
 from importlib.metadata import PackageNotFoundError, version
 
-from ._core.masking import masked_mean, masked_sum
 from ._core.packing import PackedTokens, UnpackedTokens, pack, unpack
-from ._core.reduction import Reduction, aggregate
+from ._core.reduction import Reduction, aggregate, masked_mean, masked_sum
 from .advantages.gae import GAEOutput, gae, reinforce_plus_plus_advantages
 from .advantages.outcome import (
     group_relative_advantages,

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 import reference
 import rlobjectives as rlo
 from packed_cases import make_batch, make_tensors
-from rlobjectives._core.packing import _traced_sequence_ids
+from rlobjectives._core.layout import _traced_sequence_ids
 from tolerances import LAYOUT_TOLERANCE
 
 F64 = torch.float64

@@ -56,8 +56,8 @@ def kernels() -> Any:
     import torch
     import triton.language as tl
 
+    from rlobjectives._core.backend import use_kernels
     from rlobjectives.kernels.loading import kernels as load
-    from rlobjectives.kernels.loading import use_kernels
     from rlobjectives.kernels.token_loss import token_loss_forward
 
     # An interpreted launch first: the interpreter patches triton.language while it runs, and

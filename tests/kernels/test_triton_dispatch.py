@@ -11,13 +11,8 @@ import pytest
 import torch
 
 from backends import requires_triton
-from rlobjectives.kernels.loading import (
-    ENV_VAR,
-    interpreted,
-    kernel_backend,
-    requested_backend,
-    use_kernels,
-)
+from rlobjectives._core.backend import ENV_VAR, kernel_backend, requested_backend, use_kernels
+from rlobjectives.kernels.loading import interpreted
 
 
 def test_default_is_auto_and_cpu_keeps_torch(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -156,7 +151,7 @@ def test_interpreter_works_after_triton_was_imported_in_compiled_mode() -> None:
         """
         import torch, torch._dynamo, sys
         assert "triton" in sys.modules
-        from rlobjectives.kernels.loading import use_kernels
+        from rlobjectives._core.backend import use_kernels
         from rlobjectives.kernels.token_loss import token_loss_forward
         with use_kernels("triton"):
             out = token_loss_forward(torch.zeros(3), torch.zeros(3), torch.ones(3),

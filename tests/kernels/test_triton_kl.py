@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from backends import requires_triton
+from rlobjectives._core.backend import use_kernels
 from rlobjectives.kernels.kl import (
     KLLossFunction,
     KLPenalizedRewardsFunction,
     kl_loss_forward,
     kl_penalized_rewards_forward,
 )
-from rlobjectives.kernels.loading import use_kernels
 from rlobjectives.kernels.token_loss import TokenLossOptions
 from tolerances import assert_close
 from triton_reference import token_loss as reference_loss

@@ -9,13 +9,13 @@ import pytest
 import torch
 
 from backends import requires_triton
+from rlobjectives._core.backend import use_kernels
 from rlobjectives.kernels.from_hidden import (
     FusedPolicyLossFromHiddenFunction,
     LogProbsFromHiddenFunction,
 )
 from rlobjectives.kernels.head_backward import lm_head_backward, vocab_chunk
 from rlobjectives.kernels.head_forward import lm_head_forward
-from rlobjectives.kernels.loading import use_kernels
 from rlobjectives.kernels.token_loss import TokenLossOptions
 from tolerances import assert_close
 from triton_reference import head_log_probs

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from backends import requires_triton
-from rlobjectives.kernels.loading import use_kernels
+from rlobjectives._core.backend import use_kernels
 from rlobjectives.kernels.token_loss import (
     TokenLossFunction,
     TokenLossOptions,

@@ -3,7 +3,7 @@ r"""Token-level advantage estimators: REINFORCE++ and masked GAE.
 They take ``(B, T)`` tensors and a mask; unselected tokens are not part of the trajectory
 (their rewards and values are ignored, their advantages are 0) and NaN/inf there never reaches
 the outputs. On packed sequences (``cu_seqlens``) the recursions restart at every sequence
-boundary (:mod:`rlobjectives._core.segments`). All results are float32 (float64 when an input is
+boundary (:mod:`rlobjectives._core.layout`). All results are float32 (float64 when an input is
 float64). The outcome-reward (one score per sequence) estimators are in ``_outcome_advantages``.
 """
 
@@ -14,10 +14,16 @@ from typing import Any, Literal, NamedTuple
 
 import torch
 
-from .._core.layout import Layout
-from .._core.masking import masked_fill_zero
-from .._core.packing import per_sequence, sequence_layout, token_matrix, token_output
-from .._core.segments import segment_discounted_sum, segment_next_selected
+from .._core.layout import (
+    Layout,
+    per_sequence,
+    segment_discounted_sum,
+    segment_next_selected,
+    sequence_layout,
+    token_matrix,
+    token_output,
+)
+from .._core.reduction import masked_fill_zero
 from .._core.validation import (
     ArrayLike,
     Scalar,

@@ -44,10 +44,10 @@ import torch
 import torch.distributed as dist
 
 from .._core.reduction import REDUCTIONS
-from .._core.spellings import canonical_reduction
 from .._core.validation import (
     ArrayLike,
     Scalar,
+    canonical_reduction,
     validate_choice,
 )
 from .collectives import (

@@ -12,8 +12,8 @@ from typing import TypeVar, cast
 import torch
 import torch.distributed as dist
 
-from .._core.masking import masked_fill_zero
-from .._core.packing import sequence_layout, token_matrix
+from .._core.layout import sequence_layout, token_matrix
+from .._core.reduction import masked_fill_zero
 from .._core.validation import (
     ArrayLike,
     Scalar,

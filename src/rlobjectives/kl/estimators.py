@@ -47,18 +47,14 @@ from typing import Literal, get_args
 
 import torch
 
-from .._core.masking import clamp, masked_fill_zero
-from .._core.packing import (
-    sequence_layout,
-    token_matrix,
-    token_ndim,
-)
-from .._core.spellings import check_estimator_spelling
+from .._core.layout import sequence_layout, token_matrix, token_ndim
+from .._core.reduction import clamp, masked_fill_zero
 from .._core.validation import (
     ArrayLike,
     Scalar,
     as_float_tensor,
     as_mask,
+    check_estimator_spelling,
     check_same_device,
     check_shape,
     compute_dtype,

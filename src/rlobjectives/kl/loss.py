@@ -9,12 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .._core.masking import masked_fill_zero
-from .._core.packing import (
-    token_output,
-    tokens_from_sequences,
-)
-from .._core.reduction import Reduction, reduce, validate_layout_reduction
+from .._core.backend import kernel_backend
+from .._core.layout import token_output, tokens_from_sequences
+from .._core.reduction import Reduction, masked_fill_zero, reduce, validate_layout_reduction
 from .._core.validation import (
     ArrayLike,
     Scalar,
@@ -23,7 +20,6 @@ from .._core.validation import (
     compute_dtype,
     expand_per_sequence,
 )
-from ..kernels.loading import kernel_backend
 from .estimators import (
     Estimator,
     KLInputs,

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .._core.masking import masked_fill_zero
-from .._core.packing import per_sequence, token_output
+from .._core.layout import per_sequence, token_output
+from .._core.reduction import masked_fill_zero
 from .._core.validation import (
     ArrayLike,
     Scalar,

@@ -13,8 +13,8 @@ from typing import NamedTuple
 import torch
 
 from .._core.chunking import resolve_chunk_size
-from .._core.masking import masked_fill_zero
-from .._core.packing import token_matrix, token_ndim, token_output
+from .._core.layout import token_matrix, token_ndim, token_output
+from .._core.reduction import masked_fill_zero
 from .._core.validation import (
     ArrayLike,
     as_batch_matrix,

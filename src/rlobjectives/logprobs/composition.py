@@ -16,8 +16,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._core.masking import masked_fill_zero
-from .._core.reduction import reduce
+from .._core.reduction import masked_fill_zero, reduce
 from ..kl.estimators import kl_terms
 from ..policy.inputs import PolicyCall, PolicyLossDiagnostics
 from ..policy.loss import run_policy

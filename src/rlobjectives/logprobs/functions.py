@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from .._core.chunking import Block, block_rows, flat_rows, run_blocks
-from .._core.masking import masked_fill_zero
+from .._core.reduction import masked_fill_zero
 from .blocks import (
     chunk_entropy,
     chunk_entropy_grad,

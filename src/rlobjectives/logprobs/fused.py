@@ -18,13 +18,17 @@ from typing import NamedTuple
 
 import torch
 
+from .._core.backend import kernel_backend
 from .._core.chunking import Block
-from .._core.layout import padded
-from .._core.masking import masked_fill_zero
-from .._core.packing import token_ndim, token_output
-from .._core.reduction import Reduction, ReductionSpec, row_weights, token_gradient_weights
+from .._core.layout import padded, token_ndim, token_output
+from .._core.reduction import (
+    Reduction,
+    ReductionSpec,
+    masked_fill_zero,
+    row_weights,
+    token_gradient_weights,
+)
 from .._core.validation import ArrayLike, Scalar, compute_dtype
-from ..kernels.loading import kernel_backend
 from ..kl.estimators import Estimator, kl_gradient, warn_biased_kl_loss
 from ..policy.fused import FusedSpec, fused_forward, has_fused_stage
 from ..policy.inputs import (

@@ -16,8 +16,9 @@ from typing import Literal, NamedTuple, overload
 
 import torch
 
+from .._core.backend import kernel_backend
 from .._core.chunking import resolve_chunk_size
-from .._core.packing import packed_layout, token_matrix, token_ndim
+from .._core.layout import packed_layout, token_matrix, token_ndim
 from .._core.validation import (
     ArrayLike,
     as_mask,
@@ -29,7 +30,6 @@ from .._core.validation import (
     validate_bool,
     validate_scalar,
 )
-from ..kernels.loading import kernel_backend
 from .passes import Head, LogProbsFromHidden, default_chunk_size
 
 __all__ = [

@@ -10,11 +10,11 @@ from typing import NamedTuple
 
 import torch
 
-from .._core.packing import token_matrix
-from .._core.spellings import check_estimator_spelling
+from .._core.layout import token_matrix
 from .._core.validation import (
     ArrayLike,
     as_float_tensor,
+    check_estimator_spelling,
     check_same_device,
     check_shape,
     validate_bool,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from .._core.chunking import resolve_chunk_size
-from .._core.packing import sequence_layout, token_matrix, token_ndim, token_output
+from .._core.layout import sequence_layout, token_matrix, token_ndim, token_output
 from .._core.reduction import Reduction, reduce, validate_layout_reduction
 from .._core.validation import (
     ArrayLike,

@@ -15,9 +15,8 @@ from typing import NamedTuple
 
 import torch
 
-from .._core.layout import Layout
-from .._core.masking import masked_fill_zero
-from .._core.packing import layout_from_cu_seqlens, token_matrix, validate_cu_seqlens
+from .._core.layout import Layout, layout_from_cu_seqlens, token_matrix, validate_cu_seqlens
+from .._core.reduction import masked_fill_zero
 from .._core.validation import ArrayLike, as_mask, as_token_ids, check_same_device, check_shape
 
 __all__ = ["PackedAlignment", "PackedStarts", "packed_alignment", "packed_starts"]

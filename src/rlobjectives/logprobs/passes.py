@@ -24,7 +24,7 @@ from typing import Any, NamedTuple
 import torch
 
 from .._core.chunking import Block, ChunkBudget, block_rows, chunk_rows, run_blocks
-from .._core.masking import masked_fill_zero
+from .._core.reduction import masked_fill_zero
 from .blocks import entropy_logit_grads_, entropy_stats_, finite_log_probs_, scratch_rows
 
 __all__ = [

@@ -38,7 +38,7 @@ from typing import NamedTuple
 import torch
 
 from .._core.layout import Layout
-from .._core.masking import clamp, masked_fill_zero
+from .._core.reduction import clamp, masked_fill_zero
 from .inputs import SurrogateOptions
 
 __all__ = [

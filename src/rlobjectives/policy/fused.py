@@ -60,8 +60,7 @@ import torch
 
 from .._core.bits import Bits, count_bits, less_, magnitude_, mask_bits, select, select_
 from .._core.layout import Layout
-from .._core.masking import clamp
-from .._core.reduction import ReductionSpec, reduce_rows, row_weights, token_gradient_weights
+from .._core.reduction import ReductionSpec, clamp, reduce_rows, row_weights, token_gradient_weights
 from .clip_stage import clip_stage
 from .inputs import SurrogateOptions
 from .specification import DIAGNOSTIC_LOG_RATIO_BOUND

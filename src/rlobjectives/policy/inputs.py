@@ -12,8 +12,7 @@ from typing import Literal, NamedTuple, get_args
 
 import torch
 
-from .._core.layout import Layout
-from .._core.packing import sequence_layout, token_matrix, tokens_from_sequences
+from .._core.layout import Layout, sequence_layout, token_matrix, tokens_from_sequences
 from .._core.reduction import ReductionSpec, validate_normalizer
 from .._core.validation import (
     ArrayLike,

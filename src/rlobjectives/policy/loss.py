@@ -16,11 +16,10 @@ from typing import Any
 
 import torch
 
-from .._core.masking import masked_fill_zero
-from .._core.packing import token_ndim, token_output
-from .._core.reduction import Reduction, reduce, validate_layout_reduction
+from .._core.backend import kernel_backend
+from .._core.layout import token_ndim, token_output
+from .._core.reduction import Reduction, masked_fill_zero, reduce, validate_layout_reduction
 from .._core.validation import ArrayLike, Scalar, validate_bool
-from ..kernels.loading import kernel_backend
 from .fused import ClippedSurrogateFunction, FusedSpec, has_fused_stage
 from .inputs import (
     PolicyCall,
@@ -317,7 +316,7 @@ def run_policy(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutput:
     """The dispatch step: the Triton kernels, the fused Function or the autograd path.
 
     The kernels (:mod:`rlobjectives.kernels.calls.policy`) run when
-    :func:`~rlobjectives.kernels.loading.kernel_backend` selects them (CUDA tensors with triton
+    :func:`~rlobjectives._core.backend.kernel_backend` selects them (CUDA tensors with triton
     installed, or ``RLOBJECTIVES_KERNELS=triton``; never float64 nor under ``torch.compile``)
     for a call the fused path takes whose hyperparameters are numbers (or tensors without
     grad); every other call takes the PyTorch paths, silently (docs/kernels.md).

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .._core.layout import Layout
-from .._core.masking import masked_fill_zero, safe_divide
-from .._core.packing import per_sequence, sequence_layout, token_matrix
-from .._core.reduction import ReductionSpec, reduce
+from .._core.backend import kernel_backend
+from .._core.layout import Layout, per_sequence, sequence_layout, token_matrix
+from .._core.reduction import ReductionSpec, masked_fill_zero, reduce, safe_divide
 from .._core.validation import (
     ArrayLike,
     Scalar,
@@ -23,7 +22,6 @@ from .._core.validation import (
     compute_dtype,
     validate_scalar,
 )
-from ..kernels.loading import kernel_backend
 from ..kl.estimators import kl_terms
 from .fused import ClippedSurrogateFunction, FusedSpec
 from .inputs import PolicyInputs, SurrogateOptions, prepare_layout_inputs

@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from .._core.layout import Layout
-from .._core.masking import clamp, masked_fill_zero
+from .._core.reduction import clamp, masked_fill_zero
 from .formulas import FORMULAS, Surrogate, SurrogateInputs, folds_importance_weights
 from .inputs import PolicyInputs, PolicyLossDiagnostics, SurrogateOptions
 

@@ -12,8 +12,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._core.masking import masked_fill_zero
-from .._core.reduction import aggregate
+from .._core.reduction import aggregate, masked_fill_zero
 from .._core.validation import Scalar
 from ..policy.inputs import PolicyLossDiagnostics, validate_surrogate_options
 from ..policy.loss import policy_loss

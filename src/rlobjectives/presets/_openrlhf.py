@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._core.masking import masked_mean
+from .._core.reduction import masked_mean
 from .._core.validation import validate_choice
 from ..rollout.correction import RolloutCorrection, rollout_correction
 from ._common import ReductionArgs, check_options, weighted_policy_loss

@@ -39,8 +39,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._core.masking import masked_mean, mean_selected
-from .._core.reduction import aggregate
+from .._core.reduction import aggregate, masked_mean, mean_selected
 from .._core.validation import Scalar, validate_choice, validate_scalar
 from ..distributed import global_top_entropy_mask
 from ..kl.loss import kl_loss

@@ -23,7 +23,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._core.masking import masked_fill_zero, masked_mean
+from .._core.reduction import masked_fill_zero, masked_mean
 from ..policy.formulas import VESPO_LOG_WEIGHT_RANGE
 
 __all__ = [

@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._core.masking import clamp, masked_fill_zero, masked_mean, mean_selected
+from .._core.reduction import clamp, masked_fill_zero, masked_mean, mean_selected
 from .._core.validation import compute_dtype, validate_choice
 from ..policy.inputs import PolicyLossDiagnostics
 from ._common import (

@@ -32,9 +32,8 @@ from typing import Literal, NamedTuple, get_args
 
 import torch
 
-from .._core.layout import Layout
-from .._core.masking import masked_fill_zero
-from .._core.packing import sequence_layout, token_matrix, token_ndim, token_output
+from .._core.layout import Layout, sequence_layout, token_matrix, token_ndim, token_output
+from .._core.reduction import masked_fill_zero
 from .._core.validation import (
     ArrayLike,
     Scalar,

@@ -27,7 +27,7 @@ from typing import NamedTuple
 
 import torch
 
-from .._core.masking import masked_fill_zero, safe_divide
+from .._core.reduction import masked_fill_zero, safe_divide
 
 __all__ = [
     "RolloutCorrectionMetrics",

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from .._core.masking import masked_fill_zero
-from .._core.packing import token_output, tokens_from_sequences
+from .._core.layout import token_output, tokens_from_sequences
+from .._core.reduction import masked_fill_zero
 from .._core.validation import (
     ArrayLike,
     Scalar,

@@ -6,10 +6,14 @@ from typing import NamedTuple
 
 import torch
 
-from .._core.layout import Layout
-from .._core.masking import masked_fill_zero, safe_divide
-from .._core.packing import sequence_layout, token_matrix, token_ndim, token_output
-from .._core.reduction import Reduction, reduce, validate_layout_reduction
+from .._core.layout import Layout, sequence_layout, token_matrix, token_ndim, token_output
+from .._core.reduction import (
+    Reduction,
+    masked_fill_zero,
+    reduce,
+    safe_divide,
+    validate_layout_reduction,
+)
 from .._core.validation import (
     ArrayLike,
     Scalar,

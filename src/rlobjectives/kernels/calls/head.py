@@ -4,7 +4,7 @@ r"""The hidden-state functions of the public API on the Triton LM-head kernels.
 :func:`rlobjectives.fused_policy_loss_from_hidden` validate their arguments (a
 :class:`~rlobjectives.logprobs.passes.Head` and, for the loss, a
 :class:`~rlobjectives.policy.inputs.PolicyCall`), then call these functions when
-:func:`~rlobjectives.kernels.loading.kernel_backend` selects the kernels:
+:func:`~rlobjectives._core.backend.kernel_backend` selects the kernels:
 
 - :func:`log_probs_kernels`: :class:`~._from_hidden.LogProbsFromHiddenFunction` (online
   log-sum-exp over vocabulary tiles, recomputing backward); also the log-probabilities of the

@@ -2,7 +2,7 @@ r"""``kl_loss`` and ``kl_penalized_rewards`` of the public API on the Triton ker
 
 :func:`rlobjectives.kl_loss` and :func:`rlobjectives.kl_penalized_rewards` validate their
 arguments, then call :func:`kl_loss_kernels` / :func:`kl_rewards_kernels` when
-:func:`~rlobjectives.kernels.loading.kernel_backend` selects the kernels:
+:func:`~rlobjectives._core.backend.kernel_backend` selects the kernels:
 
 - ``kl_loss``: the token-loss kernel without a surrogate (:class:`~._kl.KLLossFunction`); the
   reduction enters as the per-token weights of :func:`rlobjectives._core.reduction.row_weights` over

@@ -2,7 +2,7 @@ r"""The policy loss of the public functions on the token-loss kernel (the Triton
 
 :func:`rlobjectives.policy_loss` and :func:`rlobjectives.grpo_clipped_surrogate` validate their
 arguments once (a :class:`~rlobjectives.policy.inputs.PolicyCall`), then call :func:`run_kernels`
-/ :func:`seed_outputs` here when :func:`~rlobjectives.kernels.loading.kernel_backend` selects
+/ :func:`seed_outputs` here when :func:`~rlobjectives._core.backend.kernel_backend` selects
 the kernels. This module maps the validated call onto the flat launcher of
 :mod:`rlobjectives.kernels.token_loss`:
 
@@ -31,8 +31,14 @@ from typing import Any, NamedTuple
 import torch
 
 from ..._core.layout import Layout
-from ..._core.masking import masked_fill_zero, safe_divide
-from ..._core.reduction import ReductionSpec, reduce, row_weights, token_gradient_weights
+from ..._core.reduction import (
+    ReductionSpec,
+    masked_fill_zero,
+    reduce,
+    row_weights,
+    safe_divide,
+    token_gradient_weights,
+)
 from ...policy.inputs import (
     PolicyCall,
     PolicyInputs,
