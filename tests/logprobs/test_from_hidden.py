@@ -26,12 +26,12 @@ from family_cases import FAMILY_OPTION_SETS
 from rlobjectives import kl_loss, policy_loss
 from rlobjectives.kl.estimators import BiasedGradientWarning
 from rlobjectives.logprobs.fused import FusedPolicyLossOutput, fused_policy_loss_from_hidden
+from rlobjectives.logprobs.head import HEAD_BUDGET, chunk_row_bytes
 from rlobjectives.logprobs.hidden import (
     TokenLogProbsOutput,
     default_chunk_size,
     token_log_probs_from_hidden,
 )
-from rlobjectives.logprobs.passes import HEAD_BUDGET, chunk_row_bytes
 from tolerances import assert_close
 
 REDUCTIONS = ["token_mean", "sequence_mean", "sequence_sum_normalized", "length_weighted", "none"]

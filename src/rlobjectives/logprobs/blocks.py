@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 __all__ = [
-    "SCRATCH_ELEMENTS",
     "chunk_entropy",
     "chunk_entropy_grad",
     "chunk_kl",
@@ -21,13 +20,8 @@ __all__ = [
     "entropy_logit_grads_",
     "entropy_stats_",
     "finite_log_probs_",
-    "scratch_rows",
     "xlogy_terms",
 ]
-
-#: Elements of the scratch block of :func:`entropy_stats_` / :func:`entropy_logit_grads_`: a
-#: few rows (2**17 float32 values = 512 KiB) whose probabilities stay in cache while used.
-SCRATCH_ELEMENTS = 1 << 17
 
 
 def xlogy_terms(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
@@ -171,16 +165,6 @@ def chunk_kl_grads(
     if need_ref:
         grads.append(log_q.exp_().sub_(probs).mul_(upstream))  # dKL/dy_v = q_v - p_v
     return grads
-
-
-# ------------------------------------------------------------------------------------------------
-# Entropy terms in place on one (C, V) block, with a few rows of scratch (no second (C, V) buffer)
-# ------------------------------------------------------------------------------------------------
-
-
-def scratch_rows(width: int) -> int:
-    """Rows of the scratch block for rows of ``width`` values: ``max(1, 2**17 // width)``."""
-    return max(1, SCRATCH_ELEMENTS // max(width, 1))
 
 
 def entropy_stats_(

@@ -7,6 +7,11 @@ same reduction. :mod:`rlobjectives.logprobs.fused` uses it for the losses that a
 (GSPO, GMPO, VESPO, ``reduction="none"``), for calls that need no gradient, and for the value of
 its fused chunk loop; the Triton path (:mod:`rlobjectives.kernels.calls.head`) for the same
 cases, with its own log-probabilities.
+
+The KL term's arguments (``ref_log_probs``, ``kl_coef``, ``kl_estimator``,
+``kl_straight_through``: :func:`validate_kl_term`, a :class:`KLTerm`) and the check of
+``old_log_probs`` against the token ids (:func:`check_old_log_probs`) are validated here too:
+the composition is where the KL term enters the loss.
 """
 
 from __future__ import annotations
@@ -16,22 +21,36 @@ from typing import NamedTuple
 
 import torch
 
+from .._core.layout import token_matrix
 from .._core.reduction import masked_fill_zero, reduce
-from ..kl.estimators import kl_terms
-from ..policy.inputs import PolicyCall, PolicyLossDiagnostics
+from .._core.validation import (
+    ArrayLike,
+    as_float_tensor,
+    check_estimator_spelling,
+    check_same_device,
+    check_shape,
+    validate_bool,
+    validate_choice,
+    validate_scalar,
+)
+from ..kl.estimators import ESTIMATORS, kl_terms
+from ..policy.inputs import PolicyCall, PolicyLossDiagnostics, PolicyLossOutput
 from ..policy.loss import run_policy
-from .kl_term import KLTerm
-from .passes import Head
+from .head import Head
 
 __all__ = [
     "FusedPolicyLossOutput",
     "HeadLogProbs",
+    "KLTerm",
     "LossValues",
+    "check_old_log_probs",
     "composed_loss",
     "entropy_on",
     "fused_output",
     "loss_value",
+    "validate_kl_term",
 ]
+
 
 #: ``(head, mask (N,), with_entropy) -> (log_probs (N,), entropy (N,) or (0,))``, differentiable
 #: with respect to the head's hidden states, weight and bias.
@@ -81,13 +100,26 @@ class LossValues(NamedTuple):
     diagnostics: PolicyLossDiagnostics
 
 
+#: A policy-loss path: :func:`rlobjectives.policy.loss.run_policy` (the dispatch) or one path.
+PolicyPath = Callable[..., PolicyLossOutput]
+
+
 def loss_value(
-    log_probs: torch.Tensor, entropy: torch.Tensor | None, call: PolicyCall, kl: KLTerm | None
+    log_probs: torch.Tensor,
+    entropy: torch.Tensor | None,
+    call: PolicyCall,
+    kl: KLTerm | None,
+    path: PolicyPath = run_policy,
 ) -> LossValues:
-    """The unfused composition on ``(B, T)`` log-probs (and entropies)."""
+    """The unfused composition on ``(B, T)`` log-probs (and entropies).
+
+    ``path`` computes the policy term: the dispatch of :func:`rlobjectives.policy_loss` by
+    default; the fused chunk loop, which takes token-local surrogates only, passes the fused
+    path itself.
+    """
     inputs = call.inputs._replace(log_probs=log_probs, output_dtype=log_probs.dtype)
     policy_call = call._replace(inputs=inputs, entropy_coef=0.0)
-    out = run_policy(policy_call, return_per_token=False)
+    out = path(policy_call, return_per_token=False)
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
     loss, kl_loss, entropy_loss = out.loss, zero, zero
     if kl is not None:
@@ -141,3 +173,53 @@ def composed_loss(
     entropies = entropy.reshape(batch_shape).to(call.inputs.dtype) if with_entropy else None
     values = loss_value(log_probs, entropies, call, kl)
     return fused_output(values, values.loss, log_probs, head)
+
+
+class KLTerm(NamedTuple):
+    """The KL term of the loss: ``coef * reduce(k(log_probs, ref_log_probs))``."""
+
+    ref_log_probs: torch.Tensor  # (B, T) or packed (1, N), detached
+    coef: float
+    estimator: str
+    straight_through: bool
+
+
+def check_old_log_probs(
+    old_log_probs: ArrayLike, head: Head, batch_shape: tuple[int, int], packed: bool = False
+) -> None:
+    """``old_log_probs`` against the tokens (the reference of the policy tensors' shapes).
+
+    ``packed``: ``(N,)`` or ``(1, N)``, compared as ``(1, N)``.
+    """
+    old = as_float_tensor(old_log_probs, "old_log_probs", head.hidden.device)
+    if packed:
+        old = token_matrix(old, "old_log_probs", packed)
+    check_same_device({"hidden": head.hidden, "old_log_probs": old})
+    check_shape(old, "old_log_probs", batch_shape, "tokens")
+
+
+def validate_kl_term(
+    ref_log_probs: ArrayLike | None,
+    kl_coef: float,
+    kl_estimator: str,
+    kl_straight_through: bool,
+    head: Head,
+    batch_shape: tuple[int, int],
+    packed: bool = False,
+) -> KLTerm | None:
+    """The KL term's arguments; None when there is no reference (a zero KL loss is reported)."""
+    beta = float(validate_scalar(kl_coef, "kl_coef", minimum=0.0, allow_tensor=False))
+    check_estimator_spelling(kl_estimator, ESTIMATORS, prefix="kl_")
+    validate_choice(kl_estimator, "kl_estimator", ESTIMATORS)
+    validate_bool(kl_straight_through, "kl_straight_through")
+    if ref_log_probs is None:
+        if beta > 0:
+            raise ValueError(f"kl_coef > 0 requires ref_log_probs, got kl_coef={kl_coef!r}")
+        return None
+    device = head.hidden.device
+    ref_t = token_matrix(
+        as_float_tensor(ref_log_probs, "ref_log_probs", device), "ref_log_probs", packed
+    )
+    check_same_device({"hidden": head.hidden, "ref_log_probs": ref_t})
+    check_shape(ref_t, "ref_log_probs", batch_shape, "tokens")
+    return KLTerm(ref_t.detach(), beta, kl_estimator, kl_straight_through)

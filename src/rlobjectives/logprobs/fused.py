@@ -30,27 +30,29 @@ from .._core.reduction import (
 )
 from .._core.validation import ArrayLike, Scalar, compute_dtype
 from ..kl.estimators import Estimator, kl_gradient, warn_biased_kl_loss
-from ..policy.fused import FusedSpec, fused_forward, has_fused_stage
+from ..policy.fused import FusedSpec, fused_forward, has_fused_stage, run_fused
 from ..policy.inputs import (
     PolicyCall,
     RatioLevel,
     Surrogate,
     SurrogateOptions,
     validate_entropy_coef,
+    validate_policy_call,
     validate_surrogate_options,
 )
-from ..policy.loss import validate_policy_call
 from .composition import (
     FusedPolicyLossOutput,
+    KLTerm,
+    check_old_log_probs,
     composed_loss,
     entropy_on,
     fused_output,
     loss_value,
+    validate_kl_term,
 )
 from .fused_linear import FusedLinearLoss, FusedTerms
-from .hidden import prepare_head
-from .kl_term import KLTerm, check_old_log_probs, validate_kl_term
-from .passes import Head, LogProbsFromHidden
+from .head import Head, prepare_head
+from .passes import LogProbsFromHidden
 
 __all__ = ["FusedPolicyLossOutput", "fused_policy_loss_from_hidden"]
 
@@ -384,6 +386,6 @@ def _fused_loss(
     log_probs = flat_log_probs.reshape(batch_shape)  # (B, T), detached
     entropy = None if entropy_weights is None else flat_entropy.reshape(batch_shape)
     with torch.no_grad():
-        values = loss_value(log_probs, entropy, call, kl)
+        values = loss_value(log_probs, entropy, call, kl, run_fused)
     # The value is the unfused composition's; the gradient flows through the anchor (value 0).
     return fused_output(values, values.loss.detach() + anchor, log_probs, head)

@@ -27,7 +27,7 @@ import torch
 from .._core.chunking import Block, block_rows, run_blocks
 from .._core.reduction import masked_fill_zero
 from .blocks import entropy_logit_grads_, entropy_stats_, finite_log_probs_
-from .passes import (
+from .head import (
     ChunkBuffers,
     Grads,
     Head,

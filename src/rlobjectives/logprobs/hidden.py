@@ -6,8 +6,8 @@ chunk, is alive at any time (the entropy adds a few rows of scratch). This modul
 shell: it validates once, then dispatches.
 
 - :func:`token_log_probs_from_hidden`: chunked log-softmax with recompute in backward.
-- :func:`rlobjectives.fused_policy_loss_from_hidden` (in :mod:`rlobjectives.logprobs.fused`)
-  uses the validation here.
+- the head's validation (:func:`rlobjectives.logprobs.head.prepare_head`) is shared with
+  :func:`rlobjectives.fused_policy_loss_from_hidden` (:mod:`rlobjectives.logprobs.fused`).
 """
 
 from __future__ import annotations
@@ -17,25 +17,20 @@ from typing import Literal, NamedTuple, overload
 import torch
 
 from .._core.backend import kernel_backend
-from .._core.chunking import resolve_chunk_size
 from .._core.layout import packed_layout, token_matrix, token_ndim
 from .._core.validation import (
     ArrayLike,
     as_mask,
-    as_token_ids,
     check_same_device,
     check_shape,
-    compute_dtype,
-    describe,
     validate_bool,
-    validate_scalar,
 )
-from .passes import Head, LogProbsFromHidden, default_chunk_size
+from .head import Head, default_chunk_size, prepare_head
+from .passes import LogProbsFromHidden
 
 __all__ = [
     "TokenLogProbsOutput",
     "default_chunk_size",
-    "prepare_head",
     "token_log_probs_from_hidden",
 ]
 
@@ -53,101 +48,6 @@ class TokenLogProbsOutput(NamedTuple):
     entropy: torch.Tensor
 
 
-# --------------------------------------------------------------------------------------------
-# Validation
-# --------------------------------------------------------------------------------------------
-
-
-def _check_floating(value: object, name: str) -> torch.Tensor:
-    if not isinstance(value, torch.Tensor) or not value.is_floating_point():
-        raise TypeError(f"{name} must be a floating-point torch.Tensor, got {describe(value)}")
-    return value
-
-
-def _check_weight(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
-    if weight.ndim != 2 or weight.shape[1] != hidden.shape[2]:
-        raise ValueError(
-            f"weight must have shape (V, H) with H = {hidden.shape[2]} from hidden, "
-            f"got shape {tuple(weight.shape)}"
-        )
-    if weight.shape[0] < 1:
-        raise ValueError(
-            f"weight must have V >= 1 rows (the vocabulary), got shape {tuple(weight.shape)}"
-        )
-    if weight.dtype != hidden.dtype:
-        raise ValueError(
-            f"weight must have the dtype of hidden ({hidden.dtype}), got dtype {weight.dtype}"
-        )
-    if bias is not None and (tuple(bias.shape) != (weight.shape[0],) or bias.dtype != weight.dtype):
-        raise ValueError(
-            f"bias must have shape ({weight.shape[0]},) and dtype {weight.dtype} like weight, "
-            f"got shape {tuple(bias.shape)} and dtype {bias.dtype}"
-        )
-
-
-def _hidden_matrix(hidden: torch.Tensor, packed: bool) -> torch.Tensor:
-    """``(B, T, H)``; packed: ``(N, H)`` or ``(1, N, H)`` as ``(1, N, H)``."""
-    if packed and hidden.ndim == 2:
-        return hidden.unsqueeze(0)
-    if hidden.ndim == 3 and (not packed or hidden.shape[0] == 1):
-        return hidden
-    expected = (
-        "(N, H) or (1, N, H) (packed: cu_seqlens given)"
-        if packed
-        else ("(B, T, H) (3 dimensions), or (N, H) with cu_seqlens (packed sequences)")
-    )
-    raise ValueError(f"hidden must have shape {expected}, got shape {tuple(hidden.shape)}")
-
-
-def prepare_head(
-    hidden: object,
-    weight: object,
-    tokens: ArrayLike,
-    bias: object,
-    temperature: float,
-    chunk_size: int | None,
-    *,
-    packed: bool = False,
-) -> tuple[Head, tuple[int, int]]:
-    """Validate the hidden states, LM head and token ids; flatten to ``(N, H)`` / ``(N,)``.
-
-    ``packed``: hidden ``(N, H)`` / ``(1, N, H)`` and tokens ``(N,)`` / ``(1, N)``, whose
-    ``batch_shape`` is ``(1, N)``.
-    """
-    hidden_t = _hidden_matrix(_check_floating(hidden, "hidden"), packed)
-    if hidden_t.shape[2] < 1:
-        raise ValueError(
-            f"hidden must have a hidden size H >= 1, got shape {tuple(hidden_t.shape)}"
-        )
-    weight_t = _check_floating(weight, "weight")
-    bias_t = None if bias is None else _check_floating(bias, "bias")
-    _check_weight(hidden_t, weight_t, bias_t)
-    tokens_t = as_token_ids(tokens, "tokens", hidden_t.device)
-    if packed:
-        tokens_t = token_matrix(tokens_t, "tokens", packed)
-    tensors = {"hidden": hidden_t, "weight": weight_t, "tokens": tokens_t}
-    check_same_device(tensors if bias_t is None else {**tensors, "bias": bias_t})
-    batch_shape = (hidden_t.shape[0], hidden_t.shape[1])
-    check_shape(tokens_t, "tokens", batch_shape, "hidden[..., 0]")
-    tau = validate_scalar(temperature, "temperature", minimum=0.0, strict=True, allow_tensor=False)
-    if chunk_size is None:
-        rows = default_chunk_size(
-            weight_t.shape[0], hidden_t.shape[0] * hidden_t.shape[1], weight_t.dtype
-        )
-    else:
-        rows = resolve_chunk_size(chunk_size, row_width=weight_t.shape[0])
-    head = Head(
-        hidden=hidden_t.reshape(-1, hidden_t.shape[2]),
-        weight=weight_t,
-        bias=bias_t,
-        tokens=tokens_t.reshape(-1).long(),
-        inv_temperature=1.0 / float(tau),
-        chunk_size=rows,
-        dtype=compute_dtype(hidden_t),
-    )
-    return head, batch_shape
-
-
 def _row_mask(
     mask: ArrayLike, head: Head, batch_shape: tuple[int, int], packed: bool = False
 ) -> torch.Tensor:
@@ -155,11 +55,6 @@ def _row_mask(
     check_same_device({"hidden": head.hidden, "mask": mask_t})
     check_shape(mask_t, "mask", batch_shape, "tokens")
     return mask_t
-
-
-# --------------------------------------------------------------------------------------------
-# token_log_probs_from_hidden
-# --------------------------------------------------------------------------------------------
 
 
 @overload

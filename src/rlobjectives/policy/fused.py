@@ -60,18 +60,33 @@ import torch
 
 from .._core.bits import Bits, count_bits, less_, magnitude_, mask_bits, select, select_
 from .._core.layout import Layout
-from .._core.reduction import ReductionSpec, clamp, reduce_rows, row_weights, token_gradient_weights
+from .._core.reduction import (
+    ReductionSpec,
+    clamp,
+    masked_fill_zero,
+    reduce,
+    reduce_rows,
+    row_weights,
+    token_gradient_weights,
+)
 from .clip_stage import clip_stage
-from .inputs import SurrogateOptions
+from .inputs import (
+    PolicyCall,
+    PolicyLossDiagnostics,
+    PolicyLossOutput,
+    SurrogateOptions,
+)
 from .specification import DIAGNOSTIC_LOG_RATIO_BOUND
 from .stages import PLAIN_STAGES, StageInputs, StageOutputs
 
 __all__ = [
-    "TOKEN_STAGES",
     "ClippedSurrogateFunction",
     "FusedSpec",
+    "TOKEN_STAGES",
+    "entropy_term",
     "fused_forward",
     "has_fused_stage",
+    "run_fused",
 ]
 
 
@@ -384,3 +399,58 @@ _DOUBLE_BACKWARD_ERROR = (
     b"rlobjectives: the fused policy loss (policy_loss / grpo_clipped_surrogate) supports "
     b"first-order gradients only"
 )
+
+
+def entropy_term(call: PolicyCall) -> torch.Tensor | None:
+    """The bonus's per-token loss ``-entropy_coef * H`` ``(B, T)`` (0 at unselected), or None."""
+    entropy, coef = call.inputs.entropy, call.entropy_coef
+    if entropy is None or (not isinstance(coef, torch.Tensor) and coef == 0.0):
+        return None
+    selected = masked_fill_zero(entropy.to(call.inputs.dtype), call.inputs.mask)  # (B, T)
+    return -coef * selected
+
+
+def _finish(
+    call: PolicyCall,
+    loss: torch.Tensor,
+    per_token: torch.Tensor | None,
+    diagnostics: PolicyLossDiagnostics,
+) -> PolicyLossOutput:
+    """Add the entropy bonus; the per-token loss (if kept) and the loss in the output dtype."""
+    bonus = entropy_term(call)
+    if per_token is not None:  # the loss is the reduction of the per-token loss
+        if bonus is not None:
+            per_token = per_token + bonus
+        none = call.reduction.reduction == "none"  # per_token is zero at unselected tokens
+        loss = (
+            per_token if none else reduce(per_token, call.inputs.mask, call.reduction, call.layout)
+        )
+    elif bonus is not None:
+        loss = loss + reduce(bonus, call.inputs.mask, call.reduction, call.layout)
+    output_dtype = call.inputs.output_dtype
+    per_token = None if per_token is None else per_token.to(output_dtype)
+    return PolicyLossOutput(loss.to(output_dtype), per_token, diagnostics)
+
+
+def run_fused(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutput:
+    """:func:`policy_loss` through :class:`~rlobjectives.policy.fused.ClippedSurrogateFunction`."""
+    inputs = call.inputs
+    reduction = call.reduction
+    per_token_wanted = return_per_token or reduction.reduction == "none"
+    if per_token_wanted:  # the per-token loss is the "none" reduction; reduce it afterwards
+        reduction = reduction._replace(reduction="none")
+    spec = FusedSpec(
+        call.options, reduction, call.diagnostics_normalizer, inputs.dtype, call.layout, False
+    )
+    loss, _, diagnostics = ClippedSurrogateFunction.apply(  # type: ignore[no-untyped-call]
+        inputs.log_probs,
+        inputs.old_log_probs,
+        inputs.advantages,
+        inputs.mask,
+        spec,
+        inputs.importance_weights,
+    )
+    per_token = loss if per_token_wanted else None  # (B, T), zeros at unselected tokens
+    named = PolicyLossDiagnostics(*diagnostics.unbind())
+    output = _finish(call, loss, per_token, named)
+    return output if return_per_token else output._replace(per_token_loss=None)

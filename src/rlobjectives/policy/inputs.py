@@ -12,8 +12,17 @@ from typing import Literal, NamedTuple, get_args
 
 import torch
 
-from .._core.layout import Layout, sequence_layout, token_matrix, tokens_from_sequences
-from .._core.reduction import ReductionSpec, validate_normalizer
+from .._core.layout import (
+    Layout,
+    sequence_layout,
+    token_matrix,
+    tokens_from_sequences,
+)
+from .._core.reduction import (
+    ReductionSpec,
+    validate_layout_reduction,
+    validate_normalizer,
+)
 from .._core.validation import (
     ArrayLike,
     Scalar,
@@ -28,13 +37,13 @@ from .._core.validation import (
 )
 
 __all__ = [
-    "RATIO_LEVELS",
-    "SURROGATES",
     "PolicyCall",
     "PolicyInputs",
     "PolicyLossDiagnostics",
     "PolicyLossOutput",
+    "RATIO_LEVELS",
     "RatioLevel",
+    "SURROGATES",
     "Surrogate",
     "SurrogateOptions",
     "prepare_entropy",
@@ -43,13 +52,23 @@ __all__ = [
     "prepare_policy_inputs",
     "validate_diagnostics_normalizer",
     "validate_entropy_coef",
+    "validate_policy_call",
     "validate_surrogate_options",
 ]
 
+
 RatioLevel = Literal["token", "sequence"]
+
+
 RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
+
+
 Surrogate = Literal["clip", "cispo", "sapo", "gmpo", "vespo"]
+
+
 SURROGATES: tuple[str, ...] = get_args(Surrogate)
+
+
 # Surrogates that form their own sequence ratio: ratio_level must be "token" for them.
 _OWN_SEQUENCE_RATIO = ("gmpo", "vespo")
 
@@ -399,3 +418,36 @@ def _validate_band(
 def validate_diagnostics_normalizer(value: Scalar | None) -> float | torch.Tensor | None:
     """A positive finite ``diagnostics_normalizer`` (used exactly as given), or None."""
     return validate_normalizer(value, "diagnostics_normalizer")
+
+
+def validate_policy_call(
+    tensors: tuple[ArrayLike, ArrayLike, ArrayLike, ArrayLike],
+    names: tuple[str, str, str, str],
+    *,
+    options: SurrogateOptions,
+    reduction: object,
+    normalizer: Scalar | None,
+    max_response_length: Scalar | None,
+    diagnostics_normalizer: Scalar | None,
+    importance_weights: ArrayLike | None = None,
+    entropy: ArrayLike | None = None,
+    entropy_coef: Scalar = 0.0,
+    cu_seqlens: ArrayLike | None = None,
+) -> PolicyCall:
+    """Validate every tensor argument of a policy-loss call once (named as in ``names``).
+
+    ``cu_seqlens`` selects the packed layout (see :func:`prepare_layout_inputs`).
+    """
+    inputs, layout = prepare_layout_inputs(*tensors, names, cu_seqlens=cu_seqlens)
+    inputs = prepare_importance_weights(inputs, importance_weights, names[0], layout)
+    inputs = prepare_entropy(inputs, entropy, names[0], cu_seqlens is not None)
+    coef = validate_entropy_coef(entropy_coef, has_entropy=inputs.entropy is not None)
+    spec = validate_layout_reduction(
+        reduction,
+        normalizer=normalizer,
+        max_response_length=max_response_length,
+        layout=layout,
+        tokens=inputs.log_probs.shape[-1],
+    )
+    diagnostics = validate_diagnostics_normalizer(diagnostics_normalizer)
+    return PolicyCall(inputs, options, spec, diagnostics, layout, coef)

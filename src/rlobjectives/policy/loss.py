@@ -18,35 +18,27 @@ import torch
 
 from .._core.backend import kernel_backend
 from .._core.layout import token_ndim, token_output
-from .._core.reduction import Reduction, masked_fill_zero, reduce, validate_layout_reduction
+from .._core.reduction import Reduction
 from .._core.validation import ArrayLike, Scalar, validate_bool
-from .fused import ClippedSurrogateFunction, FusedSpec, has_fused_stage
+from .fused import _finish, has_fused_stage, run_fused
 from .inputs import (
     PolicyCall,
-    PolicyLossDiagnostics,
     PolicyLossOutput,
     RatioLevel,
     Surrogate,
-    SurrogateOptions,
-    prepare_entropy,
-    prepare_importance_weights,
-    prepare_layout_inputs,
-    validate_diagnostics_normalizer,
-    validate_entropy_coef,
+    validate_policy_call,
     validate_surrogate_options,
 )
 from .specification import policy_terms
 
 __all__ = [
-    "entropy_term",
     "fused_applicable",
     "packed_output_shape",
     "policy_loss",
     "run_autograd",
-    "run_fused",
     "run_policy",
-    "validate_policy_call",
 ]
+
 
 _NAMES = ("log_probs", "old_log_probs", "advantages", "mask")
 
@@ -279,39 +271,6 @@ def packed_output_shape(output: PolicyLossOutput, *, flat: bool) -> PolicyLossOu
     )
 
 
-def validate_policy_call(
-    tensors: tuple[ArrayLike, ArrayLike, ArrayLike, ArrayLike],
-    names: tuple[str, str, str, str],
-    *,
-    options: SurrogateOptions,
-    reduction: object,
-    normalizer: Scalar | None,
-    max_response_length: Scalar | None,
-    diagnostics_normalizer: Scalar | None,
-    importance_weights: ArrayLike | None = None,
-    entropy: ArrayLike | None = None,
-    entropy_coef: Scalar = 0.0,
-    cu_seqlens: ArrayLike | None = None,
-) -> PolicyCall:
-    """Validate every tensor argument of a policy-loss call once (named as in ``names``).
-
-    ``cu_seqlens`` selects the packed layout (see :func:`prepare_layout_inputs`).
-    """
-    inputs, layout = prepare_layout_inputs(*tensors, names, cu_seqlens=cu_seqlens)
-    inputs = prepare_importance_weights(inputs, importance_weights, names[0], layout)
-    inputs = prepare_entropy(inputs, entropy, names[0], cu_seqlens is not None)
-    coef = validate_entropy_coef(entropy_coef, has_entropy=inputs.entropy is not None)
-    spec = validate_layout_reduction(
-        reduction,
-        normalizer=normalizer,
-        max_response_length=max_response_length,
-        layout=layout,
-        tokens=inputs.log_probs.shape[-1],
-    )
-    diagnostics = validate_diagnostics_normalizer(diagnostics_normalizer)
-    return PolicyCall(inputs, options, spec, diagnostics, layout, coef)
-
-
 def run_policy(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutput:
     """The dispatch step: the Triton kernels, the fused Function or the autograd path.
 
@@ -343,61 +302,6 @@ def fused_applicable(call: PolicyCall) -> bool:
     scalars = [*call.options, call.reduction.normalizer, call.reduction.constant]
     learnable = any(isinstance(t, torch.Tensor) and t.requires_grad for t in scalars)
     return has_fused_stage(call.options) and not learnable
-
-
-def entropy_term(call: PolicyCall) -> torch.Tensor | None:
-    """The bonus's per-token loss ``-entropy_coef * H`` ``(B, T)`` (0 at unselected), or None."""
-    entropy, coef = call.inputs.entropy, call.entropy_coef
-    if entropy is None or (not isinstance(coef, torch.Tensor) and coef == 0.0):
-        return None
-    selected = masked_fill_zero(entropy.to(call.inputs.dtype), call.inputs.mask)  # (B, T)
-    return -coef * selected
-
-
-def _finish(
-    call: PolicyCall,
-    loss: torch.Tensor,
-    per_token: torch.Tensor | None,
-    diagnostics: PolicyLossDiagnostics,
-) -> PolicyLossOutput:
-    """Add the entropy bonus; the per-token loss (if kept) and the loss in the output dtype."""
-    bonus = entropy_term(call)
-    if per_token is not None:  # the loss is the reduction of the per-token loss
-        if bonus is not None:
-            per_token = per_token + bonus
-        none = call.reduction.reduction == "none"  # per_token is zero at unselected tokens
-        loss = (
-            per_token if none else reduce(per_token, call.inputs.mask, call.reduction, call.layout)
-        )
-    elif bonus is not None:
-        loss = loss + reduce(bonus, call.inputs.mask, call.reduction, call.layout)
-    output_dtype = call.inputs.output_dtype
-    per_token = None if per_token is None else per_token.to(output_dtype)
-    return PolicyLossOutput(loss.to(output_dtype), per_token, diagnostics)
-
-
-def run_fused(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutput:
-    """:func:`policy_loss` through :class:`~rlobjectives.policy.fused.ClippedSurrogateFunction`."""
-    inputs = call.inputs
-    reduction = call.reduction
-    per_token_wanted = return_per_token or reduction.reduction == "none"
-    if per_token_wanted:  # the per-token loss is the "none" reduction; reduce it afterwards
-        reduction = reduction._replace(reduction="none")
-    spec = FusedSpec(
-        call.options, reduction, call.diagnostics_normalizer, inputs.dtype, call.layout, False
-    )
-    loss, _, diagnostics = ClippedSurrogateFunction.apply(  # type: ignore[no-untyped-call]
-        inputs.log_probs,
-        inputs.old_log_probs,
-        inputs.advantages,
-        inputs.mask,
-        spec,
-        inputs.importance_weights,
-    )
-    per_token = loss if per_token_wanted else None  # (B, T), zeros at unselected tokens
-    named = PolicyLossDiagnostics(*diagnostics.unbind())
-    output = _finish(call, loss, per_token, named)
-    return output if return_per_token else output._replace(per_token_loss=None)
 
 
 def run_autograd(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutput:

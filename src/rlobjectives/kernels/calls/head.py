@@ -2,7 +2,7 @@ r"""The hidden-state functions of the public API on the Triton LM-head kernels.
 
 :func:`rlobjectives.token_log_probs_from_hidden` and
 :func:`rlobjectives.fused_policy_loss_from_hidden` validate their arguments (a
-:class:`~rlobjectives.logprobs.passes.Head` and, for the loss, a
+:class:`~rlobjectives.logprobs.head.Head` and, for the loss, a
 :class:`~rlobjectives.policy.inputs.PolicyCall`), then call these functions when
 :func:`~rlobjectives._core.backend.kernel_backend` selects the kernels:
 
@@ -24,9 +24,8 @@ from typing import Any
 
 import torch
 
-from ...logprobs.composition import FusedPolicyLossOutput, entropy_on
-from ...logprobs.kl_term import KLTerm
-from ...logprobs.passes import Head
+from ...logprobs.composition import FusedPolicyLossOutput, KLTerm, entropy_on
+from ...logprobs.head import Head
 from ...policy.inputs import PolicyCall
 from ..from_hidden import FusedPolicyLossFromHiddenFunction, LogProbsFromHiddenFunction
 from .policy import (
