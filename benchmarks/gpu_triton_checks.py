@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 import triton_reference as reference
+from rlobjectives import CISPO, Clip
 from rlobjectives.kernels.from_hidden import (
     FusedPolicyLossFromHiddenFunction,
     LogProbsFromHiddenFunction,
@@ -33,11 +34,11 @@ POLICY_CASES: dict[str, tuple[TokenLossOptions, dict[str, bool]]] = {
     "grpo": (TokenLossOptions(), {}),
     "dapo+dual+delta": (
         TokenLossOptions(
-            clip_low=0.2, clip_high=0.28, dual_clip=3.0, delta=1.5, log_ratio_bound=2.0
+            surrogate=Clip(low=0.2, high=0.28, dual=3.0, delta=1.5), log_ratio_bound=2.0
         ),
         {"sequence_mean": True},
     ),  # fmt: skip
-    "cispo(trl cap)": (TokenLossOptions(surrogate="cispo", clip_low=None, cispo_cap=1.3), {}),
+    "cispo(trl cap)": (TokenLossOptions(surrogate=CISPO(cap=1.3)), {}),
     "sapo": (TokenLossOptions(surrogate="sapo"), {"sequence_mean": True}),
     "is+kl(k3)+entropy": (
         TokenLossOptions(kl_coef=0.1, entropy_coef=0.01, log_ratio_bound=1.0),
@@ -279,7 +280,7 @@ def _check_fused(
     old = (-torch.rand(rows, generator=g) * 8).to(dtype)
     advantages = torch.randn(rows, generator=g).to(dtype)
     weights = torch.tensor(1.0) / data["mask"].sum()
-    options = TokenLossOptions(clip_low=0.2, clip_high=0.28, entropy_coef=0.01)
+    options = TokenLossOptions(surrogate=Clip(low=0.2, high=0.28), entropy_coef=0.01)
     on = {k: v.to(device) for k, v in data.items()}
     leaves = {k: on[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")}
     loss, *_ = FusedPolicyLossFromHiddenFunction.apply(

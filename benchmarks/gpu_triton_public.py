@@ -18,6 +18,7 @@ import torch
 
 import rlobjectives as rlo
 from gpu_triton_checks import GRAD_TOLERANCE, VALUE_TOLERANCE, Result, compare
+from rlobjectives import CISPO, Clip
 from rlobjectives._core.backend import use_kernels
 
 Call = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -25,14 +26,20 @@ LEAVES = ("log_probs", "entropy", "hidden", "weight")
 
 POLICY_OPTIONS: dict[str, dict[str, Any]] = {
     "grpo": {},
-    "dapo+dual+delta": {"clip_high": 0.28, "dual_clip": 3.0, "delta": 1.5,
-                        "log_ratio_bound": 2.0, "reduction": "sequence_mean"},
-    "cispo(cap)": {"surrogate": "cispo", "cispo_cap": 1.3},
+    "dapo+dual+delta": {
+        "surrogate": Clip(high=0.28, dual=3.0, delta=1.5),
+        "log_ratio_bound": 2.0,
+        "reduction": "sequence_mean",
+    },
+    "cispo(cap)": {"surrogate": CISPO(cap=1.3)},
     "sapo": {"surrogate": "sapo", "reduction": "length_weighted"},
-    "gspo": {"ratio_level": "sequence", "clip_low": 3e-4, "clip_high": 4e-4,
-             "reduction": "sequence_mean"},
-    "none": {"reduction": "none", "clip_low": None},
-}  # fmt: skip
+    "gspo": {
+        "ratio_level": "sequence",
+        "surrogate": Clip(low=3e-4, high=4e-4),
+        "reduction": "sequence_mean",
+    },
+    "none": {"reduction": "none", "surrogate": Clip(low=None)},
+}
 
 
 def _inputs(shape: tuple[int, int], dtype: torch.dtype, seed: int) -> dict[str, torch.Tensor]:
@@ -128,7 +135,7 @@ def _others() -> dict[str, Call]:
     def fused(x: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         out = rlo.fused_policy_loss_from_hidden(
             x["hidden"], x["weight"], x["tokens"], x["head_old_log_probs"], x["advantages"],
-            x["mask"], clip_high=0.28, dual_clip=3.0, reduction="sequence_mean",
+            x["mask"], surrogate=Clip(high=0.28, dual=3.0), reduction="sequence_mean",
             ref_log_probs=x["head_ref_log_probs"], kl_coef=0.1, kl_estimator="k2",
             entropy_coef=0.01,
         )  # fmt: skip

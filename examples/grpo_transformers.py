@@ -189,8 +189,8 @@ def _packed_update(
     out = packed_log_probs(model, batch)
     counts = rlo.global_normalizers(out.mask, cu_seqlens=cu_seqlens)  # exact over all ranks
     return rlo.policy_loss(
-        out.log_probs, old, advantages, out.mask, clip_low=config.clip_low,
-        clip_high=config.clip_high, reduction=config.reduction,
+        out.log_probs, old, advantages, out.mask,
+        surrogate=rlo.Clip(low=config.clip_low, high=config.clip_high), reduction=config.reduction,
         normalizer=normalizer_for_reduction(counts, reduction=config.reduction),
         max_response_length=task.max_response_length, diagnostics_normalizer=counts.tokens,
         cu_seqlens=cu_seqlens,
@@ -285,8 +285,9 @@ def first_step_losses(
         advantages = rlo.group_relative_advantages(rewards, config.group_size)
         counts = rlo.global_normalizers(mask)
         padded_loss = rlo.policy_loss(
-            padded, padded, advantages, mask, clip_low=config.clip_low,
-            clip_high=config.clip_high, reduction=config.reduction,
+            padded, padded, advantages, mask,
+            surrogate=rlo.Clip(low=config.clip_low, high=config.clip_high),
+            reduction=config.reduction,
             normalizer=normalizer_for_reduction(counts, reduction=config.reduction),
             max_response_length=task.max_response_length,
         ).loss  # fmt: skip

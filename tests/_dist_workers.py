@@ -23,7 +23,7 @@ import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
-from rlobjectives import policy_loss
+from rlobjectives import Clip, policy_loss
 from rlobjectives.distributed import (
     data_parallel_loss_scale,
     global_normalizers,
@@ -139,8 +139,7 @@ def step_loss(
         batch.old_log_probs,
         batch.advantages,
         batch.mask,
-        clip_low=CLIP_LOW,
-        clip_high=CLIP_HIGH,
+        surrogate=Clip(low=CLIP_LOW, high=CLIP_HIGH),
         reduction=reduction,
         normalizer=normalizer,
         max_response_length=MAX_RESPONSE_LENGTH,

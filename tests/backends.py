@@ -36,6 +36,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, settings
 
+import reference
 from rlobjectives._core.backend import triton_available, use_kernels
 
 __all__ = [
@@ -64,7 +65,7 @@ KERNEL_SURROGATES = ("clip", "cispo", "sapo")
 
 def on_kernels(options: dict[str, Any]) -> bool:
     """Whether a row of keyword arguments runs on the kernels (a token-level surrogate)."""
-    return options.get("surrogate", "clip") in KERNEL_SURROGATES
+    return reference.surrogate_name(options.get("surrogate", "clip")) in KERNEL_SURROGATES
 
 
 def triton_param(*values: Any, id: str | None = None) -> Any:  # noqa: A002

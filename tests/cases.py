@@ -330,34 +330,86 @@ TEMPERATURE = scalar_wrongs("temperature", below=0.0)
 CHUNK = int_wrongs("chunk_size", minimum=1)
 
 
-def policy_options(*, clip_above: float = 1.0) -> tuple[Wrong, ...]:
-    """The hyperparameters shared by ``policy_loss`` and ``fused_policy_loss_from_hidden``."""
+def policy_options() -> tuple[Wrong, ...]:
+    """The options shared by ``policy_loss`` and ``fused_policy_loss_from_hidden``.
+
+    The surrogate's own options are fields of its object, whose rows are the surrogate cases
+    below (``Clip``, ``CISPO``, ...); here ``surrogate`` is a name or an object.
+    """
     return (
-        hyper("clip_low", below=-0.1, above=clip_above)
-        + hyper("clip_high", below=-0.1)
-        + hyper("dual_clip", below=1.0)
+        choice_wrongs("surrogate")
+        + (
+            Wrong(
+                "surrogate", "type", "class", lambda a: rlo.Clip, TypeError, subject("surrogate")
+            ),
+            Wrong(
+                "surrogate", "type", "dict", lambda a: {"low": 0.2}, TypeError, subject("surrogate")
+            ),
+        )
         + choice_wrongs("ratio_level")
         + hyper("log_ratio_bound", below=0.0)
         + reduction_wrongs()
         + hyper("diagnostics_normalizer", below=0.0)
-        + family_options()
-    )
-
-
-def family_options() -> tuple[Wrong, ...]:
-    """The surrogates of issue 13 and the importance weights (both policy entry points)."""
-    return (
-        choice_wrongs("surrogate")
-        + hyper("delta", below=1.0)
-        + hyper("cispo_cap", below=0.0)
-        + hyper("sapo_temperature_pos", below=0.0)
-        + hyper("sapo_temperature_neg", below=0.0)
-        + hyper("vespo_k_pos", below=-0.1)
-        + hyper("vespo_lambda_pos", below=0.0)
-        + hyper("vespo_k_neg", below=-0.1)
-        + hyper("vespo_lambda_neg", below=0.0)
         + tensor_wrongs("importance_weights", shapes=PER_SEQUENCE_SHAPES)
     )
+
+
+def field_wrongs(
+    cls: type, field: str, *, below: float | None, above: float | None = None
+) -> tuple[Wrong, ...]:
+    """Wrong values of a surrogate object's field: the message starts with ``Cls.field``."""
+    return tuple(
+        replace(wrong, match=subject(f"{cls.__name__}.{field}"))
+        for wrong in scalar_wrongs(field, below=below, above=above)
+    )
+
+
+#: The surrogate objects' rows: each field's wrong values (the object validates itself).
+SURROGATE_CASES: tuple[Case, ...] = (
+    Case(
+        "Clip",
+        rlo.Clip,
+        lambda: {"low": 0.2, "high": 0.28, "dual": 3.0, "delta": 1.5},
+        field_wrongs(rlo.Clip, "low", below=-0.1, above=1.0)
+        + field_wrongs(rlo.Clip, "high", below=-0.1)
+        + field_wrongs(rlo.Clip, "dual", below=1.0)
+        + field_wrongs(rlo.Clip, "delta", below=1.0),
+    ),
+    Case(
+        "CISPO",
+        rlo.CISPO,
+        lambda: {"cap": None, "low": 0.2, "high": 0.28},
+        field_wrongs(rlo.CISPO, "low", below=-0.1, above=1.0)
+        + field_wrongs(rlo.CISPO, "high", below=-0.1)
+        + tuple(  # the cap alone (with a band edge it is a wrong combination, see below)
+            replace(w, also=lambda a: {"low": None, "high": None})
+            for w in field_wrongs(rlo.CISPO, "cap", below=0.0)
+        ),
+    ),
+    Case(
+        "SAPO",
+        rlo.SAPO,
+        lambda: {"temperature_pos": 1.0, "temperature_neg": 1.05},
+        field_wrongs(rlo.SAPO, "temperature_pos", below=0.0)
+        + field_wrongs(rlo.SAPO, "temperature_neg", below=0.0),
+    ),
+    Case(
+        "GMPO",
+        rlo.GMPO,
+        lambda: {"low": 0.2, "high": 0.28},
+        field_wrongs(rlo.GMPO, "low", below=-0.1, above=1.0)
+        + field_wrongs(rlo.GMPO, "high", below=-0.1),
+    ),
+    Case(
+        "VESPO",
+        rlo.VESPO,
+        lambda: {"k_pos": 2.0, "lambda_pos": 3.0, "k_neg": 3.0, "lambda_neg": 2.0},
+        field_wrongs(rlo.VESPO, "k_pos", below=-0.1)
+        + field_wrongs(rlo.VESPO, "lambda_pos", below=0.0)
+        + field_wrongs(rlo.VESPO, "k_neg", below=-0.1)
+        + field_wrongs(rlo.VESPO, "lambda_neg", below=0.0),
+    ),
+)
 
 
 ENTROPY_MASK_WRONGS = (
@@ -1162,4 +1214,5 @@ CASES: tuple[Case, ...] = (
         ),
     ),
     *PACKING_CASES,
+    *SURROGATE_CASES,
 )

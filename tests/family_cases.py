@@ -9,34 +9,28 @@ from __future__ import annotations
 
 from typing import Any
 
+import reference
+from rlobjectives import CISPO, GMPO, SAPO, VESPO, Clip
+
 # TRL's delta, CISPO, SAPO, GMPO, VESPO.
 FAMILY_OPTION_SETS: list[dict[str, Any]] = [
-    {"delta": 1.1},  # delta below 1 + eps_high: caps A > 0 tokens too
-    {"clip_low": 0.2, "clip_high": 0.28, "delta": 1.5},  # TRL's two-sided clip above the band
-    {"clip_low": 0.1, "delta": 1.6, "dual_clip": 1.3},  # delta and dual clip together
-    {"clip_low": None, "delta": 1.3},
+    {"surrogate": Clip(delta=1.1)},  # delta below 1 + eps_high: caps A > 0 tokens too
+    {"surrogate": Clip(low=0.2, high=0.28, delta=1.5)},  # TRL's two-sided clip above the band
+    {"surrogate": Clip(low=0.1, dual=1.3, delta=1.6)},  # delta and dual clip together
+    {"surrogate": Clip(low=None, delta=1.3)},
     {"surrogate": "cispo"},  # verl: the band [0.8, 1.2]
-    {"surrogate": "cispo", "cispo_cap": 1.3},  # TRL: the absolute cap
-    {"surrogate": "cispo", "clip_low": None, "log_ratio_bound": 0.3},
-    {"surrogate": "cispo", "ratio_level": "sequence", "cispo_cap": 1.1},
+    {"surrogate": CISPO(cap=1.3)},  # TRL: the absolute cap
+    {"surrogate": CISPO(low=None), "log_ratio_bound": 0.3},
+    {"surrogate": CISPO(cap=1.1), "ratio_level": "sequence"},
     {"surrogate": "sapo"},
-    {  # the gates fall below half their peak often
-        "surrogate": "sapo",
-        "sapo_temperature_pos": 5.0,
-        "sapo_temperature_neg": 8.0,
-        "log_ratio_bound": 0.3,
-    },
+    {"surrogate": SAPO(temperature_pos=5.0, temperature_neg=8.0), "log_ratio_bound": 0.3},
     {"surrogate": "sapo", "ratio_level": "sequence"},
     {"surrogate": "gmpo"},
-    {"surrogate": "gmpo", "clip_low": 0.1, "clip_high": 0.3, "log_ratio_bound": 0.5},
-    {"surrogate": "gmpo", "clip_low": None},
+    {"surrogate": GMPO(low=0.1, high=0.3), "log_ratio_bound": 0.5},
+    {"surrogate": GMPO(low=None)},
     {"surrogate": "vespo"},
     {
-        "surrogate": "vespo",
-        "vespo_k_pos": 1.0,
-        "vespo_lambda_pos": 0.5,
-        "vespo_k_neg": 0.0,
-        "vespo_lambda_neg": 4.0,
+        "surrogate": VESPO(k_pos=1.0, lambda_pos=0.5, k_neg=0.0, lambda_neg=4.0),
         "log_ratio_bound": None,
     },
 ]
@@ -44,6 +38,6 @@ FAMILY_OPTION_SETS: list[dict[str, Any]] = [
 TOKEN_LOCAL_FAMILY = [
     row
     for row in FAMILY_OPTION_SETS
-    if row.get("surrogate", "clip") in ("clip", "cispo", "sapo")
+    if reference.surrogate_name(row.get("surrogate", "clip")) in ("clip", "cispo", "sapo")
     and row.get("ratio_level", "token") == "token"
 ]

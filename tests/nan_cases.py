@@ -126,19 +126,21 @@ def draw_policy_options(draw: Draw, t: Tokens) -> dict[str, Any]:
     SAPO temperatures, the VESPO shape, ratio level, bound, reductions."""
     options: dict[str, Any] = draw_reduction(draw, t)
     surrogate = draw(st.sampled_from(("clip", "clip", "cispo", "sapo", "gmpo", "vespo")))
-    options["surrogate"] = surrogate
-    options["clip_low"] = draw(st.sampled_from((None, 0.0, 0.2)))
-    if options["clip_low"] is not None:
-        options["clip_high"] = draw(st.sampled_from((None, 0.28)))
+    low = draw(st.sampled_from((None, 0.0, 0.2)))
+    high = None if low is None else draw(st.sampled_from((None, 0.28)))
     if surrogate == "clip":
-        options["dual_clip"] = draw(st.sampled_from((None, 3.0)))
-        options["delta"] = draw(st.sampled_from((None, 1.1, 2.0)))
-    if surrogate == "cispo":
-        options["cispo_cap"] = draw(st.sampled_from((None, 1.3)))
-    if surrogate == "sapo":
-        options["sapo_temperature_neg"] = draw(st.sampled_from((1.05, 6.0)))
-    if surrogate == "vespo":
-        options["vespo_k_neg"] = draw(st.sampled_from((3.0, 0.0)))
+        dual = draw(st.sampled_from((None, 3.0)))
+        delta = draw(st.sampled_from((None, 1.1, 2.0)))
+        options["surrogate"] = rlo.Clip(low=low, high=high, dual=dual, delta=delta)
+    elif surrogate == "cispo":
+        cap = draw(st.sampled_from((None, 1.3)))
+        options["surrogate"] = rlo.CISPO(low=low, high=high) if cap is None else rlo.CISPO(cap=cap)
+    elif surrogate == "sapo":
+        options["surrogate"] = rlo.SAPO(temperature_neg=draw(st.sampled_from((1.05, 6.0))))
+    elif surrogate == "gmpo":
+        options["surrogate"] = rlo.GMPO(low=low, high=high)
+    else:
+        options["surrogate"] = rlo.VESPO(k_neg=draw(st.sampled_from((3.0, 0.0))))
     levels = ("token",) if surrogate in ("gmpo", "vespo") else ("token", "sequence")
     options["ratio_level"] = draw(st.sampled_from(levels))
     options["log_ratio_bound"] = draw(st.sampled_from((None, 20.0, 0.5)))

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 import rlobjectives as rlo
+from rlobjectives import CISPO, Clip
 from rlobjectives.policy.loss import _policy_loss_autograd
 from rlobjectives.policy.seeds import _grpo_clipped_surrogate_autograd
 
@@ -347,22 +348,25 @@ DR_GRPO = {"reduction": "sequence_sum_normalized", "max_response_length": 9}
 
 CASES: list[Case] = [
     *(Case(f"aggregate-{r}", _aggregate(r)) for r in rlo.Reduction.__args__),  # type: ignore[attr-defined]
-    Case("policy_loss-token_mean", _policy(clip_high=0.28, dual_clip=3.0)),
+    Case("policy_loss-token_mean", _policy(surrogate=Clip(high=0.28, dual=3.0))),
     Case("policy_loss-sequence_mean", _policy(reduction="sequence_mean")),
     Case("policy_loss-dr_grpo", _policy(**DR_GRPO)),
-    Case("policy_loss-none", _policy(reduction="none", clip_low=None)),
+    Case("policy_loss-none", _policy(reduction="none", surrogate=Clip(low=None))),
     Case("policy_loss-gspo", _policy(ratio_level="sequence", reduction="sequence_mean")),
-    Case("policy_loss-gspo-token_mean", _policy(ratio_level="sequence", dual_clip=2.0)),
+    Case("policy_loss-gspo-token_mean", _policy(ratio_level="sequence", surrogate=Clip(dual=2.0))),
     Case("policy_loss-token-advantages", _policy(advantages="token_advantages")),
     Case("policy_loss-normalizer", _policy(normalizer=7.0, diagnostics_normalizer=11.0)),
-    Case("policy_loss-cispo", _policy(surrogate="cispo", clip_high=0.28)),
+    Case("policy_loss-cispo", _policy(surrogate=CISPO(high=0.28))),
     Case("policy_loss-sapo", _policy(surrogate="sapo", reduction="sequence_mean")),
     Case("policy_loss-gmpo", _policy(surrogate="gmpo", reduction="sequence_mean")),
     Case(
         "policy_loss-vespo",
         _policy(surrogate="vespo", reduction="sequence_sum_normalized", max_response_length=9),
     ),
-    Case("policy_loss-delta-length_weighted", _policy(delta=1.5, reduction="length_weighted")),
+    Case(
+        "policy_loss-delta-length_weighted",
+        _policy(surrogate=Clip(delta=1.5), reduction="length_weighted"),
+    ),
     Case(
         "policy_loss-importance-weights",
         _policy(importance_weights="token_weights", reduction="sequence_mean"),

@@ -69,6 +69,56 @@ FAMILY_DEFAULTS: dict[str, object] = {
 VESPO_LOG_LOW, VESPO_LOG_HIGH = math.log(1e-8), 20.0
 SAPO_HALF_PEAK = 2.0 * math.log(1.0 + math.sqrt(2.0))  # 4 sigma (1 - sigma) = 1/2
 
+#: The reference's flat names (the 0.2 keywords, the symbols of the formulas below) of the
+#: fields of each surrogate object: ``Clip(low=a)`` is ``clip_low=a``.
+_FLAT_NAMES: dict[str, dict[str, str]] = {
+    "clip": {"low": "clip_low", "high": "clip_high", "dual": "dual_clip", "delta": "delta"},
+    "cispo": {"cap": "cispo_cap", "low": "clip_low", "high": "clip_high"},
+    "sapo": {
+        "temperature_pos": "sapo_temperature_pos",
+        "temperature_neg": "sapo_temperature_neg",
+    },
+    "gmpo": {"low": "clip_low", "high": "clip_high"},
+    "vespo": {
+        "k_pos": "vespo_k_pos",
+        "lambda_pos": "vespo_lambda_pos",
+        "k_neg": "vespo_k_neg",
+        "lambda_neg": "vespo_lambda_neg",
+    },
+}
+
+
+def surrogate_options(surrogate: object = "clip") -> dict[str, object]:
+    """A surrogate object (``Clip(low=0.1)``) or name as the references' flat options.
+
+    Reads the object's fields only (its ``name`` and its dataclass fields): the references keep
+    their own formulas. A name gives ``{"surrogate": name}`` (the references' defaults).
+    """
+    if isinstance(surrogate, str):
+        return {"surrogate": surrogate}
+    name = type(surrogate).name  # type: ignore[attr-defined]
+    flat: dict[str, object] = {"surrogate": name}
+    for field, value in vars(surrogate).items():
+        value = float(value) if isinstance(value, torch.Tensor) and value.ndim == 0 else value
+        flat[_FLAT_NAMES[name][field]] = value
+    return flat
+
+
+def surrogate_name(surrogate: object = "clip") -> str:
+    """The name of a surrogate object or name (``CISPO(cap=5.0)`` -> ``"cispo"``)."""
+    return str(surrogate_options(surrogate)["surrogate"])
+
+
+def _flat(function):  # type: ignore[no-untyped-def]
+    """Let a reference take ``surrogate=<object>`` (flattened) as well as the flat options."""
+
+    def wrapped(*args, surrogate="clip", **kwargs):  # type: ignore[no-untyped-def]
+        return function(*args, **{**kwargs, **surrogate_options(surrogate)})
+
+    wrapped.__name__ = function.__name__
+    wrapped.__doc__ = function.__doc__
+    return wrapped
+
 
 def _weight(weights: Tensor | None, i: int, t: int) -> Tensor | float:
     if weights is None:
@@ -152,6 +202,7 @@ def _vespo_phi(log_weight: float, advantage: float, options: dict[str, object]) 
     return math.exp(lam + k * log_weight - lam * math.exp(log_weight))
 
 
+@_flat
 def per_token_surrogates(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -300,7 +351,7 @@ def policy_loss(
         importance_weights=weights,
         **options,  # type: ignore[arg-type]
     )
-    folds = options.get("surrogate", "clip") == "vespo"
+    folds = surrogate_name(options.get("surrogate", "clip")) == "vespo"
     losses = {
         (i, t): -value * (1.0 if folds else _weight(weights, i, t))
         for (i, t), value in surrogates.items()
@@ -408,6 +459,7 @@ def _clip_sets(
     return out, low, high, dual_binds, w
 
 
+@_flat
 def policy_loss_diagnostics(
     log_probs: Tensor,
     old_log_probs: Tensor,

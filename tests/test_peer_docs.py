@@ -8,6 +8,7 @@ import torch
 
 import reference as ref
 import rlobjectives
+from rlobjectives import Clip
 from tolerances import assert_close
 
 MASK = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
@@ -55,7 +56,7 @@ def test_gspo_token_advantages_get_the_sequence_mean_in_trl_and_openrlhf() -> No
     log_probs = -torch.rand(3, 5, generator=generator, dtype=torch.float64)
     old = log_probs + 0.1 * torch.randn(3, 5, generator=generator, dtype=torch.float64)
     mask = torch.tensor([[1, 1, 1, 1, 1], [1, 1, 1, 0, 0], [1, 1, 0, 0, 0]], dtype=torch.bool)
-    wide = {"clip_low": 0.99, "clip_high": 100.0}  # nothing clips
+    wide = {"surrogate": Clip(low=0.99, high=100.0)}  # nothing clips
     for advantages in (
         torch.randn(3, 1, generator=generator, dtype=torch.float64).expand(3, 5),
         torch.randn(3, 5, generator=generator, dtype=torch.float64),

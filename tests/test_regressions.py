@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten
 
 import reference
 import rlobjectives as rlo
+from rlobjectives import Clip
 from rlobjectives.cli import main as cli_main
 from tolerances import assert_close
 
@@ -292,7 +293,12 @@ def test_policy_loss_treats_advantages_and_old_log_probs_as_constants() -> None:
     fused path treats them as constants: make the two paths agree (constants, documented) so an
     undetached critic never receives policy gradient."""
     log_probs, old_log_probs, advantages, mask = _policy_batch()
-    for options in ({}, {"ratio_level": "sequence"}, {"clip_low": None}, {"dual_clip": 3.0}):
+    for options in (
+        {},
+        {"ratio_level": "sequence"},
+        {"surrogate": Clip(low=None)},
+        {"surrogate": Clip(dual=3.0)},
+    ):
         lp = log_probs.clone().requires_grad_(True)
         old = old_log_probs.clone().requires_grad_(True)
         adv = advantages.clone().requires_grad_(True)
@@ -333,14 +339,18 @@ def test_clip_low_of_one_or_more_is_rejected() -> None:
     log_probs, old_log_probs, advantages, mask = _policy_batch()
     hidden, weight, tokens, hidden_mask = _hidden_batch()
     for clip_low in (1.0, 1.5, torch.tensor(1.0)):
-        with pytest.raises(ValueError, match=r"^clip_low\b"):
-            rlo.policy_loss(log_probs, old_log_probs, advantages, mask, clip_low=clip_low)
-        with pytest.raises(ValueError, match=r"^clip_low\b"):
+        with pytest.raises(ValueError, match=r"^Clip.low\b"):
+            rlo.policy_loss(
+                log_probs, old_log_probs, advantages, mask, surrogate=Clip(low=clip_low)
+            )
+        with pytest.raises(ValueError, match=r"^Clip.low\b"):
             rlo.fused_policy_loss_from_hidden(
                 hidden, weight, tokens, torch.zeros(2, 3), torch.ones(2), hidden_mask,
-                clip_low=clip_low,
+                surrogate=Clip(low=clip_low),
             )  # fmt: skip
-    rlo.policy_loss(log_probs, old_log_probs, advantages, mask, clip_low=0.999)  # still valid
+    rlo.policy_loss(
+        log_probs, old_log_probs, advantages, mask, surrogate=Clip(low=0.999)
+    )  # still valid
 
 
 def test_masked_sum_and_mean_validate_the_mask() -> None:
@@ -446,7 +456,9 @@ def test_messages_do_not_contradict_themselves() -> None:
     logits = torch.randn(3, 5, 7, dtype=torch.float64)
     calls = [
         lambda v: rlo.token_entropy(logits, temperature=v),
-        lambda v: rlo.policy_loss(log_probs, old_log_probs, advantages, mask, clip_low=v),
+        lambda v: rlo.policy_loss(
+            log_probs, old_log_probs, advantages, mask, surrogate=Clip(low=v)
+        ),
         lambda v: rlo.gae(log_probs, old_log_probs, mask, gamma=v, lam=0.9),
         lambda v: rlo.aggregate(log_probs, mask, normalizer=v),
     ]
@@ -575,7 +587,7 @@ def test_huge_integer_hyperparameters_are_named_value_errors() -> None:
     """The library itself raises OverflowError (...) for such inputs: make those ValueErrors
     naming the argument. (Hyperparameters: ``validate_scalar``.)"""
     log_probs, old_log_probs, advantages, mask = _policy_batch()
-    with pytest.raises(ValueError, match=r"^clip_low\b"):
-        rlo.policy_loss(log_probs, old_log_probs, advantages, mask, clip_low=10**400)
+    with pytest.raises(ValueError, match=r"^Clip.low\b"):
+        rlo.policy_loss(log_probs, old_log_probs, advantages, mask, surrogate=Clip(low=10**400))
     with pytest.raises(ValueError, match=r"^beta\b"):
         rlo.kl_penalized_rewards(log_probs, old_log_probs, advantages, mask, 10**400)

@@ -99,6 +99,23 @@ def _policy_surrogate(
     return gate * adv, *sets, gate.detach()
 
 
+def _flat_options(options: Any) -> Any:
+    """The kernel options with the surrogate object's fields under the flat names used here."""
+    from types import SimpleNamespace
+
+    import reference
+
+    flat = {"surrogate": "none"}
+    if options.surrogate is not None:
+        flat = reference.surrogate_options(options.surrogate)
+    defaults = {
+        "clip_low": 0.2 if flat["surrogate"] == "clip" else None,
+        "clip_high": None, "dual_clip": None, "delta": None, "cispo_cap": None,
+        "sapo_temperature_pos": 1.0, "sapo_temperature_neg": 1.05,
+    }  # fmt: skip
+    return SimpleNamespace(**{**options._asdict(), **defaults, **flat})
+
+
 def _kl(d: Tensor, estimator: str, straight_through: bool) -> Tensor:
     values = {
         "k1": lambda: d,
@@ -129,6 +146,7 @@ def token_loss(
 
     Per-row tensors must already be expanded to ``(N,)``.
     """
+    options = _flat_options(options)
     n = mask.shape[0]
     lp = _where(mask, log_probs.to(F64))
     zeros = torch.zeros(n, dtype=F64)

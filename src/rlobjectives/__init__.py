@@ -44,6 +44,7 @@ from .policy.entropy import top_entropy_mask
 from .policy.inputs import PolicyLossDiagnostics, PolicyLossOutput
 from .policy.loss import policy_loss
 from .policy.seeds import grpo_clipped_surrogate, kl_penalized_rewards
+from .policy.surrogates import CISPO, GMPO, SAPO, VESPO, Clip, SurrogateObjective
 from .rollout.correction import RolloutCorrection, rollout_correction
 from .rollout.metrics import RolloutCorrectionMetrics
 from .rollout.off_policy import off_policy_sequence_mask
@@ -55,7 +56,12 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
+    "CISPO",
+    "GMPO",
+    "SAPO",
+    "VESPO",
     "AdaptiveKLController",
+    "Clip",
     "BiasedGradientWarning",
     "FixedKLController",
     "FusedPolicyLossOutput",
@@ -69,6 +75,7 @@ __all__ = [
     "ResponseLogProbs",
     "RolloutCorrection",
     "RolloutCorrectionMetrics",
+    "SurrogateObjective",
     "TokenLogProbsOutput",
     "UnpackedTokens",
     "ValueLossDiagnostics",

@@ -271,7 +271,7 @@ def test_packed_micro_batches_with_global_normalizer_equal_the_full_batch(reduct
     counts = rlo.global_normalizers(
         [piece["mask"] for piece in pieces], cu_seqlens=[piece["cu_seqlens"] for piece in pieces]
     )
-    options = {"reduction": reduction, "max_response_length": 7, "clip_high": 0.28}
+    options = {"reduction": reduction, "max_response_length": 7, "surrogate": rlo.Clip(high=0.28)}
     normalizer = rlo.normalizer_for_reduction(counts, reduction=reduction)
     total = torch.zeros((), dtype=F64)
     diagnostics = []
@@ -394,7 +394,7 @@ def test_compiled_packed_policy_loss() -> None:
     def step(log_probs: torch.Tensor, old: torch.Tensor) -> tuple[torch.Tensor, ...]:
         out = rlo.policy_loss(
             log_probs, old, advantages, mask, reduction="sequence_mean", ratio_level="sequence",
-            clip_high=0.28, cu_seqlens=cu,
+            surrogate=rlo.Clip(high=0.28), cu_seqlens=cu,
         )  # fmt: skip
         dr_grpo = rlo.policy_loss(
             log_probs, old, advantages, mask, reduction="sequence_sum_normalized", cu_seqlens=cu

@@ -37,6 +37,7 @@ from _dist_workers import (
     step_loss,
 )
 from rlobjectives import (
+    Clip,
     PolicyLossDiagnostics,
     RolloutCorrectionMetrics,
     policy_loss,
@@ -283,8 +284,7 @@ def test_micro_batch_losses_add_up_to_the_full_batch(
         outputs = [
             policy_loss(
                 *piece,
-                clip_low=CLIP_LOW,
-                clip_high=CLIP_HIGH,
+                surrogate=Clip(low=CLIP_LOW, high=CLIP_HIGH),
                 reduction=reduction,
                 normalizer=normalizer,
                 max_response_length=constant,
@@ -302,8 +302,7 @@ def test_micro_batch_losses_add_up_to_the_full_batch(
             mask,
             reduction=reduction,
             max_response_length=constant,
-            clip_low=CLIP_LOW,
-            clip_high=CLIP_HIGH,
+            surrogate=Clip(low=CLIP_LOW, high=CLIP_HIGH),
         )
         expected_grad = torch.zeros_like(log_probs)
         if expected.requires_grad:  # False when nothing is selected: the loss is a constant 0
@@ -313,7 +312,7 @@ def test_micro_batch_losses_add_up_to_the_full_batch(
         assert torch.isfinite(grad).all()
 
         full = policy_loss(
-            log_probs, old_log_probs, advantages, mask, clip_low=CLIP_LOW, clip_high=CLIP_HIGH
+            log_probs, old_log_probs, advantages, mask, surrogate=Clip(low=CLIP_LOW, high=CLIP_HIGH)
         ).diagnostics
         summed = sum_diagnostics([out.diagnostics for out in outputs])
         for name, value in summed._asdict().items():
@@ -349,8 +348,7 @@ def _full_batch(reduction: str, kl_used: bool) -> dict[str, Any]:
         problem.mask,
         reduction=reduction,
         max_response_length=MAX_RESPONSE_LENGTH,
-        clip_low=CLIP_LOW,
-        clip_high=CLIP_HIGH,
+        surrogate=Clip(low=CLIP_LOW, high=CLIP_HIGH),
     )
     if kl_used:  # k2 = (log pi - log ref)^2 / 2 at the selected tokens, same reduction
         k2 = {

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from backends import requires_triton
+from rlobjectives import Clip
 from rlobjectives._core.backend import ENV_VAR, kernel_backend, requested_backend, use_kernels
 from rlobjectives.kernels.loading import interpreted
 
@@ -126,13 +127,17 @@ def test_public_functions_take_the_kernels_where_they_apply() -> None:
     kernel = "TokenLossFunctionBackward"
     with use_kernels("triton"), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        for options in ({}, {"surrogate": "cispo"}, {"ratio_level": "sequence", "delta": 1.5}):
+        for options in (
+            {},
+            {"surrogate": "cispo"},
+            {"ratio_level": "sequence", "surrogate": Clip(delta=1.5)},
+        ):
             assert kernel in _function_names(policy_loss(log_probs, *args, **options).loss)
         entropy = {"entropy": torch.rand(2, 3), "entropy_coef": 0.1}
         assert kernel in _function_names(policy_loss(log_probs, *args, **entropy).loss)
         for options in (
             {"surrogate": "gmpo"},
-            {"clip_low": torch.tensor(0.2, requires_grad=True)},
+            {"surrogate": Clip(low=torch.tensor(0.2, requires_grad=True))},
         ):
             assert kernel not in _function_names(policy_loss(log_probs, *args, **options).loss)
         double = log_probs.detach().double().requires_grad_(True)

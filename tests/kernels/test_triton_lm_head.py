@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from backends import requires_triton
+from rlobjectives import Clip
 from rlobjectives._core.backend import use_kernels
 from rlobjectives.kernels.from_hidden import (
     FusedPolicyLossFromHiddenFunction,
@@ -137,7 +138,7 @@ def test_fused_policy_loss_matches_composition(dtype: torch.dtype) -> None:
     advantages = torch.randn(N, generator=g).to(dtype)
     ref = (-torch.rand(N, generator=g) * 4).to(dtype)
     weights = torch.tensor(1.0) / head["mask"].sum()
-    options = TokenLossOptions(clip_low=0.2, clip_high=0.28, kl_coef=0.05, kl_estimator="k2",
+    options = TokenLossOptions(surrogate=Clip(low=0.2, high=0.28), kl_coef=0.05, kl_estimator="k2",
                                entropy_coef=0.02, log_ratio_bound=5.0)  # fmt: skip
     leaves = {k: head[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")}
     loss, log_probs, entropy, totals = FusedPolicyLossFromHiddenFunction.apply(

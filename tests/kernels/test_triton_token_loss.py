@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from backends import requires_triton
+from rlobjectives import CISPO, GMPO, SAPO, Clip
 from rlobjectives._core.backend import use_kernels
 from rlobjectives.kernels.token_loss import (
     TokenLossFunction,
@@ -63,17 +64,17 @@ CASES: dict[str, tuple[TokenLossOptions, dict[str, Any]]] = {
     "grpo": (TokenLossOptions(), {"weights": "token_mean"}),
     "dapo_dual_delta": (
         TokenLossOptions(
-            clip_low=0.2, clip_high=0.28, dual_clip=3.0, delta=1.5, log_ratio_bound=2.0
+            surrogate=Clip(low=0.2, high=0.28, dual=3.0, delta=1.5), log_ratio_bound=2.0
         ),
         {"weights": "sequence_mean"},
     ),  # fmt: skip
-    "vanilla_unbounded": (TokenLossOptions(clip_low=None, log_ratio_bound=None), {}),
-    "cispo_trl_cap": (TokenLossOptions(surrogate="cispo", clip_low=None, cispo_cap=1.3), {}),
+    "vanilla_unbounded": (TokenLossOptions(surrogate=Clip(low=None), log_ratio_bound=None), {}),
+    "cispo_trl_cap": (TokenLossOptions(surrogate=CISPO(cap=1.3)), {}),
     "cispo_verl_band": (
-        TokenLossOptions(surrogate="cispo", clip_low=0.2, clip_high=0.25),
+        TokenLossOptions(surrogate=CISPO(low=0.2, high=0.25)),
         {"weights": "token"},
     ),
-    "sapo": (TokenLossOptions(surrogate="sapo", clip_low=0.2), {"weights": "sequence_mean"}),
+    "sapo": (TokenLossOptions(surrogate=SAPO()), {"weights": "sequence_mean"}),
     "terms": (
         TokenLossOptions(kl_coef=0.1, kl_estimator="k3", entropy_coef=0.01, log_ratio_bound=1.0),
         {"weights": "token_mean", "importance": True, "ref": True, "entropy": True},
@@ -83,7 +84,7 @@ CASES: dict[str, tuple[TokenLossOptions, dict[str, Any]]] = {
         {"ref": True},
     ),
     "gspo": (
-        TokenLossOptions(clip_low=3e-4, clip_high=4e-4, log_ratio_bound=None),
+        TokenLossOptions(surrogate=Clip(low=3e-4, high=4e-4), log_ratio_bound=None),
         {"weights": "sequence_mean", "sequence": True},
     ),
 }
@@ -179,16 +180,24 @@ def _tie_inputs() -> tuple[torch.Tensor, ...]:
     return log_probs, old, advantages, torch.ones(7, dtype=torch.bool)
 
 
+def _unchecked_clip(**fields: Any) -> Clip:
+    """A ``Clip`` with edges the public API rejects (c = 1, delta = 1): the launcher's ties."""
+    clip = object.__new__(Clip)
+    for name in ("low", "high", "dual", "delta"):
+        object.__setattr__(clip, name, fields.get(name, 0.2 if name == "low" else None))
+    return clip
+
+
 @pytest.mark.parametrize(
     "options",
     [
         # band [1, 1]: r = 1 sits on both clamp edges, torch.minimum ties -> full gradient
-        TokenLossOptions(clip_low=0.0, log_ratio_bound=0.5),
+        TokenLossOptions(surrogate=Clip(low=0.0), log_ratio_bound=0.5),
         # dual clip c = 1 ties with r = 1 for A < 0 -> half the gradient
-        TokenLossOptions(clip_low=0.0, dual_clip=1.0, log_ratio_bound=0.5),
+        TokenLossOptions(surrogate=_unchecked_clip(low=0.0, dual=1.0), log_ratio_bound=0.5),
         # delta equal to exp(0.5) rounded: min(r, delta) passes the gradient at r == delta
-        TokenLossOptions(clip_low=None, delta=math.exp(0.5), log_ratio_bound=0.5),
-        TokenLossOptions(clip_low=None, delta=1.0, log_ratio_bound=0.75),
+        TokenLossOptions(surrogate=Clip(low=None, delta=math.exp(0.5)), log_ratio_bound=0.5),
+        TokenLossOptions(surrogate=_unchecked_clip(low=None, delta=1.0), log_ratio_bound=0.75),
     ],
 )
 def test_tie_conventions_follow_the_pytorch_paths(options: TokenLossOptions) -> None:
@@ -308,5 +317,7 @@ def test_contract_errors() -> None:
         token_loss_forward(values.double(), values, values, mask)
     with pytest.raises(ValueError, match="surrogate"):
         token_loss_forward(values, values, values, mask, options=TokenLossOptions(surrogate="x"))
+    with pytest.raises(ValueError, match="surrogate"):  # sequence-level: not a kernel surrogate
+        token_loss_forward(values, values, values, mask, options=TokenLossOptions(surrogate=GMPO()))
     with pytest.raises(ValueError, match="importance_weights"):
         token_loss_forward(values, values, values, mask, importance_weights=torch.ones(3))

@@ -23,7 +23,7 @@ import reference
 import rlobjectives
 from backends import FIXTURE_HEALTH, dtype_for, triton_param
 from family_cases import FAMILY_OPTION_SETS
-from rlobjectives import kl_loss, policy_loss
+from rlobjectives import CISPO, Clip, kl_loss, policy_loss
 from rlobjectives.kl.estimators import BiasedGradientWarning
 from rlobjectives.logprobs.fused import FusedPolicyLossOutput, fused_policy_loss_from_hidden
 from rlobjectives.logprobs.head import HEAD_BUDGET, chunk_row_bytes
@@ -604,13 +604,13 @@ def test_fused_matches_reference(
     dtype = dtype_for(backend)
     case = make_case(batch, steps, 3, vocab, seed=seed, with_bias=seed % 2 == 0, dtype=dtype)
     options: dict[str, Any] = {
-        "symmetric": {"clip_low": 0.2},
-        "asymmetric": {"clip_low": 0.1, "clip_high": 0.28},
-        "dual": {"clip_low": 0.2, "dual_clip": 2.0},
-        "none": {"clip_low": None},
-        "delta": {"clip_low": 0.2, "delta": 1.1},
+        "symmetric": {"surrogate": Clip(low=0.2)},
+        "asymmetric": {"surrogate": Clip(low=0.1, high=0.28)},
+        "dual": {"surrogate": Clip(low=0.2, dual=2.0)},
+        "none": {"surrogate": Clip(low=None)},
+        "delta": {"surrogate": Clip(low=0.2, delta=1.1)},
         "cispo": {"surrogate": "cispo"},
-        "cispo_cap": {"surrogate": "cispo", "cispo_cap": 1.1},
+        "cispo_cap": {"surrogate": CISPO(cap=1.1)},
         "sapo": {"surrogate": "sapo"},
     }[clip]
     if weights is not None:  # constants: a NaN at an unselected token must reach nothing
@@ -702,14 +702,14 @@ def test_fused_entropy_bonus_float32_and_bfloat16(backend: str) -> None:
     common = {k: case[k] for k in ("old_log_probs", "advantages", "mask")}
     out = fused_policy_loss_from_hidden(
         inputs[0], inputs[1], case["tokens"], **common, bias=inputs[2], chunk_size=4,
-        surrogate="cispo", cispo_cap=2.0, entropy_coef=0.3, reduction="sequence_mean",
+        surrogate=CISPO(cap=2.0), entropy_coef=0.3, reduction="sequence_mean",
     )  # fmt: skip
     logits = naive_inputs[0] @ naive_inputs[1].T + naive_inputs[2]
     log_softmax = torch.log_softmax(logits, dim=-1)
     log_probs = log_softmax.gather(-1, case["tokens"].unsqueeze(-1)).squeeze(-1)
     entropy = -(log_softmax.exp() * log_softmax).sum(-1)
     expected = policy_loss(
-        log_probs, **common, surrogate="cispo", cispo_cap=2.0, entropy=entropy,
+        log_probs, **common, surrogate=CISPO(cap=2.0), entropy=entropy,
         entropy_coef=0.3, reduction="sequence_mean",
     )  # fmt: skip
     assert_close(out.loss, expected.loss.detach().double())
@@ -765,8 +765,7 @@ def test_fused_finite_differences_float64(reduction: str) -> None:
             weight,
             bias=bias,
             **common,
-            clip_low=0.2,
-            dual_clip=3.0,
+            surrogate=Clip(low=0.2, dual=3.0),
             temperature=0.8,
             chunk_size=4,
             reduction=reduction,
@@ -825,12 +824,12 @@ def test_fused_matches_naive_composition_float32(backend: str, chunk_size: int |
     with pytest.warns(BiasedGradientWarning, match="k3"):
         out = fused_policy_loss_from_hidden(
             inputs[0], inputs[1], case["tokens"], **common, bias=inputs[2], chunk_size=chunk_size,
-            clip_low=0.1, clip_high=0.3, ref_log_probs=ref_log_probs, kl_coef=0.05,
+            surrogate=Clip(low=0.1, high=0.3), ref_log_probs=ref_log_probs, kl_coef=0.05,
             diagnostics_normalizer=20,
         )  # fmt: skip
     log_probs = naive_log_probs(*naive_inputs[:2], case["tokens"], naive_inputs[2])
     unfused = policy_loss(
-        log_probs, **common, clip_low=0.1, clip_high=0.3, diagnostics_normalizer=20
+        log_probs, **common, surrogate=Clip(low=0.1, high=0.3), diagnostics_normalizer=20
     )
     with pytest.warns(BiasedGradientWarning):
         kl = kl_loss(log_probs, ref_log_probs, case["mask"])
@@ -874,7 +873,7 @@ def test_fused_masked_nan_and_fully_masked(backend: str) -> None:
     old = torch.where(mask, case["old_log_probs"], float("-inf"))
     ref = torch.where(mask, case["ref_log_probs"], float("nan"))
     common = {"advantages": case["advantages"], "mask": mask, "ref_log_probs": ref}
-    options = {"kl_coef": 0.1, "kl_estimator": "k2", "chunk_size": 3, "dual_clip": 2.5}
+    options = {"kl_coef": 0.1, "kl_estimator": "k2", "chunk_size": 3, "surrogate": Clip(dual=2.5)}
     clean = leaves(case)
     clean_out = fused_policy_loss_from_hidden(
         clean[0], clean[1], case["tokens"], case["old_log_probs"], bias=clean[2],
@@ -962,7 +961,7 @@ def test_fused_bfloat16_within_tolerance(backend: str) -> None:
         ({"kl_straight_through": 1}, TypeError, "kl_straight_through must be a bool"),
         ({"reduction": "mean"}, ValueError, "reduction must be one of"),
         ({"ratio_level": "seq"}, ValueError, "ratio_level must be one of"),
-        ({"clip_low": -0.1}, ValueError, "clip_low must be >= 0"),
+        ({"surrogate": 3}, TypeError, "surrogate must be one of"),
         ({"normalizer": 0}, ValueError, "normalizer must be > 0"),
         ({"old_log_probs": torch.zeros(1, 3)}, ValueError, "old_log_probs"),
         ({"ref_log_probs": torch.zeros(2, 2)}, ValueError, "ref_log_probs must have the same"),

@@ -27,7 +27,7 @@ import eager_reference
 import reference
 from backends import FIXTURE_HEALTH, dtype_for, on_kernels, triton_param
 from family_cases import FAMILY_OPTION_SETS, TOKEN_LOCAL_FAMILY
-from rlobjectives import grpo_clipped_surrogate, kl_penalized_rewards, policy_loss
+from rlobjectives import CISPO, Clip, grpo_clipped_surrogate, kl_penalized_rewards, policy_loss
 from rlobjectives.policy.fused import ClippedSurrogateFunction
 from rlobjectives.policy.loss import _policy_loss_autograd
 from rlobjectives.policy.seeds import _grpo_clipped_surrogate_autograd
@@ -37,19 +37,19 @@ F64 = torch.float64
 REDUCTIONS = ("token_mean", "sequence_mean", "sequence_sum_normalized", "length_weighted", "none")
 OPTION_SETS: list[dict[str, Any]] = [
     {},
-    {"clip_low": 0.2, "clip_high": 0.28},
-    {"clip_low": 0.1, "clip_high": 0.3, "dual_clip": 3.0},
-    {"clip_low": 0.2, "dual_clip": 1.2},  # the dual bound binds often
-    {"clip_low": None},
-    {"clip_low": None, "dual_clip": 2.0},
-    {"clip_low": 0.2, "log_ratio_bound": None},
-    {"clip_low": 0.2, "log_ratio_bound": 0.3},  # the log-ratio bound fires often
-    {"clip_low": 0.0, "clip_high": 0.0},  # degenerate band [1, 1]
-    {"clip_low": 0.95},  # 1 - clip_low = 0.05: the low edge (almost) never binds
-    {"ratio_level": "sequence", "clip_low": 3e-4, "clip_high": 4e-4},
-    {"ratio_level": "sequence", "clip_low": 0.2, "dual_clip": 2.0},
-    {"ratio_level": "sequence", "clip_low": None, "log_ratio_bound": None},
-    {"ratio_level": "sequence", "clip_low": 0.2, "log_ratio_bound": 0.1},
+    {"surrogate": Clip(low=0.2, high=0.28)},
+    {"surrogate": Clip(low=0.1, high=0.3, dual=3.0)},
+    {"surrogate": Clip(low=0.2, dual=1.2)},  # the dual bound binds often
+    {"surrogate": Clip(low=None)},
+    {"surrogate": Clip(low=None, dual=2.0)},
+    {"surrogate": Clip(low=0.2), "log_ratio_bound": None},
+    {"surrogate": Clip(low=0.2), "log_ratio_bound": 0.3},  # the log-ratio bound fires often
+    {"surrogate": Clip(low=0.0, high=0.0)},  # degenerate band [1, 1]
+    {"surrogate": Clip(low=0.95)},  # 1 - clip_low = 0.05: the low edge (almost) never binds
+    {"ratio_level": "sequence", "surrogate": Clip(low=3e-4, high=4e-4)},
+    {"ratio_level": "sequence", "surrogate": Clip(low=0.2, dual=2.0)},
+    {"ratio_level": "sequence", "surrogate": Clip(low=None), "log_ratio_bound": None},
+    {"ratio_level": "sequence", "surrogate": Clip(low=0.2), "log_ratio_bound": 0.1},
     *FAMILY_OPTION_SETS,
 ]
 DIAGNOSTIC_NAMES = (
@@ -217,13 +217,17 @@ def test_normalizers_match_reference(
 
 option_strategy = st.fixed_dictionaries(
     {
-        "clip_low": st.sampled_from([None, 0.0, 0.1, 0.2]),
-        "clip_high": st.sampled_from([None, 0.28]),
-        "dual_clip": st.sampled_from([None, 1.5, 3.0]),
+        "surrogate": st.tuples(
+            st.sampled_from([None, 0.0, 0.1, 0.2]),  # low
+            st.sampled_from([None, 0.28]),  # high
+            st.sampled_from([None, 1.5, 3.0]),  # dual
+        )
+        .filter(lambda edges: not (edges[0] is None and edges[1] is not None))
+        .map(lambda edges: Clip(low=edges[0], high=edges[1], dual=edges[2])),
         "ratio_level": st.sampled_from(["token", "sequence"]),
         "log_ratio_bound": st.sampled_from([None, 20.0, 0.3]),
     }
-).filter(lambda o: not (o["clip_low"] is None and o["clip_high"] is not None))
+)
 
 
 @FIXTURE_HEALTH
@@ -264,7 +268,7 @@ def test_property_fused_equals_autograd_and_reference(
 
 @pytest.mark.parametrize(
     "options",
-    [{}, {"clip_low": 0.1, "clip_high": 0.3, "dual_clip": 1.5}, {"clip_low": None}],
+    [{}, {"surrogate": Clip(low=0.1, high=0.3, dual=1.5)}, {"surrogate": Clip(low=None)}],
     ids=["defaults", "dual", "vanilla"],
 )
 @pytest.mark.parametrize("reduction", REDUCTIONS)
@@ -331,7 +335,7 @@ def test_tie_at_band_edge_passes_full_gradient(backend: str) -> None:
         torch.zeros(2, 1),
         advantages,
         mask,
-        clip_low=0.0,
+        surrogate=Clip(low=0.0),
         reduction="sequence_sum_normalized",
     )
     out.loss.backward()
@@ -339,7 +343,7 @@ def test_tie_at_band_edge_passes_full_gradient(backend: str) -> None:
     assert_close(out.loss, 0.5)
     assert_close(log_probs.grad, [[-1.0], [1.5]])
     assert_fused_matches_autograd(
-        torch.zeros(2, 1), torch.zeros(2, 1), advantages, mask, clip_low=0.0
+        torch.zeros(2, 1), torch.zeros(2, 1), advantages, mask, surrogate=Clip(low=0.0)
     )
 
 
@@ -349,7 +353,7 @@ def test_dual_clip_tie_passes_half_gradient(backend: str) -> None:
     delta = torch.tensor(math.log(2.0), dtype=torch.float32)
     assert torch.exp(delta) == 2.0  # precondition of the tie
     log_probs = delta.reshape(1, 1)
-    kw = dict(clip_low=0.2, dual_clip=2.0, reduction="sequence_sum_normalized")
+    kw = dict(surrogate=Clip(low=0.2, dual=2.0), reduction="sequence_sum_normalized")
     args = (torch.zeros(1, 1), torch.tensor([-1.0]), torch.ones(1, 1, dtype=torch.bool))
     fused, grad = assert_fused_matches_autograd(log_probs, *args, **kw)
     assert_close(fused.loss, 2.0)  # -s = -(2 * -1)
@@ -360,7 +364,7 @@ def test_log_ratio_bound_edge_is_closed(backend: str) -> None:
     # |log-ratio| == bound exactly: torch.clamp passes the gradient (closed interval).
     dtype = dtype_for(backend)
     log_probs = torch.tensor([[0.25, -0.25, 0.5]], dtype=dtype)
-    kw = dict(clip_low=None, log_ratio_bound=0.25, reduction="sequence_sum_normalized")
+    kw = dict(surrogate=Clip(low=None), log_ratio_bound=0.25, reduction="sequence_sum_normalized")
     args = (
         torch.zeros(1, 3, dtype=dtype),
         torch.tensor([1.0], dtype=dtype),
@@ -429,7 +433,7 @@ def test_nan_per_sequence_advantage_of_empty_row_reaches_nothing(backend: str) -
 
 
 @pytest.mark.parametrize("where", ["log_probs", "old_log_probs", "advantages"])
-@pytest.mark.parametrize("options", [{}, {"clip_low": 0.2, "dual_clip": 2.0}], ids=repr)
+@pytest.mark.parametrize("options", [{}, {"surrogate": Clip(low=0.2, dual=2.0)}], ids=repr)
 def test_nan_at_selected_position_propagates_like_autograd(
     backend: str, where: str, options: dict[str, Any]
 ) -> None:
@@ -483,9 +487,9 @@ def test_nothing_selected_gives_zeros(backend: str) -> None:
 
 DTYPE_OPTIONS: list[dict[str, Any]] = [
     {},
-    {"clip_low": 0.1, "clip_high": 0.3, "dual_clip": 1.5},
+    {"surrogate": Clip(low=0.1, high=0.3, dual=1.5)},
     {"ratio_level": "sequence"},
-    {"clip_low": 0.1, "delta": 1.6, "dual_clip": 1.3},
+    {"surrogate": Clip(low=0.1, dual=1.3, delta=1.6)},
     {"surrogate": "cispo"},
     {"surrogate": "sapo"},
 ]
@@ -543,10 +547,10 @@ def saved_bytes(fn: Any) -> int:
 
 BUDGET_OPTIONS: list[dict[str, Any]] = [
     {},
-    {"clip_low": 0.2, "dual_clip": 2.0},
+    {"surrogate": Clip(low=0.2, dual=2.0)},
     {"ratio_level": "sequence"},
-    {"delta": 1.5},
-    {"surrogate": "cispo", "cispo_cap": 2.0},
+    {"surrogate": Clip(delta=1.5)},
+    {"surrogate": CISPO(cap=2.0)},
     {"surrogate": "sapo"},
     {"importance_weights": "token"},
 ]
@@ -619,7 +623,9 @@ def test_constant_inputs_get_no_gradient_and_learnable_clip_takes_autograd(backe
     assert grads[0] is not None and grads[1] is None and grads[2] is None
     # a learnable (requires-grad) hyperparameter is differentiated by the autograd specification
     clip = torch.tensor(0.2, requires_grad=True)
-    out = policy_loss(log_probs.clone().requires_grad_(True), old, advantages, mask, clip_low=clip)
+    out = policy_loss(
+        log_probs.clone().requires_grad_(True), old, advantages, mask, surrogate=Clip(low=clip)
+    )
     assert "ClippedSurrogate" not in type(out.loss.grad_fn).__name__
     (clip_grad,) = torch.autograd.grad(out.loss, [clip])
     assert torch.isfinite(clip_grad)
@@ -642,7 +648,7 @@ def test_function_rejects_nothing_it_does_not_document() -> None:
 @pytest.mark.compile
 def test_compiled_fullgraph_equals_eager() -> None:
     log_probs, old, advantages, mask = make_batch(4, 9, seed=12, dtype=torch.float32)
-    kw = dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0)
+    kw = dict(surrogate=Clip(low=0.2, high=0.28, dual=3.0))
 
     def fn(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         out = policy_loss(x, old, advantages, mask, **kw)
@@ -667,11 +673,11 @@ def test_compiled_fullgraph_equals_eager() -> None:
     "options",
     [
         {},
-        {"clip_low": 0.2, "clip_high": 0.28},
-        {"clip_low": 0.2, "dual_clip": 1.5},
-        {"clip_low": None},
-        {"clip_low": 0.2, "log_ratio_bound": 0.3},
-        {"ratio_level": "sequence", "clip_low": 0.2},
+        {"surrogate": Clip(low=0.2, high=0.28)},
+        {"surrogate": Clip(low=0.2, dual=1.5)},
+        {"surrogate": Clip(low=None)},
+        {"surrogate": Clip(low=0.2), "log_ratio_bound": 0.3},
+        {"ratio_level": "sequence", "surrogate": Clip(low=0.2)},
     ],
     ids=repr,
 )
@@ -685,8 +691,10 @@ def test_eager_policy_loss_baseline_agrees(
         policy_loss, log_probs, old, advantages, mask, **options, reduction=reduction
     )
     leaf = log_probs.clone().requires_grad_(True)
+    flat = {**options, **reference.surrogate_options(options.get("surrogate", "clip"))}
+    flat = {k: v for k, v in flat.items() if k != "surrogate" and not (k == "delta" and v is None)}
     baseline = eager_reference.policy_loss(
-        leaf, old, advantages.unsqueeze(-1), mask, **options, reduction=reduction
+        leaf, old, advantages.unsqueeze(-1), mask, **flat, reduction=reduction
     )
     (baseline_grad,) = torch.autograd.grad(baseline.sum(), [leaf])
     assert_close(ours.loss, baseline)

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import reference
 from backends import FIXTURE_HEALTH, dtype_for, on_kernels, triton_param
 from family_cases import FAMILY_OPTION_SETS
-from rlobjectives import grpo_clipped_surrogate, policy_loss
+from rlobjectives import CISPO, GMPO, SAPO, VESPO, Clip, grpo_clipped_surrogate, policy_loss
 from rlobjectives.policy.loss import _policy_loss_autograd
 from tolerances import assert_close
 
@@ -134,20 +134,20 @@ def assert_diagnostics_match(diagnostics: Any, expected: dict[str, float]) -> No
 
 OPTION_SETS: list[dict[str, Any]] = [
     {},  # PPO/GRPO defaults: clip 0.2, bound 20
-    {"clip_low": 0.2, "clip_high": 0.28},  # DAPO clip-higher
-    {"clip_low": 0.1, "clip_high": 0.3, "dual_clip": 3.0},
-    {"clip_low": 0.2, "dual_clip": 1.5},  # dual bound binds often
-    {"clip_low": None},  # vanilla importance-weighted PG
-    {"clip_low": None, "dual_clip": 2.0},
-    {"clip_low": 0.2, "log_ratio_bound": None},
-    {"clip_low": 0.2, "log_ratio_bound": 0.3},  # the bound fires often
-    {"clip_low": None, "log_ratio_bound": 0.25},
-    {"clip_low": 0.0, "clip_high": 0.0},  # degenerate band [1, 1]
-    {"ratio_level": "sequence", "clip_low": 3e-4, "clip_high": 4e-4},  # GSPO-like widths
-    {"ratio_level": "sequence", "clip_low": 0.2, "clip_high": 0.28, "dual_clip": 2.0},
-    {"ratio_level": "sequence", "clip_low": None},
-    {"ratio_level": "sequence", "clip_low": 0.2, "log_ratio_bound": 0.1},
-    {"ratio_level": "sequence", "clip_low": 0.2, "log_ratio_bound": None},
+    {"surrogate": Clip(low=0.2, high=0.28)},  # DAPO clip-higher
+    {"surrogate": Clip(low=0.1, high=0.3, dual=3.0)},
+    {"surrogate": Clip(low=0.2, dual=1.5)},  # dual bound binds often
+    {"surrogate": Clip(low=None)},  # vanilla importance-weighted PG
+    {"surrogate": Clip(low=None, dual=2.0)},
+    {"surrogate": Clip(low=0.2), "log_ratio_bound": None},
+    {"surrogate": Clip(low=0.2), "log_ratio_bound": 0.3},  # the bound fires often
+    {"surrogate": Clip(low=None), "log_ratio_bound": 0.25},
+    {"surrogate": Clip(low=0.0, high=0.0)},  # degenerate band [1, 1]
+    {"ratio_level": "sequence", "surrogate": Clip(low=3e-4, high=4e-4)},  # GSPO-like widths
+    {"ratio_level": "sequence", "surrogate": Clip(low=0.2, high=0.28, dual=2.0)},
+    {"ratio_level": "sequence", "surrogate": Clip(low=None)},
+    {"ratio_level": "sequence", "surrogate": Clip(low=0.2), "log_ratio_bound": 0.1},
+    {"ratio_level": "sequence", "surrogate": Clip(low=0.2), "log_ratio_bound": None},
 ]
 OPTION_SETS = OPTION_SETS + FAMILY_OPTION_SETS
 
@@ -217,7 +217,7 @@ def test_matches_reference_with_normalizer(
     batch = make_batch(6, 5, seed=3, dtype=dtype_for(backend))
     kwargs = dict(reduction=reduction, normalizer=normalizer)
     kwargs["max_response_length"] = max_response_length
-    out, grads = run_library(batch, clip_low=0.2, clip_high=0.25, **kwargs)
+    out, grads = run_library(batch, surrogate=Clip(low=0.2, high=0.25), **kwargs)
     ref_normalizer = None if normalizer is None else float(normalizer)
     expected, expected_grads = run_reference(
         batch,
@@ -234,13 +234,17 @@ def test_matches_reference_with_normalizer(
 
 option_strategy = st.fixed_dictionaries(
     {
-        "clip_low": st.sampled_from([None, 0.0, 0.1, 0.2]),
-        "clip_high": st.sampled_from([None, 0.28]),
-        "dual_clip": st.sampled_from([None, 1.5, 3.0]),
+        "surrogate": st.tuples(
+            st.sampled_from([None, 0.0, 0.1, 0.2]),  # low
+            st.sampled_from([None, 0.28]),  # high
+            st.sampled_from([None, 1.5, 3.0]),  # dual
+        )
+        .filter(lambda edges: not (edges[0] is None and edges[1] is not None))
+        .map(lambda edges: Clip(low=edges[0], high=edges[1], dual=edges[2])),
         "ratio_level": st.sampled_from(["token", "sequence"]),
         "log_ratio_bound": st.sampled_from([None, 20.0, 0.3]),
     }
-).filter(lambda o: not (o["clip_low"] is None and o["clip_high"] is not None))
+)
 
 
 @FIXTURE_HEALTH
@@ -342,7 +346,7 @@ def test_family_matches_reference_property(
 def test_seed_function_is_policy_loss_with_bound_60() -> None:
     batch = make_batch(4, 6, seed=5, spread=1.0)
     seed_out = grpo_clipped_surrogate(*batch, 0.2)
-    out = policy_loss(*batch, clip_low=0.2, log_ratio_bound=60.0)
+    out = policy_loss(*batch, surrogate=Clip(low=0.2), log_ratio_bound=60.0)
     torch.testing.assert_close(seed_out["loss"], out.loss, rtol=0, atol=0)
     torch.testing.assert_close(
         seed_out["clipped_fraction"], out.diagnostics.clipped_fraction, rtol=0, atol=0
@@ -362,16 +366,17 @@ def _distance_to_kinks(batch: Batch, edges: list[float]) -> float:
 @pytest.mark.parametrize(
     ("options", "reduction"),
     [
-        ({"clip_low": 0.2}, "token_mean"),
-        ({"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 1.5}, "sequence_mean"),
-        ({"clip_low": None}, "sequence_sum_normalized"),
-        ({"clip_low": 0.1, "log_ratio_bound": 0.3}, "none"),
+        ({"surrogate": Clip(low=0.2)}, "token_mean"),
+        ({"surrogate": Clip(low=0.2, high=0.28, dual=1.5)}, "sequence_mean"),
+        ({"surrogate": Clip(low=None)}, "sequence_sum_normalized"),
+        ({"surrogate": Clip(low=0.1), "log_ratio_bound": 0.3}, "none"),
     ],
 )
 def test_gradcheck_token_level(options: dict[str, Any], reduction: str) -> None:
     batch = make_batch(3, 5, seed=21, per_token=True)
-    high = options.get("clip_high") or options.get("clip_low") or 0.0
-    edges = [1 - (options.get("clip_low") or 0.0), 1 + high, math.exp(0.3), math.exp(-0.3)]
+    clip = options["surrogate"]
+    high = clip.high or clip.low or 0.0
+    edges = [1 - (clip.low or 0.0), 1 + high, math.exp(0.3), math.exp(-0.3)]
     assert _distance_to_kinks(batch, edges) > 1e-3  # so finite differences never straddle a kink
     mask = batch.mask
 
@@ -387,10 +392,14 @@ def test_gradcheck_token_level(options: dict[str, Any], reduction: str) -> None:
 @pytest.mark.parametrize(
     "options",
     [
-        {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 1.5, "reduction": "sequence_mean"},
-        {"clip_low": None, "log_ratio_bound": 0.3, "reduction": "sequence_sum_normalized"},
-        {"clip_low": 0.05, "ratio_level": "sequence", "reduction": "token_mean"},
-        {"clip_low": 0.1, "reduction": "none", "normalizer": 3},
+        {"surrogate": Clip(low=0.2, high=0.28, dual=1.5), "reduction": "sequence_mean"},
+        {
+            "surrogate": Clip(low=None),
+            "log_ratio_bound": 0.3,
+            "reduction": "sequence_sum_normalized",
+        },
+        {"surrogate": Clip(low=0.05), "ratio_level": "sequence", "reduction": "token_mean"},
+        {"surrogate": Clip(low=0.1), "reduction": "none", "normalizer": 3},
     ],
 )
 def test_gradcheck_log_probs_only(options: dict[str, Any]) -> None:
@@ -416,7 +425,13 @@ def test_gradcheck_sequence_level(reduction: str) -> None:
 
     def loss(lp: torch.Tensor) -> torch.Tensor:
         return _policy_loss_autograd(
-            lp, old, advantages, mask, ratio_level="sequence", clip_low=0.05, reduction=reduction
+            lp,
+            old,
+            advantages,
+            mask,
+            ratio_level="sequence",
+            surrogate=Clip(low=0.05),
+            reduction=reduction,
         ).loss
 
     assert torch.autograd.gradcheck(loss, (leaves(batch)[0],))
@@ -428,7 +443,7 @@ def test_gradcheck_sequence_level(reduction: str) -> None:
                 advantages,
                 mask,
                 ratio_level="sequence",
-                clip_low=0.05,
+                surrogate=Clip(low=0.05),
                 reduction=reduction,
             ).loss
         ),
@@ -450,31 +465,31 @@ def _one_token(delta: float, advantage: float, **kwargs: Any) -> torch.Tensor:
 
 def test_golden_dual_clip() -> None:
     # A=-1, r=4, eps=0.2, c=3: s = max(min(-4, -1.2), -3) = max(-4, -3) = -3; loss = 3
-    assert_close(_one_token(4.0, -1.0, clip_low=0.2, dual_clip=3.0), 3.0)
+    assert_close(_one_token(4.0, -1.0, surrogate=Clip(low=0.2, dual=3.0)), 3.0)
     # without dual clip: s = min(-4, -1.2) = -4; loss = 4
-    assert_close(_one_token(4.0, -1.0, clip_low=0.2), 4.0)
+    assert_close(_one_token(4.0, -1.0, surrogate=Clip(low=0.2)), 4.0)
     # A=+1, r=4: dual clip does not apply; s = min(4, 1.2) = 1.2; loss = -1.2
-    assert_close(_one_token(4.0, 1.0, clip_low=0.2, dual_clip=3.0), -1.2)
+    assert_close(_one_token(4.0, 1.0, surrogate=Clip(low=0.2, dual=3.0)), -1.2)
     # A=-1, r=2 < c: s = max(min(-2, -1.2), -3) = -2; loss = 2 (dual bound not binding)
-    assert_close(_one_token(2.0, -1.0, clip_low=0.2, dual_clip=3.0), 2.0)
+    assert_close(_one_token(2.0, -1.0, surrogate=Clip(low=0.2, dual=3.0)), 2.0)
 
 
 def test_golden_asymmetric_clip() -> None:
     # DAPO clip-higher: eps_low=0.2, eps_high=0.28
     # A=+1, r=1.5: s = min(1.5, 1.28) = 1.28; loss = -1.28 (symmetric would give -1.2)
-    assert_close(_one_token(1.5, 1.0, clip_low=0.2, clip_high=0.28), -1.28)
-    assert_close(_one_token(1.5, 1.0, clip_low=0.2), -1.2)
+    assert_close(_one_token(1.5, 1.0, surrogate=Clip(low=0.2, high=0.28)), -1.28)
+    assert_close(_one_token(1.5, 1.0, surrogate=Clip(low=0.2)), -1.2)
     # A=-1, r=0.5: s = min(-0.5, -0.8) = -0.8; loss = 0.8 (the low edge is eps_low)
-    assert_close(_one_token(0.5, -1.0, clip_low=0.2, clip_high=0.28), 0.8)
+    assert_close(_one_token(0.5, -1.0, surrogate=Clip(low=0.2, high=0.28)), 0.8)
     # A=-1, r=1.5: s = min(-1.5, -1.28) = -1.5 (unclipped branch); loss = 1.5
-    assert_close(_one_token(1.5, -1.0, clip_low=0.2, clip_high=0.28), 1.5)
+    assert_close(_one_token(1.5, -1.0, surrogate=Clip(low=0.2, high=0.28)), 1.5)
 
 
 def test_golden_vanilla_and_bound() -> None:
     # clip_low=None: s = r A = 4 * 2 = 8; loss = -8
-    assert_close(_one_token(4.0, 2.0, clip_low=None), -8.0)
+    assert_close(_one_token(4.0, 2.0, surrogate=Clip(low=None)), -8.0)
     # log_ratio_bound=1: log r = log 4 = 1.386 > 1 -> r = e; s = 2e; loss = -2e
-    assert_close(_one_token(4.0, 2.0, clip_low=None, log_ratio_bound=1.0), -2 * math.e)
+    assert_close(_one_token(4.0, 2.0, surrogate=Clip(low=None), log_ratio_bound=1.0), -2 * math.e)
 
 
 def test_golden_reductions() -> None:
@@ -517,7 +532,7 @@ def test_golden_gspo() -> None:
         torch.zeros(1, 3, dtype=F64),
         [1.0],
         mask,
-        clip_low=None,
+        surrogate=Clip(low=None),
         ratio_level="sequence",
         return_per_token=True,
     )
@@ -545,9 +560,9 @@ def test_golden_gspo() -> None:
 @given(seed=st.integers(0, 2**31 - 1), dual_clip=st.sampled_from([1.1, 1.5, 3.0]))
 def test_dual_clip_only_changes_negative_advantages(seed: int, dual_clip: float) -> None:
     batch = make_batch(5, 6, seed, per_token=True, spread=1.5, empty_row_probability=0.0)
-    plain = policy_loss(*batch, clip_low=0.2, return_per_token=True).per_token_loss
+    plain = policy_loss(*batch, surrogate=Clip(low=0.2), return_per_token=True).per_token_loss
     dual = policy_loss(
-        *batch, clip_low=0.2, dual_clip=dual_clip, return_per_token=True
+        *batch, surrogate=Clip(low=0.2, dual=dual_clip), return_per_token=True
     ).per_token_loss
     assert plain is not None and dual is not None
     positive = batch.advantages >= 0
@@ -561,16 +576,16 @@ def test_dual_clip_only_changes_negative_advantages(seed: int, dual_clip: float)
 def test_dual_clip_changes_something() -> None:
     # guard for the property above: with spread 1.5 the dual bound does bind somewhere
     batch = make_batch(5, 6, 0, per_token=True, spread=1.5, empty_row_probability=0.0)
-    out = policy_loss(*batch, clip_low=0.2, dual_clip=1.5)
+    out = policy_loss(*batch, surrogate=Clip(low=0.2, dual=1.5))
     assert out.diagnostics.dual_clip_fraction > 0
-    assert out.loss != policy_loss(*batch, clip_low=0.2).loss
+    assert out.loss != policy_loss(*batch, surrogate=Clip(low=0.2)).loss
 
 
 @pytest.mark.parametrize("dual_clip", [1.0, 0.5, 0.0, -2.0, torch.tensor(1.0)])
 def test_dual_clip_at_most_one_raises(dual_clip: Any) -> None:
     batch = make_batch(2, 3, 0)
-    with pytest.raises(ValueError, match=r"dual_clip must be > 1"):
-        policy_loss(*batch, dual_clip=dual_clip)
+    with pytest.raises(ValueError, match=r"^Clip.dual must be > 1"):
+        policy_loss(*batch, surrogate=Clip(dual=dual_clip))
 
 
 @given(seed=st.integers(0, 2**31 - 1), clip_low=st.sampled_from([None, 0.5]))
@@ -586,7 +601,7 @@ def test_gspo_gradient_equals_paper_formula(seed: int, clip_low: float | None) -
         batch.old_log_probs,
         advantages,
         batch.mask,
-        clip_low=clip_low,
+        surrogate=Clip(low=clip_low),
         ratio_level="sequence",
         reduction="sequence_mean",
         return_per_token=True,
@@ -625,8 +640,10 @@ def test_gspo_gradient_equals_paper_formula(seed: int, clip_low: float | None) -
 def test_gspo_differs_from_token_level() -> None:
     # guard: the sequence ratio is not the token ratio
     batch = make_batch(3, 5, 1, empty_row_probability=0.0)
-    token = policy_loss(*batch, clip_low=None, reduction="sequence_mean").loss
-    sequence = policy_loss(*batch, clip_low=None, ratio_level="sequence", reduction="sequence_mean")
+    token = policy_loss(*batch, surrogate=Clip(low=None), reduction="sequence_mean").loss
+    sequence = policy_loss(
+        *batch, surrogate=Clip(low=None), ratio_level="sequence", reduction="sequence_mean"
+    )
     assert not torch.allclose(token, sequence.loss)
 
 
@@ -637,7 +654,7 @@ def test_vanilla_pg_is_reinforce(reduction: str) -> None:
     batch = make_batch(4, 6, 2, per_token=True)
     log_probs = batch.log_probs.clone().requires_grad_(True)
     out = policy_loss(
-        log_probs, log_probs.detach(), batch.advantages, batch.mask, clip_low=None,
+        log_probs, log_probs.detach(), batch.advantages, batch.mask, surrogate=Clip(low=None),
         reduction=reduction,
     )  # fmt: skip
     (grad,) = torch.autograd.grad(out.loss, log_probs)
@@ -782,12 +799,12 @@ def test_extra_padding_changes_nothing(
 POISONS = (math.nan, math.inf, -math.inf)
 NONFINITE_OPTIONS: list[dict[str, Any]] = [
     {},
-    {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 3.0},
-    {"clip_low": None, "log_ratio_bound": None},
+    {"surrogate": Clip(low=0.2, high=0.28, dual=3.0)},
+    {"surrogate": Clip(low=None), "log_ratio_bound": None},
     {"ratio_level": "sequence"},
-    {"ratio_level": "sequence", "clip_low": None, "log_ratio_bound": None},
-    {"clip_low": 0.1, "delta": 1.6, "dual_clip": 1.3},
-    {"surrogate": "cispo", "cispo_cap": 1.3},
+    {"ratio_level": "sequence", "surrogate": Clip(low=None), "log_ratio_bound": None},
+    {"surrogate": Clip(low=0.1, dual=1.3, delta=1.6)},
+    {"surrogate": CISPO(cap=1.3)},
     {"surrogate": "sapo", "ratio_level": "sequence"},
     {"surrogate": "gmpo"},
     {"surrogate": "vespo", "log_ratio_bound": None},
@@ -846,7 +863,12 @@ def test_nothing_selected_gives_zeros(backend: str, reduction: str, shape: tuple
     log_probs = torch.full(shape, 3.0, requires_grad=True)
     mask = torch.zeros(shape, dtype=torch.bool)
     out = policy_loss(
-        log_probs, torch.zeros(shape), torch.ones(shape), mask, reduction=reduction, dual_clip=2.0
+        log_probs,
+        torch.zeros(shape),
+        torch.ones(shape),
+        mask,
+        reduction=reduction,
+        surrogate=Clip(dual=2.0),
     )
     assert_close(out.loss, torch.zeros(out.loss.shape))
     (grad,) = grads_of(out.loss, [log_probs])
@@ -887,7 +909,7 @@ def test_noncontiguous_equals_contiguous(backend: str) -> None:
     views = Batch(*(x[:, ::2] for x in wide[:3]), wide[3][:, ::2])
     transposed = Batch(*(x.t().contiguous().t() for x in batch))
     assert not views.log_probs.is_contiguous() and not transposed.log_probs.is_contiguous()
-    kwargs = dict(clip_low=0.2, clip_high=0.3, dual_clip=2.0, return_per_token=True)
+    kwargs = dict(surrogate=Clip(low=0.2, high=0.3, dual=2.0), return_per_token=True)
     for reduction in REDUCTIONS:
         out, grads = run_library(batch, reduction=reduction, **kwargs)
         for strided in (views, transposed):
@@ -916,10 +938,10 @@ def test_inputs_not_mutated(backend: str) -> None:
 
 DTYPE_OPTIONS: list[dict[str, Any]] = [
     {},
-    {"clip_high": 0.28, "dual_clip": 3.0},
-    {"ratio_level": "sequence", "clip_low": None},
-    {"delta": 1.1},
-    {"surrogate": "cispo", "cispo_cap": 1.3},
+    {"surrogate": Clip(high=0.28, dual=3.0)},
+    {"ratio_level": "sequence", "surrogate": Clip(low=None)},
+    {"surrogate": Clip(delta=1.1)},
+    {"surrogate": CISPO(cap=1.3)},
     {"surrogate": "sapo"},
     {"surrogate": "gmpo"},
     {"surrogate": "vespo"},
@@ -1022,9 +1044,7 @@ def test_diagnostics_hand_count() -> None:
         torch.zeros(1, 10, dtype=F64),
         torch.tensor([advantages], dtype=F64),
         mask,
-        clip_low=0.2,
-        clip_high=0.28,
-        dual_clip=3.0,
+        surrogate=Clip(low=0.2, high=0.28, dual=3.0),
     )
     d = out.diagnostics
     n = 9
@@ -1049,15 +1069,15 @@ def test_diagnostics_boundary_not_counted_float32(backend: str) -> None:
     out = policy_loss(torch.zeros(2, 3), torch.zeros(2, 3), [1.0, -1.0], torch.ones(2, 3))
     assert out.diagnostics.clipped_fraction == 0
     edge = policy_loss(
-        torch.zeros(2, 3), torch.zeros(2, 3), [1.0, -1.0], torch.ones(2, 3), clip_low=0.0,
-        clip_high=0.0,
+        torch.zeros(2, 3), torch.zeros(2, 3), [1.0, -1.0], torch.ones(2, 3),
+        surrogate=Clip(low=0.0, high=0.0),
     )  # fmt: skip
     assert edge.diagnostics.clipped_fraction == 0
     assert edge.diagnostics.clip_fraction_low == 0 and edge.diagnostics.clip_fraction_high == 0
     # r = exp(1e-3) > 1: now out of the [1, 1] band for all 6 tokens; binding for the A > 0 row
     above = policy_loss(
-        torch.full((2, 3), 1e-3), torch.zeros(2, 3), [1.0, -1.0], torch.ones(2, 3), clip_low=0.0,
-        clip_high=0.0,
+        torch.full((2, 3), 1e-3), torch.zeros(2, 3), [1.0, -1.0], torch.ones(2, 3),
+        surrogate=Clip(low=0.0, high=0.0),
     )  # fmt: skip
     assert_close(above.diagnostics.clipped_fraction, 1.0)
     assert_close(above.diagnostics.clip_fraction_high, 0.5)
@@ -1066,7 +1086,7 @@ def test_diagnostics_boundary_not_counted_float32(backend: str) -> None:
 
 def test_diagnostics_without_clip_or_dual_are_zero() -> None:
     batch = make_batch(3, 5, 2, spread=2.0, empty_row_probability=0.0)
-    out = policy_loss(*batch, clip_low=None, log_ratio_bound=None)
+    out = policy_loss(*batch, surrogate=Clip(low=None), log_ratio_bound=None)
     assert out.diagnostics.clipped_fraction == 0
     assert out.diagnostics.clip_fraction_low == 0 and out.diagnostics.clip_fraction_high == 0
     assert out.diagnostics.dual_clip_fraction == 0
@@ -1112,11 +1132,11 @@ def _micro_batch(batch: Batch, start: int, stop: int) -> Batch:
 
 MICRO_REDUCTIONS = ("token_mean", "sequence_mean", "sequence_sum_normalized", "length_weighted")
 MICRO_OPTIONS: list[dict[str, Any]] = [
-    {"clip_low": 0.2, "clip_high": 0.28, "dual_clip": 2.0, "log_ratio_bound": 0.5},
-    {"ratio_level": "sequence", "clip_low": 0.1},
-    {"clip_low": None},
-    {"clip_low": 0.2, "delta": 1.1},
-    {"surrogate": "cispo", "cispo_cap": 1.3},
+    {"surrogate": Clip(low=0.2, high=0.28, dual=2.0), "log_ratio_bound": 0.5},
+    {"ratio_level": "sequence", "surrogate": Clip(low=0.1)},
+    {"surrogate": Clip(low=None)},
+    {"surrogate": Clip(low=0.2, delta=1.1)},
+    {"surrogate": CISPO(cap=1.3)},
     {"surrogate": "cispo"},
     {"surrogate": "sapo"},
     {"surrogate": "gmpo"},
@@ -1212,16 +1232,6 @@ ERROR_CASES: list[tuple[dict[str, Any], type[Exception], str]] = [
     ({"old_log_probs": torch.zeros(2, 3, dtype=torch.complex64)}, TypeError, r"old_log_probs"),
     ({"mask": None}, TypeError, r"mask must be"),
     ({"old_log_probs": torch.zeros(2, 3, device="meta")}, ValueError, r"old_log_probs must be on"),
-    ({"clip_low": -0.1}, ValueError, r"clip_low must be >= 0"),
-    ({"clip_low": math.nan}, ValueError, r"clip_low must be finite"),
-    ({"clip_low": math.inf}, ValueError, r"clip_low must be finite"),
-    ({"clip_low": True}, TypeError, r"clip_low must be a real number"),
-    ({"clip_low": "0.2"}, TypeError, r"clip_low must be a real number"),
-    ({"clip_low": torch.tensor([0.2])}, TypeError, r"clip_low must be a real number or a 0-d"),
-    ({"clip_high": -0.2}, ValueError, r"clip_high must be >= 0"),
-    ({"clip_low": None, "clip_high": 0.2}, ValueError, r"clip_high requires clip_low"),
-    ({"dual_clip": 1.0}, ValueError, r"dual_clip must be > 1"),
-    ({"dual_clip": math.nan}, ValueError, r"dual_clip must be finite"),
     ({"log_ratio_bound": 0.0}, ValueError, r"log_ratio_bound must be > 0"),
     ({"log_ratio_bound": -1.0}, ValueError, r"log_ratio_bound must be > 0"),
     ({"ratio_level": "tokens"}, ValueError, r"ratio_level must be one of"),
@@ -1244,21 +1254,12 @@ ERROR_CASES: list[tuple[dict[str, Any], type[Exception], str]] = [
     ),
     ({"diagnostics_normalizer": -1}, ValueError, r"diagnostics_normalizer must be > 0"),
     ({"surrogate": "ppo"}, ValueError, r"surrogate must be one of \['clip', 'cispo'"),
-    ({"delta": 1.0}, ValueError, r"delta must be > 1"),
-    ({"delta": math.nan}, ValueError, r"delta must be finite"),
-    ({"surrogate": "sapo", "delta": 2.0}, ValueError, r"delta applies to surrogate='clip' only"),
-    ({"surrogate": "cispo", "dual_clip": 3.0}, ValueError, r"dual_clip applies to surrogate="),
-    ({"cispo_cap": 5.0}, ValueError, r"cispo_cap applies to surrogate='cispo' only"),
-    ({"surrogate": "cispo", "cispo_cap": 0.0}, ValueError, r"cispo_cap must be > 0"),
-    ({"sapo_temperature_pos": 0.0}, ValueError, r"sapo_temperature_pos must be > 0"),
-    ({"sapo_temperature_neg": -1.0}, ValueError, r"sapo_temperature_neg must be > 0"),
-    ({"vespo_k_pos": -1.0}, ValueError, r"vespo_k_pos must be >= 0"),
-    ({"vespo_lambda_neg": 0.0}, ValueError, r"vespo_lambda_neg must be > 0"),
-    ({"vespo_k_neg": "3"}, TypeError, r"vespo_k_neg must be a real number"),
+    ({"surrogate": 3}, TypeError, r"surrogate must be one of .* or a surrogate object"),
+    ({"surrogate": Clip}, TypeError, r"surrogate must be one of .* or a surrogate object"),
     (
         {"surrogate": "gmpo", "ratio_level": "sequence"},
         ValueError,
-        r"surrogate='gmpo' forms its own sequence ratio: ratio_level must be 'token'",
+        r"surrogate=GMPO\(low=0.2, high=None\) forms its own sequence ratio: ratio_level must be",
     ),
     (
         {"surrogate": "vespo", "ratio_level": "sequence"},
@@ -1290,6 +1291,43 @@ def test_errors(override: dict[str, Any], error: type[Exception], match: str) ->
         policy_loss(**arguments, **override)
 
 
+# The surrogate objects validate their fields when built (0.2's flat keywords, now fields).
+SURROGATE_ERROR_CASES: list[tuple[type, dict[str, Any], type[Exception], str]] = [
+    (Clip, {"low": -0.1}, ValueError, r"^Clip.low must be >= 0"),
+    (Clip, {"low": math.nan}, ValueError, r"^Clip.low must be finite"),
+    (Clip, {"low": math.inf}, ValueError, r"^Clip.low must be finite"),
+    (Clip, {"low": 1.0}, ValueError, r"^Clip.low must be < 1"),
+    (Clip, {"low": True}, TypeError, r"^Clip.low must be a real number"),
+    (Clip, {"low": "0.2"}, TypeError, r"^Clip.low must be a real number"),
+    (Clip, {"low": torch.tensor([0.2])}, TypeError, r"^Clip.low must be a real number or a 0-d"),
+    (Clip, {"high": -0.2}, ValueError, r"^Clip.high must be >= 0"),
+    (Clip, {"low": None, "high": 0.2}, ValueError, r"^Clip.high requires Clip.low"),
+    (Clip, {"dual": 1.0}, ValueError, r"^Clip.dual must be > 1"),
+    (Clip, {"dual": math.nan}, ValueError, r"^Clip.dual must be finite"),
+    (Clip, {"delta": 1.0}, ValueError, r"^Clip.delta must be > 1"),
+    (Clip, {"delta": math.nan}, ValueError, r"^Clip.delta must be finite"),
+    (CISPO, {"cap": 0.0}, ValueError, r"^CISPO.cap must be > 0"),
+    (CISPO, {"cap": 5.0, "high": 0.28}, ValueError, r"^CISPO.high does not apply with CISPO.cap"),
+    (CISPO, {"cap": 5.0, "low": 0.2}, ValueError, r"^CISPO.low does not apply with CISPO.cap"),
+    (CISPO, {"low": None, "high": 0.2}, ValueError, r"^CISPO.high requires CISPO.low"),
+    (SAPO, {"temperature_pos": 0.0}, ValueError, r"^SAPO.temperature_pos must be > 0"),
+    (SAPO, {"temperature_neg": -1.0}, ValueError, r"^SAPO.temperature_neg must be > 0"),
+    (GMPO, {"low": 1.5}, ValueError, r"^GMPO.low must be < 1"),
+    (GMPO, {"low": None, "high": 0.3}, ValueError, r"^GMPO.high requires GMPO.low"),
+    (VESPO, {"k_pos": -1.0}, ValueError, r"^VESPO.k_pos must be >= 0"),
+    (VESPO, {"lambda_neg": 0.0}, ValueError, r"^VESPO.lambda_neg must be > 0"),
+    (VESPO, {"k_neg": "3"}, TypeError, r"^VESPO.k_neg must be a real number"),
+]
+
+
+@pytest.mark.parametrize(("cls", "fields", "error", "match"), SURROGATE_ERROR_CASES)
+def test_surrogate_object_errors(
+    cls: type, fields: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    with pytest.raises(error, match=match):
+        cls(**fields)
+
+
 def test_hyperparameters_are_keyword_only() -> None:
     with pytest.raises(TypeError):
         policy_loss(*_valid().values(), 0.2)  # type: ignore[misc]
@@ -1298,27 +1336,33 @@ def test_hyperparameters_are_keyword_only() -> None:
 def test_tensor_hyperparameters(backend: str) -> None:
     # 0-d tensor hyperparameters give the same result as Python numbers
     batch = make_batch(4, 5, 3, per_token=True, spread=1.0, dtype=dtype_for(backend))
-    numbers = dict(clip_low=0.2, clip_high=0.3, dual_clip=2.0, log_ratio_bound=0.8, normalizer=9)
-    tensors = {k: torch.tensor(float(v), dtype=F64) for k, v in numbers.items()}
-    expected = policy_loss(*batch, **numbers)
-    actual = policy_loss(*batch, **tensors)
+
+    def tensor(value: float) -> torch.Tensor:
+        return torch.tensor(float(value), dtype=F64)
+
+    expected = policy_loss(
+        *batch, surrogate=Clip(low=0.2, high=0.3, dual=2.0), log_ratio_bound=0.8, normalizer=9
+    )
+    actual = policy_loss(
+        *batch,
+        surrogate=Clip(low=tensor(0.2), high=tensor(0.3), dual=tensor(2.0)),
+        log_ratio_bound=tensor(0.8),
+        normalizer=tensor(9),
+    )
     assert_close(actual.loss, expected.loss)
     for a, b in zip(actual.diagnostics, expected.diagnostics, strict=True):
         assert_close(a, b)
-    family = [
-        dict(delta=1.1, dual_clip=2.0, clip_high=0.3),
-        dict(surrogate="cispo", cispo_cap=1.2),
-        dict(surrogate="sapo", sapo_temperature_pos=2.0, sapo_temperature_neg=3.0),
-        dict(surrogate="vespo", vespo_k_pos=1.5, vespo_lambda_pos=2.5, vespo_k_neg=2.0),
-        dict(surrogate="gmpo", clip_low=0.1, clip_high=0.3),
+    family: list[tuple[type, dict[str, float]]] = [
+        (Clip, dict(delta=1.1, dual=2.0, high=0.3)),
+        (CISPO, dict(cap=1.2)),
+        (SAPO, dict(temperature_pos=2.0, temperature_neg=3.0)),
+        (VESPO, dict(k_pos=1.5, lambda_pos=2.5, k_neg=2.0)),
+        (GMPO, dict(low=0.1, high=0.3)),
     ]
-    for numbers in family:
-        tensors = {
-            k: v if isinstance(v, str) else torch.tensor(float(v), dtype=F64)
-            for k, v in numbers.items()
-        }
-        expected = policy_loss(*batch, **numbers)
-        actual = policy_loss(*batch, **tensors)
+    for cls, numbers in family:
+        tensors = {k: tensor(v) for k, v in numbers.items()}
+        expected = policy_loss(*batch, surrogate=cls(**numbers))
+        actual = policy_loss(*batch, surrogate=cls(**tensors))
         assert_close(actual.loss, expected.loss)
         for a, b in zip(actual.diagnostics, expected.diagnostics, strict=True):
             assert_close(a, b)
@@ -1345,9 +1389,7 @@ def test_compiled_equals_eager() -> None:
             old_log_probs,
             advantages,
             mask,
-            clip_low=0.2,
-            clip_high=0.28,
-            dual_clip=3.0,
+            surrogate=Clip(low=0.2, high=0.28, dual=3.0),
             log_ratio_bound=0.8,
             reduction="sequence_mean",
             normalizer=normalizer,

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from .. import (
+    Clip,
     PolicyLossDiagnostics,
     PolicyLossOutput,
     RolloutCorrection,
@@ -212,8 +213,7 @@ def _minibatch_loss(
         samples.old_log_probs[rows],
         batch.advantages[rows],
         mask,
-        clip_low=config.clip_low,
-        clip_high=config.clip_high,
+        surrogate=Clip(low=config.clip_low, high=config.clip_high),
         diagnostics_normalizer=counts.tokens,
         importance_weights=batch.correction.weights[rows],  # TIS: engine -> trainer
         reduction=config.reduction,

@@ -29,6 +29,7 @@ from torch import nn
 
 from .. import (
     AdaptiveKLController,
+    Clip,
     gae,
     kl_penalized_token_rewards,
     policy_loss,
@@ -250,8 +251,7 @@ class PPOStep:
                     rollout.old_log_probs[rows],
                     rollout.advantages[rows],
                     mask,
-                    clip_low=config.clip_low,
-                    clip_high=config.clip_high,
+                    surrogate=Clip(low=config.clip_low, high=config.clip_high),
                     reduction=config.reduction,
                     normalizer=normalizer,
                     max_response_length=task.max_response_length,

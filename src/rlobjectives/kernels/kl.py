@@ -85,7 +85,7 @@ def kl_loss_forward(
         :class:`KLLossForward`.
     """
     options = TokenLossOptions(
-        surrogate="none",
+        surrogate=None,
         log_ratio_bound=log_ratio_bound,
         kl_coef=1.0,
         kl_estimator=estimator,

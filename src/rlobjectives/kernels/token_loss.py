@@ -10,15 +10,15 @@ Per selected token (unselected tokens are exact zeros everywhere):
     L = -\rho\, s(r, A, \ell) + \beta\, k(\mathrm{clip}(\ell - \ell^{ref}, -b, b)) - c_H H,
 
 with ``s`` one of (``options.surrogate``), the library's definitions
-(:mod:`rlobjectives.policy.formulas`, the fused path :mod:`rlobjectives.policy.fused`; the same
+(:mod:`rlobjectives.policy.surrogates`, the fused path :mod:`rlobjectives.policy.fused`; the same
 values, gradients and diagnostics up to float32 rounding):
 
 - ``"clip"``: :math:`s = A\,\mathrm{clip}(r, L, H)` with the per-sign bounds of
-  :func:`rlobjectives.policy.formulas.clip_bounds` (the band, ``delta``, ``dual_clip``); the slope
-  :math:`rA` where :math:`L \le r \le H` and the log-ratio bound held, halved at an exact
+  :func:`rlobjectives.policy.surrogates.clip.clip_bounds` (the band, ``delta``, ``dual``); the
+  slope :math:`rA` where :math:`L \le r \le H` and the log-ratio bound held, halved at an exact
   dual-clip tie :math:`r = c` (clipping decided on the ratio, as the fused PyTorch path).
 - ``"cispo"``: :math:`\mathrm{sg}(w) A \ell`, :math:`w = \mathrm{clamp}(r, lo, hi)` with
-  :func:`rlobjectives.policy.formulas.cispo_bounds` (TRL's cap or verl's band).
+  :func:`rlobjectives.policy.surrogates.cispo.cispo_bounds` (TRL's cap or verl's band).
 - ``"sapo"``: :math:`(4/\tau) \sigma(\tau (r - 1)) A`, :math:`\tau = \tau_+` if :math:`A > 0`
   else :math:`\tau_-`.
 - ``"none"``: 0 (only the KL term: ``kl_loss``).
@@ -40,9 +40,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..policy.formulas import SAPO_HALF_PEAK, cispo_bounds, clip_bounds
-from ..policy.inputs import SurrogateOptions
 from ..policy.specification import DIAGNOSTIC_LOG_RATIO_BOUND
+from ..policy.surrogates import Clip, SurrogateObjective
+from ..policy.surrogates.sapo import SAPO_HALF_PEAK
 from .common import (
     Indexed,
     check_mask,
@@ -72,14 +72,10 @@ class TokenLossOptions(NamedTuple):
     r"""Hyperparameters of one call (Python numbers; the kernel compiles per structural option).
 
     Attributes:
-        surrogate: ``"clip"``, ``"cispo"``, ``"sapo"`` or ``"none"``.
-        clip_low: :math:`\epsilon_{lo}` (band ``[1 - clip_low, 1 + clip_high]``) or None.
-        clip_high: :math:`\epsilon_{hi}`; None means ``clip_low``.
-        dual_clip: :math:`c > 1` for ``"clip"``, or None.
-        delta: TRL's two-sided :math:`\delta` (first branch :math:`\min(r, \delta) A`) or None.
-        cispo_cap: TRL's absolute CISPO cap (its ``epsilon_high``); None uses the band.
-        sapo_temperature_pos: :math:`\tau_+` (A > 0).
-        sapo_temperature_neg: :math:`\tau_-` (A <= 0).
+        surrogate: a token-local surrogate object (:class:`~rlobjectives.Clip`,
+            :class:`~rlobjectives.CISPO`, :class:`~rlobjectives.SAPO`; its
+            :meth:`~rlobjectives.policy.surrogates.base.SurrogateObjective.kernel_flags` set the
+            kernel up), or None for no policy term (only the KL term: ``kl_loss``).
         log_ratio_bound: :math:`b > 0` or None (then no bound; KL log-ratio unbounded too).
         diagnostic_bound: bound of the k3 diagnostic; None: ``log_ratio_bound`` or 20.
         kl_coef: :math:`\beta` (the KL term is on when ``ref_log_probs`` is given).
@@ -90,14 +86,7 @@ class TokenLossOptions(NamedTuple):
         entropy_coef: :math:`c_H` of the entropy bonus (on when ``entropy`` is given).
     """
 
-    surrogate: str = "clip"
-    clip_low: float | None = 0.2
-    clip_high: float | None = None
-    dual_clip: float | None = None
-    delta: float | None = None
-    cispo_cap: float | None = None
-    sapo_temperature_pos: float = 1.0
-    sapo_temperature_neg: float = 1.05
+    surrogate: SurrogateObjective | None = Clip()
     log_ratio_bound: float | None = 20.0
     diagnostic_bound: float | None = None
     kl_coef: float = 0.0
@@ -161,71 +150,63 @@ class TokenLossForward(NamedTuple):
 _DEFAULT_OPTIONS = TokenLossOptions()
 
 
-def _edges(options: TokenLossOptions) -> dict[str, float | None]:
-    """The surrogate's ratio edges, from the library's own definitions (None: no edge).
-
-    ``low``/``high``: the band of ``"clip"`` (its diagnostics and the ``A < 0`` lower edge) or
-    CISPO's weight bounds; ``upper_positive``/``upper_negative``: the per-sign upper edges of
-    ``"clip"`` (:func:`rlobjectives.policy.formulas.clip_bounds`).
-    """
-    edges: dict[str, float | None] = dict.fromkeys(
-        ("low", "high", "upper_positive", "upper_negative")
-    )
-    spec = SurrogateOptions(
-        clip_low=options.clip_low, clip_high=options.clip_high, dual_clip=options.dual_clip,
-        ratio_level="token", log_ratio_bound=options.log_ratio_bound,
-        surrogate=options.surrogate, delta=options.delta, cispo_cap=options.cispo_cap,
-    )  # fmt: skip
-    if options.surrogate == "cispo":
-        edges["low"], edges["high"] = (_number(edge) for edge in cispo_bounds(spec))
-    elif options.surrogate == "clip":
-        bounds = clip_bounds(spec)
-        band = (None, None) if bounds.band is None else bounds.band
-        edges.update(
-            low=_number(band[0]), high=_number(band[1]),
-            upper_positive=_number(bounds.upper_positive),
-            upper_negative=_number(bounds.upper_negative),
-        )  # fmt: skip
-    return edges
+#: The kernel arguments of the surrogate terms, with the placeholders (never read) that a
+#: surrogate's :meth:`kernel_flags` leaves in place; an edge given as None is absent.
+_SURROGATE_PLACEHOLDERS: dict[str, Any] = {
+    "low": None,
+    "high": None,
+    "upper_positive": None,
+    "upper_negative": None,
+    "dual_clip": None,
+    "tau_positive": 1.0,
+    "tau_negative": 1.0,
+    "half_peak": SAPO_HALF_PEAK,
+}
 
 
-def _number(value: float | torch.Tensor | None) -> float | None:
-    return None if value is None else float(value)
+def _surrogate_flags(surrogate: SurrogateObjective | None) -> tuple[str, dict[str, Any]]:
+    """The kernel's surrogate name and the surrogate's setup, placeholders where it has none."""
+    if surrogate is None:
+        return "none", dict(_SURROGATE_PLACEHOLDERS)
+    if not isinstance(surrogate, SurrogateObjective) or not surrogate.token_local:
+        raise ValueError(
+            f"the token-loss kernel computes the token-local surrogates (Clip, CISPO, SAPO), "
+            f"got surrogate={surrogate!r}"
+        )
+    setup = surrogate.kernel_flags()
+    name = setup.pop("surrogate")
+    return name, {**_SURROGATE_PLACEHOLDERS, **setup}
 
 
 def _flags(options: TokenLossOptions, kernel_module: Any) -> dict[str, Any]:
     """Compile-time flags and runtime scalars of the kernel for ``options``."""
-    surrogate = kernel_module.SURROGATES.get(options.surrogate)
+    name, setup = _surrogate_flags(options.surrogate)
+    surrogate = kernel_module.SURROGATES.get(name)
     estimator = kernel_module.ESTIMATORS.get(options.kl_estimator)
     if surrogate is None or estimator is None:
         raise ValueError(
             f"surrogate must be one of {sorted(kernel_module.SURROGATES)} and kl_estimator one "
-            f"of {sorted(kernel_module.ESTIMATORS)}, got {options.surrogate!r} and "
+            f"of {sorted(kernel_module.ESTIMATORS)}, got {name!r} and "
             f"{options.kl_estimator!r}"
         )
-    edges = _edges(options)
     bound = options.log_ratio_bound
     diagnostic = options.diagnostic_bound
     if diagnostic is None:
         diagnostic = DIAGNOSTIC_LOG_RATIO_BOUND if bound is None else bound
     flags: dict[str, Any] = {
-        name: 1.0 if value is None else value for name, value in edges.items()
+        key: 1.0 if value is None else float(value) for key, value in setup.items()
     }  # placeholders (never read) where an edge is absent
     flags.update(
-        dual_clip=1.0 if options.dual_clip is None else float(options.dual_clip),
-        tau_positive=float(options.sapo_temperature_pos),
-        tau_negative=float(options.sapo_temperature_neg),
-        half_peak=SAPO_HALF_PEAK,
         bound=0.0 if bound is None else float(bound),
         diagnostic_bound=float(diagnostic),
         kl_coef=float(options.kl_coef),
         entropy_coef=float(options.entropy_coef),
         SURROGATE=surrogate,
-        HAS_LOW=edges["low"] is not None,
-        HAS_HIGH=edges["high"] is not None,
-        HAS_UPPER_POSITIVE=edges["upper_positive"] is not None,
-        HAS_UPPER_NEGATIVE=edges["upper_negative"] is not None,
-        HAS_DUAL=options.dual_clip is not None and options.surrogate == "clip",
+        HAS_LOW=setup["low"] is not None,
+        HAS_HIGH=setup["high"] is not None,
+        HAS_UPPER_POSITIVE=setup["upper_positive"] is not None,
+        HAS_UPPER_NEGATIVE=setup["upper_negative"] is not None,
+        HAS_DUAL=setup["dual_clip"] is not None,
         HAS_BOUND=bound is not None,
         KL_ESTIMATOR=estimator,
         KL_STRAIGHT_THROUGH=bool(options.kl_straight_through),
@@ -288,7 +269,7 @@ def token_loss_forward(
     mask = check_mask(mask, count, device)
     module = kernels(device).token_loss
     flags = _flags(options, module)
-    has_policy = options.surrogate != "none"
+    has_policy = options.surrogate is not None
     old = check_tokens(old_log_probs, "old_log_probs", count, device) if has_policy else None
     adv = indexed(advantages, "advantages", count, row_length, device) if has_policy else None
     weight = None if weights is None else indexed(weights, "weights", count, row_length, device)

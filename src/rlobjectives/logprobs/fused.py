@@ -69,17 +69,6 @@ def fused_policy_loss_from_hidden(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     surrogate: Surrogate = "clip",
-    clip_low: Scalar | None = 0.2,
-    clip_high: Scalar | None = None,
-    dual_clip: Scalar | None = None,
-    delta: Scalar | None = None,
-    cispo_cap: Scalar | None = None,
-    sapo_temperature_pos: Scalar = 1.0,
-    sapo_temperature_neg: Scalar = 1.05,
-    vespo_k_pos: Scalar = 2.0,
-    vespo_lambda_pos: Scalar = 3.0,
-    vespo_k_neg: Scalar = 3.0,
-    vespo_lambda_neg: Scalar = 2.0,
     ratio_level: RatioLevel = "token",
     log_ratio_bound: Scalar | None = 20.0,
     importance_weights: ArrayLike | None = None,
@@ -137,18 +126,9 @@ def fused_policy_loss_from_hidden(
         bias: optional ``(V,)`` LM-head bias.
         temperature: :math:`\tau > 0`.
         chunk_size: rows per chunk; None uses :func:`default_chunk_size`.
-        surrogate: as :func:`policy_loss`.
-        clip_low: as :func:`policy_loss`.
-        clip_high: as :func:`policy_loss`.
-        dual_clip: as :func:`policy_loss`.
-        delta: as :func:`policy_loss`.
-        cispo_cap: as :func:`policy_loss`.
-        sapo_temperature_pos: as :func:`policy_loss`.
-        sapo_temperature_neg: as :func:`policy_loss`.
-        vespo_k_pos: as :func:`policy_loss`.
-        vespo_lambda_pos: as :func:`policy_loss`.
-        vespo_k_neg: as :func:`policy_loss`.
-        vespo_lambda_neg: as :func:`policy_loss`.
+        surrogate: as :func:`policy_loss`: a surrogate object (:class:`~rlobjectives.Clip`,
+            :class:`~rlobjectives.CISPO`, :class:`~rlobjectives.SAPO`,
+            :class:`~rlobjectives.GMPO`, :class:`~rlobjectives.VESPO`) or its name.
         ratio_level: as :func:`policy_loss` (``"sequence"`` runs unfused, see above).
         log_ratio_bound: as :func:`policy_loss`; also bounds the KL estimator's log-ratio.
         importance_weights: as :func:`policy_loss`: ``(B,)``, ``(B, 1)`` or ``(B, T)``
@@ -201,6 +181,9 @@ def fused_policy_loss_from_hidden(
     .. versionchanged:: 0.2.0
        The surrogates and options of :func:`policy_loss`, ``importance_weights``,
        ``entropy_coef`` and the ``entropy_loss`` output.
+    .. versionchanged:: 0.3.0
+       ``surrogate`` takes the surrogate objects; their options left the signature, as in
+       :func:`policy_loss` (``clip_low=a`` is ``surrogate=Clip(low=a)``).
     """
     packed = cu_seqlens is not None
     head, batch_shape = prepare_head(
@@ -208,20 +191,7 @@ def fused_policy_loss_from_hidden(
     )
     check_old_log_probs(old_log_probs, head, batch_shape, packed)
     options = validate_surrogate_options(
-        surrogate=surrogate,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
-        delta=delta,
-        cispo_cap=cispo_cap,
-        sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg,
-        vespo_k_pos=vespo_k_pos,
-        vespo_lambda_pos=vespo_lambda_pos,
-        vespo_k_neg=vespo_k_neg,
-        vespo_lambda_neg=vespo_lambda_neg,
-        ratio_level=ratio_level,
-        log_ratio_bound=log_ratio_bound,
+        surrogate=surrogate, ratio_level=ratio_level, log_ratio_bound=log_ratio_bound
     )
     call = validate_policy_call(
         (old_log_probs, old_log_probs, advantages, mask),

@@ -5,15 +5,14 @@ surrogate :math:`s`, its reduction, the nine diagnostics and the gradient coeffi
 :math:`\partial s_{it} / \partial \ell_{it}`; the backward is one multiplication by the
 reduction's per-row weight. It saves one float ``(B, T)`` tensor (the coefficient) plus the mask
 and a ``(B, 1)`` weight, where autograd keeps about six ``(B, T)`` tensors. The surrogate stage
-is keyed by the ``surrogate`` option (:data:`TOKEN_STAGES`): the bit-trick stage of
-:mod:`rlobjectives.policy.clip_stage` for ``"clip"``, the plain stages of
-:mod:`rlobjectives.policy.stages` for ``"cispo"`` and ``"sapo"``. Importance weights
+is the surrogate object's own (:meth:`~rlobjectives.Clip.stage`, ``CISPO.stage``,
+``SAPO.stage`` in :mod:`rlobjectives.policy.surrogates`). Importance weights
 :math:`w` enter as :math:`\tilde A = wA` in the products (one ``(B, T)`` multiplication); the
 clip decisions and the diagnostics use :math:`A`.
 
-The math is that of :mod:`rlobjectives.policy.formulas` (the readable specification, which it is
-tested against). The ``"clip"`` surrogate, written per sign of the advantage, and its
-derivative are stated in :mod:`rlobjectives.policy.clip_stage`:
+The math is that of the objects' formulas (the readable specification, which it is tested
+against). The clip surrogate, written per sign of the advantage, and its derivative are stated
+in :mod:`rlobjectives.policy.surrogates.clip`:
 :math:`\partial s / \partial \ell = rA` where the ratio is inside its per-sign band and the
 log-ratio within its bound, else 0. This reproduces autograd's conventions: ``torch.clamp``
 passes the gradient on the closed interval (ratio band and log-ratio bound); in the band
@@ -25,8 +24,8 @@ position propagates to the loss.
 
 The stages of :func:`fused_forward`: :func:`_log_ratio_stage` (select, GSPO form, k1/k3 sums;
 at token level the clamped log-ratio of k3 is the ratio's), :func:`_ratio_stage` (bound, exp,
-the tokens where the bound fired), the surrogate stage (for ``"clip"``,
-:func:`rlobjectives.policy.clip_stage.clip_stage`: the advantage signs, which tokens pass the
+the tokens where the bound fired), the surrogate stage (for :class:`~rlobjectives.Clip`,
+:meth:`~rlobjectives.Clip.stage`: the advantage signs, which tokens pass the
 gradient and the clip counts, the coefficient and the values), :func:`_reduce_stage` (through
 :mod:`rlobjectives._core.reduction`; a packed row computes per-sequence counts and segment sums only
 where the loss needs them: GSPO and ``sequence_mean``) and :func:`_diagnostics`.
@@ -53,7 +52,6 @@ operations are few (each costs microseconds after the large passes have emptied 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -69,7 +67,6 @@ from .._core.reduction import (
     row_weights,
     token_gradient_weights,
 )
-from .clip_stage import clip_stage
 from .inputs import (
     PolicyCall,
     PolicyLossDiagnostics,
@@ -77,12 +74,11 @@ from .inputs import (
     SurrogateOptions,
 )
 from .specification import DIAGNOSTIC_LOG_RATIO_BOUND
-from .stages import PLAIN_STAGES, StageInputs, StageOutputs
+from .surrogates.base import StageInputs
 
 __all__ = [
     "ClippedSurrogateFunction",
     "FusedSpec",
-    "TOKEN_STAGES",
     "entropy_term",
     "fused_forward",
     "has_fused_stage",
@@ -184,15 +180,9 @@ def _ratio_stage(stage: _LogRatioStage, bits: Bits, spec: FusedSpec) -> _RatioSt
     return _RatioStage(ratio, fired, count_bits(fired))
 
 
-TOKEN_STAGES: dict[str, Callable[[StageInputs], StageOutputs]] = {
-    "clip": clip_stage,
-    **PLAIN_STAGES,
-}
-
-
 def has_fused_stage(options: SurrogateOptions) -> bool:
     """Whether the fused path computes ``options.surrogate`` (the token-local surrogates)."""
-    return options.surrogate in TOKEN_STAGES
+    return options.surrogate.token_local
 
 
 class _Reduced(NamedTuple):
@@ -277,10 +267,9 @@ def fused_forward(
         log_probs,
         count,
         bits,
-        spec.options,
         dtype,
     )
-    surrogate = TOKEN_STAGES[spec.options.surrogate](stage_inputs)
+    surrogate = spec.options.surrogate.stage(stage_inputs)
     values, selection = surrogate.values, surrogate.selection
     if per_row or spec.row_sums:
         row_sums = spec.layout.row_sums(values)  # (S,)

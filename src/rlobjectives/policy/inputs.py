@@ -35,6 +35,7 @@ from .._core.validation import (
     validate_choice,
     validate_scalar,
 )
+from .surrogates import SURROGATES, SurrogateObjective
 
 __all__ = [
     "PolicyCall",
@@ -43,9 +44,11 @@ __all__ = [
     "PolicyLossOutput",
     "RATIO_LEVELS",
     "RatioLevel",
-    "SURROGATES",
+    "SURROGATE_NAMES",
     "Surrogate",
+    "SurrogateName",
     "SurrogateOptions",
+    "as_surrogate",
     "prepare_entropy",
     "prepare_importance_weights",
     "prepare_layout_inputs",
@@ -58,19 +61,11 @@ __all__ = [
 
 
 RatioLevel = Literal["token", "sequence"]
-
-
 RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
-
-
-Surrogate = Literal["clip", "cispo", "sapo", "gmpo", "vespo"]
-
-
-SURROGATES: tuple[str, ...] = get_args(Surrogate)
-
-
-# Surrogates that form their own sequence ratio: ratio_level must be "token" for them.
-_OWN_SEQUENCE_RATIO = ("gmpo", "vespo")
+SurrogateName = Literal["clip", "cispo", "sapo", "gmpo", "vespo"]
+SURROGATE_NAMES: tuple[str, ...] = get_args(SurrogateName)
+#: ``policy_loss(surrogate=...)``: a surrogate object, or its name (the object's defaults).
+Surrogate = SurrogateObjective | SurrogateName
 
 
 _ZERO = torch.zeros(())  # default of a diagnostic added after version 0.1 (never modified)
@@ -93,19 +88,19 @@ class PolicyLossDiagnostics(NamedTuple):
     ``dual_clip_fraction`` those with ``A < 0`` whose surrogate an upper edge changes. Per
     variant:
 
-    - ``"clip"``: band ``[1 - clip_low, 1 + clip_high]``; low: ``r < 1 - clip_low``; high:
-      ``r > min(1 + clip_high, delta)``; dual: ``r > min(dual_clip, max(1 + clip_high,
-      delta))`` (``min(dual_clip, delta)`` without clipping; none without either).
-    - ``"cispo"``: the weight is capped: band ``[1 - clip_low, 1 + clip_high]`` (verl) or
-      ``[0, cispo_cap]`` (TRL, no low edge); low: ``r`` below the band; high and dual: above.
-    - ``"sapo"``: the soft gate's gradient weight ``4 sigma (1 - sigma)``,
+    - :class:`~rlobjectives.Clip`: band ``[1 - low, 1 + high]``; low: ``r < 1 - low``; high:
+      ``r > min(1 + high, delta)``; dual: ``r > min(dual, max(1 + high, delta))``
+      (``min(dual, delta)`` without clipping; none without either).
+    - :class:`~rlobjectives.CISPO`: the weight is capped: band ``[1 - low, 1 + high]`` (verl)
+      or ``[0, cap]`` (TRL, no low edge); low: ``r`` below the band; high and dual: above.
+    - :class:`~rlobjectives.SAPO`: the soft gate's gradient weight ``4 sigma (1 - sigma)``,
       ``sigma = sigmoid(tau (r - 1))``, is below half its peak 1 (``|tau (r - 1)| >
       2 ln(1 + sqrt(2)) = 1.7627``): ``clipped_fraction`` any side and sign; low: ``r < 1``;
       high and dual: ``r > 1``.
-    - ``"gmpo"``: the log-space band ``[-clip_low, clip_high]`` of ``log r`` (ratio band
-      ``[e^{-clip_low}, e^{clip_high}]``) per token; low: below with ``A < 0``; high: above with
+    - :class:`~rlobjectives.GMPO`: the log-space band ``[-low, high]`` of ``log r`` (ratio
+      band ``[e^{-low}, e^{high}]``) per token; low: below with ``A < 0``; high: above with
       ``A > 0``; dual: 0 (only one edge binds per sign).
-    - ``"vespo"``: no clipping (the clip fields are 0).
+    - :class:`~rlobjectives.VESPO`: no clipping (the clip fields are 0).
 
     Attributes:
         clipped_fraction: ratio strictly outside the band, any sign of the advantage (the seed's
@@ -114,9 +109,9 @@ class PolicyLossDiagnostics(NamedTuple):
         clip_fraction_high: the high edge binds: ``r`` above it and ``A > 0``.
             ``clip_fraction_low + clip_fraction_high`` is verl/OpenRLHF's ``pg_clipfrac`` and
             TRL's ``clip_ratio`` (up to ties at ``A = 0``).
-        dual_clip_fraction: an upper edge changes an ``A < 0`` token (``dual_clip`` or the
-            two-sided ``delta`` of ``"clip"``: verl's ``pg_clipfrac_lower``; CISPO's cap;
-            SAPO's gate).
+        dual_clip_fraction: an upper edge changes an ``A < 0`` token (``dual`` or the
+            two-sided ``delta`` of :class:`~rlobjectives.Clip`: verl's ``pg_clipfrac_lower``;
+            CISPO's cap; SAPO's gate).
         log_ratio_bound_fraction: ``|log_ratio| > log_ratio_bound`` (the bound fired).
         ratio_mean: mean importance ratio ``r`` (after the bound; the sequence ratio at each
             token for ``ratio_level="sequence"``).
@@ -172,22 +167,11 @@ class PolicyInputs(NamedTuple):
 
 
 class SurrogateOptions(NamedTuple):
-    """The validated surrogate options (Python numbers or 0-d tensors)."""
+    """The validated surrogate and the ratio options of one call."""
 
-    clip_low: float | torch.Tensor | None
-    clip_high: float | torch.Tensor | None
-    dual_clip: float | torch.Tensor | None
-    ratio_level: str
+    surrogate: SurrogateObjective  # a validated surrogate object (Clip(), CISPO(cap=5.0), ...)
+    ratio_level: str  # "token" or "sequence" (GSPO)
     log_ratio_bound: float | torch.Tensor | None
-    surrogate: str = "clip"
-    delta: float | torch.Tensor | None = None
-    cispo_cap: float | torch.Tensor | None = None
-    sapo_temperature_pos: float | torch.Tensor = 1.0
-    sapo_temperature_neg: float | torch.Tensor = 1.05
-    vespo_k_pos: float | torch.Tensor = 2.0
-    vespo_lambda_pos: float | torch.Tensor = 3.0
-    vespo_k_neg: float | torch.Tensor = 3.0
-    vespo_lambda_neg: float | torch.Tensor = 2.0
 
 
 class PolicyCall(NamedTuple):
@@ -323,96 +307,50 @@ def validate_entropy_coef(
     return coef
 
 
-def _positive(value: Scalar, name: str) -> float | torch.Tensor:
-    return validate_scalar(value, name, minimum=0.0, strict=True)
+#: Each name's object with its defaults, built once (the objects are immutable).
+_DEFAULTS: dict[str, SurrogateObjective] = {name: cls() for name, cls in SURROGATES.items()}
 
 
-def _only_with(value: object, name: str, surrogate: str, allowed: str) -> None:
-    """Raise unless ``value`` is None or ``surrogate`` is ``allowed``."""
-    if value is not None and surrogate != allowed:
-        raise ValueError(
-            f"{name} applies to surrogate={allowed!r} only, got {name}={value!r} with "
-            f"surrogate={surrogate!r}"
-        )
+def as_surrogate(surrogate: object) -> SurrogateObjective:
+    """The surrogate object of ``policy_loss(surrogate=...)``: an object, or a name's defaults.
+
+    Raises:
+        ValueError: an unknown name.
+        TypeError: neither a name nor a surrogate object.
+    """
+    if isinstance(surrogate, SurrogateObjective):
+        return surrogate
+    if isinstance(surrogate, str):
+        validate_choice(surrogate, "surrogate", SURROGATE_NAMES)
+        return _DEFAULTS[surrogate]
+    raise TypeError(
+        f"surrogate must be one of {list(SURROGATE_NAMES)} or a surrogate object (Clip, CISPO, "
+        f"SAPO, GMPO, VESPO), got {type(surrogate).__name__} ({surrogate!r})"
+    )
 
 
 def validate_surrogate_options(
     *,
-    clip_low: Scalar | None,
-    clip_high: Scalar | None,
-    dual_clip: Scalar | None,
-    ratio_level: str,
-    log_ratio_bound: Scalar | None,
-    surrogate: str = "clip",
-    delta: Scalar | None = None,
-    cispo_cap: Scalar | None = None,
-    sapo_temperature_pos: Scalar = 1.0,
-    sapo_temperature_neg: Scalar = 1.05,
-    vespo_k_pos: Scalar = 2.0,
-    vespo_lambda_pos: Scalar = 3.0,
-    vespo_k_neg: Scalar = 3.0,
-    vespo_lambda_neg: Scalar = 2.0,
+    surrogate: object = "clip",
+    ratio_level: object = "token",
+    log_ratio_bound: Scalar | None = 20.0,
 ) -> SurrogateOptions:
-    """Validate the surrogate, its band, dual clip, delta, cap, temperatures and gamma shape."""
-    validate_choice(surrogate, "surrogate", SURROGATES)
+    """The surrogate object, the ratio level it can take and the log-ratio bound, validated.
+
+    The object validated its own fields when it was built; a surrogate that forms its own
+    sequence ratio (GMPO, VESPO) takes ``ratio_level="token"`` only.
+    """
+    objective = as_surrogate(surrogate)
     validate_choice(ratio_level, "ratio_level", RATIO_LEVELS)
-    band = _validate_band(clip_low, clip_high)
-    dual = None
-    if dual_clip is not None:
-        dual = validate_scalar(dual_clip, "dual_clip", minimum=1.0, strict=True)
-    delta_value = None
-    if delta is not None:
-        delta_value = validate_scalar(delta, "delta", minimum=1.0, strict=True)
-    cap = None if cispo_cap is None else _positive(cispo_cap, "cispo_cap")
-    bound = None if log_ratio_bound is None else _positive(log_ratio_bound, "log_ratio_bound")
-    options = SurrogateOptions(
-        clip_low=band[0],
-        clip_high=band[1],
-        dual_clip=dual,
-        ratio_level=ratio_level,
-        log_ratio_bound=bound,
-        surrogate=surrogate,
-        delta=delta_value,
-        cispo_cap=cap,
-        sapo_temperature_pos=_positive(sapo_temperature_pos, "sapo_temperature_pos"),
-        sapo_temperature_neg=_positive(sapo_temperature_neg, "sapo_temperature_neg"),
-        vespo_k_pos=validate_scalar(vespo_k_pos, "vespo_k_pos", minimum=0.0),
-        vespo_lambda_pos=_positive(vespo_lambda_pos, "vespo_lambda_pos"),
-        vespo_k_neg=validate_scalar(vespo_k_neg, "vespo_k_neg", minimum=0.0),
-        vespo_lambda_neg=_positive(vespo_lambda_neg, "vespo_lambda_neg"),
-    )
-    _check_combination(options)
-    return options
-
-
-def _check_combination(options: SurrogateOptions) -> None:
-    """Options given to a surrogate that does not use them; ratio levels it cannot take."""
-    surrogate, ratio_level = options.surrogate, options.ratio_level
-    if ratio_level != "token" and surrogate in _OWN_SEQUENCE_RATIO:
+    if ratio_level != "token" and not objective.token_local:
         raise ValueError(
-            f"surrogate={surrogate!r} forms its own sequence ratio: ratio_level must be 'token', "
-            f"got ratio_level={ratio_level!r}"
+            f"surrogate={objective!r} forms its own sequence ratio: ratio_level must be "
+            f"'token', got ratio_level={ratio_level!r}"
         )
-    _only_with(options.dual_clip, "dual_clip", surrogate, "clip")
-    _only_with(options.delta, "delta", surrogate, "clip")
-    _only_with(options.cispo_cap, "cispo_cap", surrogate, "cispo")
-
-
-def _validate_band(
-    clip_low: Scalar | None, clip_high: Scalar | None
-) -> tuple[float | torch.Tensor | None, float | torch.Tensor | None]:
-    """``clip_low`` in ``[0, 1)`` (or None: no band) and ``clip_high >= 0`` (needs clip_low)."""
-    if clip_low is None and clip_high is not None:
-        raise ValueError(
-            f"clip_high requires clip_low (clip_low=None disables clipping), got clip_low=None "
-            f"and clip_high={clip_high!r}"
-        )
-    low = None
-    if clip_low is not None:
-        # The lower edge 1 - clip_low must stay positive: clip_low in [0, 1).
-        low = validate_scalar(clip_low, "clip_low", minimum=0.0, maximum=1.0)
-    high = None if clip_high is None else validate_scalar(clip_high, "clip_high", minimum=0.0)
-    return low, high
+    bound = None
+    if log_ratio_bound is not None:
+        bound = validate_scalar(log_ratio_bound, "log_ratio_bound", minimum=0.0, strict=True)
+    return SurrogateOptions(objective, str(ratio_level), bound)
 
 
 def validate_diagnostics_normalizer(value: Scalar | None) -> float | torch.Tensor | None:

@@ -20,7 +20,7 @@ from .._core.backend import kernel_backend
 from .._core.layout import token_ndim, token_output
 from .._core.reduction import Reduction
 from .._core.validation import ArrayLike, Scalar, validate_bool
-from .fused import _finish, has_fused_stage, run_fused
+from .fused import _finish, run_fused
 from .inputs import (
     PolicyCall,
     PolicyLossOutput,
@@ -50,17 +50,6 @@ def policy_loss(
     mask: ArrayLike,
     *,
     surrogate: Surrogate = "clip",
-    clip_low: Scalar | None = 0.2,
-    clip_high: Scalar | None = None,
-    dual_clip: Scalar | None = None,
-    delta: Scalar | None = None,
-    cispo_cap: Scalar | None = None,
-    sapo_temperature_pos: Scalar = 1.0,
-    sapo_temperature_neg: Scalar = 1.05,
-    vespo_k_pos: Scalar = 2.0,
-    vespo_lambda_pos: Scalar = 3.0,
-    vespo_k_neg: Scalar = 3.0,
-    vespo_lambda_neg: Scalar = 2.0,
     ratio_level: RatioLevel = "token",
     log_ratio_bound: Scalar | None = 20.0,
     importance_weights: ArrayLike | None = None,
@@ -77,31 +66,34 @@ def policy_loss(
 
     With :math:`\Delta_{it} = \ell_{it} - \ell^{old}_{it}` (selected tokens only) and the ratio
     :math:`r_{it} = \exp(\mathrm{clip}(\Delta_{it}, -b, b))`, the per-token surrogate
-    :math:`s_{it}` of ``surrogate``:
+    :math:`s_{it}` is the formula of the ``surrogate`` object (each object's docstring states
+    its formula and its peers' options):
 
-    - ``"clip"`` (default): :math:`s = \min\big(\min(r, \delta) A,\
+    - :class:`~rlobjectives.Clip` (default, ``"clip"``): :math:`s = \min\big(\min(r, \delta) A,\
       \mathrm{clip}(r, 1-\epsilon_{low}, 1+\epsilon_{high}) A\big)`, then
-      :math:`\max(s, cA)` where :math:`A < 0` with ``dual_clip=c``;
-    - ``"cispo"``: :math:`s = \mathrm{sg}(w) A \ell` with :math:`w = \min(r,` ``cispo_cap``
-      :math:`)` or, without ``cispo_cap``, :math:`w = \mathrm{clip}(r, 1-\epsilon_{low},
+      :math:`\max(s, cA)` where :math:`A < 0` (``Clip(low, high, dual, delta)``);
+    - :class:`~rlobjectives.CISPO`: :math:`s = \mathrm{sg}(w) A \ell` with
+      :math:`w = \min(r, \text{cap})` or :math:`w = \mathrm{clip}(r, 1-\epsilon_{low},
       1+\epsilon_{high})`;
-    - ``"sapo"``: :math:`s = \frac{4}{\tau}\sigma(\tau(r - 1)) A` with
-      :math:`\tau =` ``sapo_temperature_pos`` for :math:`A > 0`, ``sapo_temperature_neg``
-      otherwise;
-    - ``"gmpo"``: :math:`s = \bar A_i \rho_i`, :math:`\rho_i = \exp\big(\frac{1}{n_i}\sum_t
-      \mathrm{sgn}(A)\min(\mathrm{sgn}(A)\log r, \mathrm{sgn}(A)\,\mathrm{clip}(\log r,
-      -\epsilon_{low}, \epsilon_{high}))\big)`, :math:`\bar A_i` the sequence's mean advantage
-      (GSPO's token form: value :math:`\rho_i` at each token, derivative through the token);
-    - ``"vespo"``: :math:`s = \mathrm{sg}(\phi_i) A \ell`, :math:`\phi(W) = e^{\lambda + k\log W -
-      \lambda W}` of the sequence ratio :math:`W_i = \exp(\mathrm{clip}(\sum_t \log r_{it}
-      + \sum_t \log w_{it}, \log 10^{-8}, 20))`, :math:`(k, \lambda)` by the sign of :math:`A`
-      (:math:`A \ge 0`: ``vespo_k_pos``, ``vespo_lambda_pos``).
+    - :class:`~rlobjectives.SAPO`: :math:`s = \frac{4}{\tau}\sigma(\tau(r - 1)) A`, :math:`\tau`
+      by the sign of :math:`A`;
+    - :class:`~rlobjectives.GMPO`: :math:`s = \bar A_i \rho_i`, the geometric mean of the
+      sequence's ratios clipped in log space (GSPO's token form);
+    - :class:`~rlobjectives.VESPO`: :math:`s = \mathrm{sg}(\phi_i) A \ell`, the gamma weight of the
+      sequence ratio, which takes in the importance weights.
 
     The per-token loss is :math:`L_{it} = -w_{it} s_{it} - \beta H_{it}` with the importance
-    weights :math:`w` (``importance_weights``; VESPO takes them inside :math:`W` instead) and
-    the entropy bonus :math:`\beta` = ``entropy_coef``, reduced by ``reduction`` (see
-    :func:`rlobjectives.aggregate`): the bonus is :math:`-\beta\,\mathrm{reduce}(H)` with the
-    surrogate's reduction and normaliser (verl ``entropy_coeff``).
+    weights :math:`w` (``importance_weights``; VESPO takes them inside its sequence ratio
+    instead) and the entropy bonus :math:`\beta` = ``entropy_coef``, reduced by ``reduction``
+    (see :func:`rlobjectives.aggregate`): the bonus is :math:`-\beta\,\mathrm{reduce}(H)` with
+    the surrogate's reduction and normaliser (verl ``entropy_coeff``).
+
+    ``ratio_level="sequence"``: GSPO (arXiv:2507.18071 Eq. 7) for any token-local surrogate
+    (``Clip``, ``CISPO``, ``SAPO``; TRL's ``importance_sampling_level="sequence"``): the ratio
+    of sequence :math:`i` is :math:`s_i = \exp(\frac{1}{|y_i|}\sum_t \Delta_{it})` over its
+    selected tokens, used at every token in the stop-gradient form :math:`\log s_{it} =
+    \ell_{it} - sg(\ell_{it}) + sg(\log s_i)`, whose gradient equals the paper's (GSPO-token,
+    Eq. 13-14). ``GMPO`` and ``VESPO`` form their own sequence ratio and take ``"token"`` only.
 
     Packed sequences (``cu_seqlens`` given, the padding-free layout of flash-attention): the
     per-token tensors are ``(N,)`` or ``(1, N)``, sequence :math:`i` is the run of tokens
@@ -111,52 +103,25 @@ def policy_loss(
     on the padded layout of the same sequences (:func:`rlobjectives.unpack`). See
     ``docs/conventions.md``.
 
-    Options of ``"clip"``:
-
-    - ``clip_high`` != ``clip_low``: asymmetric "clip-higher" band (DAPO, arXiv:2503.14476 Eq. 10).
-    - ``clip_low=None``: no clipping, :math:`s = r A` (vanilla importance-weighted policy
-      gradient; with ``old_log_probs = log_probs.detach()`` it is REINFORCE).
-    - ``dual_clip=c`` (``c > 1``): for :math:`A < 0`, :math:`s = \max(s, c A)` (Ye et al. 2020,
-      arXiv:1912.09729 Eq. 5); tokens with :math:`A \ge 0` are unchanged.
-    - ``delta=δ`` (``δ > 1``): TRL's two-sided clip, the ratio of the unclipped branch capped at
-      :math:`\delta` for both signs of :math:`A` (for :math:`\delta > 1 + \epsilon_{high}` it acts
-      on :math:`A < 0` only, as ``dual_clip=δ``; below, it also lowers :math:`A > 0` tokens).
-    - ``ratio_level="sequence"``: GSPO (arXiv:2507.18071 Eq. 7): the ratio of sequence :math:`i`
-      is :math:`s_i = \exp(\frac{1}{|y_i|}\sum_t \Delta_{it})` over its selected tokens, used at
-      every token in the stop-gradient form :math:`\log s_{it} = \ell_{it} - sg(\ell_{it}) +
-      sg(\log s_i)`, whose gradient equals the paper's (GSPO-token, Eq. 13-14). Also for
-      ``"cispo"`` and ``"sapo"`` (TRL's ``importance_sampling_level="sequence"``);
-      ``"gmpo"`` and ``"vespo"`` form their own sequence ratio and take ``"token"`` only.
-
-    ``"sapo"`` and ``"vespo"`` do not use ``clip_low``/``clip_high``; ``"cispo"`` with
-    ``cispo_cap`` neither. ``old_log_probs``, ``advantages`` and ``importance_weights`` are
-    constants: no gradient flows into them. The token-local surrogates (``"clip"``, ``"cispo"``,
-    ``"sapo"``) run through a fused ``torch.autograd.Function`` (``rlobjectives.policy.fused``): one
-    forward pass computes the loss, the diagnostics and the gradient coefficient, and backward
-    keeps one float ``(B, T)`` tensor plus the mask. It supports first-order gradients only; a
-    hyperparameter given as a tensor that requires grad, and ``"gmpo"``/``"vespo"``, use the
-    plain-autograd specification (``rlobjectives.policy.specification``) instead.
+    ``old_log_probs``, ``advantages`` and ``importance_weights`` are constants: no gradient
+    flows into them. The token-local surrogates run through a fused ``torch.autograd.Function``
+    (:mod:`rlobjectives.policy.fused`, with the object's fused stage): one forward pass computes
+    the loss, the diagnostics and the gradient coefficient, and backward keeps one float
+    ``(B, T)`` tensor plus the mask. It supports first-order gradients only; a surrogate field
+    given as a tensor that requires grad, and ``GMPO``/``VESPO``, use the plain-autograd
+    specification (:mod:`rlobjectives.policy.specification`) instead.
 
     Args:
         log_probs: current-policy log-probabilities of the sampled tokens, ``(B, T)``.
         old_log_probs: behaviour-policy log-probabilities, ``(B, T)``.
         advantages: ``(B,)``, ``(B, 1)`` (per sequence) or ``(B, T)`` (per token).
         mask: ``(B, T)``, bool or numeric; nonzero selects the token.
-        surrogate: ``"clip"``, ``"cispo"``, ``"sapo"``, ``"gmpo"`` or ``"vespo"`` (see above).
-        clip_low: :math:`0 \le \epsilon_{low} < 1`, or None for no clipping.
-        clip_high: :math:`\epsilon_{high} \ge 0`; None means ``clip_low``.
-        dual_clip: :math:`c > 1`, or None (``"clip"`` only).
-        delta: :math:`\delta > 1`, TRL's two-sided clip, or None (``"clip"`` only).
-        cispo_cap: TRL's absolute cap of the CISPO weight (its ``epsilon_high``, e.g. 5.0),
-            ``> 0``; None uses the band ``[1 - clip_low, 1 + clip_high]`` (verl) (``"cispo"``
-            only).
-        sapo_temperature_pos: :math:`\tau_+ > 0` for :math:`A > 0` (``"sapo"``).
-        sapo_temperature_neg: :math:`\tau_- > 0` for :math:`A \le 0` (``"sapo"``).
-        vespo_k_pos: :math:`k \ge 0` for :math:`A \ge 0` (``"vespo"``).
-        vespo_lambda_pos: :math:`\lambda > 0` for :math:`A \ge 0` (``"vespo"``).
-        vespo_k_neg: :math:`k \ge 0` for :math:`A < 0` (``"vespo"``).
-        vespo_lambda_neg: :math:`\lambda > 0` for :math:`A < 0` (``"vespo"``).
-        ratio_level: ``"token"`` or ``"sequence"`` (GSPO).
+        surrogate: a surrogate object (:class:`~rlobjectives.Clip`,
+            :class:`~rlobjectives.CISPO`, :class:`~rlobjectives.SAPO`,
+            :class:`~rlobjectives.GMPO`, :class:`~rlobjectives.VESPO`) holding its options, or
+            its name (``"clip"``, ``"cispo"``, ``"sapo"``, ``"gmpo"``, ``"vespo"``: the object
+            with its defaults).
+        ratio_level: ``"token"`` or ``"sequence"`` (GSPO; token-local surrogates only).
         log_ratio_bound: :math:`b > 0` bound on the log-ratio before ``exp`` (the gradient through
             the ratio is zero where it fires), or None.
         importance_weights: ``(B,)``, ``(B, 1)`` or ``(B, T)`` constant weights (e.g. from
@@ -192,55 +157,40 @@ def policy_loss(
         default float dtype); the math runs in float32 (float64 for float64 inputs).
 
     Raises:
-        ValueError: on mismatched shapes, wrong ranks, different devices, negative or non-finite
-            clip parameters, ``clip_low >= 1``, ``dual_clip <= 1``, ``delta <= 1``,
-            ``clip_high`` without ``clip_low``, an option given to a surrogate that does not use
-            it (``dual_clip``/``delta`` without ``"clip"``, ``cispo_cap`` without ``"cispo"``),
-            ``ratio_level="sequence"`` with ``"gmpo"``/``"vespo"``, non-positive temperatures,
-            cap or gamma rate, a negative gamma shape, ``entropy_coef != 0`` without
-            ``entropy``, a non-positive normaliser, a fractional ``max_response_length``, an
-            unknown ``surrogate``, ``reduction`` or ``ratio_level``, or a malformed
-            ``cu_seqlens`` (not an integer 1-D tensor, not starting at 0, not ending at ``N``,
-            decreasing).
-        TypeError: on non-numeric inputs.
+        ValueError: on mismatched shapes, wrong ranks, different devices,
+            ``ratio_level="sequence"`` with ``GMPO``/``VESPO``, a non-positive
+            ``log_ratio_bound``, ``entropy_coef != 0`` without ``entropy``, a non-positive
+            normaliser, a fractional ``max_response_length``, an unknown ``surrogate`` name,
+            ``reduction`` or ``ratio_level``, or a malformed ``cu_seqlens`` (not an integer 1-D
+            tensor, not starting at 0, not ending at ``N``, decreasing). A surrogate object
+            validates its own fields when it is built.
+        TypeError: on non-numeric inputs, or a ``surrogate`` that is neither a name nor a
+            surrogate object.
 
     References:
-        Schulman et al. 2017, PPO, arXiv:1707.06347 Eq. 7; Shao et al. 2024, GRPO,
-        arXiv:2402.03300 Eq. 3; Yu et al. 2025, DAPO, arXiv:2503.14476 Eq. 8-10;
-        Zheng et al. 2025, GSPO, arXiv:2507.18071; Ye et al. 2020, dual-clip, arXiv:1912.09729;
-        MiniMax-M1, CISPO, arXiv:2506.13585 Sec. 3.1; SAPO, arXiv:2511.20347 (the gated
-        objective; verl ``sapo``, TRL ``loss_type="sapo"``); GMPO, arXiv:2507.20673 (the
-        geometric-mean objective; verl ``geo_mean``); VESPO, arXiv:2602.10693 (TRL
-        ``get_gamma_weights``); PPO arXiv:1707.06347 Eq. 9 (entropy bonus).
+        Schulman et al. 2017, PPO, arXiv:1707.06347 Eq. 7 and Eq. 9 (entropy bonus); Shao et
+        al. 2024, GRPO, arXiv:2402.03300 Eq. 3; Zheng et al. 2025, GSPO, arXiv:2507.18071; the
+        surrogate objects' docstrings for their own papers.
 
     Examples:
         >>> import torch
+        >>> from rlobjectives import Clip
         >>> out = policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.tensor([1.0]),
-        ...                   torch.ones(1, 2, dtype=torch.bool))
+        ...                   torch.ones(1, 2, dtype=torch.bool), surrogate=Clip(low=0.2))
         >>> out.loss
         tensor(-1.)
 
     .. versionadded:: 0.1.0
     .. versionchanged:: 0.2.0
-       ``surrogate``, ``delta``, ``cispo_cap``, the SAPO and VESPO options,
-       ``importance_weights``, ``entropy``/``entropy_coef``, ``reduction="length_weighted"``
-       and the ``weight_mean`` diagnostic.
+       ``surrogate``, ``importance_weights``, ``entropy``/``entropy_coef``,
+       ``reduction="length_weighted"`` and the ``weight_mean`` diagnostic.
+    .. versionchanged:: 0.3.0
+       ``surrogate`` takes the surrogate objects; their options (``clip_low``, ``clip_high``,
+       ``dual_clip``, ``delta``, ``cispo_cap``, ``sapo_temperature_*``, ``vespo_*``) left the
+       signature: ``clip_low=a, clip_high=b`` is ``surrogate=Clip(low=a, high=b)``.
     """
     options = validate_surrogate_options(
-        surrogate=surrogate,
-        clip_low=clip_low,
-        clip_high=clip_high,
-        dual_clip=dual_clip,
-        delta=delta,
-        cispo_cap=cispo_cap,
-        sapo_temperature_pos=sapo_temperature_pos,
-        sapo_temperature_neg=sapo_temperature_neg,
-        vespo_k_pos=vespo_k_pos,
-        vespo_lambda_pos=vespo_lambda_pos,
-        vespo_k_neg=vespo_k_neg,
-        vespo_lambda_neg=vespo_lambda_neg,
-        ratio_level=ratio_level,
-        log_ratio_bound=log_ratio_bound,
+        surrogate=surrogate, ratio_level=ratio_level, log_ratio_bound=log_ratio_bound
     )
     call = validate_policy_call(
         (log_probs, old_log_probs, advantages, mask),
@@ -297,11 +247,13 @@ def fused_applicable(call: PolicyCall) -> bool:
 
     ``old_log_probs`` and ``advantages`` are constants on every path; a tensor hyperparameter
     that requires grad (a learnable clip range, say) is differentiated by the autograd path, and
-    so are the sequence-level surrogates (``"gmpo"``, ``"vespo"``).
+    so are the sequence-level surrogates (``GMPO``, ``VESPO``).
     """
-    scalars = [*call.options, call.reduction.normalizer, call.reduction.constant]
+    options, reduction = call.options, call.reduction
+    scalars = [*vars(options.surrogate).values(), options.log_ratio_bound]
+    scalars += [reduction.normalizer, reduction.constant]
     learnable = any(isinstance(t, torch.Tensor) and t.requires_grad for t in scalars)
-    return has_fused_stage(call.options) and not learnable
+    return options.surrogate.token_local and not learnable
 
 
 def run_autograd(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutput:

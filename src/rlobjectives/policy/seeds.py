@@ -26,6 +26,7 @@ from ..kl.estimators import kl_terms
 from .fused import ClippedSurrogateFunction, FusedSpec
 from .inputs import PolicyInputs, SurrogateOptions, prepare_layout_inputs
 from .specification import policy_terms
+from .surrogates import Clip
 
 __all__ = ["grpo_clipped_surrogate", "kl_penalized_rewards"]
 
@@ -54,7 +55,7 @@ def grpo_clipped_surrogate(
     selected tokens (0 if none); ``clipped_fraction`` is the fraction of selected ratios strictly
     outside :math:`[1-\epsilon, 1+\epsilon]`. With no selected token both scalars are 0.
 
-    This is :func:`rlobjectives.policy_loss` with ``clip_low=clip_epsilon``,
+    This is :func:`rlobjectives.policy_loss` with ``surrogate=Clip(low=clip_epsilon)``,
     ``log_ratio_bound=60`` and ``reduction="token_mean"`` (any :math:`\epsilon \ge 0` is
     accepted, as specified: for :math:`\epsilon \ge 1` the lower edge never binds).
 
@@ -114,14 +115,21 @@ def _seed_call(
         cu_seqlens=cu_seqlens,
     )
     epsilon = validate_scalar(clip_epsilon, "clip_epsilon", minimum=0.0)
-    options = SurrogateOptions(
-        clip_low=epsilon,
-        clip_high=None,
-        dual_clip=None,
-        ratio_level="token",
-        log_ratio_bound=_SEED_LOG_RATIO_BOUND,
-    )
+    options = SurrogateOptions(_seed_clip(epsilon), "token", _SEED_LOG_RATIO_BOUND)
     return inputs, options, layout
+
+
+def _seed_clip(epsilon: float | torch.Tensor) -> Clip:
+    """``Clip(low=epsilon)``: the seed's symmetric band ``[1 - eps, 1 + eps]`` for any eps >= 0.
+
+    The specification takes any finite ``clip_epsilon >= 0`` (validated above); ``Clip`` itself
+    keeps ``low < 1`` (a positive lower edge); for ``eps >= 1`` the lower edge never binds (the
+    ratio is positive), so the object is filled without that check.
+    """
+    clip = object.__new__(Clip)
+    for name, value in (("low", epsilon), ("high", None), ("dual", None), ("delta", None)):
+        object.__setattr__(clip, name, value)
+    return clip
 
 
 def _grpo_clipped_surrogate_autograd(
@@ -145,9 +153,8 @@ def _grpo_outputs(
 ) -> dict[str, torch.Tensor]:
     """The seed outputs: token-mean loss, per-sequence means, out-of-band fraction."""
     spec = ReductionSpec("token_mean", None, float(max(inputs.log_probs.shape[-1], 1)))
-    learnable_epsilon = (
-        isinstance(options.clip_low, torch.Tensor) and options.clip_low.requires_grad
-    )
+    epsilon = options.surrogate.low  # type: ignore[attr-defined]
+    learnable_epsilon = isinstance(epsilon, torch.Tensor) and epsilon.requires_grad
     if fused and not learnable_epsilon and _on_kernels(inputs):
         from ..kernels.calls.policy import seed_outputs
 

@@ -5,16 +5,14 @@ Each step is one function, in plain ``torch`` with autograd doing the derivative
 1. :func:`token_log_ratios`: :math:`\Delta = \ell - \ell^{old}` on selected tokens (exact zeros
    elsewhere, before any arithmetic), the GSPO sequence form, the bound :math:`|\Delta| \le b`
    and the ratio :math:`r = e^{\Delta}`;
-2. the surrogate named by the ``surrogate`` option, one function per formula in
-   :mod:`rlobjectives.policy.formulas` (``clip``, ``cispo``, ``sapo``, ``gmpo``, ``vespo``); the
-   per-token loss is :math:`-w s` with the importance weights :math:`w` (VESPO folds them into
-   its formula instead);
+2. the surrogate object's formula (``Clip.formula``, ``CISPO.formula``, ... in
+   :mod:`rlobjectives.policy.surrogates`); the per-token loss is :math:`-w s` with the
+   importance weights :math:`w` (VESPO folds them into its formula instead);
 3. :func:`surrogate_diagnostics`: the named, detached diagnostics.
 
 :mod:`rlobjectives.policy.fused` computes the same values and gradients of the token-local
-surrogates
-in one pass without autograd and is tested against this module; the hidden-state path uses the
-fused path's per-token coefficient.
+surrogates in one pass without autograd and is tested against this module; the hidden-state
+path uses the fused path's per-token coefficient.
 """
 
 from __future__ import annotations
@@ -25,8 +23,8 @@ import torch
 
 from .._core.layout import Layout
 from .._core.reduction import clamp, masked_fill_zero
-from .formulas import FORMULAS, Surrogate, SurrogateInputs, folds_importance_weights
 from .inputs import PolicyInputs, PolicyLossDiagnostics, SurrogateOptions
+from .surrogates.base import FormulaTerms, SurrogateInputs
 
 __all__ = [
     "DIAGNOSTIC_LOG_RATIO_BOUND",
@@ -87,7 +85,7 @@ def token_log_ratios(inputs: PolicyInputs, options: SurrogateOptions, layout: La
 @torch.no_grad()
 def surrogate_diagnostics(
     ratios: LogRatios,
-    surrogate: Surrogate,
+    surrogate: FormulaTerms,
     mask: torch.Tensor,
     options: SurrogateOptions,
     normalizer: float | torch.Tensor | None,
@@ -145,7 +143,7 @@ def policy_terms(
     ratios = token_log_ratios(inputs, options, layout)
     weights = inputs.importance_weights
     weights = None if weights is None else weights.to(dtype)  # (B, 1) or (B, T)
-    surrogate = FORMULAS[options.surrogate](
+    surrogate = options.surrogate.formula(
         SurrogateInputs(
             ratio=ratios.ratio,
             log_ratio=ratios.bounded_log_ratio,
@@ -154,11 +152,10 @@ def policy_terms(
             mask=mask,
             importance_weights=weights,
             layout=layout,
-            options=options,
         )
     )
     per_token_loss = -surrogate.values  # (B, T)
-    if weights is not None and not folds_importance_weights(options):
+    if weights is not None and not options.surrogate.folds_importance_weights:
         per_token_loss = per_token_loss * masked_fill_zero(weights, mask)  # NaN-proof weights
     per_token_loss = masked_fill_zero(per_token_loss, mask)  # (B, T)
     diagnostics = surrogate_diagnostics(ratios, surrogate, mask, options, diagnostics_normalizer)

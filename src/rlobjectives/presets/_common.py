@@ -117,24 +117,17 @@ def weighted_policy_loss(
     return WeightedPolicyTerm(reduce_terms(per_token, mask, args), out.diagnostics)
 
 
-#: ``policy_loss``'s defaults of the keywords ``validate_surrogate_options`` requires.
-_POLICY_DEFAULTS: dict[str, Any] = {
-    "clip_low": 0.2,
-    "clip_high": None,
-    "dual_clip": None,
-    "ratio_level": "token",
-    "log_ratio_bound": 20.0,
-}
-
-
 def check_options(options: Mapping[str, Any]) -> None:
     """Validate a row's ``policy_loss`` keywords once, when the preset is built.
 
+    The surrogate object validated its own fields when the row built it; this checks the
+    ratio level it is given and the log-ratio bound.
+
     Raises:
-        ValueError: an option out of range or one the surrogate does not take (the message
-            names the ``policy_loss`` keyword).
+        ValueError: an option out of range, or ``ratio_level="sequence"`` with a surrogate that
+            forms its own sequence ratio (the message names the keyword).
     """
-    validate_surrogate_options(**{**_POLICY_DEFAULTS, **options})
+    validate_surrogate_options(**options)
 
 
 def option(config: object, name: str, default: Any) -> Any:

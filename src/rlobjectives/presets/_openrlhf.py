@@ -3,8 +3,8 @@ r"""OpenRLHF's ``PolicyLoss`` (``openrlhf/models/loss.py``, OpenRLHF 3c3be62) as
 :func:`openrlhf_policy_loss` takes ``PolicyLoss``'s constructor options and returns a function
 with ``PolicyLoss.forward``'s signature and results ``(loss, clip_ratio, ppo_kl, vllm_kl)``.
 
-- ``policy_loss_type="ppo"``: ``policy_loss(clip_low=clip_eps_low, clip_high=clip_eps_high,
-  dual_clip=dual_clip, log_ratio_bound=20)``; with ``enable_vllm_is_correction`` the loss of
+- ``policy_loss_type="ppo"``: ``policy_loss(surrogate=Clip(low=clip_eps_low, high=clip_eps_high,
+  dual=dual_clip), log_ratio_bound=20)``; with ``enable_vllm_is_correction`` the loss of
   each token is multiplied by a constant weight of :math:`\rho = \exp(\ell_{old} -
   \ell_{rollout})` (``policy_loss(importance_weights=)``, the denominators keep
   ``action_mask``), one row per ``vllm_is_correction_type`` in :data:`OPENRLHF_IS_CORRECTIONS`,
@@ -42,6 +42,7 @@ import torch
 
 from .._core.reduction import masked_mean
 from .._core.validation import validate_choice
+from ..policy.surrogates import Clip
 from ..rollout.correction import RolloutCorrection, rollout_correction
 from ._common import ReductionArgs, check_options, weighted_policy_loss
 
@@ -152,12 +153,9 @@ class OpenRLHFPolicyLoss:
     vllm_is_correction_type: str = "tis"
 
     def clip_options(self) -> dict[str, Any]:
-        """The clip band and dual clip as ``policy_loss`` keywords."""
-        return {
-            "clip_low": self.clip_eps_low,
-            "clip_high": self.clip_eps_high,
-            "dual_clip": self.dual_clip,
-        }
+        """The clip band and dual clip as ``policy_loss``'s surrogate."""
+        clip = Clip(low=self.clip_eps_low, high=self.clip_eps_high, dual=self.dual_clip)
+        return {"surrogate": clip}
 
     def __call__(
         self,

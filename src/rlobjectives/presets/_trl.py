@@ -21,9 +21,10 @@ gradient-accumulation steps (1 in eval), P the processes, N ``num_items_in_batch
 
 The per-token loss :math:`L` is ``policy_loss``'s surrogate with no bound on the log-ratio (TRL
 has none; VESPO clamps each log-ratio to :math:`\pm 20`, as TRL's ``get_gamma_weights``):
-``"clip"`` with ``delta`` for the clipped types, ``"cispo"`` with ``cispo_cap=epsilon_high``,
-``"sapo"``, ``"vespo"``. TRL then multiplies it by the off-policy sequence mask
-(``off_policy_mask_threshold``), the high-entropy mask (``top_entropy_quantile``) and the vLLM
+``Clip(low=epsilon, high=epsilon_high, delta=delta)`` for the clipped types,
+``CISPO(cap=epsilon_high)``, ``SAPO(...)``, ``VESPO(...)``. TRL then multiplies it by the
+off-policy sequence mask (``off_policy_mask_threshold``), the high-entropy mask
+(``top_entropy_quantile``) and the vLLM
 ``importance_sampling_ratio`` (folded into :math:`\phi` for VESPO): here
 ``policy_loss(importance_weights=)``, the denominators keep :math:`M`. It adds
 :math:`\beta\,k_3` (times the ratio with its gradient when ``use_bias_correction_kl``, TRL's
@@ -391,8 +392,34 @@ def trl_grpo_loss(
         float(top_entropy_quantile), float(entropy_coef),
         None if off_policy_mask_threshold is None else float(off_policy_mask_threshold),
     )  # fmt: skip
-    check_options(TRL_LOSS_TYPES[loss_type].options(loss))
+    try:  # the row builds the surrogate object, which validates its fields
+        check_options(TRL_LOSS_TYPES[loss_type].options(loss))
+    except ValueError as error:  # named as this function's (TRL's) arguments
+        raise ValueError(_trl_names(str(error))) from None
     return loss
+
+
+#: The surrogate fields a TRL row fills, by the names of :func:`trl_grpo_loss`'s arguments.
+_TRL_NAMES = {
+    "Clip.low": "epsilon",
+    "Clip.high": "epsilon_high",
+    "Clip.delta": "delta",
+    "CISPO.cap": "epsilon_high",
+    "SAPO.temperature_pos": "sapo_temperature_pos",
+    "SAPO.temperature_neg": "sapo_temperature_neg",
+    "VESPO.k_pos": "vespo_k_pos",
+    "VESPO.lambda_pos": "vespo_lambda_pos",
+    "VESPO.k_neg": "vespo_k_neg",
+    "VESPO.lambda_neg": "vespo_lambda_neg",
+}
+
+
+def _trl_names(message: str) -> str:
+    """A surrogate object's message with its field named as the TRL option that set it."""
+    for field, name in _TRL_NAMES.items():
+        if message.startswith(field + " "):
+            return name + message[len(field) :]
+    return message
 
 
 def _check_entropy_options(quantile: float, coef: float, threshold: float | None) -> None:

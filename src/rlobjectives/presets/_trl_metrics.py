@@ -24,7 +24,7 @@ from typing import NamedTuple
 import torch
 
 from .._core.reduction import masked_fill_zero, masked_mean
-from ..policy.formulas import VESPO_LOG_WEIGHT_RANGE
+from ..policy.surrogates.vespo import VESPO_LOG_WEIGHT_RANGE
 
 __all__ = [
     "MetricInputs",

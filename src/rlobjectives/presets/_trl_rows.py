@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 import torch
 
 from .._core.validation import Scalar
+from ..policy.surrogates import CISPO, SAPO, VESPO, Clip
 from ._common import ReductionArgs
 from ._trl_metrics import MetricInputs, cispo_metrics, clip_metrics, no_metrics, vespo_metrics
 
@@ -61,9 +62,8 @@ def _length_weighted(batch: Batch) -> ReductionArgs:
 
 def _clip(loss: TRLGRPOLoss) -> dict[str, Any]:
     return {
-        "clip_low": loss.epsilon,
-        "clip_high": loss.epsilon_high,
-        "delta": loss.delta,  # TRL: min(r, delta) in the unclipped branch, any delta > 1
+        # TRL's delta: min(r, delta) in the unclipped branch, any delta > 1
+        "surrogate": Clip(low=loss.epsilon, high=loss.epsilon_high, delta=loss.delta),
         "ratio_level": loss.importance_sampling_level,
         "log_ratio_bound": None,  # TRL exponentiates the raw log-ratio
     }
@@ -71,8 +71,7 @@ def _clip(loss: TRLGRPOLoss) -> dict[str, Any]:
 
 def _cispo(loss: TRLGRPOLoss) -> dict[str, Any]:
     return {
-        "surrogate": "cispo",
-        "cispo_cap": loss.epsilon_high,  # TRL: an absolute cap on the ratio, not 1 + eps
+        "surrogate": CISPO(cap=loss.epsilon_high),  # TRL: an absolute cap on r, not 1 + eps
         "ratio_level": loss.importance_sampling_level,
         "log_ratio_bound": None,
     }
@@ -80,9 +79,10 @@ def _cispo(loss: TRLGRPOLoss) -> dict[str, Any]:
 
 def _sapo(loss: TRLGRPOLoss) -> dict[str, Any]:
     return {
-        "surrogate": "sapo",
-        "sapo_temperature_pos": loss.sapo_temperature_pos,
-        "sapo_temperature_neg": loss.sapo_temperature_neg,
+        "surrogate": SAPO(
+            temperature_pos=loss.sapo_temperature_pos,
+            temperature_neg=loss.sapo_temperature_neg,
+        ),
         "ratio_level": loss.importance_sampling_level,
         "log_ratio_bound": None,
     }
@@ -91,11 +91,8 @@ def _sapo(loss: TRLGRPOLoss) -> dict[str, Any]:
 def _vespo(loss: TRLGRPOLoss) -> dict[str, Any]:
     k_pos, lambda_pos, k_neg, lambda_neg = loss.vespo
     return {
-        "surrogate": "vespo",  # its own sequence ratio (a sum), whatever the level
-        "vespo_k_pos": k_pos,
-        "vespo_lambda_pos": lambda_pos,
-        "vespo_k_neg": k_neg,
-        "vespo_lambda_neg": lambda_neg,
+        # its own sequence ratio (a sum), whatever the level
+        "surrogate": VESPO(k_pos=k_pos, lambda_pos=lambda_pos, k_neg=k_neg, lambda_neg=lambda_neg),
         "log_ratio_bound": 20.0,  # get_gamma_weights clamps each log-ratio to +-20
     }
 

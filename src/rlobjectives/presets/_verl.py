@@ -35,6 +35,7 @@ import torch
 from .._core.reduction import clamp, masked_fill_zero, masked_mean, mean_selected
 from .._core.validation import compute_dtype, validate_choice
 from ..policy.inputs import PolicyLossDiagnostics
+from ..policy.surrogates import CISPO, GMPO, SAPO, Clip
 from ._common import (
     ReductionArgs,
     WeightedPolicyTerm,
@@ -118,12 +119,10 @@ VERL_AGGREGATIONS: dict[str, Callable[[torch.Tensor, dict[str, Any]], ReductionA
 }
 
 
-def _clip_band(config: object) -> dict[str, Any]:
+def _clip_band(config: object) -> tuple[float, float]:
+    """Verl's ``(clip_ratio_low, clip_ratio_high)``, each defaulting to ``clip_ratio`` (0.2)."""
     ratio = option(config, "clip_ratio", 0.2)
-    return {
-        "clip_low": option(config, "clip_ratio_low", ratio),
-        "clip_high": option(config, "clip_ratio_high", ratio),
-    }
+    return option(config, "clip_ratio_low", ratio), option(config, "clip_ratio_high", ratio)
 
 
 def _metric_dtype(call: _Call) -> torch.dtype:
@@ -156,8 +155,10 @@ def _metrics(
 
 def _vanilla(call: _Call, args: ReductionArgs) -> VerlLossOutput:
     """PPO clip with verl's always-on dual clip ``clip_ratio_c`` and the ±20 log-ratio clamp."""
-    options = {**_clip_band(call.config), "dual_clip": option(call.config, "clip_ratio_c", 3.0)}
-    term = _policy_term(call, args, {**options, "log_ratio_bound": 20.0})
+    low, high = _clip_band(call.config)
+    dual = option(call.config, "clip_ratio_c", 3.0)
+    options = {"surrogate": Clip(low=low, high=high, dual=dual), "log_ratio_bound": 20.0}
+    term = _policy_term(call, args, options)
     clipfrac = _pg_clipfrac(term.diagnostics)
     lower = term.diagnostics.dual_clip_fraction
     return VerlLossOutput(term.loss, _metrics(call, clipfrac, lower, 20.0))
@@ -165,14 +166,17 @@ def _vanilla(call: _Call, args: ReductionArgs) -> VerlLossOutput:
 
 def _gspo(call: _Call, args: ReductionArgs) -> VerlLossOutput:
     """GSPO-token (the stop-gradient form, as verl), sequence log-ratio bounded by 10."""
-    options = {**_clip_band(call.config), "ratio_level": "sequence", "log_ratio_bound": 10.0}
+    low, high = _clip_band(call.config)
+    options = {"surrogate": Clip(low=low, high=high), "ratio_level": "sequence"}
+    options["log_ratio_bound"] = 10.0
     term = _policy_term(call, args, options)
     return VerlLossOutput(term.loss, _metrics(call, _pg_clipfrac(term.diagnostics), None, None))
 
 
 def _cispo(call: _Call, args: ReductionArgs) -> VerlLossOutput:
     """CISPO with verl's two-sided band on the (±20-clamped) ratio, any sign of A."""
-    options = {**_clip_band(call.config), "surrogate": "cispo", "log_ratio_bound": 20.0}
+    low, high = _clip_band(call.config)
+    options = {"surrogate": CISPO(low=low, high=high), "log_ratio_bound": 20.0}
     term = _policy_term(call, args, options)
     # verl: ratio != clip(ratio), either side, whatever the sign of A
     clipfrac = term.diagnostics.clipped_fraction
@@ -181,12 +185,11 @@ def _cispo(call: _Call, args: ReductionArgs) -> VerlLossOutput:
 
 def _sapo(call: _Call, args: ReductionArgs) -> VerlLossOutput:
     """SAPO's soft gate with ``tau_pos`` / ``tau_neg`` (A = 0 takes tau_neg); no clip metric."""
-    options = {
-        "surrogate": "sapo",
-        "sapo_temperature_pos": option(call.config, "tau_pos", 1.0),
-        "sapo_temperature_neg": option(call.config, "tau_neg", 1.05),
-        "log_ratio_bound": 20.0,
-    }
+    sapo = SAPO(
+        temperature_pos=option(call.config, "tau_pos", 1.0),
+        temperature_neg=option(call.config, "tau_neg", 1.05),
+    )
+    options = {"surrogate": sapo, "log_ratio_bound": 20.0}
     term = _policy_term(call, args, options)
     zero = torch.zeros((), dtype=_metric_dtype(call), device=call.log_prob.device)
     return VerlLossOutput(term.loss, _metrics(call, zero, None, 20.0))
@@ -199,7 +202,8 @@ def _geo_mean(call: _Call, args: ReductionArgs) -> VerlLossOutput:
     rows included) and weights each row by the geometric mean of its ``rollout_is_weights``,
     :math:`\exp(\mathrm{mean}_t \log(w + 10^{-10}))`.
     """
-    options = {**_clip_band(call.config), "surrogate": "gmpo", "log_ratio_bound": None}
+    low, high = _clip_band(call.config)
+    options = {"surrogate": GMPO(low=low, high=high), "log_ratio_bound": None}
     weights = None
     if call.weights is not None:
         log_weights = torch.log(call.weights.detach() + 1e-10)
@@ -208,18 +212,18 @@ def _geo_mean(call: _Call, args: ReductionArgs) -> VerlLossOutput:
         call.log_prob, call.old_log_prob, call.advantages, call.mask, options=options,
         args=args, weights=weights,
     )  # fmt: skip
-    return VerlLossOutput(term.loss, _gmpo_metrics(call, options))
+    return VerlLossOutput(term.loss, _gmpo_metrics(call, low, high))
 
 
 @torch.no_grad()
-def _gmpo_metrics(call: _Call, options: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """The geo_mean metrics of verl: the log-ratio outside ``[-clip_low, clip_high]`` by sign.
+def _gmpo_metrics(call: _Call, low: float, high: float) -> dict[str, torch.Tensor]:
+    """The geo_mean metrics of verl: the log-ratio outside ``[-low, high]`` by sign.
 
     verl counts a token whichever side it leaves the band on (so also tokens the sign-aware
     clip does not clip), split by ``A > 0`` (``pg_clipfrac``) and ``A < 0`` (``_lower``).
     """
     log_ratio = masked_fill_zero(call.log_prob.detach() - call.old_log_prob, call.mask).float()
-    outside = (log_ratio < -options["clip_low"]) | (log_ratio > options["clip_high"])
+    outside = (log_ratio < -low) | (log_ratio > high)
     advantages = call.advantages.detach()
     advantages = advantages.unsqueeze(-1) if advantages.ndim == 1 else advantages
     dtype = _metric_dtype(call)
@@ -231,10 +235,10 @@ def _gmpo_metrics(call: _Call, options: dict[str, Any]) -> dict[str, torch.Tenso
 def _gpg(call: _Call, args: ReductionArgs) -> VerlLossOutput:
     """GPG: ``-A·log_prob`` (times the weights), aggregated; no metrics.
 
-    ``policy_loss(log_prob, log_prob.detach(), A, M, surrogate="cispo", clip_low=None)``: the
-    ratio is 1, so CISPO's weight is 1 and its value and gradient are ``-A·log_prob``.
+    ``policy_loss(log_prob, log_prob.detach(), A, M, surrogate=CISPO(low=None))``: the ratio
+    is 1, so CISPO's weight is 1 and its value and gradient are ``-A·log_prob``.
     """
-    options = {"surrogate": "cispo", "clip_low": None, "log_ratio_bound": None}
+    options = {"surrogate": CISPO(low=None), "log_ratio_bound": None}
     on_policy = call._replace(old_log_prob=call.log_prob.detach())
     return VerlLossOutput(_policy_term(on_policy, args, options).loss, {})
 
@@ -322,31 +326,32 @@ def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
     (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``); missing
     values take verl's defaults (0.2, 0.2, 0.2, 3.0, 1.0, 1.05, local counts).
 
-    - ``"vanilla"``: ``policy_loss(clip_low=clip_ratio_low, clip_high=clip_ratio_high,
-      dual_clip=clip_ratio_c, log_ratio_bound=20)``; metrics ``actor/pg_clipfrac`` (the
+    - ``"vanilla"``: ``policy_loss(surrogate=Clip(low=clip_ratio_low, high=clip_ratio_high,
+      dual=clip_ratio_c), log_ratio_bound=20)``; metrics ``actor/pg_clipfrac`` (the
       binding clips), ``actor/ppo_kl`` (mean of the clamped ``-Δ``),
       ``actor/pg_clipfrac_lower`` (the dual clip binds).
-    - ``"gspo"``: ``policy_loss(ratio_level="sequence", log_ratio_bound=10)`` aggregated as
+    - ``"gspo"``: ``policy_loss(surrogate=Clip(low=clip_ratio_low, high=clip_ratio_high),
+      ratio_level="sequence", log_ratio_bound=10)`` aggregated as
       ``"seq-mean-token-mean"`` whatever ``loss_agg_mode`` says (as verl). verl clamps the
       sequence log-ratio from above only; the library bound is symmetric, so the two differ
       only for a sequence ratio below :math:`e^{-10}`. Equal to verl for per-token advantages
       too (both use the GSPO-token form). ``actor/pg_clipfrac_lower`` is 0.
-    - ``"cispo"``: ``policy_loss(surrogate="cispo", clip_low=clip_ratio_low,
-      clip_high=clip_ratio_high, log_ratio_bound=20)`` (verl's two-sided band, any sign of
+    - ``"cispo"``: ``policy_loss(surrogate=CISPO(low=clip_ratio_low, high=clip_ratio_high),
+      log_ratio_bound=20)`` (verl's two-sided band, any sign of
       :math:`A`); ``actor/pg_clipfrac`` = the ratio outside the band; ``_lower`` is 0.
-    - ``"sapo"``: ``policy_loss(surrogate="sapo", sapo_temperature_pos=tau_pos,
-      sapo_temperature_neg=tau_neg, log_ratio_bound=20)`` (``config.tau_pos`` / ``tau_neg``,
+    - ``"sapo"``: ``policy_loss(surrogate=SAPO(temperature_pos=tau_pos,
+      temperature_neg=tau_neg), log_ratio_bound=20)`` (``config.tau_pos`` / ``tau_neg``,
       1.0 / 1.05) aggregated as ``"seq-mean-token-mean"`` (forced, as verl); both clip
       fractions are 0.
-    - ``"geo_mean"``: ``policy_loss(surrogate="gmpo", clip_low=clip_ratio_low,
-      clip_high=clip_ratio_high, log_ratio_bound=None, reduction="sequence_mean",
+    - ``"geo_mean"``: ``policy_loss(surrogate=GMPO(low=clip_ratio_low, high=clip_ratio_high),
+      log_ratio_bound=None, reduction="sequence_mean",
       normalizer=B)``: verl's ``torch.mean`` over the B rows, whatever ``loss_agg_mode`` and
       the global counts say; ``rollout_is_weights`` enter as each row's geometric mean
       :math:`\exp(\mathrm{mean}_t\log(w + 10^{-10}))` (verl's); ``actor/pg_clipfrac`` /
       ``_lower``: the log-ratio outside ``[-clip_ratio_low, clip_ratio_high]`` (either side)
       where :math:`A > 0` / :math:`A < 0`.
-    - ``"gpg"``: ``policy_loss(log_prob, log_prob.detach(), A, M, surrogate="cispo",
-      clip_low=None)`` = ``-A·log_prob`` aggregated; no metrics.
+    - ``"gpg"``: ``policy_loss(log_prob, log_prob.detach(), A, M,
+      surrogate=CISPO(low=None))`` = ``-A·log_prob`` aggregated; no metrics.
 
     ``rollout_is_weights`` multiply the per-token loss before the aggregation (verl's
     placement; ``policy_loss(importance_weights=)``). The metric values are 0-d tensors in the

@@ -50,7 +50,6 @@ from ..common import KERNEL_DTYPES
 from ..token_loss import TokenLossFunction, TokenLossOptions
 
 __all__ = [
-    "TOKEN_SURROGATES",
     "FlatInputs",
     "diagnostics_of",
     "flat_inputs",
@@ -63,8 +62,6 @@ __all__ = [
     "seed_outputs",
 ]
 
-# The surrogates the kernel computes (token-local); GMPO and VESPO take the PyTorch path.
-TOKEN_SURROGATES = ("clip", "cispo", "sapo")
 _NOT_READABLE = object()  # a hyperparameter the kernel cannot take (a tensor that requires grad)
 
 
@@ -84,21 +81,26 @@ def host_number(value: float | torch.Tensor | None) -> object:
 def kernel_options(
     options: SurrogateOptions, entropy_coef: float | torch.Tensor = 0.0, **extra: Any
 ) -> TokenLossOptions | None:
-    """The launcher's options for a token-level surrogate, or None (PyTorch path).
+    """The launcher's options for a token-local surrogate, or None (PyTorch path).
 
-    ``extra``: the KL options of the hidden-state path (``kl_coef``, ``kl_estimator``...).
+    None for a sequence-level surrogate (GMPO, VESPO) and for a hyperparameter the kernel
+    cannot take (a tensor that requires grad). ``extra``: the KL options of the hidden-state
+    path (``kl_coef``, ``kl_estimator``...).
     """
-    if options.surrogate not in TOKEN_SURROGATES:
+    surrogate = options.surrogate
+    if not surrogate.token_local:
         return None
-    names = (
-        "clip_low", "clip_high", "dual_clip", "delta", "cispo_cap", "sapo_temperature_pos",
-        "sapo_temperature_neg", "log_ratio_bound",
-    )  # fmt: skip
-    values = {name: host_number(getattr(options, name)) for name in names}
-    values["entropy_coef"] = host_number(entropy_coef)
-    if any(value is _NOT_READABLE for value in values.values()):
+    fields = [host_number(value) for value in vars(surrogate).values()]
+    bound = host_number(options.log_ratio_bound)
+    coef = host_number(entropy_coef)
+    if any(value is _NOT_READABLE for value in (*fields, bound, coef)):
         return None
-    return TokenLossOptions(surrogate=options.surrogate, **values, **extra)  # type: ignore[arg-type]
+    return TokenLossOptions(
+        surrogate=surrogate,
+        log_ratio_bound=bound,  # type: ignore[arg-type]
+        entropy_coef=coef,  # type: ignore[arg-type]
+        **extra,
+    )
 
 
 def flat_values(values: torch.Tensor, shape: tuple[int, int]) -> torch.Tensor:

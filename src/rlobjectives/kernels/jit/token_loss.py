@@ -63,8 +63,8 @@ def clip_surrogate(
     r"""Clipped surrogate per sign of ``A``: ``w s``, its slope, the factor and the four sets.
 
     ``s = A clip(r, L, H)`` with ``(L, H) = (-inf, upper_positive)`` for ``A > 0`` and
-    ``(low, upper_negative)`` for ``A < 0`` (``rlobjectives.policy.formulas.clip_bounds``); the
-    slope ``r A~`` (``A~ = rho A``) where ``L <= r <= H`` and the log-ratio bound held, else 0,
+    ``(low, upper_negative)`` for ``A < 0`` (``rlobjectives.policy.surrogates.clip.clip_bounds``);
+    the slope ``r A~`` (``A~ = rho A``) where ``L <= r <= H`` and the log-ratio bound held, else 0,
     halved at ``r == c`` for ``A < 0`` (``torch.maximum``'s tie). Clipping is decided on the
     ratio, as the fused PyTorch path decides it. Returns ``(w s, d(w s)/dl, factor, out of
     band, low binds, high binds, dual binds)``.

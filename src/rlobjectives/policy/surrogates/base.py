@@ -1,0 +1,168 @@
+r"""What every surrogate object shares: the base class and the contracts of its two paths.
+
+A surrogate object (:class:`~rlobjectives.Clip`, :class:`~rlobjectives.CISPO`,
+:class:`~rlobjectives.SAPO`, :class:`~rlobjectives.GMPO`, :class:`~rlobjectives.VESPO`) is a small
+frozen value that validates its fields at construction and carries, as methods, what the paths
+of :func:`rlobjectives.policy_loss` need from it:
+
+- :meth:`SurrogateObjective.formula`: the readable autograd specification: from the ratios of
+  one call (:class:`SurrogateInputs`) to the surrogate :math:`s` (the loss is :math:`-s`), the
+  factor :math:`w` of :math:`s = wA` (the ``weight_mean`` diagnostic) and the token sets of the
+  clip diagnostics (:class:`FormulaTerms`);
+- :meth:`SurrogateObjective.stage` (token-local surrogates): the fused stage, the same values
+  and their closed-form derivative :math:`\partial (w s_{it}) / \partial \ell_{it}` without
+  autograd (:class:`StageInputs` to :class:`StageOutputs`), run by
+  :mod:`rlobjectives.policy.fused` and by the hidden-state path;
+- :meth:`SurrogateObjective.kernel_flags` (token-local surrogates): the host-side setup of the
+  Triton token-loss kernel (its surrogate id, edges and scalars, :mod:`rlobjectives.kernels`).
+
+Class attributes: ``name`` (the string that means the object with its defaults), ``token_local``
+(value and derivative per token: a fused stage, a kernel, and ``ratio_level="sequence"``
+allowed; the sequence-level GMPO and VESPO form their own sequence ratio) and
+``folds_importance_weights`` (the importance weights enter the formula instead of scaling the
+per-token loss: VESPO).
+
+Fields are Python numbers or 0-d tensors; a tensor that requires grad (a learnable
+hyperparameter) routes the call to the autograd path.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, NamedTuple
+
+import torch
+
+from ..._core.layout import Layout
+
+__all__ = [
+    "Bound",
+    "ClipCounts",
+    "FormulaTerms",
+    "StageInputs",
+    "StageOutputs",
+    "SurrogateInputs",
+    "SurrogateObjective",
+    "above",
+    "band_sets",
+    "below",
+    "by_sign",
+]
+
+Bound = float | torch.Tensor
+
+
+class SurrogateInputs(NamedTuple):
+    """What a formula sees; ``(B, T)`` tensors in the computation dtype, zeros at unselected."""
+
+    ratio: torch.Tensor  # r = exp(bounded log-ratio), with gradient; 1 at unselected tokens
+    log_ratio: torch.Tensor  # the bounded token log-ratio log r, with gradient
+    advantages: torch.Tensor  # A (B, T), constant
+    log_probs: torch.Tensor  # l (B, T), with gradient
+    mask: torch.Tensor  # (B, T) bool
+    importance_weights: torch.Tensor | None  # (B, 1) or (B, T), constant, NOT selected
+    layout: Layout
+
+
+class FormulaTerms(NamedTuple):
+    """A formula's result: the surrogate, its advantage factor and the clip token sets."""
+
+    values: torch.Tensor  # s (B, T), differentiable
+    weight: torch.Tensor  # w (B, T), detached: s = w A (or sg(w) A l)
+    out_of_band: torch.Tensor  # bool (B, T): clipped_fraction
+    below: torch.Tensor  # bool (B, T): clip_fraction_low
+    above: torch.Tensor  # bool (B, T): clip_fraction_high
+    dual: torch.Tensor  # bool (B, T): dual_clip_fraction
+
+
+class StageInputs(NamedTuple):
+    """The ratio of one fused call and what a surrogate stage needs besides it."""
+
+    ratio: torch.Tensor  # (B, T) r after the bound, 1 at unselected tokens; a fresh buffer
+    advantages: torch.Tensor  # (B, 1) or (B, T) A, not selected (signs only)
+    weighted: torch.Tensor  # A times the importance weights (or A), not selected
+    selected: torch.Tensor  # (B, T) integer select mask of the selected tokens (read only)
+    fired: torch.Tensor | None  # (B, T) select mask where the log-ratio bound fired (a scratch
+    # buffer the stage may consume), or None without a bound: no gradient through those tokens
+    mask: torch.Tensor  # (B, T) bool
+    log_probs: torch.Tensor  # (B, T) the log-probabilities, not selected, any float dtype
+    selected_count: torch.Tensor  # () selected tokens
+    bits: Any  # rlobjectives._core.bits.Bits of the computation dtype
+    dtype: torch.dtype
+
+
+class ClipCounts(NamedTuple):
+    """Token counts of the clip diagnostics (0-d tensors)."""
+
+    out_of_band: torch.Tensor
+    binding_low: torch.Tensor
+    binding_high: torch.Tensor
+
+
+class StageOutputs(NamedTuple):
+    """A surrogate stage's values, derivative and diagnostic sums."""
+
+    coefficient: torch.Tensor  # (B, T) d (w s) / d log_probs, exact zeros at unselected tokens
+    values: torch.Tensor  # (B, T) w s, +0 at unselected tokens
+    selection: torch.Tensor  # (B, T) integer select mask of the selected tokens (``selected``)
+    clip: ClipCounts
+    dual: torch.Tensor  # () dual-clip count (0 without a bound on the A < 0 side)
+    ratio_sum: torch.Tensor  # () sum of r over the selected tokens
+    weight_sum: torch.Tensor  # () sum of the advantage factor over the selected tokens
+
+
+class SurrogateObjective:
+    """Base class of the surrogate objects (see the module docstring for the contract).
+
+    Subclasses are frozen dataclasses; the string ``name`` means the subclass with its defaults
+    (``policy_loss(..., surrogate="cispo")`` is ``surrogate=CISPO()``).
+    """
+
+    name: ClassVar[str]
+    token_local: ClassVar[bool] = True
+    folds_importance_weights: ClassVar[bool] = False
+
+    def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
+        """The readable autograd specification of the surrogate (see the subclass)."""
+        raise NotImplementedError
+
+    def stage(self, inputs: StageInputs) -> StageOutputs:
+        """The fused stage: values and closed-form derivative (token-local surrogates only)."""
+        raise NotImplementedError(f"{type(self).__name__} has no fused stage")
+
+    def kernel_flags(self) -> dict[str, Any]:
+        """The Triton token-loss kernel's setup: surrogate name, edges, scalars, flags."""
+        raise NotImplementedError(f"{type(self).__name__} has no Triton kernel")
+
+
+def above(ratio: torch.Tensor, bound: Bound | None) -> torch.Tensor:
+    """``r > bound`` (all False without a bound)."""
+    if bound is None:
+        return torch.zeros_like(ratio, dtype=torch.bool)
+    return ratio > torch.as_tensor(bound, dtype=ratio.dtype, device=ratio.device)
+
+
+def below(ratio: torch.Tensor, bound: Bound | None) -> torch.Tensor:
+    """``r < bound`` (all False without a bound)."""
+    if bound is None:
+        return torch.zeros_like(ratio, dtype=torch.bool)
+    return ratio < torch.as_tensor(bound, dtype=ratio.dtype, device=ratio.device)
+
+
+def band_sets(
+    ratio: torch.Tensor, advantages: torch.Tensor, lower: Bound | None, upper: Bound | None
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(outside [lower, upper], below and A < 0, above and A > 0)`` of the ratio."""
+    low, high = below(ratio, lower), above(ratio, upper)
+    return low | high, low & (advantages < 0), high & (advantages > 0)
+
+
+def by_sign(
+    condition: torch.Tensor, when_true: Bound, when_false: Bound, like: torch.Tensor
+) -> torch.Tensor:
+    """A per-token hyperparameter: ``when_true`` where ``condition``, else ``when_false``."""
+    dtype, device = like.dtype, like.device
+    return torch.where(
+        condition,
+        torch.as_tensor(when_true, dtype=dtype).to(device),
+        torch.as_tensor(when_false, dtype=dtype).to(device),
+    )

@@ -1,0 +1,179 @@
+r"""CISPO (MiniMax-M1): the capped (or clipped) ratio as a constant weight, :class:`CISPO`.
+
+With :math:`r` the ratio after the log-ratio bound, :math:`A` the advantage and :math:`\ell`
+the log-probability, :math:`s = \mathrm{sg}(w) A \ell` with :math:`w = \min(r, \text{cap})`
+(TRL's absolute cap) or :math:`w = \mathrm{clip}(r, 1 - \epsilon_{low}, 1 + \epsilon_{high})`
+(verl's band), and :math:`\partial s / \partial \ell = wA` at every selected token (the bound
+and the cap change the weight, never the gradient's support). The weight bounds are one
+function, :func:`cispo_bounds`, shared by the formula, the fused stage and the kernel setup.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..._core.bits import select, select_
+from ..._core.reduction import clamp
+from ..._core.validation import Scalar, validate_scalar
+from .base import (
+    Bound,
+    ClipCounts,
+    FormulaTerms,
+    StageInputs,
+    StageOutputs,
+    SurrogateInputs,
+    SurrogateObjective,
+    above,
+    band_sets,
+)
+
+__all__ = ["CISPO", "cispo_bounds"]
+
+# The default band edge of CISPO without a cap; an explicit ``low`` with ``cap`` is an error.
+_DEFAULT_LOW = 0.2
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class CISPO(SurrogateObjective):
+    r"""CISPO: :math:`s = \mathrm{sg}(w) A \ell`, the ratio capped or clipped as a constant.
+
+    .. math::
+
+        w = \min(r, \text{cap}) \ \text{(TRL)} \quad\text{or}\quad
+        w = \mathrm{clip}(r, 1 - \epsilon_{low}, 1 + \epsilon_{high}) \ \text{(verl)},
+
+    with :math:`\epsilon_{low}` = ``low`` and :math:`\epsilon_{high}` = ``high``; the gradient
+    flows through :math:`\ell` only, at every selected token. Its fused stage is
+    :meth:`CISPO.stage` (weight bounds :func:`cispo_bounds`), its Triton kernel the ``"cispo"``
+    surrogate of :mod:`rlobjectives.kernels.jit.token_loss`.
+
+    Attributes:
+        cap: TRL's absolute cap of the weight (its ``epsilon_high``, e.g. 5.0 in ScaleRL),
+            ``> 0``: no low edge, no band. With ``cap``, ``low`` and ``high`` are None and
+            giving either raises. None: the band.
+        low: :math:`0 \le \epsilon_{low} < 1` of the band ``[1 - low, 1 + high]`` (default
+            0.2 without ``cap``); None (without ``cap``): no bound, :math:`w = r`.
+        high: :math:`\epsilon_{high} \ge 0`; None means ``low``. Needs ``low``.
+
+    Raises:
+        ValueError: ``cap`` together with ``low`` or ``high``, ``cap <= 0``, ``low`` outside
+            ``[0, 1)``, a negative ``high``, ``high`` without ``low``, or a non-finite value
+            (the message names the field).
+        TypeError: a field that is not a real number or a 0-d real tensor.
+
+    References:
+        MiniMax-M1, CISPO, arXiv:2506.13585 Sec. 3.1; ScaleRL, arXiv:2510.13786 (the cap).
+
+    Peer options: TRL ``loss_type="cispo"`` = ``CISPO(cap=epsilon_high)``; verl
+    ``policy_loss.loss_mode="cispo"`` = ``CISPO(low=clip_ratio_low, high=clip_ratio_high)``.
+
+    Examples:
+        >>> CISPO(cap=5.0)
+        CISPO(cap=5.0, low=None, high=None)
+        >>> CISPO()
+        CISPO(cap=None, low=0.2, high=None)
+
+    .. versionadded:: 0.3.0
+       (the ``cispo_cap`` keyword of 0.2, and ``clip_low`` / ``clip_high`` with
+       ``surrogate="cispo"``).
+    """
+
+    cap: Scalar | None = None
+    low: Scalar | None = _UNSET
+    high: Scalar | None = None
+
+    name: ClassVar[str] = "cispo"
+
+    def __post_init__(self) -> None:
+        if self.cap is not None:
+            for field in ("low", "high"):
+                value = getattr(self, field)
+                if value is not _UNSET and value is not None:
+                    raise ValueError(
+                        f"CISPO.{field} does not apply with CISPO.cap (TRL's absolute cap has no "
+                        f"band), got cap={self.cap!r} and {field}={value!r}"
+                    )
+            cap = validate_scalar(self.cap, "CISPO.cap", minimum=0.0, strict=True)
+            object.__setattr__(self, "cap", cap)
+            object.__setattr__(self, "low", None)
+            return
+        low = _DEFAULT_LOW if self.low is _UNSET else self.low
+        if low is None and self.high is not None:
+            raise ValueError(
+                f"CISPO.high requires CISPO.low (low=None disables the band), got low=None and "
+                f"high={self.high!r}"
+            )
+        if low is not None:
+            low = validate_scalar(low, "CISPO.low", minimum=0.0, maximum=1.0)
+        object.__setattr__(self, "low", low)
+        if self.high is not None:
+            high = validate_scalar(self.high, "CISPO.high", minimum=0.0)
+            object.__setattr__(self, "high", high)
+
+    def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
+        r""":math:`\mathrm{sg}(w) A \ell`, :math:`w` the ratio capped (TRL) or clipped (verl)."""
+        lower, upper = cispo_bounds(self)
+        ratio = inputs.ratio.detach()
+        weight = clamp(
+            ratio, -math.inf if lower is None else lower, math.inf if upper is None else upper
+        )  # (B, T), a constant: the gradient flows through log_probs only
+        values = weight * inputs.advantages * inputs.log_probs  # (B, T)
+        advantages = inputs.advantages
+        out_of_band, low, high = band_sets(ratio, advantages, lower, upper)
+        dual = above(ratio, upper) & (advantages < 0)  # the cap changes an A < 0 token's weight
+        return FormulaTerms(values, weight, out_of_band, low, high, dual)
+
+    def stage(self, inputs: StageInputs) -> StageOutputs:
+        r"""The capped ratio as a constant weight on :math:`\tilde A \ell`, its derivative."""
+        ratio, mask, dtype = inputs.ratio, inputs.mask, inputs.dtype
+        lower, upper = cispo_bounds(self)
+        low = -math.inf if lower is None else lower
+        high = math.inf if upper is None else upper
+        weight = torch.clamp(ratio, _as_tensor(low, ratio), _as_tensor(high, ratio))  # (B, T)
+        selection = inputs.selected  # (B, T)
+        # The gradient flows through log_probs at every selected token, bound fired or not.
+        coefficient = select_(weight * inputs.weighted, selection)  # (B, T)
+        log_probs = select(inputs.log_probs.to(dtype), selection)  # (B, T)
+        values = select_(log_probs.mul_(coefficient), selection)  # (B, T)
+        below, above_ = ratio < _as_tensor(low, ratio), ratio > _as_tensor(high, ratio)
+        clip = ClipCounts(
+            _count(below | above_, mask),
+            _count(below & (inputs.advantages < 0), mask),
+            _count(above_ & (inputs.advantages > 0), mask),
+        )
+        dual = _count(above_ & (inputs.advantages < 0), mask)
+        ratio_sum = select(ratio, selection).sum()
+        weight_sum = select_(weight, selection).sum()
+        return StageOutputs(coefficient, values, selection, clip, dual, ratio_sum, weight_sum)
+
+    def kernel_flags(self) -> dict[str, Any]:
+        """The kernel's ``"cispo"`` setup: the weight bounds."""
+        lower, upper = cispo_bounds(self)
+        return {
+            "surrogate": "cispo",
+            "low": None if lower is None else float(lower),
+            "high": None if upper is None else float(upper),
+        }
+
+
+def cispo_bounds(cispo: CISPO) -> tuple[Bound | None, Bound | None]:
+    """CISPO's weight bounds: ``(None, cap)`` (TRL) or the band (verl), or none."""
+    if cispo.cap is not None:
+        return None, cispo.cap
+    if cispo.low is None:
+        return None, None
+    high = cispo.low if cispo.high is None else cispo.high
+    return 1.0 - cispo.low, 1.0 + high
+
+
+def _count(condition: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (condition & mask).sum()
+
+
+def _as_tensor(value: Bound, like: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(value, dtype=like.dtype, device=like.device)

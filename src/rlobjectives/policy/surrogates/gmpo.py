@@ -1,0 +1,105 @@
+r"""GMPO (verl ``geo_mean``): the clipped geometric mean of the sequence's ratios, :class:`GMPO`.
+
+With :math:`\Delta` the token's bounded log-ratio and :math:`A` its advantage,
+
+.. math::
+
+    s = \bar A_i \rho_i, \qquad
+    \rho_i = \exp\Big(\frac{1}{n_i}\sum_t \mathrm{sgn}(A)\min\big(\mathrm{sgn}(A)\Delta,\
+    \mathrm{sgn}(A)\,\mathrm{clip}(\Delta, -\epsilon_{low}, \epsilon_{high})\big)\Big),
+
+:math:`\bar A_i` the mean advantage of the sequence, in the token form of GSPO (value
+:math:`\rho_i` at every token, derivative through the token's own clipped log-ratio). The
+derivative needs the whole sequence: no fused stage, no kernel, ``ratio_level="token"`` only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+
+from ..._core.reduction import clamp, masked_fill_zero
+from ..._core.validation import Scalar, validate_scalar
+from .base import FormulaTerms, SurrogateInputs, SurrogateObjective, band_sets
+
+__all__ = ["GMPO"]
+
+
+@dataclass(frozen=True)
+class GMPO(SurrogateObjective):
+    r"""GMPO: the geometric-mean policy objective :math:`s = \bar A_i \rho_i`, clipped in log space.
+
+    :math:`\rho_i` is the geometric mean of the sequence's token ratios, each clipped in log
+    space to :math:`[-\epsilon_{low}, \epsilon_{high}]` on the side the sign of its advantage
+    makes binding (ratio band :math:`[e^{-\epsilon_{low}}, e^{\epsilon_{high}}]`); see the module
+    docstring. A sequence-level surrogate: the autograd specification :meth:`GMPO.formula`
+    runs (no fused stage), and it forms its own sequence ratio (``ratio_level`` must be
+    ``"token"``).
+
+    Attributes:
+        low: :math:`0 \le \epsilon_{low} < 1`, the log-space lower edge; None: no clipping.
+        high: :math:`\epsilon_{high} \ge 0`; None means ``low``. Needs ``low``.
+
+    Raises:
+        ValueError: ``low`` outside ``[0, 1)``, a negative ``high``, ``high`` without ``low``,
+            or a non-finite value (the message names the field).
+        TypeError: a field that is not a real number or a 0-d real tensor.
+
+    References:
+        GMPO, arXiv:2507.20673 (the geometric-mean objective).
+
+    Peer options: verl ``loss_mode="geo_mean"`` with ``clip_ratio_low`` / ``clip_ratio_high``.
+
+    Examples:
+        >>> GMPO(low=0.4)
+        GMPO(low=0.4, high=None)
+
+    .. versionadded:: 0.3.0
+       (``clip_low`` / ``clip_high`` with ``surrogate="gmpo"`` in 0.2).
+    """
+
+    low: Scalar | None = 0.2
+    high: Scalar | None = None
+
+    name: ClassVar[str] = "gmpo"
+    token_local: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        if self.low is None and self.high is not None:
+            raise ValueError(
+                f"GMPO.high requires GMPO.low (low=None disables clipping), got low=None and "
+                f"high={self.high!r}"
+            )
+        if self.low is not None:
+            object.__setattr__(
+                self, "low", validate_scalar(self.low, "GMPO.low", minimum=0.0, maximum=1.0)
+            )
+        if self.high is not None:
+            object.__setattr__(self, "high", validate_scalar(self.high, "GMPO.high", minimum=0.0))
+
+    def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
+        r""":math:`\bar A_i \rho_i`, clipped in log space per token (verl ``geo_mean``)."""
+        advantages, mask, layout = inputs.advantages, inputs.mask, inputs.layout
+        log_ratio = inputs.log_ratio  # (B, T)
+        sign = torch.sign(advantages)  # (B, T); A = 0 contributes log-ratio 0 (verl)
+        lower = upper = None
+        if self.low is None:
+            clipped = sign * sign * log_ratio
+        else:
+            lower = -self.low
+            upper = self.low if self.high is None else self.high
+            bounded = clamp(log_ratio, lower, upper)  # (B, T)
+            clipped = sign * torch.minimum(sign * log_ratio, sign * bounded)  # (B, T)
+        clipped = masked_fill_zero(clipped, mask)
+        counts = layout.row_counts(mask).clamp(min=1).to(log_ratio.dtype)  # (S,)
+        mean_log_ratio = layout.expand(layout.row_sums(clipped.detach()) / counts)  # (B, 1)/(1, N)
+        mean_advantage = layout.expand(layout.row_sums(advantages) / counts)  # (B, 1)/(1, N)
+        # Token form (as GSPO): value log rho_i at every token, derivative d clipped_t / d l_t.
+        ratio = torch.exp(clipped - clipped.detach() + mean_log_ratio)  # (B, T)
+        x = log_ratio.detach()
+        out_of_band, below, above = band_sets(x, advantages, lower, upper)
+        dual = torch.zeros_like(out_of_band)
+        weight = ratio.detach()
+        return FormulaTerms(mean_advantage * ratio, weight, out_of_band, below, above, dual)

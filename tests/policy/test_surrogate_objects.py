@@ -1,0 +1,205 @@
+"""The surrogate objects (issue 21): frozen values, self-validating, one wrong combination each.
+
+Every combination of a surrogate with an option that does not belong to it is impossible to
+write (``TypeError`` from the object's constructor or from ``policy_loss``'s signature, naming
+the option) or raises a ``ValueError`` naming it: this file enumerates them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+from typing import Any
+
+import pytest
+import torch
+
+import rlobjectives as rlo
+from rlobjectives import CISPO, GMPO, SAPO, VESPO, Clip, SurrogateObjective
+from rlobjectives.presets import trl_grpo_loss
+from tolerances import assert_close
+
+CLASSES: tuple[type[SurrogateObjective], ...] = (Clip, CISPO, SAPO, GMPO, VESPO)
+NAMES = {"clip": Clip, "cispo": CISPO, "sapo": SAPO, "gmpo": GMPO, "vespo": VESPO}
+# The flat keywords of 0.2 that moved into the objects (issue 21).
+FLAT_KEYWORDS = (
+    "clip_low", "clip_high", "dual_clip", "delta", "cispo_cap", "sapo_temperature_pos",
+    "sapo_temperature_neg", "vespo_k_pos", "vespo_lambda_pos", "vespo_k_neg", "vespo_lambda_neg",
+)  # fmt: skip
+VALUES = {  # a valid value of each field (for the field's own class)
+    "low": 0.1, "high": 0.3, "dual": 3.0, "delta": 1.5, "cap": 5.0, "temperature_pos": 2.0,
+    "temperature_neg": 2.0, "k_pos": 1.0, "lambda_pos": 1.0, "k_neg": 1.0, "lambda_neg": 1.0,
+}  # fmt: skip
+
+
+def _fields(cls: type) -> list[str]:
+    return [field.name for field in dataclasses.fields(cls)]
+
+
+def _batch() -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(0)
+    old = -torch.rand(3, 5, generator=generator, dtype=torch.float64)
+    log_probs = old + 0.3 * torch.randn(3, 5, generator=generator, dtype=torch.float64)
+    mask = torch.rand(3, 5, generator=generator) > 0.3
+    return log_probs, old, torch.tensor([1.0, -0.5, 2.0], dtype=torch.float64), mask
+
+
+def _hidden_batch() -> dict[str, Any]:
+    generator = torch.Generator().manual_seed(1)
+    return {
+        "hidden": torch.randn(2, 3, 4, generator=generator),
+        "weight": torch.randn(5, 4, generator=generator),
+        "tokens": torch.randint(0, 5, (2, 3), generator=generator),
+        "old_log_probs": -torch.rand(2, 3, generator=generator) - 1.0,
+        "advantages": torch.tensor([1.0, -1.0]),
+        "mask": torch.ones(2, 3, dtype=torch.bool),
+    }
+
+
+def test_objects_are_exported_frozen_and_documented() -> None:
+    for cls in CLASSES:
+        assert cls.__name__ in rlo.__all__ and getattr(rlo, cls.__name__) is cls
+        assert issubclass(cls, SurrogateObjective)
+        assert dataclasses.is_dataclass(cls)
+        instance = cls()
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            instance.__setattr__(_fields(cls)[0], 0.1)
+        doc = inspect.getdoc(cls) or ""
+        for part in ("Attributes:", "Raises:", "References:", "Peer options"):
+            assert part in doc, (cls.__name__, part)
+        assert re.search(r"stage|specification", doc), cls.__name__  # names its path
+
+
+def test_signatures() -> None:
+    policy = inspect.signature(rlo.policy_loss).parameters
+    fused = inspect.signature(rlo.fused_policy_loss_from_hidden).parameters
+    assert len(policy) <= 16 and len(fused) <= 23
+    assert policy["surrogate"].default == "clip" and fused["surrogate"].default == "clip"
+    for name in ("ratio_level", "log_ratio_bound"):  # across surrogates: stay keywords
+        assert name in policy and name in fused
+    assert [f.name for f in dataclasses.fields(Clip)] == ["low", "high", "dual", "delta"]
+    assert [f.name for f in dataclasses.fields(CISPO)] == ["cap", "low", "high"]
+    assert [f.name for f in dataclasses.fields(SAPO)] == ["temperature_pos", "temperature_neg"]
+    assert [f.name for f in dataclasses.fields(GMPO)] == ["low", "high"]
+    assert _fields(VESPO) == ["k_pos", "lambda_pos", "k_neg", "lambda_neg"]
+    assert Clip() == Clip(low=0.2, high=None, dual=None, delta=None)
+    assert CISPO() == CISPO(cap=None, low=0.2, high=None)
+    assert SAPO() == SAPO(temperature_pos=1.0, temperature_neg=1.05)
+    assert GMPO() == GMPO(low=0.2, high=None)
+    assert VESPO() == VESPO(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)
+
+
+@pytest.mark.parametrize("owner", CLASSES, ids=lambda c: c.__name__)
+def test_a_field_of_another_surrogate_cannot_be_written(owner: type) -> None:
+    """Each field of each other object, given to this one: a TypeError naming it."""
+    foreign = {name for cls in CLASSES for name in _fields(cls)} - set(_fields(owner))
+    assert foreign
+    for name in sorted(foreign):
+        with pytest.raises(TypeError, match=rf"\b{name}\b"):
+            owner(**{name: VALUES[name]})
+
+
+@pytest.mark.parametrize("keyword", FLAT_KEYWORDS)
+def test_the_flat_keywords_left_the_signatures(keyword: str) -> None:
+    log_probs, old, advantages, mask = _batch()
+    for surrogate in ("clip", *CLASSES):
+        with pytest.raises(TypeError, match=rf"\b{keyword}\b"):
+            rlo.policy_loss(log_probs, old, advantages, mask, surrogate=surrogate, **{keyword: 1.5})
+    with pytest.raises(TypeError, match=rf"\b{keyword}\b"):
+        rlo.fused_policy_loss_from_hidden(**_hidden_batch(), **{keyword: 1.5})
+    with pytest.raises(TypeError, match=rf"\b{keyword}\b"):
+        rlo.policy_loss(log_probs, old, advantages, mask, **{keyword: None})
+
+
+@pytest.mark.parametrize("cls", [GMPO, VESPO], ids=lambda c: c.__name__)
+def test_sequence_level_surrogates_take_token_ratios_only(cls: type) -> None:
+    log_probs, old, advantages, mask = _batch()
+    for surrogate in (cls(), cls.name):  # type: ignore[attr-defined]
+        with pytest.raises(ValueError, match=r"ratio_level must be 'token'"):
+            rlo.policy_loss(
+                log_probs, old, advantages, mask, surrogate=surrogate, ratio_level="sequence"
+            )
+        with pytest.raises(ValueError, match=r"ratio_level must be 'token'"):
+            rlo.fused_policy_loss_from_hidden(
+                **_hidden_batch(), surrogate=surrogate, ratio_level="sequence"
+            )
+
+
+@pytest.mark.parametrize("cls", [Clip, CISPO, SAPO], ids=lambda c: c.__name__)
+def test_token_local_surrogates_take_sequence_ratios(cls: type) -> None:
+    log_probs, old, advantages, mask = _batch()
+    out = rlo.policy_loss(log_probs, old, advantages, mask, surrogate=cls(), ratio_level="sequence")
+    assert torch.isfinite(out.loss)
+
+
+WRONG_COMBINATIONS: list[tuple[type, dict[str, Any], str]] = [
+    (CISPO, {"cap": 5.0, "low": 0.2}, r"^CISPO.low does not apply with CISPO.cap"),
+    (CISPO, {"cap": 5.0, "high": 0.28}, r"^CISPO.high does not apply with CISPO.cap"),
+    (CISPO, {"cap": 5.0, "low": 0.1, "high": 0.2}, r"^CISPO.low does not apply"),
+    (CISPO, {"low": None, "high": 0.28}, r"^CISPO.high requires CISPO.low"),
+    (Clip, {"low": None, "high": 0.28}, r"^Clip.high requires Clip.low"),
+    (GMPO, {"low": None, "high": 0.28}, r"^GMPO.high requires GMPO.low"),
+]
+
+
+@pytest.mark.parametrize(("cls", "fields", "match"), WRONG_COMBINATIONS)
+def test_wrong_combinations_raise_naming_the_option(
+    cls: type, fields: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        cls(**fields)
+
+
+def test_cispo_cap_has_no_band() -> None:
+    capped = CISPO(cap=5.0)
+    assert capped.low is None and capped.high is None
+    assert CISPO(cap=5.0, low=None) == capped  # None is no band: not a wrong combination
+    assert dataclasses.replace(capped, cap=3.0) == CISPO(cap=3.0)  # replace() round-trips
+    assert CISPO().low == 0.2 and CISPO(low=None).low is None
+
+
+@pytest.mark.parametrize("name", sorted(NAMES))
+def test_a_name_means_the_object_with_its_defaults(name: str) -> None:
+    log_probs, old, advantages, mask = _batch()
+    by_name = rlo.policy_loss(log_probs, old, advantages, mask, surrogate=name)
+    by_object = rlo.policy_loss(log_probs, old, advantages, mask, surrogate=NAMES[name]())
+    assert_close(by_name.loss, by_object.loss)
+    for a, b in zip(by_name.diagnostics, by_object.diagnostics, strict=True):
+        assert_close(a, b)
+    hidden_name = rlo.fused_policy_loss_from_hidden(**_hidden_batch(), surrogate=name)
+    hidden_object = rlo.fused_policy_loss_from_hidden(**_hidden_batch(), surrogate=NAMES[name]())
+    assert_close(hidden_name.loss, hidden_object.loss)
+
+
+def test_surrogate_is_a_name_or_an_object() -> None:
+    log_probs, old, advantages, mask = _batch()
+    with pytest.raises(ValueError, match=r"^surrogate must be one of \['clip'"):
+        rlo.policy_loss(log_probs, old, advantages, mask, surrogate="ppo")
+    for wrong in (Clip, {"low": 0.2}, 3, None):
+        with pytest.raises(TypeError, match=r"^surrogate must be one of .* or a surrogate object"):
+            rlo.policy_loss(log_probs, old, advantages, mask, surrogate=wrong)  # type: ignore[arg-type]
+
+
+def test_fields_accept_zero_d_tensors_and_a_learnable_one_takes_autograd() -> None:
+    log_probs, old, advantages, mask = _batch()
+    number = rlo.policy_loss(log_probs, old, advantages, mask, surrogate=Clip(low=0.1, dual=2.0))
+    low = torch.tensor(0.1, dtype=torch.float64, requires_grad=True)
+    tensor = rlo.policy_loss(
+        log_probs, old, advantages, mask, surrogate=Clip(low=low, dual=torch.tensor(2.0))
+    )
+    assert_close(tensor.loss, number.loss)
+    assert "ClippedSurrogate" not in type(tensor.loss.grad_fn).__name__  # the autograd path
+    (grad,) = torch.autograd.grad(tensor.loss, [low])
+    assert torch.isfinite(grad)
+    for bad in (torch.tensor([0.1]), torch.tensor(True)):
+        with pytest.raises(TypeError, match=r"^Clip.low must be a real number"):
+            Clip(low=bad)
+
+
+def test_presets_build_the_objects() -> None:
+    """The presets keep their peers' option names and hand objects to policy_loss."""
+    with pytest.raises(ValueError, match=r"^sapo_temperature_neg must be > 0"):
+        trl_grpo_loss(loss_type="sapo", sapo_temperature_neg=0.0)
+    with pytest.raises(ValueError, match=r"^delta must be > 1"):
+        trl_grpo_loss(loss_type="grpo", delta=1.0)
