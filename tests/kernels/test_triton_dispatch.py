@@ -88,6 +88,28 @@ def test_importing_the_library_does_not_import_triton() -> None:
         rlobjectives.policy_loss(ones, ones, torch.ones(2), ones.bool())
         rlobjectives.kl_loss(ones, ones, ones.bool(), estimator="k2")
         assert "triton" not in sys.modules, "triton imported by a CPU call"
+        assert "rlobjectives.kernels.interpreter" not in sys.modules
+        """
+    )
+    assert result.returncode == 0, result.stderr
+
+
+@requires_triton
+def test_interpreter_adaptation_loads_with_an_interpreted_launch_only() -> None:
+    # Choosing the backend imports neither triton nor the interpreter's adaptation; an
+    # interpreted launch (CPU tensors, RLOBJECTIVES_KERNELS=triton) loads it, once.
+    result = _run(
+        """
+        import sys
+        import torch
+        import rlobjectives
+        from rlobjectives._core.backend import kernel_backend, use_kernels
+        with use_kernels("triton"):
+            assert kernel_backend("cpu") == "triton"
+            assert "rlobjectives.kernels.interpreter" not in sys.modules
+            ones = torch.ones(2, 3)
+            rlobjectives.policy_loss(ones, ones, torch.ones(2), ones.bool())
+        assert "rlobjectives.kernels.interpreter" in sys.modules
         """
     )
     assert result.returncode == 0, result.stderr

@@ -1,53 +1,52 @@
 r"""Fused forward/backward of the token-local policy surrogates, as named stages.
 
-:class:`ClippedSurrogateFunction` computes, in one forward pass over the ``(B, T)`` inputs, the
-surrogate :math:`s`, its reduction, the nine diagnostics and the gradient coefficient
-:math:`\partial s_{it} / \partial \ell_{it}`; the backward is one multiplication by the
-reduction's per-row weight. It saves one float ``(B, T)`` tensor (the coefficient) plus the mask
-and a ``(B, 1)`` weight, where autograd keeps about six ``(B, T)`` tensors. The surrogate stage
-is the surrogate object's own (:meth:`~rlobjectives.Clip.stage`, ``CISPO.stage``,
-``SAPO.stage`` in :mod:`rlobjectives.policy.surrogates`). Importance weights
-:math:`w` enter as :math:`\tilde A = wA` in the products (one ``(B, T)`` multiplication); the
-clip decisions and the diagnostics use :math:`A`.
+:class:`ClippedSurrogateFunction` computes, in one forward pass over the ``(B, T)`` inputs and
+without an autograd graph, the surrogate :math:`s`, its reduction, the nine diagnostics and the
+gradient coefficient :math:`c_{it} = \partial (w s_{it}) / \partial \ell_{it}`; the backward is
+one multiplication, :math:`\partial \mathcal{L} / \partial \ell_{it} = c_{it} \cdot
+\partial \mathcal{L} / \partial s_{it}` (the reduction's per-token weight). It saves one float
+``(B, T)`` tensor (the coefficient) plus the mask and a ``(B, 1)`` weight, where autograd keeps
+about six ``(B, T)`` tensors.
 
-The math is that of the objects' formulas (the readable specification, which it is tested
-against). The clip surrogate, written per sign of the advantage, and its derivative are stated
-in :mod:`rlobjectives.policy.surrogates.clip`:
-:math:`\partial s / \partial \ell = rA` where the ratio is inside its per-sign band and the
-log-ratio within its bound, else 0. This reproduces autograd's conventions: ``torch.clamp``
-passes the gradient on the closed interval (ratio band and log-ratio bound); in the band
-``torch.minimum`` sees a tie of two equal products and its two halves add up to the full
-gradient; at an exact dual-clip tie :math:`r = c` ``torch.maximum`` passes half, and so does the
-fused path. Unselected positions are exact zeros before any arithmetic (log-ratio 0, ratio 1,
-advantage 0): NaN/inf there reaches no value, diagnostic or gradient. NaN at a selected
-position propagates to the loss.
+The stages of :func:`fused_forward`, each the formula it names:
 
-The stages of :func:`fused_forward`: :func:`_log_ratio_stage` (select, GSPO form, k1/k3 sums;
-at token level the clamped log-ratio of k3 is the ratio's), :func:`_ratio_stage` (bound, exp,
-the tokens where the bound fired), the surrogate stage (for :class:`~rlobjectives.Clip`,
-:meth:`~rlobjectives.Clip.stage`: the advantage signs, which tokens pass the
-gradient and the clip counts, the coefficient and the values), :func:`_reduce_stage` (through
-:mod:`rlobjectives._core.reduction`; a packed row computes per-sequence counts and segment sums only
-where the loss needs them: GSPO and ``sequence_mean``) and :func:`_diagnostics`.
+1. :func:`_log_ratio_stage`: :math:`\Delta = \ell - \ell^{old}` where the mask selects a token,
+   exactly 0 elsewhere (``torch.where``, before any arithmetic: NaN/inf at unselected positions
+   reach no value, diagnostic or gradient); GSPO's sequence form; the k1 and k3 sums
+   (:math:`e^{\Delta} - 1 - \Delta` as ``expm1``: no cancellation near on-policy);
+2. :func:`_ratio_stage`: :math:`r = \exp(\mathrm{clip}(\Delta, -b, b))` (1 at unselected
+   tokens) and where the bound held, :math:`|\Delta| \le b`: ``torch.clamp`` passes the
+   gradient there only (closed interval);
+3. the surrogate object's fused stage (:meth:`rlobjectives.Clip.stage`, ``CISPO.stage``,
+   ``SAPO.stage`` in :mod:`rlobjectives.policy.surrogates`): the values :math:`\tilde A\,
+   s(r)` with :math:`\tilde A = wA` (importance weights times the advantage, selected), the
+   coefficient and the counts of the clip diagnostics;
+4. :func:`_reduce_stage`: the loss through :mod:`rlobjectives._core.reduction` (``row_weights``,
+   the same per-row weights every path uses); a packed row computes per-sequence counts and
+   segment sums only where the loss needs them (GSPO and ``sequence_mean``);
+5. :func:`_diagnostics`: the nine sums over the selected-token count (or the caller's
+   ``diagnostics_normalizer``).
 
-Documented deviations from the autograd path (all at measure-zero or non-finite inputs):
+The math is that of the objects' formulas (the readable autograd specification of
+:mod:`rlobjectives.policy.specification`, which it is tested against), with autograd's
+conventions: ``torch.clamp`` passes the gradient on the closed interval (ratio band and
+log-ratio bound); in the band ``torch.minimum`` sees a tie of two equal products whose halves
+add up to the full gradient; at an exact dual-clip tie :math:`r = c` ``torch.maximum`` passes
+half, and so does the fused path. NaN at a selected position propagates to the loss.
 
-- clipping is decided on the ratio (:math:`r > H` or :math:`r < L`); autograd decides on the
-  rounded products :math:`rA` vs :math:`\mathrm{clip}(r)A`, which can tie when :math:`r` is within
-  an ulp of an edge or :math:`|A|` is tiny; autograd then passes half the gradient, the fused path
-  none;
-- a NaN ratio counts as above the band (and as out of the log-ratio bound) in the diagnostics, and
-  without a log-ratio bound gets gradient 0 (autograd: NaN) where :math:`A > 0`;
-- the final sums are ordered differently (rounding-level differences);
-- double backward raises (first-order gradients only).
+Differences from the autograd path (at measure-zero or non-finite inputs only): clipping is
+decided on the ratio (:math:`r < L` or :math:`r > H`, the rule of
+:func:`rlobjectives.policy.surrogates.clip.clip_decisions`), where autograd compares the rounded
+products :math:`rA` and :math:`\mathrm{clip}(r)A` (they can tie when :math:`r` is within an ulp
+of an edge or :math:`|A|` is tiny: autograd then passes half the gradient, the fused path none);
+a NaN log-ratio counts as out of its bound in the diagnostics; the final sums are ordered
+differently (rounding); double backward raises (first-order gradients only).
 
-Implementation notes (CPU speed; the same code compiles under ``torch.compile(fullgraph=True)``):
-masking and comparisons are integer operations on the IEEE-754 bits
-(:mod:`rlobjectives._core.bits`),
-several times faster than ``torch.where`` on CPU; temporaries are updated in place, because on
-CPU a fresh ``(B, T)`` buffer costs page faults that often exceed the arithmetic; a packed row
-(``(1, N)``, per-token advantages) pays per token only for the advantage signs, and the small
-operations are few (each costs microseconds after the large passes have emptied the caches).
+Implementation notes (CPU speed; the same code traces under ``torch.compile(fullgraph=True)``):
+temporaries are reused through ``out=`` and in-place operations, because on CPU a fresh
+``(B, T)`` buffer costs page faults that often exceed the arithmetic, and the decisions are
+float indicators (``torch.lt(r, L, out=buffer)``: 1.0 where the clip binds), which sum and
+multiply in vectorised float loops where bool tensors take scalar loops.
 """
 
 from __future__ import annotations
@@ -56,7 +55,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._core.bits import Bits, count_bits, less_, magnitude_, mask_bits, select, select_
 from .._core.layout import Layout
 from .._core.reduction import (
     ReductionSpec,
@@ -79,7 +77,6 @@ from .surrogates.base import StageInputs
 __all__ = [
     "ClippedSurrogateFunction",
     "FusedSpec",
-    "entropy_term",
     "fused_forward",
     "has_fused_stage",
     "run_fused",
@@ -103,12 +100,15 @@ def _as_tensor(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(value, dtype=like.dtype, device=like.device)
 
 
-class _LogRatioStage(NamedTuple):
-    token_log_ratio: torch.Tensor  # (B, T) selected (sequence-level for GSPO), a fresh buffer
+def _zero(like: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=like.dtype, device=like.device)
+
+
+class _LogRatios(NamedTuple):
+    log_ratio: torch.Tensor  # (B, T) Delta (GSPO: the sequence's) at selected tokens, 0 elsewhere
+    clamped: torch.Tensor | None  # clamp(Delta, -b, b) at token level with a bound (k3's too)
     approx_kl_k1: torch.Tensor  # () sum of -Delta
     approx_kl_k3: torch.Tensor  # () sum of expm1(Delta) - Delta (Delta within the bound)
-    # clamp(token_log_ratio, -b, b) where the ratio's bound b is the diagnostic's (token level)
-    clamped: torch.Tensor | None = None
 
 
 def _difference(left: torch.Tensor, right: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -125,59 +125,61 @@ def _difference(left: torch.Tensor, right: torch.Tensor, dtype: torch.dtype) -> 
 def _log_ratio_stage(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
-    keep: torch.Tensor,
+    mask: torch.Tensor,
     counts: torch.Tensor,
     spec: FusedSpec,
-) -> _LogRatioStage:
-    """Selected log-ratio (exact zeros elsewhere), its GSPO form, and the k1/k3 sums."""
+) -> _LogRatios:
+    r""":math:`\Delta = \ell - \ell^{old}` at selected tokens (0 elsewhere), GSPO, k1 and k3."""
     dtype, options = spec.dtype, spec.options
-    log_ratio = select_(_difference(log_probs, old_log_probs, dtype), keep)  # (B, T)
+    delta = _difference(log_probs, old_log_probs, dtype)  # (B, T), a fresh buffer
+    zero = _zero(delta)
+    log_ratio = torch.where(mask, delta, zero, out=delta)  # (B, T)
     approx_kl_k1 = -log_ratio.sum()
-    bound = (
-        DIAGNOSTIC_LOG_RATIO_BOUND if options.log_ratio_bound is None else options.log_ratio_bound
-    )
-    kl_log_ratio = clamp(log_ratio, -bound, bound)  # (B, T)
+    bound = options.log_ratio_bound
+    kl_bound = DIAGNOSTIC_LOG_RATIO_BOUND if bound is None else bound
+    kl_log_ratio = clamp(log_ratio, -kl_bound, kl_bound)  # (B, T)
     # k3 = r - 1 - log r as expm1(Delta) - Delta: no cancellation near on-policy.
     approx_kl_k3 = torch.expm1(kl_log_ratio).sub_(kl_log_ratio).sum()
     if options.ratio_level == "token":
         # With a log-ratio bound, the ratio's clamp is this one: computed once.
-        clamped = None if options.log_ratio_bound is None else kl_log_ratio
-        return _LogRatioStage(log_ratio, approx_kl_k1, approx_kl_k3, clamped)
-    del kl_log_ratio
-    # GSPO: value log s_i (mean selected log-ratio of the row) at every selected token, gradient
-    # 1 w.r.t. log_probs (the stop-gradient form); (x - x) keeps NaN/inf of x.
+        clamped = None if bound is None else kl_log_ratio
+        return _LogRatios(log_ratio, clamped, approx_kl_k1, approx_kl_k3)
+    # GSPO: value log s_i (the mean selected log-ratio of the sequence) at every selected token,
+    # gradient 1 w.r.t. log_probs (the stop-gradient form); (l - l) keeps NaN/inf of l.
     per_row = counts.clamp(min=1).to(dtype)  # (S,)
     sequence_log_ratio = spec.layout.expand(spec.layout.row_sums(log_ratio) / per_row)  # (B, 1)
-    # (B, T) a fresh buffer: the AND of select, or in place on the converted copy
-    same = log_probs.dtype == dtype
-    selected = select(log_probs, keep) if same else select_(log_probs.to(dtype), keep)
-    token_log_ratio = select_(selected.sub_(selected).add_(sequence_log_ratio), keep)
-    return _LogRatioStage(token_log_ratio, approx_kl_k1, approx_kl_k3)
+    value = torch.sub(log_probs, log_probs, out=kl_log_ratio).add_(sequence_log_ratio)
+    token_log_ratio = torch.where(mask, value, zero, out=value)  # (B, T)
+    return _LogRatios(token_log_ratio, None, approx_kl_k1, approx_kl_k3)
 
 
-class _RatioStage(NamedTuple):
+class _Ratios(NamedTuple):
     ratio: torch.Tensor  # (B, T) exp(clamp(Delta, -b, b)), 1 at unselected tokens
-    fired: torch.Tensor | None  # (B, T) select mask where the bound fired; None without a bound
-    bound_fired: torch.Tensor  # () count of fired tokens
+    passes: torch.Tensor | None  # (B, T) 1.0 where |Delta| <= b (the gradient passes), else 0.0
+    bound_fired: torch.Tensor  # () tokens where the bound fired
 
 
-def _ratio_stage(stage: _LogRatioStage, bits: Bits, spec: FusedSpec) -> _RatioStage:
-    """The ratio ``exp(clamp(Delta, -b, b))`` and the tokens where the bound fired.
+def _ratio_stage(log_ratios: _LogRatios, spec: FusedSpec) -> _Ratios:
+    r""":math:`r = \exp(\mathrm{clip}(\Delta, -b, b))`, and where :math:`|\Delta| \le b` held.
 
-    ``torch.clamp`` passes no gradient where the bound fired: the surrogate stage clears those
-    tokens from its gradient. Consumes the stage's buffers: the clamped log-ratio becomes the
-    ratio, the log-ratio the fired mask.
+    ``torch.clamp`` passes no gradient where the bound fired: the surrogate stage multiplies its
+    coefficient by ``passes`` (a float indicator; a NaN log-ratio is out of its bound and its
+    NaN ratio is replaced by 0 in the coefficient, so that the gradient there is exactly 0, as
+    autograd's). Consumes the stage's buffers: the clamped log-ratio becomes the ratio, the
+    log-ratio the indicator ``passes``.
     """
-    token_log_ratio, bound = stage.token_log_ratio, spec.options.log_ratio_bound
+    log_ratio, bound = log_ratios.log_ratio, spec.options.log_ratio_bound
     if bound is None:
-        none = torch.zeros((), dtype=torch.int64, device=token_log_ratio.device)
-        return _RatioStage(token_log_ratio.exp(), None, none)
-    clamped = stage.clamped
+        none = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
+        return _Ratios(log_ratio.exp(), None, none)
+    clamped = log_ratios.clamped
     if clamped is None:
-        clamped = clamp(token_log_ratio, -bound, bound)
+        clamped = clamp(log_ratio, -bound, bound)
     ratio = clamped.exp_()  # (B, T)
-    fired = less_(bits.of(bound), magnitude_(token_log_ratio))  # (B, T), NaN counts as fired
-    return _RatioStage(ratio, fired, count_bits(fired))
+    # 1.0 where |Delta| <= b (a NaN log-ratio: 0.0, out of its bound), in the spent buffer
+    passes = torch.le(log_ratio.abs_(), _as_tensor(bound, log_ratio), out=log_ratio)
+    fired = passes.numel() - passes.sum()  # unselected tokens have Delta = 0: they pass
+    return _Ratios(ratio, passes, fired)
 
 
 def has_fused_stage(options: SurrogateOptions) -> bool:
@@ -191,19 +193,19 @@ class _Reduced(NamedTuple):
 
 
 def _reduce_stage(
-    surrogate: torch.Tensor,
+    values: torch.Tensor,
     row_sums: torch.Tensor,
     counts: torch.Tensor,
-    selection: torch.Tensor,
+    mask: torch.Tensor,
     spec: FusedSpec,
 ) -> _Reduced:
     """The loss ``-reduce(s)`` and its per-token weight, from :mod:`rlobjectives._core.reduction`.
 
     ``row_sums`` is ``(S,)``, or the 0-d total where the reduction has no per-row divisor.
     """
-    if spec.reduction.reduction == "none":  # -s, +0.0 at unselected positions (s is +-0)
-        ones = torch.ones((1, 1), dtype=spec.dtype, device=surrogate.device)
-        return _Reduced(select_(surrogate.neg_(), selection), -ones)
+    if spec.reduction.reduction == "none":  # -s, and +0.0 at unselected positions
+        ones = torch.ones((1, 1), dtype=spec.dtype, device=values.device)
+        return _Reduced(torch.where(mask, values.neg_(), _zero(values), out=values), -ones)
     rows = spec.layout.num_sequences
     weights = row_weights(counts, spec.reduction, dtype=spec.dtype, batch=rows)
     if row_sums.ndim == 0 and weights.divisor is None:  # reduce_rows of the one total
@@ -231,58 +233,53 @@ def fused_forward(
     spec: FusedSpec,
     importance_weights: torch.Tensor | None = None,
 ) -> FusedForward:
-    """The whole forward: values, diagnostics and the gradient coefficient, no autograd graph.
+    r"""The whole forward: values, diagnostics and the gradient coefficient, no autograd graph.
 
     ``importance_weights`` (``(B, 1)`` or ``(B, T)``, constants) multiply the per-token
-    surrogate. Temporaries are updated in place where possible: on CPU a fresh ``(B, T)``
-    buffer costs page faults, often more than the arithmetic.
+    surrogate: :math:`\tilde A = wA`, selected once (exact zeros at unselected tokens, whatever
+    the advantages or weights hold there); the clip decisions use the signs of :math:`A`.
     """
     dtype = spec.dtype
-    selected = mask_bits(mask, dtype)  # (B, T) all ones where selected (never modified)
     per_row = _per_row_sums_needed(spec)
     # (S,) selected tokens per sequence; their total as (1,) where no per-row count is needed
     if per_row:
         counts = spec.layout.row_counts(mask)
         count = counts.sum()
     else:
-        count = count_bits(selected)
+        count = mask.sum()
         counts = count.reshape(1)
-    # (B, 1) or (B, T); never selected itself: every product with it is selected afterwards.
-    advantages = advantages.to(dtype)
+    advantages = advantages.to(dtype)  # (B, 1) or (B, T), the signs of the decisions
     weighted = advantages
-    if importance_weights is not None:  # the one extra (B, T) pass of the importance weights
+    if importance_weights is not None:
         weighted = advantages * importance_weights.to(dtype)
-    stage = _log_ratio_stage(log_probs, old_log_probs, selected, counts, spec)
-    kl_sums = (stage.approx_kl_k1, stage.approx_kl_k3)
-    bits = Bits(dtype, log_probs.device)
-    ratio = _ratio_stage(stage, bits, spec)
-    del stage  # the log-ratio buffer is spent
-    stage_inputs = StageInputs(
-        ratio.ratio,
-        advantages,
-        weighted,
-        selected,
-        ratio.fired,
-        mask,
-        log_probs,
-        count,
-        bits,
-        dtype,
+    log_ratios = _log_ratio_stage(log_probs, old_log_probs, mask, counts, spec)
+    kl_sums = (log_ratios.approx_kl_k1, log_ratios.approx_kl_k3)
+    ratios = _ratio_stage(log_ratios, spec)
+    del log_ratios  # the log-ratio buffers are spent
+    selected = torch.where(mask, weighted, _zero(weighted))  # (B, T) A~, 0 at unselected tokens
+    stage = spec.options.surrogate.stage(
+        StageInputs(
+            ratio=ratios.ratio,
+            advantages=advantages,
+            weighted=selected,
+            mask=mask,
+            passes=ratios.passes,
+            log_probs=log_probs,
+            selected_count=count,
+            dtype=dtype,
+        )
     )
-    surrogate = spec.options.surrogate.stage(stage_inputs)
-    values, selection = surrogate.values, surrogate.selection
+    values = stage.values
     if per_row or spec.row_sums:
         row_sums = spec.layout.row_sums(values)  # (S,)
-        reduced = _reduce_stage(values, row_sums, counts, selection, spec)
+        reduced = _reduce_stage(values, row_sums, counts, mask, spec)
     else:  # the loss needs the total only (a 0-d sum); the unused row sums output is zeros
-        reduced = _reduce_stage(values, values.sum(), counts, selection, spec)
+        reduced = _reduce_stage(values, values.sum(), counts, mask, spec)
         row_sums = values.new_zeros(spec.layout.num_sequences)
-    counted = [*surrogate.clip, surrogate.dual, ratio.bound_fired]
-    sums = [surrogate.ratio_sum, *kl_sums, surrogate.weight_sum]
+    counted = [*stage.clip, stage.dual, ratios.bound_fired]
+    sums = [stage.ratio_sum, *kl_sums, stage.weight_sum]
     diagnostics = _diagnostics(counted, sums, count, spec)
-    return FusedForward(
-        reduced.loss, row_sums, diagnostics, surrogate.coefficient, reduced.row_weights
-    )
+    return FusedForward(reduced.loss, row_sums, diagnostics, stage.coefficient, reduced.row_weights)
 
 
 def _per_row_sums_needed(spec: FusedSpec) -> bool:
@@ -312,8 +309,8 @@ def _diagnostics(
         denominator = selected.to(dtype).clamp(min=1)
     else:  # an explicit normaliser is honoured exactly
         denominator = _as_tensor(spec.diagnostics_normalizer, sums[0])
-    # One stack: integer counts convert to the sums' float dtype on the way (exactly as .to).
-    return torch.stack([*counts, *sums]).to(dtype) / denominator
+    # One stack: the counts convert to the sums' float dtype on the way (exactly as .to).
+    return torch.stack([count.to(dtype) for count in counts] + sums) / denominator
 
 
 class ClippedSurrogateFunction(torch.autograd.Function):
@@ -372,8 +369,8 @@ class ClippedSurrogateFunction(torch.autograd.Function):
                 layout = Layout(grad_row_sums.shape[0], sequence_ids)
                 scale = scale + layout.expand(grad_row_sums)
             grad = coefficient * scale  # (B, T)
-            if ctx.per_token:
-                grad = select(grad, mask_bits(mask, coefficient.dtype))
+            if ctx.per_token:  # the upstream gradient of unselected positions reaches nothing
+                grad = torch.where(mask, grad, _zero(grad), out=grad)
             grad = grad.to(ctx.input_dtype)
         if differentiable and not torch.compiler.is_compiling():
             # The gradient is not differentiable: differentiating it raises this error (the

@@ -78,15 +78,13 @@ class StageInputs(NamedTuple):
     """The ratio of one fused call and what a surrogate stage needs besides it."""
 
     ratio: torch.Tensor  # (B, T) r after the bound, 1 at unselected tokens; a fresh buffer
-    advantages: torch.Tensor  # (B, 1) or (B, T) A, not selected (signs only)
-    weighted: torch.Tensor  # A times the importance weights (or A), not selected
-    selected: torch.Tensor  # (B, T) integer select mask of the selected tokens (read only)
-    fired: torch.Tensor | None  # (B, T) select mask where the log-ratio bound fired (a scratch
-    # buffer the stage may consume), or None without a bound: no gradient through those tokens
+    advantages: torch.Tensor  # (B, 1) or (B, T) A, not selected: the signs of the decisions
+    weighted: torch.Tensor  # (B, T) A~ = w A, exact zeros at unselected tokens
     mask: torch.Tensor  # (B, T) bool
+    passes: torch.Tensor | None  # (B, T) 1.0 where the log-ratio bound held (torch.clamp passes
+    # the gradient), 0.0 where it fired (a NaN log-ratio too); None without a bound
     log_probs: torch.Tensor  # (B, T) the log-probabilities, not selected, any float dtype
     selected_count: torch.Tensor  # () selected tokens
-    bits: Any  # rlobjectives._core.bits.Bits of the computation dtype
     dtype: torch.dtype
 
 
@@ -102,8 +100,7 @@ class StageOutputs(NamedTuple):
     """A surrogate stage's values, derivative and diagnostic sums."""
 
     coefficient: torch.Tensor  # (B, T) d (w s) / d log_probs, exact zeros at unselected tokens
-    values: torch.Tensor  # (B, T) w s, +0 at unselected tokens
-    selection: torch.Tensor  # (B, T) integer select mask of the selected tokens (``selected``)
+    values: torch.Tensor  # (B, T) w s, exact zeros at unselected tokens
     clip: ClipCounts
     dual: torch.Tensor  # () dual-clip count (0 without a bound on the A < 0 side)
     ratio_sum: torch.Tensor  # () sum of r over the selected tokens

@@ -16,7 +16,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..._core.bits import select, select_
 from ..._core.reduction import clamp
 from ..._core.validation import Scalar, validate_scalar
 from .base import (
@@ -129,17 +128,20 @@ class CISPO(SurrogateObjective):
         return FormulaTerms(values, weight, out_of_band, low, high, dual)
 
     def stage(self, inputs: StageInputs) -> StageOutputs:
-        r"""The capped ratio as a constant weight on :math:`\tilde A \ell`, its derivative."""
+        r"""The capped ratio as a constant weight on :math:`\tilde A \ell`, its derivative.
+
+        :math:`\partial s / \partial \ell = w \tilde A` at every selected token (the bound and
+        the cap change the weight, never the gradient's support).
+        """
         ratio, mask, dtype = inputs.ratio, inputs.mask, inputs.dtype
         lower, upper = cispo_bounds(self)
         low = -math.inf if lower is None else lower
         high = math.inf if upper is None else upper
         weight = torch.clamp(ratio, _as_tensor(low, ratio), _as_tensor(high, ratio))  # (B, T)
-        selection = inputs.selected  # (B, T)
-        # The gradient flows through log_probs at every selected token, bound fired or not.
-        coefficient = select_(weight * inputs.weighted, selection)  # (B, T)
-        log_probs = select(inputs.log_probs.to(dtype), selection)  # (B, T)
-        values = select_(log_probs.mul_(coefficient), selection)  # (B, T)
+        coefficient = weight * inputs.weighted  # (B, T), 0 at unselected tokens
+        zero = torch.zeros((), dtype=dtype, device=ratio.device)
+        log_probs = torch.where(mask, inputs.log_probs.to(dtype), zero)  # (B, T)
+        values = log_probs.mul_(coefficient)  # w A~ l
         below, above_ = ratio < _as_tensor(low, ratio), ratio > _as_tensor(high, ratio)
         clip = ClipCounts(
             _count(below | above_, mask),
@@ -147,9 +149,10 @@ class CISPO(SurrogateObjective):
             _count(above_ & (inputs.advantages > 0), mask),
         )
         dual = _count(above_ & (inputs.advantages < 0), mask)
-        ratio_sum = select(ratio, selection).sum()
-        weight_sum = select_(weight, selection).sum()
-        return StageOutputs(coefficient, values, selection, clip, dual, ratio_sum, weight_sum)
+        unselected = ratio.numel() - inputs.selected_count  # r = w = 1 at unselected tokens
+        ratio_sum = ratio.sum() - unselected
+        weight_sum = weight.sum() - unselected
+        return StageOutputs(coefficient, values, clip, dual, ratio_sum, weight_sum)
 
     def kernel_flags(self) -> dict[str, Any]:
         """The kernel's ``"cispo"`` setup: the weight bounds."""

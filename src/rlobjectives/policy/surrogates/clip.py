@@ -19,20 +19,27 @@ which is, written per sign of the advantage,
 (:math:`c = \delta = \infty` when not given; without clipping :math:`H = \delta` for
 :math:`A > 0` and :math:`\min(c, \delta)` for :math:`A < 0`), product for product, with
 :math:`\partial s / \partial \ell = rA` where :math:`L \le r \le H` and the log-ratio is within
-its bound, else 0. The per-sign bounds are one function, :func:`clip_bounds`, shared by the
-autograd specification (:meth:`Clip.formula`), the fused stage (:meth:`Clip.stage`) and the
-Triton kernel's host-side setup (:meth:`Clip.kernel_flags`).
+its bound, else 0. Two functions hold the rule, shared by the autograd specification
+(:meth:`Clip.formula`), the fused stage (:meth:`Clip.stage`) and the Triton kernel's host-side
+setup (:meth:`Clip.kernel_flags`): :func:`clip_bounds` (the per-sign bounds, as numbers;
+:func:`per_sign_bounds` as tensors of the shape of :math:`A`) and :func:`clip_decisions` (which
+tokens the clip changes: :math:`r < L`, :math:`r > H`; the gradient passes where neither holds).
+
+The fused stage is the formula above in tensor operations (``torch.maximum`` / ``minimum``
+with the per-sign bounds, comparisons into float indicators that are summed for the
+diagnostics and multiplied into the coefficient); it replaced an IEEE-754 bit-pattern version
+(0.2) at a measured cost recorded in ``docs/architecture.md``.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ..._core.bits import Bits, count_bits, select_, sign_bits
 from ..._core.reduction import clamp
 from ..._core.validation import Scalar, validate_scalar
 from .base import (
@@ -43,12 +50,10 @@ from .base import (
     StageOutputs,
     SurrogateInputs,
     SurrogateObjective,
-    above,
     band_sets,
-    below,
 )
 
-__all__ = ["Clip", "ClipBounds", "clip_bounds"]
+__all__ = ["Clip", "ClipBounds", "clip_bounds", "clip_decisions", "per_sign_bounds"]
 
 
 @dataclass(frozen=True)
@@ -146,9 +151,8 @@ class Clip(SurrogateObjective):
         weight = torch.where(nonzero, surrogate.detach() / safe, ratio_d)  # w = s / A
         band = (None, None) if bounds.band is None else bounds.band
         out_of_band = band_sets(ratio_d, advantages, *band)[0]
-        low = below(ratio_d, bounds.lower_negative) & (advantages < 0)
-        high = above(ratio_d, bounds.upper_positive) & (advantages > 0)
-        dual = above(ratio_d, bounds.upper_negative) & (advantages < 0)
+        low, beyond = clip_decisions(ratio_d, *per_sign_bounds(bounds, advantages))
+        high, dual = beyond & (advantages > 0), beyond & (advantages < 0)
         return FormulaTerms(surrogate, weight, out_of_band, low, high, dual)
 
     def stage(self, inputs: StageInputs) -> StageOutputs:
@@ -220,159 +224,117 @@ def clip_bounds(clip: Clip) -> ClipBounds:
     return ClipBounds(band, upper_positive, lower_negative, upper_negative)
 
 
-# --- the fused stage (CPU-tuned: IEEE-754 bit operations) ------------------------------------
-
-
-class _Signs:
-    """Integer select masks of ``A > 0`` and ``A < 0`` (shape of ``A``; NaN and ±0: neither)."""
-
-    def __init__(self, advantages: torch.Tensor) -> None:
-        self.positive, self.negative = sign_bits(advantages)
-
-
-def _clip_stage(clip: Clip, inputs: StageInputs) -> StageOutputs:
-    """The clipped surrogate with IEEE-754 bit tricks (the CPU-tuned default)."""
-    bounds = clip_bounds(clip)
-    signs = _Signs(inputs.advantages)
-    gates = _clip_gates(clip, inputs, bounds, signs)
-    coefficient, scratch = _gradient_coefficient(clip, inputs, signs, gates.blocked)
-    # Sum of r over the selected tokens (r - 1 = 0 exactly elsewhere), in a spent buffer.
-    dtype = inputs.dtype
-    ratio_sum = torch.sub(inputs.ratio, 1.0, out=scratch).sum() + inputs.selected_count.to(dtype)
-    values, weight_sum = _surrogate_values(inputs, bounds, signs)
-    return StageOutputs(
-        coefficient, values, inputs.selected, gates.clip, gates.dual, ratio_sum, weight_sum
-    )
-
-
-class _Gates(NamedTuple):
-    clip: ClipCounts
-    dual: torch.Tensor  # () dual-clip count
-    blocked: torch.Tensor | None  # (B, T) select mask: no gradient (a clip binds, bound fired)
-
-
-def _clip_gates(clip: Clip, inputs: StageInputs, bounds: ClipBounds, signs: _Signs) -> _Gates:
-    """The tokens where a clip binds (added to the fired ones) and the clip counts.
-
-    The ratio is >= +0 or NaN, so its bits order like its values (a NaN with the sign bit set,
-    which exp does not produce, would count as below the band). At unselected positions the
-    ratio is exactly 1, never clipped (every bound is >= 1 but the low edge, <= 1), so the
-    advantage signs need no mask. Each binding set is OR-ed into one ``blocked`` mask (the
-    fired mask's buffer), cleared from the gradient once.
-    """
-    bits, blocked, zero = inputs.bits, inputs.fired, inputs.selected_count.new_zeros(())
-    ratio_bits = bits.view(inputs.ratio)  # (B, T), no copy
-    out_of_band = binding_low = binding_high = dual = zero
-    flags = high_flags = None
-    reuse = clip.delta is None  # the high edge for A > 0 is 1 + eps_high itself
-    if bounds.band is not None:
-        flags = bits.less(ratio_bits, bits.of(bounds.band[0]))  # (B, T) r < 1 - eps_low
-        below = count_bits(flags)
-        low = flags.bitwise_and_(signs.negative)  # the low clip binds (A < 0)
-        binding_low = count_bits(low)
-        blocked, flags = _block(blocked, low)
-        high_flags = bits.less(bits.of(bounds.band[1]), ratio_bits, out=flags)  # r > 1 + eps_h
-        out_of_band = below + count_bits(high_flags)
-        flags, high_flags = (high_flags, high_flags) if reuse else (high_flags, None)
-    if bounds.upper_positive is not None:
-        if high_flags is None:  # NaN too
-            high_flags = bits.less(bits.of(bounds.upper_positive), ratio_bits, out=flags)
-        high = high_flags.bitwise_and_(signs.positive)  # the high edge binds (A > 0)
-        binding_high = count_bits(high)
-        blocked, flags = _block(blocked, high)
-    if bounds.upper_negative is not None:
-        upper = bits.less(bits.of(bounds.upper_negative), ratio_bits, out=flags)
-        dual = count_bits(upper.bitwise_and_(signs.negative))
-        blocked, flags = _block(blocked, upper)
-    return _Gates(ClipCounts(out_of_band, binding_low, binding_high), dual, blocked)
-
-
-def _block(
-    blocked: torch.Tensor | None, binding: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``blocked | binding`` and the buffer free for the next flags (None: allocate one)."""
-    if blocked is None:
-        return binding, None
-    return blocked.bitwise_or_(binding), binding
-
-
-def _gradient_coefficient(
-    clip: Clip, inputs: StageInputs, signs: _Signs, blocked: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``d s / d log_probs = r A~`` at selected tokens not ``blocked``, else 0; a spent buffer.
-
-    The spent buffer (``blocked``'s, or a new one) is float and of the ratio's shape.
-    """
-    ratio = inputs.ratio
-    coefficient = select_(ratio * inputs.weighted, inputs.selected)  # (B, T)
-    if blocked is None:
-        scratch = torch.empty_like(ratio)
-    else:
-        coefficient = select_(coefficient, blocked.bitwise_not_())
-        scratch = blocked.view(ratio.dtype)
-    dual_clip = clip.dual
-    if dual_clip is not None:
-        # At r == c exactly torch.maximum(s, cA) ties and passes half of the gradient.
-        tie = (ratio == torch.as_tensor(dual_clip, dtype=ratio.dtype, device=ratio.device)) & (
-            signs.negative != 0
-        )
-        coefficient = torch.where(tie, 0.5 * coefficient, coefficient)
-    return coefficient, scratch
-
-
-def _surrogate_values(
-    inputs: StageInputs, bounds: ClipBounds, signs: _Signs
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``s = A~ clip(r, L, H)`` (+0 at unselected positions) and ``sum clip(r, L, H)``.
-
-    L and H have the shape of A; the sum is over the selected tokens. Overwrites the ratio and
-    the sign masks.
-    ``clip(r, L, H)`` is exactly 1 at unselected positions (r = 1 there, L <= 1 <= H), so its
-    selected sum is the full sum minus the unselected count.
-    """
-    ratio = inputs.ratio
-    lower, upper = _sign_bounds(bounds, signs, inputs.bits)
-    # max then min in place: a ternary clamp with broadcast (B, 1) bounds is several times
-    # slower on CPU; both propagate NaN like torch.clamp.
-    weight = ratio if lower is None else torch.maximum(ratio, lower, out=ratio)  # (B, T)
-    weight = weight if upper is None else torch.minimum(weight, upper, out=weight)
-    unselected = weight.numel() - inputs.selected_count
-    weight_sum = (weight.sum(dtype=torch.float64) - unselected).to(inputs.dtype)
-    return select_(weight.mul_(inputs.weighted), inputs.selected), weight_sum
-
-
-def _sign_bounds(
-    bounds: ClipBounds, signs: _Signs, bits: Bits
+def per_sign_bounds(
+    bounds: ClipBounds, advantages: torch.Tensor
 ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """The per-sign ``(L, H)`` of ``clip(r, L, H)`` as float tensors of the shape of ``A``.
+    """``(L, H)`` of ``s = A clip(r, L, H)`` as tensors of the shape of ``A`` (None: no bound).
 
-    ``L = 1 - eps_low`` where ``A < 0``, else ``+0`` (the ratio is ``>= +0`` or NaN, so a lower
-    bound of ``+0`` is no bound); ``H`` is the bound of the sign, ``+inf`` where ``A`` is 0 or
-    NaN. Built from the sign masks with bitwise operations (exact bit patterns), in their
-    buffers (the masks are spent); None where a side has no bound at all.
+    ``L`` is ``1 - eps_low`` where ``A < 0``, ``-inf`` elsewhere; ``H`` is ``upper_positive``
+    where ``A > 0``, ``upper_negative`` where ``A < 0``, ``+inf`` elsewhere (``A = 0`` or NaN,
+    and a side without a bound).
     """
-    infinity = bits.pattern(float("inf"))
-    upper = None
-    if bounds.upper_negative is not None:  # the bits of H- where A < 0, relative to +inf
-        upper = torch.bitwise_and(
-            signs.negative, _xor(bits.pattern(bounds.upper_negative), infinity)
-        )
-    if bounds.upper_positive is not None:
-        term = signs.positive.bitwise_and_(_xor(bits.pattern(bounds.upper_positive), infinity))
-        upper = term if upper is None else term.bitwise_xor_(upper)
-    if upper is not None:
-        upper = upper.bitwise_xor_(infinity).view(bits.float_dtype)
+    negative, positive = advantages < 0, advantages > 0
+    inf = _as_tensor(math.inf, advantages)
     lower = None
     if bounds.lower_negative is not None:
-        lower = signs.negative.bitwise_and_(bits.pattern(bounds.lower_negative))
-        lower = lower.view(bits.float_dtype)
+        lower = torch.where(negative, _as_tensor(bounds.lower_negative, advantages), -inf)
+    upper = None
+    if bounds.upper_positive is not None or bounds.upper_negative is not None:
+        on_positive = inf if bounds.upper_positive is None else bounds.upper_positive
+        on_negative = inf if bounds.upper_negative is None else bounds.upper_negative
+        upper = torch.where(
+            positive,
+            _as_tensor(on_positive, advantages),
+            torch.where(negative, _as_tensor(on_negative, advantages), inf),
+        )
     return lower, upper
 
 
-def _xor(left: int | torch.Tensor, right: int | torch.Tensor) -> int | torch.Tensor:
-    """``left ^ right`` for bit patterns (a 0-d tensor stays a tensor of its dtype)."""
-    if isinstance(left, torch.Tensor):
-        return torch.bitwise_xor(left, right)
-    if isinstance(right, torch.Tensor):
-        return torch.bitwise_xor(right, left)
-    return left ^ right
+def clip_decisions(
+    ratio: torch.Tensor,
+    lower: torch.Tensor | None,
+    upper: torch.Tensor | None,
+    *,
+    dtype: torch.dtype = torch.bool,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Where the clip binds: ``(r < L, r > H)`` with the per-sign bounds of :func:`per_sign_bounds`.
+
+    The one decision rule of the clip: ``r < L`` is the low edge binding (``A < 0``), ``r > H``
+    an upper edge (the high edge for ``A > 0``, the dual clip or ``delta`` for ``A < 0``), and
+    the gradient passes where neither holds, ``L <= r <= H`` (``torch.clamp``'s closed
+    interval). The formula (:meth:`Clip.formula`) asks for bool sets, the fused stage for float
+    indicators (``dtype``: 1.0 where the clip binds), which it sums and multiplies.
+    """
+    return _compare(torch.lt, ratio, lower, dtype), _compare(torch.gt, ratio, upper, dtype)
+
+
+def _compare(
+    op: Callable[..., torch.Tensor],
+    ratio: torch.Tensor,
+    bound: torch.Tensor | Bound | None,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """``op(ratio, bound)`` as ``dtype`` (all 0 / False without a bound)."""
+    out = torch.empty(ratio.shape, dtype=dtype, device=ratio.device)
+    if bound is None:
+        return out.zero_()
+    if not isinstance(bound, torch.Tensor):
+        bound = _as_tensor(bound, ratio)
+    return op(ratio, bound, out=out)
+
+
+def _as_tensor(value: Bound, like: torch.Tensor) -> torch.Tensor:
+    return torch.as_tensor(value, dtype=like.dtype, device=like.device)
+
+
+def _count_by_sign(indicator: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
+    """``sum(indicator * sign)`` (``sign``: 1.0 / 0.0 of the shape of ``A``), per row first."""
+    if sign.shape[-1] == 1 and indicator.shape[-1] != 1:
+        return (indicator.sum(-1, keepdim=True) * sign).sum()
+    return (indicator * sign).sum()
+
+
+def _clip_stage(clip: Clip, inputs: StageInputs) -> StageOutputs:
+    r"""The fused stage of :class:`Clip`: :math:`s = \tilde A\,\mathrm{clip}(r, L, H)`, its slope.
+
+    With the per-sign bounds :math:`(L, H)` of :func:`per_sign_bounds` (shape of :math:`A`):
+    the values :math:`\tilde A\,\mathrm{clip}(r, L, H)`; the coefficient
+    :math:`\partial s / \partial \ell = r \tilde A` where :func:`clip_decisions` lets the
+    gradient pass (:math:`L \le r \le H`) and the log-ratio bound held, else 0, halved at an
+    exact dual-clip tie :math:`r = c` (``torch.maximum``'s convention); the counts of the clip
+    diagnostics. The ratio is exactly 1 at unselected tokens, never clipped (``L <= 1 <= H``):
+    their decisions are 0 and their clipped ratio 1, so the selected sums are the full sums
+    minus the unselected count.
+    """
+    ratio, weighted, dtype = inputs.ratio, inputs.weighted, inputs.dtype
+    bounds = clip_bounds(clip)
+    lower, upper = per_sign_bounds(bounds, inputs.advantages)
+    # clip(r, L, H) as max then min: both propagate NaN like torch.clamp (a fresh buffer)
+    clipped = ratio.clone() if lower is None else torch.maximum(ratio, lower)
+    if upper is not None:
+        clipped = torch.minimum(clipped, upper, out=clipped)
+    below, above = clip_decisions(ratio, lower, upper, dtype=dtype)  # (B, T) 1.0 where it binds
+    negative = (inputs.advantages < 0).to(dtype)  # shape of A
+    positive = (inputs.advantages > 0).to(dtype)
+    band = (None, None) if bounds.band is None else bounds.band
+    out_of_band = _compare(torch.lt, ratio, band[0], dtype).sum()
+    out_of_band = out_of_band + _compare(torch.gt, ratio, band[1], dtype).sum()
+    counts = ClipCounts(out_of_band, below.sum(), _count_by_sign(above, positive))
+    dual = _count_by_sign(above, negative)
+    # d s / d l = r A~ where the gradient passes: 1 - below - above, and where the bound held
+    gate = below.add_(above).neg_().add_(1.0)
+    if inputs.passes is None:
+        coefficient = ratio.clone()  # (B, T)
+    else:  # a NaN log-ratio's NaN ratio becomes 0: no gradient there, as autograd's clamp
+        coefficient = torch.nan_to_num(ratio, nan=0.0, posinf=math.inf, neginf=-math.inf)
+        gate = gate.mul_(inputs.passes)
+    if clip.dual is not None:  # at r == c exactly torch.maximum(s, cA) ties: half the gradient
+        tie = torch.eq(ratio, _as_tensor(clip.dual, ratio), out=above).mul_(negative)
+        gate = gate.mul_(tie.mul_(-0.5).add_(1.0))
+    coefficient = coefficient.mul_(weighted).mul_(gate)  # 0 at unselected tokens (A~ = 0)
+    # Sums over the selected tokens: r - 1 and clip(r, L, H) - 1 are exactly 0 at the others.
+    count = inputs.selected_count.to(dtype)
+    ratio_sum = torch.sub(ratio, 1.0, out=above).sum() + count
+    weight_sum = torch.sub(clipped, 1.0, out=above).sum() + count
+    values = clipped.mul_(weighted)  # A~ clip(r, L, H), 0 at unselected tokens
+    return StageOutputs(coefficient, values, counts, dual, ratio_sum, weight_sum)

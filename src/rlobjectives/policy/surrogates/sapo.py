@@ -19,7 +19,6 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..._core.bits import select, select_
 from ..._core.validation import Scalar, validate_scalar
 from .base import (
     ClipCounts,
@@ -96,7 +95,7 @@ class SAPO(SurrogateObjective):
         return FormulaTerms(gate * advantages, gate.detach(), soft_clipped, below, above, dual)
 
     def stage(self, inputs: StageInputs) -> StageOutputs:
-        r"""The soft gate :math:`\frac{4}{\tau}\sigma(\tau(r - 1))` on :math:`\tilde A`."""
+        r"""The gate :math:`\frac{4}{\tau}\sigma(\tau(r - 1))` times :math:`\tilde A`, its slope."""
         ratio, mask, dtype = inputs.ratio, inputs.mask, inputs.dtype
         advantages = inputs.advantages.to(dtype)
         positive = _as_tensor(self.temperature_pos, advantages)
@@ -104,24 +103,26 @@ class SAPO(SurrogateObjective):
         temperature = torch.where(advantages > 0, positive, negative)  # shape of A
         x = (ratio - 1.0).mul_(temperature)  # (B, T)
         sigma = torch.sigmoid(x)  # (B, T)
-        selection = inputs.selected
         # d gate / d l = 4 sigma(x) sigma(-x) r; zero where the log-ratio bound fired.
         slope = torch.sigmoid(-x).mul_(sigma).mul_(ratio).mul_(4.0)  # (B, T)
-        coefficient = select_(slope.mul_(inputs.weighted), selection)  # (B, T)
-        if inputs.fired is not None:
-            coefficient = select_(coefficient, inputs.fired.bitwise_not_())
+        if inputs.passes is not None:  # 0 where the bound fired (a NaN log-ratio's NaN slope too)
+            slope = torch.nan_to_num_(slope, nan=0.0, posinf=math.inf, neginf=-math.inf)
+            slope = slope.mul_(inputs.passes)
+        coefficient = slope.mul_(inputs.weighted)  # (B, T), 0 at unselected tokens
         gate = sigma.mul_(4.0).div_(temperature)  # (B, T), the advantage factor
-        values = select_(gate * inputs.weighted, selection)  # (B, T)
+        values = gate * inputs.weighted  # (B, T), 0 at unselected tokens
         soft_clipped = x.abs() > SAPO_HALF_PEAK  # (B, T)
         clip = ClipCounts(
             _count(soft_clipped, mask),
             _count(soft_clipped & (x < 0) & (advantages < 0), mask),
             _count(soft_clipped & (x > 0) & (advantages > 0), mask),
         )
-        ratio_sum = select(ratio, selection).sum()
+        unselected = ratio.numel() - inputs.selected_count
+        ratio_sum = ratio.sum() - unselected  # r = 1 at unselected tokens
         dual = _count(soft_clipped & (x > 0) & (advantages < 0), mask)
-        weight_sum = select_(gate, selection).sum()
-        return StageOutputs(coefficient, values, selection, clip, dual, ratio_sum, weight_sum)
+        zero = torch.zeros((), dtype=dtype, device=ratio.device)
+        weight_sum = torch.where(mask, gate, zero).sum()
+        return StageOutputs(coefficient, values, clip, dual, ratio_sum, weight_sum)
 
     def kernel_flags(self) -> dict[str, Any]:
         """The kernel's ``"sapo"`` setup: the two temperatures and the half-peak width."""
