@@ -5,6 +5,9 @@ of the tokens selected, per-sequence advantages, log-ratios with a 0.3 standard 
 that a sizeable fraction of tokens is clipped). Backward with respect to ``log_probs``.
 
 Variants: the eager trainer-style reference (``tests/eager_reference.py``), the same compiled,
+verl's eager ``compute_policy_loss_vanilla`` with its default config (dual clip on, three
+metrics read on the host; ``eager_reference.verl_vanilla_policy_loss``) and ours with verl's
+options (``Clip(low=0.2, dual=3.0)``),
 our fused path (``policy_loss`` and the seed ``grpo_clipped_surrogate``), our pure-autograd path
 (``_policy_loss_autograd``, what the fused path replaced) and our fused path compiled; the fused
 path with ``(B, T)`` importance weights (which must add at most one ``(B, T)`` pass) and with
@@ -23,6 +26,7 @@ import rlobjectives
 from rlobjectives.policy import loss as _policy
 
 Inputs = harness.Inputs
+VERL_CLIP = rlobjectives.Clip(low=0.2, dual=3.0)  # verl's vanilla loss: the dual clip always on
 
 
 def _make(batch: int, tokens: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
@@ -48,6 +52,18 @@ def _make(batch: int, tokens: int, dtype: torch.dtype):  # type: ignore[no-untyp
 
 def _reference(x: Inputs) -> torch.Tensor:
     return eager.policy_loss(x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"])
+
+
+def _verl(x: Inputs) -> torch.Tensor:
+    return eager.verl_vanilla_policy_loss(
+        x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"]
+    )[0]
+
+
+def _ours_verl(x: Inputs) -> torch.Tensor:
+    return rlobjectives.policy_loss(
+        x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"], surrogate=VERL_CLIP
+    ).loss
 
 
 def _ours(x: Inputs) -> torch.Tensor:
@@ -97,7 +113,9 @@ def cases(*, quick: bool, device: str) -> list[harness.Case]:
             forward_bytes = batch * tokens * (2 * element + 1)
             variants = [
                 harness.Variant("eager reference", _reference, role="reference"),
+                harness.Variant("verl compute_policy_loss_vanilla (eager)", _verl),
                 harness.Variant("ours", _ours),
+                harness.Variant("ours, verl's options (Clip(dual=3.0))", _ours_verl),
                 harness.Variant("ours grpo_clipped_surrogate", _ours_seed),
                 harness.Variant("ours + importance_weights (B, T)", _ours_weighted),
                 harness.Variant("ours surrogate=cispo", _ours_surrogate("cispo")),

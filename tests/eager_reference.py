@@ -89,6 +89,55 @@ def policy_loss(
     return _reduce(pg_losses, mask, reduction, max_response_length)
 
 
+def verl_vanilla_policy_loss(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    clip_ratio: float = 0.2,
+    clip_ratio_c: float = 3.0,
+) -> tuple[Tensor, dict[str, float]]:
+    """verl's eager ``compute_policy_loss_vanilla`` (0.9) with its default config, op for op.
+
+    The steps verl runs, written from its formula: the log-ratio clamped to ±20, the ratio, the
+    two surrogates and their maximum, the dual clip ``clip_ratio_c`` (always on in verl), the
+    ``token-mean`` aggregation (``masked_sum / mask.sum()``), and its three metrics
+    (``pg_clipfrac``, ``ppo_kl``, ``pg_clipfrac_lower``) read on the host as verl returns
+    them; ``masked_mean(x, m)`` is ``where(m, x, 0) * m`` summed over ``m.sum() + 1e-8``. The
+    library equivalent is ``policy_loss(..., surrogate=Clip(low=clip_ratio, dual=clip_ratio_c))``.
+    """
+    log_probs, old_log_probs, advantages = _upcast(log_probs, old_log_probs, advantages)
+    mask = mask.to(log_probs.dtype)
+
+    def masked_sum(values: Tensor) -> Tensor:
+        return (torch.where(mask.bool(), values, 0.0) * mask).sum()
+
+    def masked_mean(values: Tensor) -> Tensor:
+        return masked_sum(values) / (mask.sum() + 1e-8)
+
+    negative_approx_kl = torch.clamp(log_probs - old_log_probs, min=-20.0, max=20.0)
+    ratio = torch.exp(negative_approx_kl)
+    ppo_kl = masked_mean(-negative_approx_kl)
+    pg_losses1 = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1 - clip_ratio, 1 + clip_ratio)
+    clip_pg_losses1 = torch.maximum(pg_losses1, pg_losses2)
+    pg_clipfrac = masked_mean(torch.gt(pg_losses2, pg_losses1).float())
+    pg_losses3 = -advantages * clip_ratio_c
+    clip_pg_losses2 = torch.min(pg_losses3, clip_pg_losses1)
+    pg_clipfrac_lower = masked_mean(
+        torch.gt(clip_pg_losses1, pg_losses3) * (advantages < 0).float()
+    )
+    pg_losses = torch.where(advantages < 0, clip_pg_losses2, clip_pg_losses1)
+    loss = masked_sum(pg_losses) / mask.sum()
+    metrics = {
+        "actor/pg_clipfrac": pg_clipfrac.detach().item(),
+        "actor/ppo_kl": ppo_kl.detach().item(),
+        "actor/pg_clipfrac_lower": pg_clipfrac_lower.detach().item(),
+    }
+    return loss, metrics
+
+
 def kl_penalized_rewards(
     policy_log_probs: Tensor,
     reference_log_probs: Tensor,

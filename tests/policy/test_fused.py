@@ -701,6 +701,22 @@ def test_eager_policy_loss_baseline_agrees(
     assert_close(ours_grad, baseline_grad)
 
 
+def test_verl_vanilla_baseline_agrees(backend: str) -> None:
+    # The benchmark's "verl compute_policy_loss_vanilla (eager)" is our Clip(dual=3.0) call.
+    log_probs, old, advantages, mask = make_batch(5, 8, seed=13, dtype=torch.float32)
+    mask[:, 0] = True
+    clip = Clip(low=0.2, dual=3.0)
+    ours, ours_grad = loss_and_grad(policy_loss, log_probs, old, advantages, mask, surrogate=clip)
+    leaf = log_probs.clone().requires_grad_(True)
+    baseline, metrics = eager_reference.verl_vanilla_policy_loss(
+        leaf, old, advantages.unsqueeze(-1), mask
+    )
+    (grad,) = torch.autograd.grad(baseline, leaf)
+    assert_close(ours.loss, baseline)
+    assert_close(ours_grad, grad)
+    assert_close(ours.diagnostics.dual_clip_fraction, metrics["actor/pg_clipfrac_lower"])
+
+
 def test_eager_kl_baselines_agree(backend: str) -> None:
     log_probs, ref_log_probs, rewards, mask = make_batch(4, 6, seed=14, dtype=torch.float32)
     ours = kl_penalized_rewards(log_probs, ref_log_probs, rewards, mask, 0.1)["objective"]
