@@ -103,7 +103,8 @@ def policy_loss(
     - ``"vespo"``: :math:`s = \mathrm{sg}(\phi_i) A \ell`, :math:`\phi(W) = e^{\lambda + k\log W -
       \lambda W}` of the sequence ratio :math:`W_i = \exp(\mathrm{clip}(\sum_t \log r_{it}
       + \sum_t \log w_{it}, \log 10^{-8}, 20))`, :math:`(k, \lambda)` by the sign of :math:`A`
-      (:math:`A \ge 0`: ``vespo_k_pos``, ``vespo_lambda_pos``).
+      (:math:`A \ge 0`: ``vespo_k_pos``, ``vespo_lambda_pos``); a weight given per sequence,
+      ``(B,)`` or packed ``(S,)``, enters once: :math:`\log w_i` instead of the sum.
 
     The per-token loss is :math:`L_{it} = -w_{it} s_{it} - \beta H_{it}` with the importance
     weights :math:`w` (``importance_weights``; VESPO takes them inside :math:`W` instead) and

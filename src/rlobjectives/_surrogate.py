@@ -154,6 +154,7 @@ def policy_terms(
             importance_weights=weights,
             layout=layout,
             options=options,
+            sequence_weights=inputs.sequence_weights,
         )
     )
     per_token_loss = -surrogate.values  # (B, T)

@@ -26,7 +26,8 @@ the log-probability:
 - ``"vespo"`` (TRL): :math:`s = \mathrm{sg}(\phi_i) A \ell` with the gamma weight
   :math:`\phi(W) = e^{\lambda + k \log W - \lambda W}` of the sequence ratio
   :math:`W_i = \exp(\mathrm{clip}(\sum_t \Delta_{it} + \sum_t \log \rho^{IS}_{it},
-  \log 10^{-8}, 20))`.
+  \log 10^{-8}, 20))` (a per-sequence weight :math:`\rho^{IS}_i` enters once, padded or
+  packed).
 """
 
 from __future__ import annotations
@@ -79,6 +80,7 @@ class SurrogateInputs(NamedTuple):
     importance_weights: torch.Tensor | None  # (B, 1) or (B, T), constant, NOT selected
     layout: Layout
     options: SurrogateOptions
+    sequence_weights: bool = False  # the weights are one per sequence (packed: broadcast)
 
 
 class Surrogate(NamedTuple):
@@ -267,10 +269,12 @@ def _vespo_log_weight(inputs: SurrogateInputs) -> torch.Tensor:
     total = layout.expand(total)  # (B, 1) or (1, N)
     weights = inputs.importance_weights
     low, high = VESPO_LOG_WEIGHT_RANGE
-    if weights is not None and weights.shape[-1] == 1 and mask.shape[-1] != 1:
-        # A sequence weight enters once per sequence (a NaN one of an empty row reaches only
-        # that row's unselected tokens, which the loss masks).
-        total = total + clamp(torch.log(weights), low, high)  # (B, 1)
+    if weights is not None and inputs.sequence_weights:
+        # A sequence weight enters once per sequence, in the padded (B, 1) and the packed
+        # layout alike (there it is broadcast to its tokens: (1, N), the same value at each);
+        # a NaN one of an empty row reaches only that row's unselected tokens, which the loss
+        # masks.
+        total = total + clamp(torch.log(weights), low, high)  # (B, 1) or (1, N)
     elif weights is not None:  # token weights: the log of their product over the sequence
         one = torch.ones((), dtype=weights.dtype, device=weights.device)
         log_weights = clamp(torch.log(torch.where(mask, weights, one)), low, high)  # (B, T)
