@@ -10,10 +10,13 @@ the error contract (``tests/test_error_contract.py``), the diagnostics over magn
 from __future__ import annotations
 
 import math
+from typing import Any
 
+import pytest
 import torch
 
 import rlobjectives as rlo
+from backends import BACKEND_PARAMS, dtype_for
 
 
 def _policy_batch(seed: int = 27) -> dict[str, torch.Tensor]:
@@ -61,3 +64,84 @@ def test_item1_vespo_packed_sequence_weight_enters_once() -> None:
     phi = math.exp(3.0 + 2.0 * log_w - 3.0 * math.exp(log_w))
     loss_0 = -phi * 0.7 * batch["log_probs"][0, :3]  # the per-token loss -phi A l
     torch.testing.assert_close(packed.per_token_loss[:3], loss_0, rtol=1e-12, atol=1e-12)
+
+
+def _banned_head(
+    dtype: torch.dtype, vocab: int, allowed: int, seed: int = 7
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Hidden states, an LM head whose bias bans the rows ``allowed:`` (``-inf``), tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 3, 8, generator=generator, dtype=torch.float64).to(dtype)
+    weight = torch.randn(vocab, 8, generator=generator, dtype=torch.float64).to(dtype)
+    bias = (0.3 * torch.randn(vocab, generator=generator, dtype=torch.float64)).to(dtype)
+    bias[allowed:] = -math.inf
+    tokens = torch.randint(0, allowed, (2, 3), generator=generator)
+    return hidden, weight, bias, tokens
+
+
+def _leaves(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    return [t.detach().clone().requires_grad_(True) for t in tensors]
+
+
+def _check_banned_gradients(
+    banned: list[torch.Tensor], allowed_only: list[torch.Tensor], allowed: int
+) -> None:
+    """The gradients of the banned head equal those of the head without the banned rows, which
+    receive exactly 0 (p = 0 there)."""
+    hidden, weight, bias = banned
+    hidden_ref, weight_ref, bias_ref = allowed_only
+    for grad in (hidden.grad, weight.grad, bias.grad):
+        assert grad is not None and torch.isfinite(grad).all()
+    assert hidden.grad is not None and weight.grad is not None and bias.grad is not None
+    # float32: grad_hidden is a sum over the 600 allowed columns, blocked differently by the
+    # matrix product of 1031 and of 600 columns; the two roundings of that sum differ by up to
+    # ~1e-5 relative (not the 1.3e-6 of the table, which is for one rounding).
+    close: dict[str, Any] = {}
+    if hidden.dtype == torch.float32 and weight.shape[0] > 100:
+        close = {"rtol": 1e-4, "atol": 1e-4}
+    torch.testing.assert_close(hidden.grad, hidden_ref.grad, **close)
+    torch.testing.assert_close(weight.grad[:allowed], weight_ref.grad, **close)
+    torch.testing.assert_close(bias.grad[:allowed], bias_ref.grad, **close)
+    assert torch.equal(weight.grad[allowed:], torch.zeros_like(weight.grad[allowed:]))
+    assert torch.equal(bias.grad[allowed:], torch.zeros_like(bias.grad[allowed:]))
+
+
+@pytest.mark.parametrize("backend", BACKEND_PARAMS, indirect=True)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_item7_entropy_gradients_with_a_banned_vocabulary_block(
+    backend: str, dtype: torch.dtype
+) -> None:
+    # "Entropy from hidden states with a block of -inf bias [...] returns finite log-probs and
+    # entropies, but the gradients with respect to hidden, weight and bias are NaN (float32 and
+    # float64; a single -inf entry is fine). Check fused_policy_loss_from_hidden with the
+    # entropy bonus and the Triton path the same way." The NaN came from the entropy gradient
+    # g (log p + H) with the banned log p clamped to the most negative float: any |g| > 1 (here
+    # 1/0.7 from the temperature) overflowed it to -inf before the product with p = 0.
+    dtype = dtype_for(backend, dtype)
+    vocab, allowed = (1031, 600) if backend == "torch" else (70, 40)  # small under the interpreter
+    hidden, weight, bias, tokens = _banned_head(dtype, vocab, allowed)
+    banned = _leaves(hidden, weight, bias)
+    allowed_only = _leaves(hidden, weight[:allowed], bias[:allowed])
+    for leaves in (banned, allowed_only):
+        out = rlo.token_log_probs_from_hidden(
+            leaves[0], leaves[1], tokens, bias=leaves[2], return_entropy=True, temperature=0.7
+        )
+        assert torch.isfinite(out.log_probs).all() and torch.isfinite(out.entropy).all()
+        (out.log_probs.sum() + 2.0 * out.entropy.sum()).backward()
+    _check_banned_gradients(banned, allowed_only, allowed)
+    # The fused loss with the entropy bonus (the gradients formed in the forward chunk loop),
+    # and by composition (GSPO: token_log_probs_from_hidden with entropies, then policy_loss).
+    old_log_probs = torch.full((2, 3), -3.0, dtype=dtype)
+    advantages = torch.tensor([1.0, -2.0], dtype=dtype)
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    for ratio_level in ("token", "sequence"):
+        banned = _leaves(hidden, weight, bias)
+        allowed_only = _leaves(hidden, weight[:allowed], bias[:allowed])
+        for leaves in (banned, allowed_only):
+            out = rlo.fused_policy_loss_from_hidden(
+                leaves[0], leaves[1], tokens, old_log_probs, advantages, mask, bias=leaves[2],
+                temperature=0.7, entropy_coef=0.5, ratio_level=ratio_level,  # type: ignore[arg-type]
+            )  # fmt: skip
+            assert torch.isfinite(out.loss) and torch.isfinite(out.entropy_loss)
+            (3.0 * out.loss).backward()
+        _check_banned_gradients(banned, allowed_only, allowed)
