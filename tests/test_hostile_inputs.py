@@ -17,6 +17,7 @@ import torch
 
 import rlobjectives as rlo
 from backends import BACKEND_PARAMS, dtype_for
+from tolerances import assert_close
 
 
 def _policy_batch(seed: int = 27) -> dict[str, torch.Tensor]:
@@ -64,6 +65,27 @@ def test_item1_vespo_packed_sequence_weight_enters_once() -> None:
     phi = math.exp(3.0 + 2.0 * log_w - 3.0 * math.exp(log_w))
     loss_0 = -phi * 0.7 * batch["log_probs"][0, :3]  # the per-token loss -phi A l
     torch.testing.assert_close(packed.per_token_loss[:3], loss_0, rtol=1e-12, atol=1e-12)
+
+
+def test_item4_explained_variance_of_large_finite_returns() -> None:
+    # "float32 returns [1, 2, 3, 4]·1e19 with V = 0.9·R give explained_variance == 1.0 instead
+    # of 0.99 (an internal rescaling by 2^130 overflows float32), while the loss itself is
+    # finite."
+    returns = torch.tensor([[1.0, 2.0, 3.0, 4.0]]) * 1e19
+    values = 0.9 * returns
+    out = rlo.value_loss(values, values, returns, torch.ones(1, 4, dtype=torch.bool))
+    # Var(R - V) / Var(R) = Var(0.1 R) / Var(R) = 0.01 (eps = 1e-5 is negligible at 1e38).
+    explained = out.diagnostics.explained_variance
+    assert explained.dtype == torch.float32
+    assert_close(explained, 0.99)
+    for scale in (1e-30, 1e-19, 1e19, 1e30):  # every magnitude, float32
+        out = rlo.value_loss(values / 1e19 * scale, values, returns / 1e19 * scale,
+                             torch.ones(1, 4, dtype=torch.bool))  # fmt: skip
+        # Var(R) + eps: at tiny magnitudes the 1e-5 dominates and nearly nothing is explained
+        # away: 1 - 0.01 Var(R) / (Var(R) + 1e-5).
+        variance = (1.25 + 0.25 + 0.25 + 2.25) / 3 * scale**2
+        expected = 1.0 - 0.01 * variance / (variance + 1e-5)
+        assert_close(out.diagnostics.explained_variance, expected)
 
 
 def _banned_head(

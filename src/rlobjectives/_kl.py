@@ -118,7 +118,9 @@ def _k1(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 def _k2(log_ratio: torch.Tensor) -> torch.Tensor:
-    return 0.5 * log_ratio.square()
+    # (d / 2) d, not d^2 / 2: the same single rounding, but d^2 overflows float32 for
+    # |d| > 1.8e19 where d^2 / 2 is still finite.
+    return (0.5 * log_ratio) * log_ratio
 
 
 def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
