@@ -17,6 +17,7 @@ import torch
 
 import rlobjectives as rlo
 from backends import BACKEND_PARAMS, dtype_for
+from rlobjectives import presets
 from tolerances import assert_close
 
 
@@ -86,6 +87,14 @@ def test_item4_explained_variance_of_large_finite_returns() -> None:
         variance = (1.25 + 0.25 + 0.25 + 2.25) / 3 * scale**2
         expected = 1.0 - 0.01 * variance / (variance + 1e-5)
         assert_close(out.diagnostics.explained_variance, expected)
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf, -0.1])
+def test_item5_trl_beta_is_validated_at_construction(value: float) -> None:
+    # "presets.trl_grpo_loss(beta=nan) or beta=inf builds without error and the loss is then NaN
+    # or inf; its docstring promises 'ValueError: ... a non-finite threshold or coefficient'."
+    with pytest.raises(ValueError, match=r"^beta must be"):
+        presets.trl_grpo_loss(loss_type="grpo", beta=value)
 
 
 def _banned_head(

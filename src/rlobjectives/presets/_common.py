@@ -16,7 +16,7 @@ from .._masking import masked_fill_zero
 from .._policy import policy_loss
 from .._policy_args import PolicyLossDiagnostics, validate_surrogate_options
 from .._reduction import aggregate
-from .._validation import Scalar
+from .._validation import Scalar, validate_bool, validate_length, validate_scalar
 
 __all__ = [
     "ReductionArgs",
@@ -25,6 +25,9 @@ __all__ = [
     "check_options",
     "nonempty_rows",
     "option",
+    "preset_count",
+    "preset_flag",
+    "preset_number",
     "reduce_terms",
     "weighted_policy_loss",
 ]
@@ -147,3 +150,48 @@ def option(config: object, name: str, default: Any) -> Any:
     else:
         value = getattr(config, name, None)
     return default if value is None else value
+
+
+def preset_number(
+    value: object,
+    name: str,
+    *,
+    minimum: float | None = 0.0,
+    strict: bool = False,
+    maximum: float | None = None,
+) -> float:
+    """A peer's numeric option checked like the library's hyperparameters, under the peer's name.
+
+    A real Python number (not a bool), finite, ``>= minimum`` (``>`` when ``strict``) and
+    ``< maximum``; returned as a float.
+
+    Raises:
+        ValueError: naming ``name``, for a non-finite or out-of-range value.
+        TypeError: naming ``name``, for a non-number.
+    """
+    number = validate_scalar(
+        value,  # type: ignore[arg-type]
+        name,
+        minimum=minimum,
+        strict=strict,
+        maximum=maximum,
+        allow_tensor=False,
+    )
+    return float(number)
+
+
+def preset_count(value: object, name: str) -> int:
+    """A peer's positive whole-number option (a length, a process or step count) as an int.
+
+    Raises:
+        ValueError: naming ``name``, for a value that is not a positive whole number.
+        TypeError: naming ``name``, for a non-number.
+    """
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a Python int, got a tensor")
+    return int(validate_length(value, name))  # type: ignore[arg-type]
+
+
+def preset_flag(value: object, name: str) -> bool:
+    """A peer's on/off option: a Python bool (a truthy string must not switch it on)."""
+    return validate_bool(value, name)
