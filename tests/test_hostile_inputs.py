@@ -10,6 +10,7 @@ the error contract (``tests/test_error_contract.py``), the diagnostics over magn
 from __future__ import annotations
 
 import math
+import warnings
 from typing import Any
 
 import pytest
@@ -66,6 +67,42 @@ def test_item1_vespo_packed_sequence_weight_enters_once() -> None:
     phi = math.exp(3.0 + 2.0 * log_w - 3.0 * math.exp(log_w))
     loss_0 = -phi * 0.7 * batch["log_probs"][0, :3]  # the per-token loss -phi A l
     torch.testing.assert_close(packed.per_token_loss[:3], loss_0, rtol=1e-12, atol=1e-12)
+
+
+def test_item2_float64_entropy_makes_the_policy_loss_float64() -> None:
+    # "A float64 entropy with float32 log-probs is reduced in float32 by policy_loss (its
+    # gradient is off by 8.7e-10 from the exact value)."
+    log_probs = torch.randn(2, 3).requires_grad_(True)
+    entropy = torch.rand(2, 3, dtype=torch.float64).requires_grad_(True)
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    coef = 0.0123456789
+    out = rlo.policy_loss(log_probs, log_probs.detach(), torch.ones(2), mask, entropy=entropy,
+                          entropy_coef=coef, reduction="sequence_mean")  # fmt: skip
+    out.loss.backward()
+    assert entropy.grad is not None
+    # loss = ... - coef * mean_i mean_t H_it: d/dH = -coef / 6 exactly, in float64.
+    expected = torch.full((2, 3), -coef / 6, dtype=torch.float64)
+    torch.testing.assert_close(entropy.grad, expected, rtol=1e-15, atol=1e-18)
+
+
+def test_item3_float64_importance_weights_make_kl_loss_float64() -> None:
+    # "Float64 importance_weights with float32 log-probs in kl_loss are applied in float32
+    # (gradient off by 3.1e-8): kl_loss takes its computation dtype from the log-probabilities
+    # only."
+    generator = torch.Generator().manual_seed(3)
+    log_probs = torch.randn(2, 3, generator=generator)
+    ref_log_probs = torch.randn(2, 3, generator=generator)
+    weights = (torch.rand(2, 3, generator=generator, dtype=torch.float64) + 0.5).requires_grad_()
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", rlo.BiasedGradientWarning)
+        loss = rlo.kl_loss(log_probs, ref_log_probs, mask, estimator="k2",
+                           importance_weights=weights)  # fmt: skip
+    loss.backward()
+    assert weights.grad is not None
+    # d/dw_it of mean(w k2) = k2_it / 6, k2 = (l - l_ref)^2 / 2 of the float32 values, in float64.
+    k2 = 0.5 * (log_probs.double() - ref_log_probs.double()) ** 2
+    torch.testing.assert_close(weights.grad, k2 / 6, rtol=1e-15, atol=1e-18)
 
 
 def test_item4_explained_variance_of_large_finite_returns() -> None:

@@ -177,8 +177,8 @@ def kl_loss(
 
     Returns:
         A scalar (``(B, T)`` for ``reduction="none"``, packed: the shape of ``log_probs``) with
-        the dtype and device of ``log_probs``; computed in float32 (float64 for float64
-        inputs). Fully masked inputs give 0.
+        the dtype and device of ``log_probs``; computed in float32 (float64 when any floating
+        input, ``importance_weights`` included, is float64). Fully masked inputs give 0.
 
     Raises:
         ValueError: on mismatched shapes/devices, an unknown ``estimator`` or ``reduction``, a
@@ -220,7 +220,8 @@ def kl_loss(
         _warn_biased_ratio_weighted(estimator, straight_through)
     else:
         warn_biased_kl_loss(estimator, straight_through, "kl_loss")
-    dtype = compute_dtype(inputs.log_probs, inputs.ref_log_probs)
+    # Every floating input takes part in the computation dtype, the weights included.
+    dtype = compute_dtype(inputs.log_probs, inputs.ref_log_probs, *_present(weights))
     if kernel_backend(inputs.log_probs.device, dtype=dtype) == "triton":  # docs/kernels.md
         from ._triton._kl_call import kl_loss_kernels
 
@@ -228,13 +229,17 @@ def kl_loss(
         if loss is not None:
             return token_output(loss, inputs.flat and loss.ndim == 2)
     terms = inputs.terms(
-        estimator=estimator, straight_through=straight_through, log_ratio_bound=bound
+        estimator=estimator, straight_through=straight_through, log_ratio_bound=bound, dtype=dtype
     )  # (B, T)
     if weights is not None:
         # Select the weights first: NaN/inf at unselected tokens reaches no value or gradient.
         terms = terms * masked_fill_zero(weights.to(terms.dtype), inputs.mask)  # (B, T)
     loss = reduce(terms, inputs.mask, spec, inputs.layout).to(inputs.log_probs.dtype)
     return token_output(loss, inputs.flat and loss.ndim == 2)
+
+
+def _present(tensor: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    return () if tensor is None else (tensor,)
 
 
 def _importance_weights(weights: ArrayLike | None, inputs: KLInputs) -> torch.Tensor | None:

@@ -198,7 +198,8 @@ def policy_loss(
     Returns:
         :class:`PolicyLossOutput` ``(loss, per_token_loss, diagnostics)``. ``loss`` and
         ``per_token_loss`` have the dtype and device of ``log_probs`` (integer input becomes the
-        default float dtype); the math runs in float32 (float64 for float64 inputs).
+        default float dtype); the math runs in float32 (float64 when any floating input,
+        ``importance_weights`` and ``entropy`` included, is float64).
 
     Raises:
         ValueError: on mismatched shapes, wrong ranks, different devices, negative or non-finite

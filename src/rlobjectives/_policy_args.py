@@ -294,7 +294,9 @@ def prepare_entropy(
     entropy_t = token_matrix(entropy_t, "entropy", packed)
     check_same_device({reference: inputs.mask, "entropy": entropy_t})
     check_shape(entropy_t, "entropy", tuple(inputs.mask.shape), reference)
-    return inputs._replace(entropy=entropy_t)
+    # A float64 entropy makes the computation float64, as any other floating input does.
+    dtype = compute_dtype(torch.empty(0, dtype=inputs.dtype), entropy_t)
+    return inputs._replace(entropy=entropy_t, dtype=dtype)
 
 
 def validate_entropy_coef(

@@ -8,7 +8,7 @@ nothing here re-implements a loss.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -16,7 +16,9 @@ from .._masking import masked_fill_zero
 from .._policy import policy_loss
 from .._policy_args import PolicyLossDiagnostics, validate_surrogate_options
 from .._reduction import aggregate
-from .._validation import Scalar, validate_bool, validate_length, validate_scalar
+from .._validation import Scalar, compute_dtype, validate_bool, validate_length, validate_scalar
+
+_MaybeTensor = TypeVar("_MaybeTensor", torch.Tensor, torch.Tensor | None)
 
 __all__ = [
     "ReductionArgs",
@@ -28,6 +30,8 @@ __all__ = [
     "preset_count",
     "preset_flag",
     "preset_number",
+    "float64_if_any",
+    "promote",
     "reduce_terms",
     "weighted_policy_loss",
 ]
@@ -195,3 +199,26 @@ def preset_count(value: object, name: str) -> int:
 def preset_flag(value: object, name: str) -> bool:
     """A peer's on/off option: a Python bool (a truthy string must not switch it on)."""
     return validate_bool(value, name)
+
+
+def float64_if_any(*tensors: torch.Tensor | None) -> torch.dtype | None:
+    """float64 when any floating tensor of a preset call is float64, else None (unchanged).
+
+    A preset composes several library calls, each of which computes in the dtype of its own
+    inputs; converting every input to float64 first (:func:`promote`) makes the whole preset
+    follow the library's rule (float64 when any floating input is float64), so that a float64
+    entropy, reference or sampler log-probability does not meet a term computed in float32.
+    Otherwise (float32, bf16, fp16) nothing is converted: each call computes in float32 anyway.
+    """
+    present = [t for t in tensors if t is not None]
+    return torch.float64 if compute_dtype(*present) == torch.float64 else None
+
+
+def promote(tensor: _MaybeTensor, dtype: torch.dtype | None) -> _MaybeTensor:
+    """``tensor`` in ``dtype`` (a floating tensor; None or no dtype: unchanged).
+
+    Differentiable: gradients arrive in the input's own dtype.
+    """
+    if tensor is None or dtype is None or not tensor.is_floating_point():
+        return tensor
+    return tensor.to(dtype)

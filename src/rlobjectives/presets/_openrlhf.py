@@ -46,9 +46,11 @@ from .._validation import validate_choice
 from ._common import (
     ReductionArgs,
     check_options,
+    float64_if_any,
     preset_count,
     preset_flag,
     preset_number,
+    promote,
     weighted_policy_loss,
 )
 
@@ -180,6 +182,11 @@ class OpenRLHFPolicyLoss:
         """``PolicyLoss.forward`` for these tensors (see :func:`openrlhf_policy_loss`)."""
         row = OPENRLHF_POLICY_LOSS_TYPES[self.policy_loss_type]
         dp_size = preset_count(dp_size, "dp_size")
+        wide = float64_if_any(log_probs, old_log_probs, advantages, rollout_log_probs)
+        log_probs, old_log_probs, advantages = (
+            promote(t, wide) for t in (log_probs, old_log_probs, advantages)
+        )
+        rollout_log_probs = promote(rollout_log_probs, wide)
         mask = torch.ones_like(log_probs, dtype=torch.bool) if action_mask is None else action_mask
         token_level = row.token_level_loss
         token_level = self.token_level_loss if token_level is None else token_level

@@ -48,9 +48,11 @@ from ..distributed import global_top_entropy_mask
 from ._common import (
     as_bool_mask,
     check_options,
+    float64_if_any,
     preset_count,
     preset_flag,
     preset_number,
+    promote,
     reduce_terms,
     weighted_policy_loss,
 )
@@ -172,6 +174,15 @@ class TRLGRPOLoss:
         if steps_per_generation is not None:
             steps_per_generation = preset_count(steps_per_generation, "steps_per_generation")
         self._check_call(advantages, ref_log_probs, entropy, bonus_on)
+        wide = float64_if_any(log_probs, old_log_probs, advantages, ref_log_probs,
+                              importance_sampling_ratio, entropy, sampling_log_probs)  # fmt: skip
+        log_probs, old_log_probs, advantages = (
+            promote(t, wide) for t in (log_probs, old_log_probs, advantages)
+        )
+        ref_log_probs, importance_sampling_ratio, entropy, sampling_log_probs = (
+            promote(t, wide)
+            for t in (ref_log_probs, importance_sampling_ratio, entropy, sampling_log_probs)
+        )
         selected = as_bool_mask(mask, log_probs)
         spg = gradient_accumulation_steps if steps_per_generation is None else steps_per_generation
         batch = Batch(log_probs.shape[0], num_items_in_batch, num_processes,

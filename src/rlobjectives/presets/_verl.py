@@ -39,10 +39,12 @@ from ._common import (
     ReductionArgs,
     WeightedPolicyTerm,
     as_bool_mask,
+    float64_if_any,
     nonempty_rows,
     option,
     preset_count,
     preset_number,
+    promote,
     weighted_policy_loss,
 )
 
@@ -334,6 +336,11 @@ class VerlPolicyLoss:
         aggregation = mode.forced_aggregation
         if aggregation is None:
             aggregation = validate_choice(loss_agg_mode, "loss_agg_mode", tuple(VERL_AGGREGATIONS))
+        wide = float64_if_any(old_log_prob, log_prob, advantages, rollout_is_weights)
+        old_log_prob, log_prob, advantages = (
+            promote(t, wide) for t in (old_log_prob, log_prob, advantages)
+        )
+        rollout_is_weights = promote(rollout_is_weights, wide)
         mask = as_bool_mask(response_mask, log_prob)
         args = _FORCED_AGGREGATIONS[aggregation](mask, _global_info(config))
         call = _Call(old_log_prob, log_prob, advantages, mask, config, rollout_is_weights)
