@@ -260,3 +260,20 @@ def test_every_floating_input_takes_part_in_the_computation_dtype(
             assert gradients[name].dtype == torch.float64, name
     for name, gradient in gradients.items():
         _close(gradient, expected_gradients[name], f"gradient of {name}")
+
+
+# --- configuration from the environment (issue 27): validated on every call of every function --
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda case: case.name)
+def test_every_function_validates_the_kernel_variable(
+    case: Case, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # RLOBJECTIVES_KERNELS is validated by every public function, at every call, whatever path
+    # the call takes: a misspelt value never applies to some calls and not to others.
+    arguments = case.valid()
+    monkeypatch.setenv("RLOBJECTIVES_KERNELS", "bogus")
+    with pytest.raises(ValueError, match=r"^RLOBJECTIVES_KERNELS must be one of .* got 'bogus'"):
+        case.function(**arguments)
+    monkeypatch.setenv("RLOBJECTIVES_KERNELS", " Torch ")  # case and spaces do not matter
+    case.function(**arguments)

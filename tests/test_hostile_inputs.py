@@ -134,6 +134,43 @@ def test_item5_trl_beta_is_validated_at_construction(value: float) -> None:
         presets.trl_grpo_loss(loss_type="grpo", beta=value)
 
 
+def test_item6_kernel_variable_is_validated_on_every_path(monkeypatch: pytest.MonkeyPatch) -> None:
+    # "RLOBJECTIVES_KERNELS=bogus raises a ValueError naming the variable for clip, cispo, sapo
+    # and kl_loss, but policy_loss(surrogate="gmpo") and "vespo" run silently: the variable is
+    # validated only on the paths that consult the kernels." (Every public function:
+    # tests/test_error_contract.py; here the surrogates and the presets.)
+    monkeypatch.setenv("RLOBJECTIVES_KERNELS", "bogus")
+    batch = _policy_batch()
+    tensors = (batch["log_probs"], batch["old_log_probs"], batch["advantages"], batch["attention"])
+    match = r"^RLOBJECTIVES_KERNELS must be one of auto, triton, torch \(or unset\), got 'bogus'"
+    for surrogate in ("clip", "cispo", "sapo", "gmpo", "vespo"):
+        with pytest.raises(ValueError, match=match):
+            rlo.policy_loss(*tensors, surrogate=surrogate)  # type: ignore[arg-type]
+        with pytest.raises(ValueError, match=match):  # float64: never the kernels either
+            rlo.policy_loss(*tensors, surrogate=surrogate, return_per_token=True)  # type: ignore[arg-type]
+    for build in (
+        lambda: presets.trl_grpo_loss(loss_type="grpo"),
+        lambda: presets.verl_policy_loss("geo_mean"),
+        lambda: presets.openrlhf_policy_loss(),
+    ):
+        with pytest.raises(ValueError, match=match):
+            build()
+    monkeypatch.setenv("RLOBJECTIVES_KERNELS", "torch")
+    losses: list[Any] = [
+        presets.trl_grpo_loss(loss_type="grpo"),
+        presets.verl_policy_loss("geo_mean"),
+        presets.openrlhf_policy_loss(),
+    ]
+    monkeypatch.setenv("RLOBJECTIVES_KERNELS", "bogus")
+    lp, old, advantages, mask = tensors
+    for loss_fn, arguments in zip(
+        losses, [(lp, old, advantages, mask), (old, lp, advantages, mask),
+                 (lp, old, advantages[:, None].expand(4, 4), mask)], strict=True,
+    ):  # fmt: skip
+        with pytest.raises(ValueError, match=match):
+            loss_fn(*arguments)
+
+
 def _banned_head(
     dtype: torch.dtype, vocab: int, allowed: int, seed: int = 7
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -28,6 +28,7 @@ from ._validation import (
     Scalar,
     as_float_tensor,
     check_same_device,
+    checks_environment,
     compute_dtype,
     expand_per_sequence,
 )
@@ -35,6 +36,7 @@ from ._validation import (
 __all__ = ["kl_estimate", "kl_loss"]
 
 
+@checks_environment
 def kl_estimate(
     log_probs: ArrayLike,
     ref_log_probs: ArrayLike,
@@ -100,6 +102,7 @@ def kl_estimate(
     return terms.to(inputs.log_probs.dtype)
 
 
+@checks_environment
 def kl_loss(
     log_probs: ArrayLike,
     ref_log_probs: ArrayLike,
@@ -263,6 +266,5 @@ def _warn_biased_ratio_weighted(estimator: str, straight_through: bool) -> None:
         f'kl_loss(estimator="{estimator}", straight_through={straight_through}) with '
         "differentiable importance_weights (the ratio pi/pi_old, TRL use_bias_correction_kl) has "
         "a biased expected gradient (grad of E[w k] needs an estimator unbiased in value); use "
-        'estimator="k3" or "k1" without straight_through, or detach the weights',
-        stacklevel=4,
+        'estimator="k3" or "k1" without straight_through, or detach the weights'
     )

@@ -26,6 +26,7 @@ from ._validation import (
     as_token_ids,
     check_same_device,
     check_shape,
+    checks_environment,
     compute_dtype,
     describe,
     validate_bool,
@@ -192,6 +193,7 @@ def token_log_probs_from_hidden(
 ) -> TokenLogProbsOutput: ...
 
 
+@checks_environment
 def token_log_probs_from_hidden(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -46,11 +46,12 @@ from ._policy_args import (
 )
 from ._reduction import Reduction, ReductionSpec, row_weights, token_gradient_weights
 from ._triton._dispatch import kernel_backend
-from ._validation import ArrayLike, Scalar, compute_dtype
+from ._validation import ArrayLike, Scalar, checks_environment, compute_dtype
 
 __all__ = ["FusedPolicyLossOutput", "fused_policy_loss_from_hidden"]
 
 
+@checks_environment
 def fused_policy_loss_from_hidden(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -14,7 +14,14 @@ from __future__ import annotations
 
 import torch
 
-from ._validation import ArrayLike, as_float_tensor, as_mask, check_same_device, check_shape
+from ._validation import (
+    ArrayLike,
+    as_float_tensor,
+    as_mask,
+    check_same_device,
+    check_shape,
+    checks_environment,
+)
 
 __all__ = [
     "clamp",
@@ -89,6 +96,7 @@ def _prepare(
     return values_t, mask_t
 
 
+@checks_environment
 def masked_sum(values: ArrayLike, mask: ArrayLike, *, dim: int | None = None) -> torch.Tensor:
     r"""Sum of ``values`` over the selected entries: :math:`\sum M \odot x` via ``torch.where``.
 
@@ -117,6 +125,7 @@ def masked_sum(values: ArrayLike, mask: ArrayLike, *, dim: int | None = None) ->
     return sum_selected(values_t, mask_t, dim)
 
 
+@checks_environment
 def masked_mean(values: ArrayLike, mask: ArrayLike, *, dim: int | None = None) -> torch.Tensor:
     r"""Mean of ``values`` over the selected entries; 0 (not NaN) where nothing is selected.
 

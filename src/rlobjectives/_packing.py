@@ -33,7 +33,14 @@ from typing import NamedTuple
 import torch
 
 from ._layout import Layout, padded
-from ._validation import ArrayLike, as_batch_matrix, as_mask, as_tensor, validate_choice
+from ._validation import (
+    ArrayLike,
+    as_batch_matrix,
+    as_mask,
+    as_tensor,
+    checks_environment,
+    validate_choice,
+)
 
 __all__ = [
     "PackedTokens",
@@ -308,6 +315,7 @@ class UnpackedTokens(NamedTuple):
     mask: torch.Tensor
 
 
+@checks_environment
 def pack(values: ArrayLike, attention_mask: ArrayLike) -> PackedTokens:
     r"""Pack a padded ``(B, T, ...)`` tensor into the padding-free layout.
 
@@ -370,6 +378,7 @@ def pack(values: ArrayLike, attention_mask: ArrayLike) -> PackedTokens:
     return PackedTokens(values=values_t[mask_t], cu_seqlens=cu_seqlens)
 
 
+@checks_environment
 def unpack(
     values: ArrayLike,
     cu_seqlens: ArrayLike,

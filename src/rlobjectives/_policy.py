@@ -35,7 +35,7 @@ from ._policy_args import (
 from ._reduction import Reduction, reduce, validate_layout_reduction
 from ._surrogate import policy_terms
 from ._triton._dispatch import kernel_backend
-from ._validation import ArrayLike, Scalar, validate_bool
+from ._validation import ArrayLike, Scalar, checks_environment, validate_bool
 
 __all__ = [
     "entropy_term",
@@ -51,6 +51,7 @@ __all__ = [
 _NAMES = ("log_probs", "old_log_probs", "advantages", "mask")
 
 
+@checks_environment
 def policy_loss(
     log_probs: ArrayLike,
     old_log_probs: ArrayLike,

@@ -41,6 +41,7 @@ from ._validation import (
     as_mask,
     check_same_device,
     check_shape,
+    checks_environment,
     validate_choice,
     validate_length,
     validate_scalar,
@@ -206,6 +207,7 @@ def reduce(
     return reduce_rows(layout.row_sums(selected), weights)
 
 
+@checks_environment
 def aggregate(
     values: ArrayLike,
     mask: ArrayLike,

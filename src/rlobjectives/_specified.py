@@ -25,6 +25,7 @@ from ._validation import (
     as_mask,
     check_same_device,
     check_shape,
+    checks_environment,
     compute_dtype,
     validate_scalar,
 )
@@ -35,6 +36,7 @@ __all__ = ["grpo_clipped_surrogate", "kl_penalized_rewards"]
 _SEED_LOG_RATIO_BOUND = 60.0
 
 
+@checks_environment
 def grpo_clipped_surrogate(
     new_log_probs: ArrayLike,
     old_log_probs: ArrayLike,
@@ -184,6 +186,7 @@ def _on_kernels(inputs: PolicyInputs) -> bool:
     return kernel_backend(inputs.log_probs.device, dtype=inputs.dtype) == "triton"
 
 
+@checks_environment
 def kl_penalized_rewards(
     policy_log_probs: ArrayLike,
     reference_log_probs: ArrayLike,

@@ -18,6 +18,7 @@ from ._validation import (
     as_mask,
     check_same_device,
     check_shape,
+    checks_environment,
     compute_dtype,
     validate_scalar,
 )
@@ -134,6 +135,7 @@ def _explained_variance(
     return torch.where(mask.sum() >= 2, explained, 0.0)
 
 
+@checks_environment
 def value_loss(
     values: ArrayLike,
     old_values: ArrayLike,

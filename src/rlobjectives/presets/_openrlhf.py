@@ -42,7 +42,7 @@ import torch
 
 from .._masking import masked_mean
 from .._rollout import RolloutCorrection, rollout_correction
-from .._validation import validate_choice
+from .._validation import checks_environment, validate_choice
 from ._common import (
     ReductionArgs,
     check_options,
@@ -168,6 +168,7 @@ class OpenRLHFPolicyLoss:
             "dual_clip": self.dual_clip,
         }
 
+    @checks_environment
     def __call__(
         self,
         log_probs: torch.Tensor,
@@ -229,6 +230,7 @@ class OpenRLHFPolicyLoss:
         return _Behaviour(old_log_probs, weights, vllm_kl)
 
 
+@checks_environment
 def openrlhf_policy_loss(
     *,
     clip_eps_low: float = 0.2,

@@ -43,7 +43,7 @@ from .._kl_loss import kl_loss
 from .._masking import masked_mean, mean_selected
 from .._off_policy import off_policy_sequence_mask
 from .._reduction import aggregate
-from .._validation import Scalar, validate_choice, validate_scalar
+from .._validation import Scalar, checks_environment, validate_choice, validate_scalar
 from ..distributed import global_top_entropy_mask
 from ._common import (
     as_bool_mask,
@@ -106,6 +106,7 @@ class TRLGRPOLoss:
     entropy_coef: float = 0.0
     off_policy_mask_threshold: float | None = None
 
+    @checks_environment
     def __call__(
         self,
         log_probs: torch.Tensor,
@@ -327,6 +328,7 @@ class TRLGRPOLoss:
         return kl, masked_mean(kl.detach().float(), selected)
 
 
+@checks_environment
 def trl_grpo_loss(
     *,
     loss_type: str,

@@ -34,7 +34,7 @@ import torch
 
 from .._masking import clamp, masked_fill_zero, masked_mean, mean_selected
 from .._policy_args import PolicyLossDiagnostics
-from .._validation import compute_dtype, validate_choice, validate_scalar
+from .._validation import checks_environment, compute_dtype, validate_choice, validate_scalar
 from ._common import (
     ReductionArgs,
     WeightedPolicyTerm,
@@ -320,6 +320,7 @@ class VerlPolicyLoss:
 
     loss_mode: str
 
+    @checks_environment
     def __call__(
         self,
         old_log_prob: torch.Tensor,
@@ -347,6 +348,7 @@ class VerlPolicyLoss:
         return mode.loss(call, args)
 
 
+@checks_environment
 def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
     r"""The registered verl policy loss ``loss_mode``, built from library calls.
 
