@@ -10,7 +10,7 @@ Operations (forward + backward with respect to ``hidden`` and ``weight``, float3
   same compiled, and Liger-Kernel's ``LigerFusedLinearGRPOLoss`` (eager, ``loss_type="dapo"`` =
   token mean, no KL) when ``liger_kernel`` is importable -- a benchmark-only comparison row,
   never a dependency of the library. ``--chunk-size ROWS`` (repeatable) adds our fused loss at
-  fixed chunk sizes: the sweep behind ``HEAD_BUDGET`` in ``src/rlobjectives/_lm_head_chunks.py``.
+  fixed chunk sizes: the sweep behind ``HEAD_BUDGET`` in ``src/rlobjectives/logprobs/head.py``.
 
 Shapes (full run): N = B*T = 4096, H = 1024 and N = 8192, H = 256, each at V = 32000 and
 V = 128000. Quick run: N = 1024, H = 256, V = 8000. Every token selected except a 10% tail.

@@ -58,7 +58,7 @@ def policy_checks(dtype: torch.dtype, compiled: bool) -> None:
     tag = f"{'compiled ' if compiled else ''}{str(dtype)[6:]}"
     for options in (
         dict(),
-        dict(clip_low=0.2, clip_high=0.28, dual_clip=3.0),
+        dict(surrogate=rlo.Clip(low=0.2, high=0.28, dual=3.0)),
         dict(ratio_level="sequence", reduction="sequence_mean"),
         dict(reduction="sequence_sum_normalized", max_response_length=300),
     ):

@@ -26,7 +26,10 @@ VOCAB, HIDDEN = 7, 5
 # Differentiable per-token inputs (S, T), per-token constants, per-sequence inputs (S,).
 LEAVES = ("log_probs", "values", "token_rewards")
 TOKEN_INPUTS = ("old_log_probs", "ref_log_probs", "token_advantages", "scores_per_token")
-SEQUENCE_INPUTS = ("advantages", "rewards", "sequence_weights")
+SEQUENCE_INPUTS = (
+    "advantages", "rewards", "sequence_weights", "advantages_column", "sequence_weights_column",
+    "rewards_column",
+)  # fmt: skip
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,6 +108,10 @@ def make_tensors(
     tensors["token_weights"] = token(randn(sequences, width).abs())
     tensors["entropy"] = token(tensors["values_leaf"].abs())  # differentiable (values_leaf)
     tensors["rewards"] = randn(sequences)
+    # The (S, 1) spellings of the per-sequence inputs (the padded layout's (B, 1)).
+    tensors["advantages_column"] = tensors["advantages"][:, None]
+    tensors["sequence_weights_column"] = tensors["sequence_weights"][:, None]
+    tensors["rewards_column"] = tensors["rewards"][:, None]
     return tensors
 
 
@@ -152,6 +159,7 @@ class Case:
     run: Callable[[View], Outputs]
     leaves: tuple[str, ...] = ("log_probs_leaf",)
     heavy: bool = False  # chunked vocabulary passes: fewer random examples
+    kernels: bool = True  # also on the Triton backend (for the functions with kernels)
 
 
 def _policy(fn: Callable[..., Any] = rlo.policy_loss, **options: Any) -> Callable[[View], Outputs]:
@@ -188,8 +196,11 @@ def _aggregate(reduction: str) -> Callable[[View], Outputs]:
     return run
 
 
-def _kl_loss(reduction: str, **options: Any) -> Callable[[View], Outputs]:
+def _kl_loss(
+    reduction: str, *, weights: str | None = None, **options: Any
+) -> Callable[[View], Outputs]:
     def run(v: View) -> Outputs:
+        weighted = {} if weights is None else {"importance_weights": v.row(weights)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", rlo.BiasedGradientWarning)
             out = rlo.kl_loss(
@@ -198,6 +209,7 @@ def _kl_loss(reduction: str, **options: Any) -> Callable[[View], Outputs]:
                 v["mask"],
                 reduction=reduction,
                 max_response_length=9,
+                **weighted,
                 **options,
                 **v.layout,
             )
@@ -206,24 +218,32 @@ def _kl_loss(reduction: str, **options: Any) -> Callable[[View], Outputs]:
     return run
 
 
-def _grpo(fn: Callable[..., dict[str, torch.Tensor]]) -> Callable[[View], Outputs]:
+def _grpo(
+    fn: Callable[..., dict[str, torch.Tensor]], advantages: str = "advantages"
+) -> Callable[[View], Outputs]:
     def run(v: View) -> Outputs:
-        return fn(v["log_probs"], v["old_log_probs"], v["advantages"], v["mask"], 0.2, **v.layout)
+        return fn(v["log_probs"], v["old_log_probs"], v.row(advantages), v["mask"], 0.2, **v.layout)
 
     return run
 
 
-def _kl_rewards(v: View) -> Outputs:
-    return rlo.kl_penalized_rewards(
-        v["log_probs"], v["ref_log_probs"], v["rewards"], v["mask"], 0.3, **v.layout
-    )
+def _kl_rewards(rewards: str = "rewards") -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        return rlo.kl_penalized_rewards(
+            v["log_probs"], v["ref_log_probs"], v[rewards], v["mask"], 0.3, **v.layout
+        )
+
+    return run
 
 
-def _kl_token_rewards(v: View) -> Outputs:
-    out = rlo.kl_penalized_token_rewards(
-        v["log_probs"], v["ref_log_probs"], v["rewards"], v["mask"], kl_coef=0.3, **v.layout
-    )
-    return {"rewards": v.tokens(out)}
+def _kl_token_rewards(scores: str = "rewards") -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        out = rlo.kl_penalized_token_rewards(
+            v["log_probs"], v["ref_log_probs"], v[scores], v["mask"], kl_coef=0.3, **v.layout
+        )
+        return {"rewards": v.tokens(out)}
+
+    return run
 
 
 def _from_hidden(v: View) -> Outputs:
@@ -233,8 +253,11 @@ def _from_hidden(v: View) -> Outputs:
     return {"log_probs": v.tokens(out.log_probs), "entropy": v.tokens(out.entropy)}
 
 
-def _fused_hidden(**options: Any) -> Callable[[View], Outputs]:
+def _fused_hidden(
+    advantages: str = "advantages", weights: str | None = None, **options: Any
+) -> Callable[[View], Outputs]:
     def run(v: View) -> Outputs:
+        weighted = {} if weights is None else {"importance_weights": v.row(weights)}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", rlo.BiasedGradientWarning)
             out = rlo.fused_policy_loss_from_hidden(
@@ -242,8 +265,9 @@ def _fused_hidden(**options: Any) -> Callable[[View], Outputs]:
                 v["weight"],
                 v["tokens"],
                 v["old_log_probs"],
-                v["advantages"],
+                v.row(advantages),
                 v["mask"],
+                **weighted,
                 ref_log_probs=v["ref_log_probs"],
                 kl_coef=0.1,
                 chunk_size=5,
@@ -279,13 +303,15 @@ def _gae(**options: Any) -> Callable[[View], Outputs]:
     return run
 
 
-def _reinforce_plus_plus(*, baseline: bool = False, **options: Any) -> Callable[[View], Outputs]:
+def _reinforce_plus_plus(
+    *, baseline: bool = False, rewards: str = "rewards", **options: Any
+) -> Callable[[View], Outputs]:
     def run(v: View) -> Outputs:
         if baseline:  # two groups, interleaved: the group-mean baseline, unbiased whitening
             sequences = v["rewards"].shape[0]
             options.update(group_ids=torch.arange(sequences) % 2, unbiased=True)
         out = rlo.reinforce_plus_plus_advantages(
-            v["rewards"], v["mask"], token_rewards=v["token_rewards"], **options, **v.layout
+            v[rewards], v["mask"], token_rewards=v["token_rewards"], **options, **v.layout
         )
         return {"advantages": v.tokens(out)}
 
@@ -313,9 +339,12 @@ def _opo(v: View) -> Outputs:
     return {"advantages": rlo.opo_advantages(v["rewards"], v["mask"], group_ids=groups, **v.layout)}
 
 
-def _remax(v: View) -> Outputs:
-    out = rlo.remax_advantages(v["token_rewards"], v["rewards"], mask=v["mask"], **v.layout)
-    return {"advantages": v.tokens(out)}
+def _remax(baseline: str = "rewards") -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        out = rlo.remax_advantages(v["token_rewards"], v[baseline], mask=v["mask"], **v.layout)
+        return {"advantages": v.tokens(out)}
+
+    return run
 
 
 def _normalizers(v: View) -> Outputs:
@@ -335,16 +364,142 @@ def _rollout(level: str, mode: str) -> Callable[[View], Outputs]:
     return run
 
 
-def _off_policy(v: View) -> Outputs:
-    out = rlo.off_policy_sequence_mask(
-        v["log_probs"], v["old_log_probs"], v.row("advantages"), v["mask"], threshold=0.05,
-        **v.layout,
-    )  # fmt: skip
-    return {"mask": v.tokens(out.double())}
+def _off_policy(advantages: str = "advantages") -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        out = rlo.off_policy_sequence_mask(
+            v["log_probs"], v["old_log_probs"], v.row(advantages), v["mask"], threshold=0.05,
+            **v.layout,
+        )  # fmt: skip
+        return {"mask": v.tokens(out.double())}
+
+    return run
 
 
 HIDDEN_LEAVES = ("hidden_leaf", "weight")
 DR_GRPO = {"reduction": "sequence_sum_normalized", "max_response_length": 9}
+
+# Every per-sequence argument (issue 27): advantages and importance weights as (S,) and (S, 1)
+# on every surrogate and entry point that takes them, so that a per-sequence input enters each
+# formula exactly as its padded (B,) counterpart (VESPO's sequence weight once per sequence,
+# GMPO's mean advantage, the kernels' per-row operands); per token as (1, N) against them. A
+# few of them also run on the Triton interpreter (kernels=False: PyTorch only, to keep it short).
+SEQUENCE_ARGUMENT_CASES: list[Case] = [
+    Case(
+        "policy_loss-vespo-sequence-weights",
+        _policy(surrogate="vespo", importance_weights="sequence_weights"),
+    ),
+    Case(
+        "policy_loss-vespo-sequence-weights-column",
+        _policy(
+            surrogate="vespo",
+            importance_weights="sequence_weights_column",
+            advantages="advantages_column",
+            reduction="sequence_mean",
+        ),
+    ),
+    Case(
+        "policy_loss-vespo-token-weights",
+        _policy(surrogate="vespo", importance_weights="token_weights", **DR_GRPO),
+    ),
+    Case(
+        "policy_loss-gmpo-sequence-weights",
+        _policy(surrogate="gmpo", importance_weights="sequence_weights", reduction="sequence_mean"),
+    ),
+    Case(
+        "policy_loss-gmpo-token-advantages",
+        _policy(
+            surrogate="gmpo", advantages="token_advantages", importance_weights="token_weights"
+        ),
+    ),
+    Case(
+        "policy_loss-sequence-weights-column",
+        _policy(importance_weights="sequence_weights_column", advantages="advantages_column"),
+    ),
+    Case(
+        "policy_loss-cispo-sequence-weights",
+        _policy(
+            surrogate="cispo", importance_weights="sequence_weights", reduction="sequence_mean"
+        ),
+        kernels=False,
+    ),
+    Case(
+        "policy_loss-sapo-token-advantages-sequence-weights",
+        _policy(
+            surrogate="sapo", advantages="token_advantages", importance_weights="sequence_weights"
+        ),
+        kernels=False,
+    ),
+    Case(
+        "policy_loss-gspo-token-advantages-weights",
+        _policy(
+            ratio_level="sequence",
+            advantages="token_advantages",
+            importance_weights="token_weights",
+        ),
+        kernels=False,
+    ),
+    Case(
+        "grpo_clipped_surrogate-token-advantages",
+        _grpo(rlo.grpo_clipped_surrogate, "token_advantages"),
+    ),
+    Case(
+        "grpo_clipped_surrogate-advantages-column",
+        _grpo(rlo.grpo_clipped_surrogate, "advantages_column"),
+        kernels=False,
+    ),
+    Case(
+        "kl_loss-k2-sequence-weights",
+        _kl_loss("sequence_mean", weights="sequence_weights", estimator="k2"),
+    ),
+    Case(
+        "kl_loss-k3-sequence-weights-column",
+        _kl_loss("token_mean", weights="sequence_weights_column"),
+        kernels=False,
+    ),
+    Case(
+        "kl_loss-k1-token-weights-dr_grpo",
+        _kl_loss("sequence_sum_normalized", weights="token_weights", estimator="k1"),
+        kernels=False,
+    ),
+    Case("off_policy_sequence_mask-token-advantages", _off_policy("token_advantages"), ()),
+    Case("kl_penalized_rewards-rewards-column", _kl_rewards("rewards_column"), kernels=False),
+    Case(
+        "kl_penalized_token_rewards-scores-column",
+        _kl_token_rewards("rewards_column"),
+        kernels=False,
+    ),
+    Case(
+        "reinforce_plus_plus_advantages-rewards-column",
+        _reinforce_plus_plus(gamma=0.9, rewards="rewards_column"),
+        ("token_rewards_leaf",),
+    ),
+    Case("remax_advantages-baseline-column", _remax("rewards_column"), ("token_rewards_leaf",)),
+    Case("off_policy_sequence_mask-advantages-column", _off_policy("advantages_column"), ()),
+    Case(
+        "fused_policy_loss_from_hidden-sequence-weights",
+        _fused_hidden(weights="sequence_weights", reduction="sequence_mean"),
+        HIDDEN_LEAVES,
+        heavy=True,
+    ),
+    Case(
+        "fused_policy_loss_from_hidden-token-advantages-weights",
+        _fused_hidden(advantages="token_advantages", weights="token_weights", entropy_coef=0.01),
+        HIDDEN_LEAVES,
+        heavy=True,
+        kernels=False,
+    ),
+    Case(
+        "fused_policy_loss_from_hidden-vespo-sequence-weights",
+        _fused_hidden(
+            weights="sequence_weights_column",
+            advantages="advantages_column",
+            surrogate="vespo",
+            entropy_coef=0.01,
+        ),
+        HIDDEN_LEAVES,
+        heavy=True,
+    ),
+]
 
 CASES: list[Case] = [
     *(Case(f"aggregate-{r}", _aggregate(r)) for r in rlo.Reduction.__args__),  # type: ignore[attr-defined]
@@ -387,8 +542,8 @@ CASES: list[Case] = [
     Case("kl_loss-k3-sequence_mean", _kl_loss("sequence_mean")),
     Case("kl_loss-k2-dr_grpo", _kl_loss("sequence_sum_normalized", estimator="k2")),
     Case("kl_loss-k3+-none", _kl_loss("none", straight_through=True)),
-    Case("kl_penalized_rewards", _kl_rewards),
-    Case("kl_penalized_token_rewards", _kl_token_rewards),
+    Case("kl_penalized_rewards", _kl_rewards()),
+    Case("kl_penalized_token_rewards", _kl_token_rewards()),
     Case("full_vocab_kl_loss", _full_vocab_kl("sequence_mean"), ("logits_leaf",), heavy=True),
     Case("token_log_probs_from_hidden", _from_hidden, HIDDEN_LEAVES, heavy=True),
     Case(
@@ -406,15 +561,16 @@ CASES: list[Case] = [
         HIDDEN_LEAVES,
         heavy=True,
     ),
+    *SEQUENCE_ARGUMENT_CASES,
     Case("global_normalizers", _normalizers, ()),
     Case("rollout_correction-token-truncate", _rollout("token", "truncate"), ()),
     Case("rollout_correction-sequence-mask", _rollout("sequence", "mask"), ()),
     Case("rollout_correction-geometric-reject", _rollout("geometric", "reject"), ()),
-    Case("off_policy_sequence_mask", _off_policy, ()),
+    Case("off_policy_sequence_mask", _off_policy(), ()),
     Case("value_loss-sequence_mean", _value_loss("sequence_mean"), ("values_leaf",)),
     Case("value_loss-none", _value_loss("none"), ("values_leaf",)),
     Case("opo_advantages", _opo, ()),
-    Case("remax_advantages", _remax, ("token_rewards_leaf",)),
+    Case("remax_advantages", _remax(), ("token_rewards_leaf",)),
     Case("gae", _gae(gamma=0.9, lam=0.8), ("values_leaf", "token_rewards_leaf")),
     Case(
         "gae-holes=zero-whiten",

@@ -109,6 +109,7 @@ def _backend_cases(cases: list[Case]) -> list[Any]:
         case
         for case in cases
         if case.name.split("-")[0] in KERNEL_FUNCTIONS
+        and case.kernels
         and not any(variant in case.name for variant in TORCH_VARIANTS)
     ]
     return [

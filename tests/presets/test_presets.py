@@ -521,3 +521,137 @@ def test_presets_import_no_peer() -> None:
         "for m in sys.modules), sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Every preset coefficient and threshold is checked like the library's own hyperparameters
+# (issue 27): a non-finite, out-of-range or non-number value is a ValueError / TypeError naming
+# the option under the peer's name, when the preset is built (verl: when it is called, since
+# verl passes its config with the tensors), never a NaN or inf loss later.
+NAN, INF = math.nan, math.inf
+BAD_NUMBERS = ((NAN, ValueError), (INF, ValueError), (-INF, ValueError), ("0.2", TypeError),
+               (True, TypeError))  # fmt: skip
+# option -> (out-of-range values, extra options the row needs)
+TRL_OPTIONS: dict[str, tuple[tuple[float, ...], dict[str, object]]] = {
+    "epsilon": ((-0.1, 1.0), {}),
+    "epsilon_high": ((-0.1,), {}),
+    "beta": ((-0.1,), {}),
+    "delta": ((1.0, 0.5), {}),
+    "max_completion_length": ((0, 2.5, -3), {"loss_type": "dr_grpo"}),
+    "sapo_temperature_pos": ((0.0, -1.0), {"loss_type": "sapo"}),
+    "sapo_temperature_neg": ((0.0,), {"loss_type": "sapo"}),
+    "vespo_k_pos": ((-0.1,), {"loss_type": "vespo"}),
+    "vespo_lambda_pos": ((0.0,), {"loss_type": "vespo"}),
+    "vespo_k_neg": ((-0.1,), {"loss_type": "vespo"}),
+    "vespo_lambda_neg": ((0.0,), {"loss_type": "vespo"}),
+    "top_entropy_quantile": ((-0.1, 1.5), {}),
+    "entropy_coef": ((), {}),
+    "off_policy_mask_threshold": ((), {}),
+}
+OPENRLHF_OPTIONS: dict[str, tuple[tuple[float, ...], dict[str, object]]] = {
+    "clip_eps_low": ((-0.1, 1.0), {}),
+    "clip_eps_high": ((-0.1,), {}),
+    "dual_clip": ((1.0, 0.5), {}),
+}
+VERL_OPTIONS: dict[str, tuple[float, ...]] = {
+    "clip_ratio": (-0.1, 1.0),
+    "clip_ratio_low": (-0.1, 1.0),
+    "clip_ratio_high": (-0.1,),
+    "clip_ratio_c": (1.0, 0.5),
+    "tau_pos": (0.0,),
+    "tau_neg": (-1.0,),
+}
+VERL_BATCH_INFO: dict[str, tuple[object, ...]] = {
+    "dp_size": (0, 2.5, NAN),
+    "batch_num_tokens": (0.0, NAN, INF),
+    "global_batch_size": (-1.0, NAN),
+    "loss_scale_factor": (0.0, INF),
+}
+
+
+def _bad_values(out_of_range: tuple[object, ...]) -> list[tuple[object, type[Exception]]]:
+    return [*BAD_NUMBERS, *((value, ValueError) for value in out_of_range)]
+
+
+def _preset_rows(
+    options: dict[str, tuple[tuple[float, ...], dict[str, object]]],
+) -> list[object]:
+    return [
+        pytest.param(name, value, error, extra, id=f"{name}={value!r}")
+        for name, (out_of_range, extra) in options.items()
+        for value, error in _bad_values(out_of_range)
+    ]
+
+
+@pytest.mark.parametrize(("name", "value", "error", "extra"), _preset_rows(TRL_OPTIONS))
+def test_trl_options_are_validated_at_construction(
+    name: str, value: object, error: type[Exception], extra: dict[str, object]
+) -> None:
+    arguments: dict[str, object] = {"loss_type": "grpo", **extra, name: value}
+    if name == "max_completion_length" and isinstance(value, float) and value == 2.5:
+        error = ValueError  # a fractional length is a value error, as max_response_length's
+    with pytest.raises(error, match=rf"^{name}\b"):
+        trl_grpo_loss(**arguments)  # type: ignore[arg-type]
+
+
+def test_trl_cispo_cap_and_flags_are_validated_at_construction() -> None:
+    with pytest.raises(ValueError, match=r"^epsilon_high must be > 0"):
+        trl_grpo_loss(loss_type="cispo", epsilon_high=0.0)  # the cap on the ratio itself
+    with pytest.raises(TypeError, match=r"^use_bias_correction_kl must be a bool"):
+        trl_grpo_loss(loss_type="grpo", use_bias_correction_kl="no")  # type: ignore[arg-type]
+    loss_fn = trl_grpo_loss(loss_type="dapo", entropy_coef=0.01)
+    log_probs, old, advantages, mask = _trl_batch()
+    entropy = torch.ones(2, 3, dtype=torch.float64)
+    calls = (("entropy_coef", NAN), ("num_processes", 0), ("gradient_accumulation_steps", 1.5),
+             ("steps_per_generation", -1))  # fmt: skip
+    for name, value in calls:
+        with pytest.raises(ValueError, match=rf"^{name}\b"):
+            loss_fn(log_probs, old, advantages, mask, entropy=entropy, **{name: value})  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("name", "value", "error", "extra"), _preset_rows(OPENRLHF_OPTIONS))
+def test_openrlhf_options_are_validated_at_construction(
+    name: str, value: object, error: type[Exception], extra: dict[str, object]
+) -> None:
+    with pytest.raises(error, match=rf"^{name}\b"):
+        openrlhf_policy_loss(**{**extra, name: value})  # type: ignore[arg-type]
+
+
+def test_openrlhf_flags_are_validated_at_construction() -> None:
+    for name in ("token_level_loss", "enable_vllm_is_correction"):
+        with pytest.raises(TypeError, match=rf"^{name} must be a bool"):
+            openrlhf_policy_loss(**{name: "yes"})  # type: ignore[arg-type]
+    for threshold in ([NAN, 2.0], [0.5, NAN]):
+        with pytest.raises(ValueError, match=r"^vllm_is_truncated_threshold must be"):
+            openrlhf_policy_loss(vllm_is_truncated_threshold=threshold)
+    log_probs, old, advantages, mask = _openrlhf_batch()
+    with pytest.raises(ValueError, match=r"^dp_size\b"):
+        openrlhf_policy_loss()(log_probs, old, advantages, mask, dp_size=0)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "error"),
+    [
+        pytest.param(name, value, error, id=f"{name}={value!r}")
+        for name, out_of_range in VERL_OPTIONS.items()
+        for value, error in _bad_values(out_of_range)
+    ],
+)
+def test_verl_config_is_validated_at_every_call(
+    name: str, value: object, error: type[Exception]
+) -> None:
+    old, log_prob, advantages, mask = _verl_batch()
+    for mode in ("vanilla", "geo_mean", "sapo"):  # whether the mode reads the option or not
+        with pytest.raises(error, match=rf"^{name}\b"):
+            verl_policy_loss(mode)(old, log_prob, advantages, mask, "token-mean", {name: value})
+
+
+@pytest.mark.parametrize(
+    ("key", "value"),
+    [pytest.param(k, v, id=f"{k}={v!r}") for k, values in VERL_BATCH_INFO.items() for v in values],
+)
+def test_verl_global_batch_info_is_validated_at_every_call(key: str, value: object) -> None:
+    old, log_prob, advantages, mask = _verl_batch()
+    config = {"global_batch_info": {key: value}}
+    with pytest.raises(ValueError, match=rf"^global_batch_info\['{key}'\]"):
+        verl_policy_loss()(old, log_prob, advantages, mask, "token-mean", config)

@@ -29,7 +29,14 @@ from typing import NamedTuple
 import torch
 
 from .layout import _cu_tensor, layout_from_cu_seqlens, validate_cu_seqlens
-from .validation import ArrayLike, as_batch_matrix, as_mask, as_tensor, validate_choice
+from .validation import (
+    ArrayLike,
+    as_batch_matrix,
+    as_mask,
+    as_tensor,
+    checks_environment,
+    validate_choice,
+)
 
 __all__ = [
     "PackedTokens",
@@ -66,6 +73,7 @@ class UnpackedTokens(NamedTuple):
     mask: torch.Tensor
 
 
+@checks_environment
 def pack(values: ArrayLike, attention_mask: ArrayLike) -> PackedTokens:
     r"""Pack a padded ``(B, T, ...)`` tensor into the padding-free layout.
 
@@ -128,6 +136,7 @@ def pack(values: ArrayLike, attention_mask: ArrayLike) -> PackedTokens:
     return PackedTokens(values=values_t[mask_t], cu_seqlens=cu_seqlens)
 
 
+@checks_environment
 def unpack(
     values: ArrayLike,
     cu_seqlens: ArrayLike,

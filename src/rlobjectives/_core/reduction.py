@@ -39,6 +39,7 @@ from .validation import (
     canonical_reduction,
     check_same_device,
     check_shape,
+    checks_environment,
     validate_choice,
     validate_length,
     validate_scalar,
@@ -214,6 +215,7 @@ def reduce(
     return reduce_rows(layout.row_sums(selected), weights)
 
 
+@checks_environment
 def aggregate(
     values: ArrayLike,
     mask: ArrayLike,
@@ -356,6 +358,7 @@ def _prepare(
     return values_t, mask_t
 
 
+@checks_environment
 def masked_sum(values: ArrayLike, mask: ArrayLike, *, dim: int | None = None) -> torch.Tensor:
     r"""Sum of ``values`` over the selected entries: :math:`\sum M \odot x` via ``torch.where``.
 
@@ -384,6 +387,7 @@ def masked_sum(values: ArrayLike, mask: ArrayLike, *, dim: int | None = None) ->
     return sum_selected(values_t, mask_t, dim)
 
 
+@checks_environment
 def masked_mean(values: ArrayLike, mask: ArrayLike, *, dim: int | None = None) -> torch.Tensor:
     r"""Mean of ``values`` over the selected entries; 0 (not NaN) where nothing is selected.
 

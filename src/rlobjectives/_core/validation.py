@@ -7,12 +7,15 @@ are inspected (no host syncs), so the functions that use these helpers stay trac
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, ParamSpec, TypeVar
 
 import torch
+
+from .backend import requested_backend
 
 __all__ = [
     "ArrayLike",
@@ -27,9 +30,11 @@ __all__ = [
     "as_tensor",
     "as_token_ids",
     "canonical_reduction",
+    "check_environment",
     "check_estimator_spelling",
     "check_same_device",
     "check_shape",
+    "checks_environment",
     "compute_dtype",
     "describe",
     "expand_per_sequence",
@@ -44,6 +49,37 @@ ArrayLike = Any  # torch.Tensor | numpy.ndarray | nested lists/tuples of numbers
 
 
 Scalar = float | int | torch.Tensor
+_Parameters = ParamSpec("_Parameters")
+_Result = TypeVar("_Result")
+
+
+def check_environment() -> None:
+    """Validate the configuration read from the environment (``RLOBJECTIVES_KERNELS``).
+
+    Every public function runs it first, on every call, whatever path the call then takes (a
+    path that never consults the kernels included), so a misspelt value is a ``ValueError``
+    naming the variable at once, never a setting that silently applies to some calls only.
+    Skipped while ``torch.compile`` traces (compiled code keeps the PyTorch path anyway).
+
+    Raises:
+        ValueError: naming ``RLOBJECTIVES_KERNELS``, for a value other than auto, triton or
+            torch (see :func:`rlobjectives._core.backend.requested_backend`).
+    """
+    if not torch.compiler.is_compiling():
+        requested_backend()
+
+
+def checks_environment(
+    function: Callable[_Parameters, _Result],
+) -> Callable[_Parameters, _Result]:
+    """Decorator of a public function: :func:`check_environment` before each call."""
+
+    @functools.wraps(function)
+    def checked(*args: _Parameters.args, **kwargs: _Parameters.kwargs) -> _Result:
+        check_environment()
+        return function(*args, **kwargs)
+
+    return checked
 
 
 def describe(value: object) -> str:

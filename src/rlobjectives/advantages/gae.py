@@ -31,6 +31,7 @@ from .._core.validation import (
     as_mask,
     check_same_device,
     check_shape,
+    checks_environment,
     compute_dtype,
     validate_choice,
     validate_scalar,
@@ -168,6 +169,7 @@ def _check_batch(
             raise ValueError(f"{name} must have B = {batch} rows like rewards, got {size} rows")
 
 
+@checks_environment
 def reinforce_plus_plus_advantages(
     rewards: ArrayLike,
     mask: ArrayLike,
@@ -328,6 +330,7 @@ class GAEOutput(NamedTuple):
     returns: torch.Tensor
 
 
+@checks_environment
 def gae(
     rewards: ArrayLike,
     values: ArrayLike,

@@ -34,6 +34,7 @@ from .._core.validation import (
     as_float_tensor,
     as_mask,
     check_same_device,
+    checks_environment,
     compute_dtype,
     validate_choice,
     validate_scalar,
@@ -69,6 +70,7 @@ def _group_std(centered: torch.Tensor, groups: Groups) -> torch.Tensor:
     return safe_sqrt(segment_sum(centered.square(), groups) / divisor)
 
 
+@checks_environment
 def group_relative_advantages(
     rewards: ArrayLike,
     group_size: int | None = None,
@@ -145,6 +147,7 @@ def group_relative_advantages(
     return divide_or_zero(numerator, safe_sqrt(batch.variance) + epsilon / batch.scale)
 
 
+@checks_environment
 def rloo_advantages(
     rewards: ArrayLike, group_size: int | None = None, *, group_ids: Any = None
 ) -> torch.Tensor:
@@ -194,6 +197,7 @@ def rloo_advantages(
     return group_centered(values / unit, groups) * factor * unit
 
 
+@checks_environment
 def passk_advantages(
     rewards: ArrayLike,
     group_size: int | None = None,
@@ -280,6 +284,7 @@ def _first_position(candidates: torch.Tensor, groups: Groups) -> torch.Tensor:
     return first.clamp(max=max(length - 1, 0))  # clamp: groups of NaN rewards
 
 
+@checks_environment
 def opo_advantages(
     rewards: ArrayLike,
     mask: ArrayLike,
@@ -353,6 +358,7 @@ def opo_advantages(
     return (shifted - baseline) * unit
 
 
+@checks_environment
 def remax_advantages(
     rewards: ArrayLike,
     baseline_rewards: ArrayLike,

@@ -21,6 +21,7 @@ from .._core.validation import (
     as_mask,
     check_same_device,
     check_shape,
+    checks_environment,
     compute_dtype,
     validate_scalar,
 )
@@ -118,6 +119,7 @@ def combine_moments(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     return total, mean, m2
 
 
+@checks_environment
 def masked_whiten(
     values: ArrayLike,
     mask: ArrayLike,

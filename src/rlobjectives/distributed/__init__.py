@@ -48,6 +48,7 @@ from .._core.validation import (
     ArrayLike,
     Scalar,
     canonical_reduction,
+    checks_environment,
     validate_choice,
 )
 from .collectives import (
@@ -93,6 +94,7 @@ class Normalizers(NamedTuple):
     sequences: torch.Tensor
 
 
+@checks_environment
 def global_normalizers(
     masks: Sequence[ArrayLike] | torch.Tensor,
     *,
@@ -165,6 +167,7 @@ def global_normalizers(
     return Normalizers(tokens=tokens, sequences_nonempty=nonempty, sequences=sequences)
 
 
+@checks_environment
 def normalizer_for_reduction(normalizers: Normalizers, *, reduction: str) -> torch.Tensor:
     r"""The ``normalizer`` to pass to a loss for ``reduction``, from the global counts.
 
@@ -221,6 +224,7 @@ def normalizer_for_reduction(normalizers: Normalizers, *, reduction: str) -> tor
     return count.clamp(min=1)
 
 
+@checks_environment
 def data_parallel_loss_scale(*, group: dist.ProcessGroup | None = None) -> int:
     r"""The factor :math:`W` each rank multiplies its loss by when gradients are averaged.
 
@@ -259,6 +263,7 @@ def data_parallel_loss_scale(*, group: dist.ProcessGroup | None = None) -> int:
     return int(dist.get_world_size(group))
 
 
+@checks_environment
 def sum_diagnostics(
     diagnostics: Sequence[_DiagnosticsT] | _DiagnosticsT,
     *,
@@ -311,6 +316,7 @@ def sum_diagnostics(
     return sum_over_ranks(diagnostics, group=group)
 
 
+@checks_environment
 def global_masked_whiten(
     values: ArrayLike,
     mask: ArrayLike,
@@ -377,6 +383,7 @@ def global_masked_whiten(
     )
 
 
+@checks_environment
 def global_top_entropy_mask(
     entropy: ArrayLike,
     mask: ArrayLike,

@@ -41,6 +41,8 @@ References:
 
 from __future__ import annotations
 
+import os
+import sys
 import warnings
 from collections.abc import Callable
 from typing import Literal, get_args
@@ -99,14 +101,31 @@ class BiasedGradientWarning(UserWarning):
     """
 
 
-def warn_biased(message: str, *, stacklevel: int = 3) -> None:
-    """Emit :class:`BiasedGradientWarning` at the caller's caller (not while compiling).
+# The package's directory (this module is in its kl/ folder): every library frame is below it.
+_PACKAGE_DIRECTORY = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
+def _caller_stacklevel() -> int:
+    """The ``stacklevel`` of :func:`warn_biased` for the first frame outside the library.
+
+    The warning is attributed to the user's line, however many library frames (the public
+    function, its environment check, a preset) lie in between.
+    """
+    level, frame = 1, sys._getframe(2)  # frame 1 (level 1) is warn_biased itself
+    while frame is not None and frame.f_code.co_filename.startswith(_PACKAGE_DIRECTORY):
+        level, frame = level + 1, frame.f_back  # type: ignore[assignment]
+    return level + 1
+
+
+def warn_biased(message: str) -> None:
+    """Emit :class:`BiasedGradientWarning` at the caller's line (not while compiling).
 
     ``torch.compile`` cannot trace ``warnings.warn`` (it would break a ``fullgraph`` graph), so the
-    warning is raised by eager calls only; the condition depends on Python arguments alone.
+    warning is raised by eager calls only; the condition depends on Python arguments alone. The
+    line is the first one outside the library (:func:`_caller_stacklevel`).
     """
     if not torch.compiler.is_compiling():
-        warnings.warn(message, BiasedGradientWarning, stacklevel=stacklevel)
+        warnings.warn(message, BiasedGradientWarning, stacklevel=_caller_stacklevel())
 
 
 def _k1(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -114,7 +133,9 @@ def _k1(log_ratio: torch.Tensor) -> torch.Tensor:
 
 
 def _k2(log_ratio: torch.Tensor) -> torch.Tensor:
-    return 0.5 * log_ratio.square()
+    # (d / 2) d, not d^2 / 2: the same single rounding, but d^2 overflows float32 for
+    # |d| > 1.8e19 where d^2 / 2 is still finite.
+    return (0.5 * log_ratio) * log_ratio
 
 
 def _k3(log_ratio: torch.Tensor) -> torch.Tensor:
@@ -257,7 +278,7 @@ def warn_biased_kl_loss(estimator: str, straight_through: bool, caller: str) -> 
     """Warn when the KL estimate used as a loss term has a biased or zero expected gradient."""
     if straight_through or estimator not in _BIASED_AS_LOSS:
         return
-    warn_biased(f'{caller}(estimator="{estimator}") ' + _BIASED_AS_LOSS[estimator], stacklevel=4)
+    warn_biased(f'{caller}(estimator="{estimator}") ' + _BIASED_AS_LOSS[estimator])
 
 
 _BIASED_AS_LOSS = {

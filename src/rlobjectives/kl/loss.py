@@ -17,6 +17,7 @@ from .._core.validation import (
     Scalar,
     as_float_tensor,
     check_same_device,
+    checks_environment,
     compute_dtype,
     expand_per_sequence,
 )
@@ -31,6 +32,7 @@ from .estimators import (
 __all__ = ["kl_estimate", "kl_loss"]
 
 
+@checks_environment
 def kl_estimate(
     log_probs: ArrayLike,
     ref_log_probs: ArrayLike,
@@ -96,6 +98,7 @@ def kl_estimate(
     return terms.to(inputs.log_probs.dtype)
 
 
+@checks_environment
 def kl_loss(
     log_probs: ArrayLike,
     ref_log_probs: ArrayLike,
@@ -173,8 +176,8 @@ def kl_loss(
 
     Returns:
         A scalar (``(B, T)`` for ``reduction="none"``, packed: the shape of ``log_probs``) with
-        the dtype and device of ``log_probs``; computed in float32 (float64 for float64
-        inputs). Fully masked inputs give 0.
+        the dtype and device of ``log_probs``; computed in float32 (float64 when any floating
+        input, ``importance_weights`` included, is float64). Fully masked inputs give 0.
 
     Raises:
         ValueError: on mismatched shapes/devices, an unknown ``estimator`` or ``reduction``, a
@@ -216,7 +219,8 @@ def kl_loss(
         _warn_biased_ratio_weighted(estimator, straight_through)
     else:
         warn_biased_kl_loss(estimator, straight_through, "kl_loss")
-    dtype = compute_dtype(inputs.log_probs, inputs.ref_log_probs)
+    # Every floating input takes part in the computation dtype, the weights included.
+    dtype = compute_dtype(inputs.log_probs, inputs.ref_log_probs, *_present(weights))
     if kernel_backend(inputs.log_probs.device, dtype=dtype) == "triton":  # docs/kernels.md
         from ..kernels.calls.kl import kl_loss_kernels
 
@@ -224,13 +228,17 @@ def kl_loss(
         if loss is not None:
             return token_output(loss, inputs.flat and loss.ndim == 2)
     terms = inputs.terms(
-        estimator=estimator, straight_through=straight_through, log_ratio_bound=bound
+        estimator=estimator, straight_through=straight_through, log_ratio_bound=bound, dtype=dtype
     )  # (B, T)
     if weights is not None:
         # Select the weights first: NaN/inf at unselected tokens reaches no value or gradient.
         terms = terms * masked_fill_zero(weights.to(terms.dtype), inputs.mask)  # (B, T)
     loss = reduce(terms, inputs.mask, spec, inputs.layout).to(inputs.log_probs.dtype)
     return token_output(loss, inputs.flat and loss.ndim == 2)
+
+
+def _present(tensor: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    return () if tensor is None else (tensor,)
 
 
 def _importance_weights(weights: ArrayLike | None, inputs: KLInputs) -> torch.Tensor | None:
@@ -254,6 +262,5 @@ def _warn_biased_ratio_weighted(estimator: str, straight_through: bool) -> None:
         f'kl_loss(estimator="{estimator}", straight_through={straight_through}) with '
         "differentiable importance_weights (the ratio pi/pi_old, TRL use_bias_correction_kl) has "
         "a biased expected gradient (grad of E[w k] needs an estimator unbiased in value); use "
-        'estimator="k3" or "k1" without straight_through, or detach the weights',
-        stacklevel=4,
+        'estimator="k3" or "k1" without straight_through, or detach the weights'
     )

@@ -16,6 +16,7 @@ from .._core.validation import (
     Scalar,
     as_float_tensor,
     check_same_device,
+    checks_environment,
     compute_dtype,
     validate_scalar,
 )
@@ -24,6 +25,7 @@ from .estimators import Estimator, KLInputs, validate_kl_options, warn_biased
 __all__ = ["kl_penalized_token_rewards"]
 
 
+@checks_environment
 def kl_penalized_token_rewards(
     log_probs: ArrayLike,
     ref_log_probs: ArrayLike,

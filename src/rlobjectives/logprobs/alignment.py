@@ -22,6 +22,7 @@ from .._core.validation import (
     as_token_ids,
     check_same_device,
     check_shape,
+    checks_environment,
     compute_dtype,
     validate_bool,
 )
@@ -170,6 +171,7 @@ def _check_layout(
         )
 
 
+@checks_environment
 def response_alignment(
     input_ids: ArrayLike,
     prompt_lengths: ArrayLike | None,
@@ -332,6 +334,7 @@ def _packed_response_alignment(
     return ResponseAlignment(*(token_output(tensor, flat) for tensor in alignment))
 
 
+@checks_environment
 def response_log_probs(
     logits: ArrayLike,
     input_ids: ArrayLike,

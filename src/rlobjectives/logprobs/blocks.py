@@ -221,13 +221,17 @@ def entropy_logit_grads_(
     Returns:
         ``log_probs``, holding the gradient.
     """
-    row_coefficient, entropy_weight = (t.unsqueeze(1) for t in coefficients)  # (C, 1) each
+    # Negated coefficients: -p (c + g (log p + H)) = p (log p + H) (-g) + p (-c).
+    row_coefficient, entropy_weight = (-t.unsqueeze(1) for t in coefficients)  # (C, 1) each
     entropies = entropy.unsqueeze(1)  # (C, 1)
     step = scratch.shape[0]
     for start in range(0, log_probs.shape[0], step):
         rows = slice(start, start + step)
         part = log_probs[rows]  # (c, V)
         probs = torch.exp(part, out=scratch[: part.shape[0]])  # (c, V)
-        part.add_(entropies[rows]).mul_(entropy_weight[rows]).add_(row_coefficient[rows])
-        part.mul_(probs).neg_()
+        # p first: a banned token's log p is the most negative finite number, which times
+        # |g| > 1 (an upstream gradient, a temperature below 1) would overflow to -inf and give
+        # 0 * inf = NaN; p (log p + H) is 0 there and bounded (|p log p| <= 1/e) elsewhere.
+        part.add_(entropies[rows]).mul_(probs).mul_(entropy_weight[rows])
+        part.addcmul_(probs, row_coefficient[rows])
     return log_probs

@@ -28,7 +28,7 @@ from .._core.reduction import (
     row_weights,
     token_gradient_weights,
 )
-from .._core.validation import ArrayLike, Scalar, compute_dtype
+from .._core.validation import ArrayLike, Scalar, checks_environment, compute_dtype
 from ..kl.estimators import Estimator, kl_gradient, warn_biased_kl_loss
 from ..policy.fused import FusedSpec, fused_forward, has_fused_stage, run_fused
 from ..policy.inputs import (
@@ -57,6 +57,7 @@ from .passes import LogProbsFromHidden
 __all__ = ["FusedPolicyLossOutput", "fused_policy_loss_from_hidden"]
 
 
+@checks_environment
 def fused_policy_loss_from_hidden(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -23,6 +23,7 @@ from .._core.validation import (
     as_mask,
     check_same_device,
     check_shape,
+    checks_environment,
     validate_bool,
 )
 from .head import Head, default_chunk_size, prepare_head
@@ -87,6 +88,7 @@ def token_log_probs_from_hidden(
 ) -> TokenLogProbsOutput: ...
 
 
+@checks_environment
 def token_log_probs_from_hidden(
     hidden: torch.Tensor,
     weight: torch.Tensor,

@@ -21,6 +21,7 @@ from .._core.validation import (
     as_token_ids,
     check_same_device,
     check_shape,
+    checks_environment,
     compute_dtype,
     validate_scalar,
 )
@@ -86,6 +87,7 @@ def _validate_temperature(temperature: float) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
+@checks_environment
 def token_log_probs(
     logits: ArrayLike,
     tokens: ArrayLike,
@@ -171,6 +173,7 @@ def _as_tokens(
     return tokens_t
 
 
+@checks_environment
 def token_entropy(
     logits: ArrayLike,
     *,
@@ -245,6 +248,7 @@ def _prepare_kl(
     return logits_t, ref_t, active, tau, chunk
 
 
+@checks_environment
 def full_vocab_kl(
     logits: ArrayLike,
     ref_logits: ArrayLike,
@@ -319,6 +323,7 @@ def full_vocab_kl(
     return out
 
 
+@checks_environment
 def full_vocab_kl_loss(
     logits: ArrayLike,
     ref_logits: ArrayLike,

@@ -23,6 +23,7 @@ from .._core.validation import (
     as_mask,
     check_same_device,
     check_shape,
+    checks_environment,
     validate_scalar,
 )
 
@@ -73,6 +74,7 @@ def entropy_threshold(
     return torch.where(has_nan, torch.full_like(threshold, float("nan")), threshold)
 
 
+@checks_environment
 def top_entropy_mask(entropy: ArrayLike, mask: ArrayLike, *, quantile: float) -> torch.Tensor:
     r"""The selected tokens whose entropy is at or above the ``quantile`` of the selected ones.
 

@@ -164,6 +164,9 @@ class PolicyInputs(NamedTuple):
     dtype: torch.dtype  # computation dtype (float32 or float64)
     importance_weights: torch.Tensor | None = None  # (B, 1) or (B, T), detached: a constant
     entropy: torch.Tensor | None = None  # (B, T), floating (grad flows)
+    # Whether the importance weights were given one per sequence ((B,) / (B, 1); packed (S,) /
+    # (S, 1), broadcast to the (1, N) row): VESPO takes such a weight once per sequence.
+    sequence_weights: bool = False
 
 
 class SurrogateOptions(NamedTuple):
@@ -271,13 +274,16 @@ def prepare_importance_weights(
     check_same_device({reference: inputs.mask, name: weights})
     shape = (inputs.mask.shape[0], inputs.mask.shape[1])
     if layout is not None and layout.sequence_ids is not None:
+        sequences = layout.num_sequences  # (S,) and (S, 1) are per sequence, as they broadcast
+        per_sequence = tuple(weights.shape) in ((sequences,), (sequences, 1))
         weights = tokens_from_sequences(weights, name, layout, reference).detach()  # (1, N)
     else:
         if weights.ndim == 1 and weights.numel() == 0 and shape[0] == 0:
             weights = weights.reshape(0)
         weights = expand_per_sequence(weights, name, shape, reference).detach()
+        per_sequence = weights.shape[-1] == 1  # (B,) or (B, 1), now (B, 1)
     dtype = compute_dtype(torch.empty(0, dtype=inputs.dtype), weights)
-    return inputs._replace(importance_weights=weights, dtype=dtype)
+    return inputs._replace(importance_weights=weights, dtype=dtype, sequence_weights=per_sequence)
 
 
 def prepare_entropy(
@@ -290,7 +296,9 @@ def prepare_entropy(
     entropy_t = token_matrix(entropy_t, "entropy", packed)
     check_same_device({reference: inputs.mask, "entropy": entropy_t})
     check_shape(entropy_t, "entropy", tuple(inputs.mask.shape), reference)
-    return inputs._replace(entropy=entropy_t)
+    # A float64 entropy makes the computation float64, as any other floating input does.
+    dtype = compute_dtype(torch.empty(0, dtype=inputs.dtype), entropy_t)
+    return inputs._replace(entropy=entropy_t, dtype=dtype)
 
 
 def validate_entropy_coef(

@@ -19,7 +19,7 @@ import torch
 from .._core.backend import kernel_backend
 from .._core.layout import token_ndim, token_output
 from .._core.reduction import Reduction
-from .._core.validation import ArrayLike, Scalar, validate_bool
+from .._core.validation import ArrayLike, Scalar, checks_environment, validate_bool
 from .fused import _finish, run_fused
 from .inputs import (
     PolicyCall,
@@ -43,6 +43,7 @@ __all__ = [
 _NAMES = ("log_probs", "old_log_probs", "advantages", "mask")
 
 
+@checks_environment
 def policy_loss(
     log_probs: ArrayLike,
     old_log_probs: ArrayLike,
@@ -80,7 +81,8 @@ def policy_loss(
     - :class:`~rlobjectives.GMPO`: :math:`s = \bar A_i \rho_i`, the geometric mean of the
       sequence's ratios clipped in log space (GSPO's token form);
     - :class:`~rlobjectives.VESPO`: :math:`s = \mathrm{sg}(\phi_i) A \ell`, the gamma weight of the
-      sequence ratio, which takes in the importance weights.
+      sequence ratio, which takes in the importance weights (a weight given per sequence,
+      ``(B,)`` or packed ``(S,)``, enters once).
 
     The per-token loss is :math:`L_{it} = -w_{it} s_{it} - \beta H_{it}` with the importance
     weights :math:`w` (``importance_weights``; VESPO takes them inside its sequence ratio
@@ -154,7 +156,8 @@ def policy_loss(
     Returns:
         :class:`PolicyLossOutput` ``(loss, per_token_loss, diagnostics)``. ``loss`` and
         ``per_token_loss`` have the dtype and device of ``log_probs`` (integer input becomes the
-        default float dtype); the math runs in float32 (float64 for float64 inputs).
+        default float dtype); the math runs in float32 (float64 when any floating input,
+        ``importance_weights`` and ``entropy`` included, is float64).
 
     Raises:
         ValueError: on mismatched shapes, wrong ranks, different devices,

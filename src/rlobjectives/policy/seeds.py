@@ -19,6 +19,7 @@ from .._core.validation import (
     as_mask,
     check_same_device,
     check_shape,
+    checks_environment,
     compute_dtype,
     validate_scalar,
 )
@@ -34,6 +35,7 @@ __all__ = ["grpo_clipped_surrogate", "kl_penalized_rewards"]
 _SEED_LOG_RATIO_BOUND = 60.0
 
 
+@checks_environment
 def grpo_clipped_surrogate(
     new_log_probs: ArrayLike,
     old_log_probs: ArrayLike,
@@ -189,6 +191,7 @@ def _on_kernels(inputs: PolicyInputs) -> bool:
     return kernel_backend(inputs.log_probs.device, dtype=inputs.dtype) == "triton"
 
 
+@checks_environment
 def kl_penalized_rewards(
     policy_log_probs: ArrayLike,
     reference_log_probs: ArrayLike,

@@ -152,6 +152,7 @@ def policy_terms(
             mask=mask,
             importance_weights=weights,
             layout=layout,
+            sequence_weights=inputs.sequence_weights,
         )
     )
     per_token_loss = -surrogate.values  # (B, T)

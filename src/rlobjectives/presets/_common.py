@@ -8,14 +8,22 @@ nothing here re-implements a loss.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
 from .._core.reduction import aggregate, masked_fill_zero
-from .._core.validation import Scalar
+from .._core.validation import (
+    Scalar,
+    compute_dtype,
+    validate_bool,
+    validate_length,
+    validate_scalar,
+)
 from ..policy.inputs import PolicyLossDiagnostics, validate_surrogate_options
 from ..policy.loss import policy_loss
+
+_MaybeTensor = TypeVar("_MaybeTensor", torch.Tensor, torch.Tensor | None)
 
 __all__ = [
     "ReductionArgs",
@@ -24,6 +32,11 @@ __all__ = [
     "check_options",
     "nonempty_rows",
     "option",
+    "preset_count",
+    "preset_flag",
+    "preset_number",
+    "float64_if_any",
+    "promote",
     "reduce_terms",
     "weighted_policy_loss",
 ]
@@ -139,3 +152,71 @@ def option(config: object, name: str, default: Any) -> Any:
     else:
         value = getattr(config, name, None)
     return default if value is None else value
+
+
+def preset_number(
+    value: object,
+    name: str,
+    *,
+    minimum: float | None = 0.0,
+    strict: bool = False,
+    maximum: float | None = None,
+) -> float:
+    """A peer's numeric option checked like the library's hyperparameters, under the peer's name.
+
+    A real Python number (not a bool), finite, ``>= minimum`` (``>`` when ``strict``) and
+    ``< maximum``; returned as a float.
+
+    Raises:
+        ValueError: naming ``name``, for a non-finite or out-of-range value.
+        TypeError: naming ``name``, for a non-number.
+    """
+    number = validate_scalar(
+        value,  # type: ignore[arg-type]
+        name,
+        minimum=minimum,
+        strict=strict,
+        maximum=maximum,
+        allow_tensor=False,
+    )
+    return float(number)
+
+
+def preset_count(value: object, name: str) -> int:
+    """A peer's positive whole-number option (a length, a process or step count) as an int.
+
+    Raises:
+        ValueError: naming ``name``, for a value that is not a positive whole number.
+        TypeError: naming ``name``, for a non-number.
+    """
+    if isinstance(value, torch.Tensor):
+        raise TypeError(f"{name} must be a Python int, got a tensor")
+    return int(validate_length(value, name))  # type: ignore[arg-type]
+
+
+def preset_flag(value: object, name: str) -> bool:
+    """A peer's on/off option: a Python bool (a truthy string must not switch it on)."""
+    return validate_bool(value, name)
+
+
+def float64_if_any(*tensors: torch.Tensor | None) -> torch.dtype | None:
+    """float64 when any floating tensor of a preset call is float64, else None (unchanged).
+
+    A preset composes several library calls, each of which computes in the dtype of its own
+    inputs; converting every input to float64 first (:func:`promote`) makes the whole preset
+    follow the library's rule (float64 when any floating input is float64), so that a float64
+    entropy, reference or sampler log-probability does not meet a term computed in float32.
+    Otherwise (float32, bf16, fp16) nothing is converted: each call computes in float32 anyway.
+    """
+    present = [t for t in tensors if t is not None]
+    return torch.float64 if compute_dtype(*present) == torch.float64 else None
+
+
+def promote(tensor: _MaybeTensor, dtype: torch.dtype | None) -> _MaybeTensor:
+    """``tensor`` in ``dtype`` (a floating tensor; None or no dtype: unchanged).
+
+    Differentiable: gradients arrive in the input's own dtype.
+    """
+    if tensor is None or dtype is None or not tensor.is_floating_point():
+        return tensor
+    return tensor.to(dtype)

@@ -41,10 +41,19 @@ from typing import Any, NamedTuple
 import torch
 
 from .._core.reduction import masked_mean
-from .._core.validation import validate_choice
+from .._core.validation import checks_environment, validate_choice
 from ..policy.surrogates import Clip
 from ..rollout.correction import RolloutCorrection, rollout_correction
-from ._common import ReductionArgs, check_options, weighted_policy_loss
+from ._common import (
+    ReductionArgs,
+    check_options,
+    float64_if_any,
+    preset_count,
+    preset_flag,
+    preset_number,
+    promote,
+    weighted_policy_loss,
+)
 
 __all__ = ["OPENRLHF_IS_CORRECTIONS", "OPENRLHF_POLICY_LOSS_TYPES", "OpenRLHFPolicyLoss"]
 __all__ += ["OpenRLHFPolicyLossOutput", "openrlhf_policy_loss"]
@@ -157,6 +166,7 @@ class OpenRLHFPolicyLoss:
         clip = Clip(low=self.clip_eps_low, high=self.clip_eps_high, dual=self.dual_clip)
         return {"surrogate": clip}
 
+    @checks_environment
     def __call__(
         self,
         log_probs: torch.Tensor,
@@ -170,6 +180,12 @@ class OpenRLHFPolicyLoss:
     ) -> OpenRLHFPolicyLossOutput:
         """``PolicyLoss.forward`` for these tensors (see :func:`openrlhf_policy_loss`)."""
         row = OPENRLHF_POLICY_LOSS_TYPES[self.policy_loss_type]
+        dp_size = preset_count(dp_size, "dp_size")
+        wide = float64_if_any(log_probs, old_log_probs, advantages, rollout_log_probs)
+        log_probs, old_log_probs, advantages = (
+            promote(t, wide) for t in (log_probs, old_log_probs, advantages)
+        )
+        rollout_log_probs = promote(rollout_log_probs, wide)
         mask = torch.ones_like(log_probs, dtype=torch.bool) if action_mask is None else action_mask
         token_level = row.token_level_loss
         token_level = self.token_level_loss if token_level is None else token_level
@@ -212,6 +228,7 @@ class OpenRLHFPolicyLoss:
         return _Behaviour(old_log_probs, weights, vllm_kl)
 
 
+@checks_environment
 def openrlhf_policy_loss(
     *,
     clip_eps_low: float = 0.2,
@@ -251,10 +268,13 @@ def openrlhf_policy_loss(
         An :class:`OpenRLHFPolicyLoss`.
 
     Raises:
-        ValueError: ``dual_clip <= 1``, an unknown ``policy_loss_type`` or
-            ``vllm_is_correction_type`` (as OpenRLHF), clip values out of range, a threshold
-            that is not a ``[low, high]`` band; at call time, the correction without
-            ``rollout_log_probs``.
+        ValueError: naming the option, when the preset is built: ``dual_clip <= 1``, an unknown
+            ``policy_loss_type`` or ``vllm_is_correction_type`` (as OpenRLHF), ``clip_eps_low``
+            outside ``[0, 1)``, a negative ``clip_eps_high``, a non-finite coefficient (NaN,
+            inf), a threshold that is not a ``[low, high]`` band; at call time, the correction
+            without ``rollout_log_probs``, a ``dp_size`` that is not a positive whole number.
+        TypeError: naming the option: a non-number clip value, a non-bool
+            ``token_level_loss`` or ``enable_vllm_is_correction``.
 
     Examples:
         >>> import torch
@@ -267,11 +287,18 @@ def openrlhf_policy_loss(
     validate_choice(policy_loss_type, "policy_loss_type", tuple(OPENRLHF_POLICY_LOSS_TYPES))
     choices = tuple(OPENRLHF_IS_CORRECTIONS)
     validate_choice(vllm_is_correction_type, "vllm_is_correction_type", choices)
-    if dual_clip is not None and not dual_clip > 1.0:
-        raise ValueError(f"dual_clip must be > 1.0, got {dual_clip}")
+    # Every coefficient and threshold under its PolicyLoss name, as the library checks its own
+    # hyperparameters (finite, in range, a number), when the preset is built.
+    dual = (
+        None
+        if dual_clip is None
+        else preset_number(dual_clip, "dual_clip", minimum=1.0, strict=True)
+    )
     loss = OpenRLHFPolicyLoss(
-        float(clip_eps_low), float(clip_eps_high), None if dual_clip is None else float(dual_clip),
-        token_level_loss, policy_loss_type, enable_vllm_is_correction,
+        preset_number(clip_eps_low, "clip_eps_low", maximum=1.0),
+        preset_number(clip_eps_high, "clip_eps_high"), dual,
+        preset_flag(token_level_loss, "token_level_loss"), policy_loss_type,
+        preset_flag(enable_vllm_is_correction, "enable_vllm_is_correction"),
         _threshold(vllm_is_truncated_threshold), vllm_is_correction_type,
     )  # fmt: skip
     check_options(OPENRLHF_POLICY_LOSS_TYPES[policy_loss_type].options(loss))

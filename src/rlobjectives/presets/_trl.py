@@ -41,11 +41,21 @@ from typing import NamedTuple
 import torch
 
 from .._core.reduction import aggregate, masked_mean, mean_selected
-from .._core.validation import Scalar, validate_choice, validate_scalar
+from .._core.validation import Scalar, checks_environment, validate_choice, validate_scalar
 from ..distributed import global_top_entropy_mask
 from ..kl.loss import kl_loss
 from ..rollout.off_policy import off_policy_sequence_mask
-from ._common import as_bool_mask, check_options, reduce_terms, weighted_policy_loss
+from ._common import (
+    as_bool_mask,
+    check_options,
+    float64_if_any,
+    preset_count,
+    preset_flag,
+    preset_number,
+    promote,
+    reduce_terms,
+    weighted_policy_loss,
+)
 from ._trl_metrics import MetricInputs, importance_ratio
 from ._trl_rows import TRL_LOSS_TYPES, Batch, LossType
 
@@ -96,6 +106,7 @@ class TRLGRPOLoss:
     entropy_coef: float = 0.0
     off_policy_mask_threshold: float | None = None
 
+    @checks_environment
     def __call__(
         self,
         log_probs: torch.Tensor,
@@ -149,11 +160,30 @@ class TRLGRPOLoss:
             ValueError: a tensor the options need is missing (``ref_log_probs``, ``entropy``);
                 per-token advantages at sequence level for grpo-style and sapo losses (TRL
                 spreads a sequence's loss over its tokens, the library's GSPO-token form
-                weights each token by its own advantage: the gradients differ).
+                weights each token by its own advantage: the gradients differ); a non-finite
+                ``entropy_coef`` or counts (``num_processes``, ``gradient_accumulation_steps``,
+                ``steps_per_generation``) that are not positive whole numbers, named.
         """
-        coef = self.entropy_coef if entropy_coef is None else float(entropy_coef)
+        coef = self.entropy_coef
+        if entropy_coef is not None:  # this call's coefficient, checked as at construction
+            coef = preset_number(entropy_coef, "entropy_coef", minimum=None)
         bonus_on = self.entropy_coef != 0.0 or entropy_coef is not None
+        num_processes = preset_count(num_processes, "num_processes")
+        gradient_accumulation_steps = preset_count(
+            gradient_accumulation_steps, "gradient_accumulation_steps"
+        )
+        if steps_per_generation is not None:
+            steps_per_generation = preset_count(steps_per_generation, "steps_per_generation")
         self._check_call(advantages, ref_log_probs, entropy, bonus_on)
+        wide = float64_if_any(log_probs, old_log_probs, advantages, ref_log_probs,
+                              importance_sampling_ratio, entropy, sampling_log_probs)  # fmt: skip
+        log_probs, old_log_probs, advantages = (
+            promote(t, wide) for t in (log_probs, old_log_probs, advantages)
+        )
+        ref_log_probs, importance_sampling_ratio, entropy, sampling_log_probs = (
+            promote(t, wide)
+            for t in (ref_log_probs, importance_sampling_ratio, entropy, sampling_log_probs)
+        )
         selected = as_bool_mask(mask, log_probs)
         spg = gradient_accumulation_steps if steps_per_generation is None else steps_per_generation
         batch = Batch(log_probs.shape[0], num_items_in_batch, num_processes,
@@ -298,6 +328,7 @@ class TRLGRPOLoss:
         return kl, masked_mean(kl.detach().float(), selected)
 
 
+@checks_environment
 def trl_grpo_loss(
     *,
     loss_type: str,
@@ -363,10 +394,15 @@ def trl_grpo_loss(
         A :class:`TRLGRPOLoss` (callable, immutable).
 
     Raises:
-        ValueError: unknown ``loss_type`` or ``importance_sampling_level``; ``dr_grpo`` without
-            ``max_completion_length``; clip values, ``delta``, temperatures or gamma shapes out
-            of range; ``top_entropy_quantile`` outside ``[0, 1]``; a non-finite threshold or
-            coefficient.
+        ValueError: naming the option (its ``GRPOConfig`` name), when the preset is built:
+            unknown ``loss_type`` or ``importance_sampling_level``; ``dr_grpo`` without
+            ``max_completion_length``, or one that is not a positive whole number; ``epsilon``
+            outside ``[0, 1)``, a negative ``epsilon_high`` (``cispo``: not positive), a negative
+            ``beta``, ``delta <= 1``, non-positive temperatures or rates, negative gamma
+            shapes; ``top_entropy_quantile`` outside ``[0, 1]``; a non-finite threshold or
+            coefficient (NaN, inf).
+        TypeError: naming the option: a non-number (a bool, a string, a tensor), a non-bool
+            ``use_bias_correction_kl``.
 
     Examples:
         >>> import torch
@@ -383,43 +419,34 @@ def trl_grpo_loss(
             "got max_completion_length=None"
         )
     _check_entropy_options(top_entropy_quantile, entropy_coef, off_policy_mask_threshold)
-    high = epsilon if epsilon_high is None else epsilon_high
+    # Every coefficient and threshold under its GRPOConfig name, as the library checks its own
+    # hyperparameters (finite, in range, a number): at construction, never a NaN loss later.
+    low = preset_number(epsilon, "epsilon", maximum=1.0)
+    # cispo: epsilon_high is the cap on the ratio itself, which must be positive.
+    positive_high = loss_type == "cispo"
+    high = low if epsilon_high is None else epsilon_high
+    high = preset_number(high, "epsilon_high", strict=positive_high)
+    length = None
+    if max_completion_length is not None:
+        length = preset_count(max_completion_length, "max_completion_length")
+    vespo = (
+        preset_number(vespo_k_pos, "vespo_k_pos"),
+        preset_number(vespo_lambda_pos, "vespo_lambda_pos", strict=True),
+        preset_number(vespo_k_neg, "vespo_k_neg"),
+        preset_number(vespo_lambda_neg, "vespo_lambda_neg", strict=True),
+    )
     loss = TRLGRPOLoss(
-        loss_type, float(epsilon), float(high), float(beta), importance_sampling_level,
-        None if delta is None else float(delta), max_completion_length, use_bias_correction_kl,
-        float(sapo_temperature_pos), float(sapo_temperature_neg),
-        (float(vespo_k_pos), float(vespo_lambda_pos), float(vespo_k_neg), float(vespo_lambda_neg)),
+        loss_type, low, high, preset_number(beta, "beta"), importance_sampling_level,
+        None if delta is None else preset_number(delta, "delta", minimum=1.0, strict=True),
+        length, preset_flag(use_bias_correction_kl, "use_bias_correction_kl"),
+        preset_number(sapo_temperature_pos, "sapo_temperature_pos", strict=True),
+        preset_number(sapo_temperature_neg, "sapo_temperature_neg", strict=True), vespo,
         float(top_entropy_quantile), float(entropy_coef),
         None if off_policy_mask_threshold is None else float(off_policy_mask_threshold),
     )  # fmt: skip
-    try:  # the row builds the surrogate object, which validates its fields
-        check_options(TRL_LOSS_TYPES[loss_type].options(loss))
-    except ValueError as error:  # named as this function's (TRL's) arguments
-        raise ValueError(_trl_names(str(error))) from None
+    # The row builds the surrogate object (its fields were checked above, under TRL's names).
+    check_options(TRL_LOSS_TYPES[loss_type].options(loss))
     return loss
-
-
-#: The surrogate fields a TRL row fills, by the names of :func:`trl_grpo_loss`'s arguments.
-_TRL_NAMES = {
-    "Clip.low": "epsilon",
-    "Clip.high": "epsilon_high",
-    "Clip.delta": "delta",
-    "CISPO.cap": "epsilon_high",
-    "SAPO.temperature_pos": "sapo_temperature_pos",
-    "SAPO.temperature_neg": "sapo_temperature_neg",
-    "VESPO.k_pos": "vespo_k_pos",
-    "VESPO.lambda_pos": "vespo_lambda_pos",
-    "VESPO.k_neg": "vespo_k_neg",
-    "VESPO.lambda_neg": "vespo_lambda_neg",
-}
-
-
-def _trl_names(message: str) -> str:
-    """A surrogate object's message with its field named as the TRL option that set it."""
-    for field, name in _TRL_NAMES.items():
-        if message.startswith(field + " "):
-            return name + message[len(field) :]
-    return message
 
 
 def _check_entropy_options(quantile: float, coef: float, threshold: float | None) -> None:

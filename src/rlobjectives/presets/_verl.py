@@ -33,15 +33,19 @@ from typing import Any, NamedTuple
 import torch
 
 from .._core.reduction import clamp, masked_fill_zero, masked_mean, mean_selected
-from .._core.validation import compute_dtype, validate_choice
+from .._core.validation import checks_environment, compute_dtype, validate_choice, validate_scalar
 from ..policy.inputs import PolicyLossDiagnostics
 from ..policy.surrogates import CISPO, GMPO, SAPO, Clip
 from ._common import (
     ReductionArgs,
     WeightedPolicyTerm,
     as_bool_mask,
+    float64_if_any,
     nonempty_rows,
     option,
+    preset_count,
+    preset_number,
+    promote,
     weighted_policy_loss,
 )
 
@@ -117,6 +121,32 @@ VERL_AGGREGATIONS: dict[str, Callable[[torch.Tensor, dict[str, Any]], ReductionA
     "seq-mean-token-sum-norm": _sequence_sum_norm,
     "seq-mean-token-mean": _sequence_mean,
 }
+
+
+def _check_config(config: object) -> None:
+    """The config values under verl's names, checked like the library's hyperparameters.
+
+    verl passes ``config`` with the tensors, so they are checked at every call (before any
+    tensor work): the clip band (``clip_ratio_low`` or, without it, ``clip_ratio`` in
+    ``[0, 1)``; ``clip_ratio_high``, ``clip_ratio`` >= 0), ``clip_ratio_c > 1``, ``tau_pos``,
+    ``tau_neg`` > 0, and ``global_batch_info``'s ``dp_size`` (a positive whole number),
+    ``batch_num_tokens``, ``global_batch_size`` and ``loss_scale_factor`` (positive, finite).
+    """
+    ratio = preset_number(option(config, "clip_ratio", 0.2), "clip_ratio")
+    if option(config, "clip_ratio_low", None) is None:
+        preset_number(ratio, "clip_ratio", maximum=1.0)  # it is the low edge too
+    else:
+        preset_number(option(config, "clip_ratio_low", None), "clip_ratio_low", maximum=1.0)
+    preset_number(option(config, "clip_ratio_high", ratio), "clip_ratio_high")
+    preset_number(option(config, "clip_ratio_c", 3.0), "clip_ratio_c", minimum=1.0, strict=True)
+    for name, default in (("tau_pos", 1.0), ("tau_neg", 1.05)):
+        preset_number(option(config, name, default), name, strict=True)
+    info = _global_info(config)
+    if info.get("dp_size") is not None:
+        preset_count(info["dp_size"], "global_batch_info['dp_size']")
+    for key in ("batch_num_tokens", "global_batch_size", "loss_scale_factor"):
+        if info.get(key) is not None:
+            validate_scalar(info[key], f"global_batch_info[{key!r}]", strict=True)
 
 
 def _clip_band(config: object) -> tuple[float, float]:
@@ -294,6 +324,7 @@ class VerlPolicyLoss:
 
     loss_mode: str
 
+    @checks_environment
     def __call__(
         self,
         old_log_prob: torch.Tensor,
@@ -305,16 +336,23 @@ class VerlPolicyLoss:
         rollout_is_weights: torch.Tensor | None = None,
     ) -> VerlLossOutput:
         """The ``(pg_loss, pg_metrics)`` of verl for these tensors (:func:`verl_policy_loss`)."""
+        _check_config(config)
         mode = VERL_LOSS_MODES[self.loss_mode]
         aggregation = mode.forced_aggregation
         if aggregation is None:
             aggregation = validate_choice(loss_agg_mode, "loss_agg_mode", tuple(VERL_AGGREGATIONS))
+        wide = float64_if_any(old_log_prob, log_prob, advantages, rollout_is_weights)
+        old_log_prob, log_prob, advantages = (
+            promote(t, wide) for t in (old_log_prob, log_prob, advantages)
+        )
+        rollout_is_weights = promote(rollout_is_weights, wide)
         mask = as_bool_mask(response_mask, log_prob)
         args = _FORCED_AGGREGATIONS[aggregation](mask, _global_info(config))
         call = _Call(old_log_prob, log_prob, advantages, mask, config, rollout_is_weights)
         return mode.loss(call, args)
 
 
+@checks_environment
 def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
     r"""The registered verl policy loss ``loss_mode``, built from library calls.
 
@@ -366,9 +404,13 @@ def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
         A :class:`VerlPolicyLoss`.
 
     Raises:
-        ValueError: an unknown ``loss_mode``; at call time an unknown ``loss_agg_mode``, or
-            ``dp_size > 1`` without the global count the mode needs (as verl), or a
-            ``config`` value out of range.
+        ValueError: an unknown ``loss_mode``; at call time (verl passes ``config`` with the
+            tensors) an unknown ``loss_agg_mode``, ``dp_size > 1`` without the global count the
+            mode needs (as verl), or a ``config`` value that is non-finite or out of range,
+            named as verl names it (``clip_ratio_low`` outside ``[0, 1)``, ``clip_ratio_c <=
+            1``, ``tau_pos <= 0``, ``global_batch_info['dp_size']`` not a positive whole
+            number...).
+        TypeError: at call time, a ``config`` value that is not a number.
 
     Examples:
         >>> import torch

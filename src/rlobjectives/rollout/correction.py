@@ -41,6 +41,7 @@ from .._core.validation import (
     as_mask,
     check_same_device,
     check_shape,
+    checks_environment,
     compute_dtype,
     validate_choice,
     validate_scalar,
@@ -295,6 +296,7 @@ def _correct(
     return RolloutCorrection(weights=weights, mask=survive, metrics=metrics)
 
 
+@checks_environment
 def rollout_correction(
     log_probs: ArrayLike,
     rollout_log_probs: ArrayLike,

@@ -16,6 +16,7 @@ from .._core.validation import (
     Scalar,
     as_float_tensor,
     check_same_device,
+    checks_environment,
     compute_dtype,
     expand_per_sequence,
     validate_scalar,
@@ -25,6 +26,7 @@ from .correction import check_pair
 __all__ = ["off_policy_sequence_mask"]
 
 
+@checks_environment
 def off_policy_sequence_mask(
     log_probs: ArrayLike,
     sampling_log_probs: ArrayLike,

@@ -2,6 +2,7 @@ r"""The PPO critic loss: clipped value regression onto the returns, with its dia
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -21,10 +22,11 @@ from .._core.validation import (
     as_mask,
     check_same_device,
     check_shape,
+    checks_environment,
     compute_dtype,
     validate_scalar,
 )
-from ..advantages.whitening import masked_moments
+from ..advantages.whitening import masked_moments, power_of_two_scale
 
 __all__ = ["ValueLossDiagnostics", "ValueLossOutput", "value_loss"]
 
@@ -110,15 +112,34 @@ def _prepare(
 def _explained_variance(
     values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
 ) -> torch.Tensor:
-    """``1 - Var(R - V) / (Var(R) + 1e-5)`` over the selected tokens; 0 below two tokens."""
-    residual = masked_moments(returns - values, mask, unbiased=True)
+    """``1 - Var(R - V) / (Var(R) + 1e-5)`` over the selected tokens; 0 below two tokens.
+
+    ``values`` and ``returns`` are zero at unselected tokens. Neither variance is formed in the
+    computation dtype: each is the variance of values divided by a power of two
+    (:func:`masked_moments`), and the ratio is taken from their logarithms and the scales'
+    exponents (exact integers), so a float32 square never overflows or underflows (returns of
+    1e19 have a variance of 1e38, whose rescaling by 2^130 did overflow) and the result is the
+    float32 rounding of the true value wherever that is finite.
+    """
+    if mask.numel() == 0:
+        return values.new_zeros(())
+    # R - V of values divided by a common power of two: the difference cannot overflow either.
+    common = power_of_two_scale(torch.maximum(values.abs().amax(), returns.abs().amax()))
+    residual = masked_moments(returns / common - values / common, mask, unbiased=True)
     target = masked_moments(returns, mask, unbiased=True)
-    residual_variance = residual.variance * residual.scale.square()  # ()
-    target_variance = target.variance * target.scale.square()  # ()
-    explained = 1.0 - residual_variance / (target_variance + _EXPLAINED_VARIANCE_EPS)
+    # log Var(R - V) - log(Var(R) + eps), each variance = variance' * scale^2.
+    exponent = 2.0 * (residual.scale.log2() + common.log2() - target.scale.log2())  # exact
+    log_eps = math.log(_EXPLAINED_VARIANCE_EPS) - 2.0 * math.log(2.0) * target.scale.log2()
+    log_ratio = (
+        residual.variance.log()
+        + exponent * math.log(2.0)
+        - torch.logaddexp(target.variance.log(), log_eps)
+    )
+    explained = 1.0 - torch.exp(log_ratio)
     return torch.where(mask.sum() >= 2, explained, 0.0)
 
 
+@checks_environment
 def value_loss(
     values: ArrayLike,
     old_values: ArrayLike,
@@ -229,9 +250,11 @@ def value_loss(
         clipped_values = torch.clamp(
             inputs.values, inputs.old_values - bound, inputs.old_values + bound
         )  # (B, T)
-        clipped_squared = (clipped_values - inputs.returns).square()  # (B, T)
-        squared = torch.maximum(squared, clipped_squared)
-        binding = (clipped_squared > error.square()) & inputs.mask  # (B, T)
+        clipped_error = clipped_values - inputs.returns  # (B, T)
+        squared = torch.maximum(squared, clipped_error.square())
+        # (c - R)^2 > (V - R)^2 compared as magnitudes: squares of float32 errors above ~1.8e19
+        # overflow to inf, and inf > inf would hide a binding clip.
+        binding = (clipped_error.abs() > error.abs()) & inputs.mask  # (B, T)
         clip_fraction = safe_divide(binding.sum().to(squared.dtype), inputs.mask.sum())
     per_token = masked_fill_zero(0.5 * squared, inputs.mask)  # (B, T)
     loss = reduce(per_token, inputs.mask, spec, inputs.layout)

@@ -61,6 +61,7 @@ class SurrogateInputs(NamedTuple):
     mask: torch.Tensor  # (B, T) bool
     importance_weights: torch.Tensor | None  # (B, 1) or (B, T), constant, NOT selected
     layout: Layout
+    sequence_weights: bool = False  # the weights are one per sequence (packed: broadcast)
 
 
 class FormulaTerms(NamedTuple):

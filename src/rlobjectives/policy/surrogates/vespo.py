@@ -10,7 +10,8 @@ With :math:`\ell` the log-probability and :math:`A` the advantage,
     \log 10^{-8}, 20\big)\Big),
 
 :math:`(k, \lambda)` by the sign of :math:`A` and :math:`\rho^{IS}` the importance weights
-(folded into :math:`W`, not multiplied into the loss). The weight needs the whole sequence: no
+(folded into :math:`W`, not multiplied into the loss; a per-sequence weight :math:`\rho^{IS}_i`
+enters once, padded or packed). The weight needs the whole sequence: no
 fused stage, no kernel, ``ratio_level="token"`` only.
 """
 
@@ -107,10 +108,12 @@ def _log_weight(inputs: SurrogateInputs) -> torch.Tensor:
     total = layout.expand(total)  # (B, 1) or (1, N)
     weights = inputs.importance_weights
     low, high = VESPO_LOG_WEIGHT_RANGE
-    if weights is not None and weights.shape[-1] == 1 and mask.shape[-1] != 1:
-        # A sequence weight enters once per sequence (a NaN one of an empty row reaches only
-        # that row's unselected tokens, which the loss masks).
-        total = total + clamp(torch.log(weights), low, high)  # (B, 1)
+    if weights is not None and inputs.sequence_weights:
+        # A sequence weight enters once per sequence, in the padded (B, 1) and the packed
+        # layout alike (there it is broadcast to its tokens: (1, N), the same value at each);
+        # a NaN one of an empty row reaches only that row's unselected tokens, which the loss
+        # masks.
+        total = total + clamp(torch.log(weights), low, high)  # (B, 1) or (1, N)
     elif weights is not None:  # token weights: the log of their product over the sequence
         one = torch.ones((), dtype=weights.dtype, device=weights.device)
         log_weights = clamp(torch.log(torch.where(mask, weights, one)), low, high)  # (B, T)
