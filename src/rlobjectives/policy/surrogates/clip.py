@@ -256,6 +256,7 @@ def clip_decisions(
     upper: torch.Tensor | None,
     *,
     dtype: torch.dtype = torch.bool,
+    out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Where the clip binds: ``(r < L, r > H)`` with the per-sign bounds of :func:`per_sign_bounds`.
 
@@ -263,9 +264,10 @@ def clip_decisions(
     an upper edge (the high edge for ``A > 0``, the dual clip or ``delta`` for ``A < 0``), and
     the gradient passes where neither holds, ``L <= r <= H`` (``torch.clamp``'s closed
     interval). The formula (:meth:`Clip.formula`) asks for bool sets, the fused stage for float
-    indicators (``dtype``: 1.0 where the clip binds), which it sums and multiplies.
+    indicators (``dtype``: 1.0 where the clip binds), which it sums and multiplies; ``out``: a
+    scratch buffer of that dtype for ``r > H``.
     """
-    return _compare(torch.lt, ratio, lower, dtype), _compare(torch.gt, ratio, upper, dtype)
+    return _compare(torch.lt, ratio, lower, dtype), _compare(torch.gt, ratio, upper, dtype, out)
 
 
 def _compare(
@@ -273,9 +275,11 @@ def _compare(
     ratio: torch.Tensor,
     bound: torch.Tensor | Bound | None,
     dtype: torch.dtype,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """``op(ratio, bound)`` as ``dtype`` (all 0 / False without a bound)."""
-    out = torch.empty(ratio.shape, dtype=dtype, device=ratio.device)
+    """``op(ratio, bound)`` as ``dtype`` (all 0 / False without a bound), into ``out`` if given."""
+    if out is None:
+        out = torch.empty(ratio.shape, dtype=dtype, device=ratio.device)
     if bound is None:
         return out.zero_()
     if not isinstance(bound, torch.Tensor):
@@ -285,13 +289,6 @@ def _compare(
 
 def _as_tensor(value: Bound, like: torch.Tensor) -> torch.Tensor:
     return torch.as_tensor(value, dtype=like.dtype, device=like.device)
-
-
-def _count_by_sign(indicator: torch.Tensor, sign: torch.Tensor) -> torch.Tensor:
-    """``sum(indicator * sign)`` (``sign``: 1.0 / 0.0 of the shape of ``A``), per row first."""
-    if sign.shape[-1] == 1 and indicator.shape[-1] != 1:
-        return (indicator.sum(-1, keepdim=True) * sign).sum()
-    return (indicator * sign).sum()
 
 
 def _clip_stage(clip: Clip, inputs: StageInputs) -> StageOutputs:
@@ -313,25 +310,26 @@ def _clip_stage(clip: Clip, inputs: StageInputs) -> StageOutputs:
     clipped = ratio.clone() if lower is None else torch.maximum(ratio, lower)
     if upper is not None:
         clipped = torch.minimum(clipped, upper, out=clipped)
-    below, above = clip_decisions(ratio, lower, upper, dtype=dtype)  # (B, T) 1.0 where it binds
+    band = (None, None) if bounds.band is None else bounds.band
+    scratch = _compare(torch.lt, ratio, band[0], dtype)  # (B, T): r below the band, any sign
+    out_of_band = scratch.sum() + _compare(torch.gt, ratio, band[1], dtype, out=scratch).sum()
+    below, above = clip_decisions(ratio, lower, upper, dtype=dtype, out=scratch)  # 1.0: binds
     negative = (inputs.advantages < 0).to(dtype)  # shape of A
     positive = (inputs.advantages > 0).to(dtype)
-    band = (None, None) if bounds.band is None else bounds.band
-    out_of_band = _compare(torch.lt, ratio, band[0], dtype).sum()
-    out_of_band = out_of_band + _compare(torch.gt, ratio, band[1], dtype).sum()
-    counts = ClipCounts(out_of_band, below.sum(), _count_by_sign(above, positive))
-    dual = _count_by_sign(above, negative)
-    # d s / d l = r A~ where the gradient passes: 1 - below - above, and where the bound held
-    gate = below.add_(above).neg_().add_(1.0)
+    above_rows = above.sum(-1, keepdim=True) if positive.shape[-1] == 1 else above
+    counts = ClipCounts(out_of_band, below.sum(), (above_rows * positive).sum())
+    dual = (above_rows * negative).sum()
+    # d s / d l = r A~ (1 - below - above), and 0 where the log-ratio bound fired
     if inputs.passes is None:
-        coefficient = ratio.clone()  # (B, T)
+        coefficient = ratio * weighted  # (B, T), 0 at unselected tokens (A~ = 0)
     else:  # a NaN log-ratio's NaN ratio becomes 0: no gradient there, as autograd's clamp
         coefficient = torch.nan_to_num(ratio, nan=0.0, posinf=math.inf, neginf=-math.inf)
-        gate = gate.mul_(inputs.passes)
+        coefficient = coefficient.mul_(weighted).mul_(inputs.passes)
+    blocked = below.add_(above)  # 1.0 where the clip binds
     if clip.dual is not None:  # at r == c exactly torch.maximum(s, cA) ties: half the gradient
         tie = torch.eq(ratio, _as_tensor(clip.dual, ratio), out=above).mul_(negative)
-        gate = gate.mul_(tie.mul_(-0.5).add_(1.0))
-    coefficient = coefficient.mul_(weighted).mul_(gate)  # 0 at unselected tokens (A~ = 0)
+        blocked = torch.maximum(blocked, tie.mul_(0.5), out=blocked)  # unless a clip binds
+    coefficient = coefficient.addcmul_(coefficient, blocked, value=-1.0)  # c (1 - blocked)
     # Sums over the selected tokens: r - 1 and clip(r, L, H) - 1 are exactly 0 at the others.
     count = inputs.selected_count.to(dtype)
     ratio_sum = torch.sub(ratio, 1.0, out=above).sum() + count
