@@ -1,4 +1,4 @@
-"""The numbers behind docs/objectives.md's statements about the peers (whitening, GSPO)."""
+"""The numbers behind the docs' statements about the peers (docs/objectives/: whitening, GSPO)."""
 
 from __future__ import annotations
 

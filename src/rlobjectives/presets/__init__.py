@@ -14,8 +14,8 @@ equals the peer's loss, value and gradient, for the same tensors, with the peer'
   correction tis / icepop / seq-mask-tis).
 
 The presets import torch only (never the peers). Each is a table of peer options -> calls of
-the public API; see ``docs/objectives.md``, section "Drop-in", for what is covered and the
-peer options left out.
+the public API; see ``docs/objectives/drop-in.md`` for what is covered and the peer options
+left out.
 """
 
 from ._openrlhf import OpenRLHFPolicyLoss, OpenRLHFPolicyLossOutput, openrlhf_policy_loss

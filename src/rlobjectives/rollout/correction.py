@@ -337,9 +337,9 @@ def rollout_correction(
     importance_weights=out.weights)``. Pass as ``log_probs`` the trainer's log-probs of the
     sampled tokens under the policy that sampled them (``old_log_probs``: TRL, verl's decoupled
     mode, OpenRLHF) or under the current policy (verl's bypass mode). The sequence levels need
-    whole sequences in one call (see ``docs/objectives.md``, "Rollout correction").
+    whole sequences in one call (see ``docs/objectives/rollout.md``, "Whole sequences").
 
-    Peer options (``docs/objectives.md`` has the full table):
+    Peer options (``docs/objectives/rollout.md`` has the full table):
 
     - TRL ``vllm_importance_sampling_mode="token_truncate"`` / ``"sequence_truncate"`` with
       ``clip_min/clip_max``: ``level="token"/"sequence", mode="truncate", lower=clip_min,
