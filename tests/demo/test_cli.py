@@ -9,9 +9,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from test_seed_examples import GRPO_EXAMPLES, KL_EXAMPLES
 
 from rlobjectives.cli import main
+from test_seed_examples import GRPO_EXAMPLES, KL_EXAMPLES
 
 COMMANDS = [("grpo-surrogate", i, o) for i, o in GRPO_EXAMPLES] + [
     ("kl-rewards", i, o) for i, o in KL_EXAMPLES
