@@ -15,6 +15,12 @@ arithmetic (``tl.where``, never a product): NaN/inf there reaches nothing.
 The surrogate ``s`` is chosen by the compile-time constant ``SURROGATE`` (one function per
 formula): 0 clip/vanilla (:func:`clip_surrogate`), 1 CISPO (:func:`cispo_surrogate`), 2 SAPO
 (:func:`sapo_surrogate`), 3 none (``kl_loss``: only the KL term).
+
+Every decision at a bound (which tokens a clip changes, the diagnostics' sets, the dual-clip
+tie) compares the bounded log-ratio :math:`\Delta` with a float32 threshold computed on the host
+(``*_threshold`` / ``soft_*`` arguments, :mod:`rlobjectives._core.decisions`): the decision a
+correctly rounded ``exp`` would take, whatever ``tl.exp`` rounds to (an approximate ``ex2`` on
+a GPU, NumPy's ``exp`` in the interpreter). The values use ``tl.exp``'s ratio.
 """
 
 import triton
@@ -49,14 +55,10 @@ ESTIMATORS = {"k1": 1, "k2": 2, "k3": 3, "abs": 4}
 
 
 @triton.jit
-def above(x, bound):
-    """``x > bound`` for ``x >= 0`` with NaN counted above (the fused path's bit comparison)."""
-    return ~(x <= bound)
-
-
-@triton.jit
 def clip_surrogate(
-    ratio, passes, advantages, weighted, low, high, upper_positive, upper_negative, dual_clip,
+    ratio, log_ratio, passes, advantages, weighted, low, upper_positive, upper_negative,
+    low_threshold, high_threshold, upper_positive_threshold, upper_negative_threshold,
+    dual_low_threshold, dual_high_threshold,
     HAS_BAND: tl.constexpr, HAS_UPPER_POSITIVE: tl.constexpr, HAS_UPPER_NEGATIVE: tl.constexpr,
     HAS_DUAL: tl.constexpr,
 ):  # fmt: skip
@@ -65,9 +67,10 @@ def clip_surrogate(
     ``s = A clip(r, L, H)`` with ``(L, H) = (-inf, upper_positive)`` for ``A > 0`` and
     ``(low, upper_negative)`` for ``A < 0`` (``rlobjectives.policy.surrogates.clip.clip_bounds``);
     the slope ``r A~`` (``A~ = rho A``) where ``L <= r <= H`` and the log-ratio bound held, else 0,
-    halved at ``r == c`` for ``A < 0`` (``torch.maximum``'s tie). Clipping is decided on the
-    ratio, as the fused PyTorch path decides it. Returns ``(w s, d(w s)/dl, factor, out of
-    band, low binds, high binds, dual binds)``.
+    halved at ``r == c`` for ``A < 0`` (``torch.maximum``'s tie). Every decision compares the
+    log-ratio with its edge's threshold (``r > H`` is ``x > t+(H)``, ``r < L`` is ``x < t-(L)``,
+    ``r == c`` is ``t-(c) <= x <= t+(c)``), as the PyTorch paths decide. Returns ``(w s,
+    d(w s)/dl, factor, out of band, low binds, high binds, dual binds)``.
     """
     positive = advantages > 0.0
     negative = advantages < 0.0
@@ -79,44 +82,46 @@ def clip_surrogate(
     high_binds = out_of_band
     dual_binds = out_of_band
     if HAS_BAND:
-        below = ratio < low
-        out_of_band = below | above(ratio, high)
+        below = log_ratio < low_threshold
+        out_of_band = below | (log_ratio > high_threshold)
         low_binds = below & negative
         lower = tl.where(negative, low, lower)
     if HAS_UPPER_POSITIVE:
-        high_binds = above(ratio, upper_positive) & positive
+        high_binds = (log_ratio > upper_positive_threshold) & positive
         upper = tl.where(positive, upper_positive, upper)
     if HAS_UPPER_NEGATIVE:
-        dual_binds = above(ratio, upper_negative) & negative
+        dual_binds = (log_ratio > upper_negative_threshold) & negative
         upper = tl.where(negative, upper_negative, upper)
     keep = keep & ~low_binds & ~high_binds & ~dual_binds
     factor = tl.where(ratio < lower, lower, tl.where(ratio > upper, upper, ratio))  # keeps NaN
     slope = tl.where(keep, ratio * weighted, 0.0)
     if HAS_DUAL:
-        slope = tl.where((ratio == dual_clip) & negative, 0.5 * slope, slope)
+        tie = (log_ratio >= dual_low_threshold) & (log_ratio <= dual_high_threshold)
+        slope = tl.where(tie & negative, 0.5 * slope, slope)
     return factor * weighted, slope, factor, out_of_band, low_binds, high_binds, dual_binds
 
 
 @triton.jit
 def cispo_surrogate(
-    log_probs, ratio, advantages, weighted, low, high,
+    log_probs, ratio, log_ratio, advantages, weighted, low, high, low_threshold, high_threshold,
     HAS_LOW: tl.constexpr, HAS_HIGH: tl.constexpr,
 ):  # fmt: skip
     r"""CISPO: ``w s = l sg(c) A~`` with ``c = clamp(r, low, high)`` (cap or band).
 
-    The slope ``c A~`` at every selected token (the bound changes ``c`` only). Sets: ``r``
-    outside ``[low, high]``; low: below with ``A < 0``; high: above with ``A > 0``; dual: above
-    with ``A < 0`` (strict float comparisons). Returns as :func:`clip_surrogate`.
+    The slope ``c A~`` at every selected token (the bound changes ``c`` only). Sets, decided on
+    the log-ratio against the thresholds: ``r`` outside ``[low, high]``; low: below with
+    ``A < 0``; high: above with ``A > 0``; dual: above with ``A < 0``. Returns as
+    :func:`clip_surrogate`.
     """
     factor = ratio
     below = ratio < float("-inf")  # all False
     upper = below
     if HAS_LOW:
-        below = ratio < low
-        factor = tl.where(below, low, factor)
+        below = log_ratio < low_threshold
+        factor = tl.where(ratio < low, low, factor)
     if HAS_HIGH:
-        upper = ratio > high
-        factor = tl.where(upper, high, factor)
+        upper = log_ratio > high_threshold
+        factor = tl.where(ratio > high, high, factor)
     slope = factor * weighted
     negative = advantages < 0.0
     return (
@@ -126,30 +131,40 @@ def cispo_surrogate(
 
 
 @triton.jit
-def sapo_surrogate(ratio, passes, advantages, weighted, tau_positive, tau_negative, half_peak):
+def sapo_surrogate(
+    ratio, log_ratio, passes, advantages, weighted, tau_positive, tau_negative,
+    soft_low_positive, soft_high_positive, soft_low_negative, soft_high_negative,
+):  # fmt: skip
     r"""SAPO: ``w s = (4 sigma / tau) A~``, ``sigma = sigmoid(tau (r - 1))``, tau by sign of A.
 
     The slope ``4 sigma(x) sigma(-x) r A~`` where the log-ratio bound held. Soft-clipped:
-    ``|x| > half_peak`` (the gate's gradient weight below half its peak); low: with ``x < 0``
-    and ``A < 0``; high: ``x > 0``, ``A > 0``; dual: ``x > 0``, ``A < 0``.
+    ``|x| > h`` (the gate's gradient weight below half its peak), decided on the log-ratio:
+    below ``soft_low_*`` (``x < -h``) or above ``soft_high_*`` (``x > h``), the thresholds of
+    the sign's temperature (``rlobjectives.policy.surrogates.sapo.soft_clip_thresholds``); low:
+    below with ``A < 0``; high: above, ``A > 0``; dual: above, ``A < 0``.
     """
-    tau = tl.where(advantages > 0.0, tau_positive, tau_negative)
+    positive = advantages > 0.0
+    tau = tl.where(positive, tau_positive, tau_negative)
     x = (ratio - 1.0) * tau
     sigma = tl.sigmoid(x)
     slope = tl.where(passes, tl.sigmoid(-x) * sigma * ratio * 4.0 * weighted, 0.0)
     gate = sigma * 4.0 / tau
-    soft = tl.abs(x) > half_peak
+    soft_low = log_ratio < tl.where(positive, soft_low_positive, soft_low_negative)
+    soft_high = log_ratio > tl.where(positive, soft_high_positive, soft_high_negative)
     negative = advantages < 0.0
     return (
-        gate * weighted, slope, gate, soft, soft & (x < 0.0) & negative,
-        soft & (x > 0.0) & (advantages > 0.0), soft & (x > 0.0) & negative,
+        gate * weighted, slope, gate, soft_low | soft_high, soft_low & negative,
+        soft_high & positive, soft_high & negative,
     )  # fmt: skip
 
 
 @triton.jit
 def policy_terms(
     log_probs, old, advantages, sequence, importance, selected,
-    low, high, upper_positive, upper_negative, dual_clip, tau_positive, tau_negative, half_peak,
+    low, high, upper_positive, upper_negative, tau_positive, tau_negative,
+    low_threshold, high_threshold, upper_positive_threshold, upper_negative_threshold,
+    dual_low_threshold, dual_high_threshold,
+    soft_low_positive, soft_high_positive, soft_low_negative, soft_high_negative,
     bound, diagnostic_bound,
     SURROGATE: tl.constexpr, HAS_LOW: tl.constexpr, HAS_HIGH: tl.constexpr,
     HAS_UPPER_POSITIVE: tl.constexpr, HAS_UPPER_NEGATIVE: tl.constexpr, HAS_DUAL: tl.constexpr,
@@ -178,17 +193,21 @@ def policy_terms(
         weighted = advantages * importance
     if SURROGATE == 0:
         value, slope, factor, band, low_set, high_set, dual_set = clip_surrogate(
-            ratio, passes, advantages, weighted, low, high, upper_positive, upper_negative,
-            dual_clip, HAS_LOW, HAS_UPPER_POSITIVE, HAS_UPPER_NEGATIVE, HAS_DUAL,
+            ratio, log_ratio, passes, advantages, weighted, low, upper_positive, upper_negative,
+            low_threshold, high_threshold, upper_positive_threshold, upper_negative_threshold,
+            dual_low_threshold, dual_high_threshold,
+            HAS_LOW, HAS_UPPER_POSITIVE, HAS_UPPER_NEGATIVE, HAS_DUAL,
         )  # fmt: skip
     elif SURROGATE == 1:
         value, slope, factor, band, low_set, high_set, dual_set = cispo_surrogate(
-            log_probs, ratio, advantages, weighted, low, high, HAS_LOW, HAS_HIGH
-        )
+            log_probs, ratio, log_ratio, advantages, weighted, low, high, low_threshold,
+            high_threshold, HAS_LOW, HAS_HIGH,
+        )  # fmt: skip
     else:
         value, slope, factor, band, low_set, high_set, dual_set = sapo_surrogate(
-            ratio, passes, advantages, weighted, tau_positive, tau_negative, half_peak
-        )
+            ratio, log_ratio, passes, advantages, weighted, tau_positive, tau_negative,
+            soft_low_positive, soft_high_positive, soft_low_negative, soft_high_negative,
+        )  # fmt: skip
     kl_log_ratio = clamp_symmetric(token_log_ratio, diagnostic_bound)
     return (
         tl.where(selected, -value, 0.0), tl.where(selected, -slope, 0.0),
@@ -231,8 +250,11 @@ def token_loss_kernel(
     coefficient_ptr, loss_ptr, partial_ptr,
     n, advantages_divisor, advantages_stride, weights_divisor, weights_stride,
     sequence_divisor, sequence_stride, importance_divisor, importance_stride,
-    low, high, upper_positive, upper_negative, dual_clip, tau_positive, tau_negative,
-    half_peak, bound, diagnostic_bound, kl_coef, entropy_coef,
+    low, high, upper_positive, upper_negative, tau_positive, tau_negative,
+    low_threshold, high_threshold, upper_positive_threshold, upper_negative_threshold,
+    dual_low_threshold, dual_high_threshold,
+    soft_low_positive, soft_high_positive, soft_low_negative, soft_high_negative,
+    bound, diagnostic_bound, kl_coef, entropy_coef,
     SURROGATE: tl.constexpr, HAS_LOW: tl.constexpr, HAS_HIGH: tl.constexpr,
     HAS_UPPER_POSITIVE: tl.constexpr, HAS_UPPER_NEGATIVE: tl.constexpr, HAS_DUAL: tl.constexpr,
     HAS_BOUND: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_SEQUENCE: tl.constexpr,
@@ -287,8 +309,11 @@ def token_loss_kernel(
         terms = policy_terms(
             log_probs, tl.where(selected, old, 0.0), tl.where(selected, advantages, 0.0),
             tl.where(selected, sequence, 0.0), importance, selected,
-            low, high, upper_positive, upper_negative, dual_clip, tau_positive, tau_negative,
-            half_peak, bound, diagnostic_bound,
+            low, high, upper_positive, upper_negative, tau_positive, tau_negative,
+            low_threshold, high_threshold, upper_positive_threshold, upper_negative_threshold,
+            dual_low_threshold, dual_high_threshold,
+            soft_low_positive, soft_high_positive, soft_low_negative, soft_high_negative,
+            bound, diagnostic_bound,
             SURROGATE, HAS_LOW, HAS_HIGH, HAS_UPPER_POSITIVE, HAS_UPPER_NEGATIVE, HAS_DUAL,
             HAS_BOUND, HAS_SEQUENCE, HAS_IMPORTANCE,
         )  # fmt: skip

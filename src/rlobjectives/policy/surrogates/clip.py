@@ -19,11 +19,23 @@ which is, written per sign of the advantage,
 (:math:`c = \delta = \infty` when not given; without clipping :math:`H = \delta` for
 :math:`A > 0` and :math:`\min(c, \delta)` for :math:`A < 0`), product for product, with
 :math:`\partial s / \partial \ell = rA` where :math:`L \le r \le H` and the log-ratio is within
-its bound, else 0. Two functions hold the rule, shared by the autograd specification
-(:meth:`Clip.formula`), the fused stage (:meth:`Clip.stage`) and the Triton kernel's host-side
-setup (:meth:`Clip.kernel_flags`): :func:`clip_bounds` (the per-sign bounds, as numbers;
-:func:`per_sign_bounds` as tensors of the shape of :math:`A`) and :func:`clip_decisions` (which
-tokens the clip changes: :math:`r < L`, :math:`r > H`; the gradient passes where neither holds).
+its bound, else 0 (halved at an exact dual-clip tie :math:`r = c`, :math:`A < 0`). Three
+functions hold the rule, shared by the autograd specification (:meth:`Clip.formula`), the fused
+stage (:meth:`Clip.stage`) and the Triton kernel's host-side setup (:meth:`Clip.kernel_flags`):
+:func:`clip_bounds` (the per-sign bounds, as numbers; :func:`per_sign_bounds` as tensors of the
+shape of :math:`A`), :func:`per_sign_thresholds` (the same bounds as log-ratio thresholds) and
+:func:`clip_decisions` (which tokens the clip changes: :math:`r < L`, :math:`r > H`; the
+gradient passes where neither holds).
+
+**Decisions at a bound** (``docs/conventions.md``): :math:`r < L`, :math:`r > H`, the band's
+:math:`r \notin [1 - \epsilon_{low}, 1 + \epsilon_{high}]` and the tie :math:`r = c` are taken
+as a correctly rounded ``exp`` in the computation dtype would take them against the bounds
+rounded to that dtype, as comparisons of the log-ratio :math:`x` with the thresholds of
+:mod:`rlobjectives._core.decisions`: the same tokens on the autograd and fused paths and in the
+kernels, whatever their ``exp`` rounds to (the specification's :math:`r = 1.2` and
+:math:`0.8` with :math:`\epsilon = 0.2` are on the band). The values keep their formula
+(:math:`\mathrm{clip}(r, L, H)` is continuous: at a bound both branches agree to the rounding of
+:math:`r`).
 
 The fused stage is the formula above in tensor operations (``torch.maximum`` / ``minimum``
 with the per-sign bounds, comparisons into float indicators that are summed for the
@@ -40,7 +52,12 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ..._core.reduction import clamp
+from ..._core.decisions import (
+    host_threshold,
+    lower_threshold,
+    ratio_equal,
+    upper_threshold,
+)
 from ..._core.validation import Scalar, validate_scalar
 from .base import (
     Bound,
@@ -50,10 +67,18 @@ from .base import (
     StageOutputs,
     SurrogateInputs,
     SurrogateObjective,
-    band_sets,
+    ratio_band_sets,
 )
 
-__all__ = ["Clip", "ClipBounds", "clip_bounds", "clip_decisions", "per_sign_bounds"]
+__all__ = [
+    "Clip",
+    "ClipBounds",
+    "band_thresholds",
+    "clip_bounds",
+    "clip_decisions",
+    "per_sign_bounds",
+    "per_sign_thresholds",
+]
 
 
 @dataclass(frozen=True)
@@ -132,26 +157,34 @@ class Clip(SurrogateObjective):
                 object.__setattr__(self, field, checked)
 
     def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
-        r""":math:`\min(\min(r, \delta) A, \mathrm{clip}(r) A)`, then :math:`\max(s, cA)`, A < 0."""
+        r""":math:`s = A\,\mathrm{clip}(r, L, H)` per sign of A, clipped where the rule decides.
+
+        Product for product :math:`\max(\min(\min(r, \delta) A, \mathrm{clip}(r) A), cA)`;
+        written per sign so that autograd's branch is the decision of :func:`clip_decisions`
+        (the rounded products :math:`rA` and :math:`\mathrm{clip}(r) A` are not compared). At
+        an exact dual-clip tie :math:`r = c` (:math:`A < 0`) ``torch.maximum`` would split the
+        gradient: the value :math:`r`, half the gradient, as :math:`(r + \mathrm{sg}(r))/2`.
+        """
         ratio, advantages = inputs.ratio, inputs.advantages
-        capped = ratio if self.delta is None else clamp(ratio, -math.inf, self.delta)
-        surrogate = capped * advantages  # (B, T)
+        log_ratio = inputs.log_ratio.detach()
         bounds = clip_bounds(self)
-        if bounds.band is not None:
-            clipped = clamp(ratio, *bounds.band) * advantages  # (B, T)
-            surrogate = torch.minimum(surrogate, clipped)  # (B, T)
-        if self.dual is not None:
-            # Dual clip (Ye et al. 2020): for A < 0 the surrogate is bounded below by c * A.
-            surrogate = torch.where(
-                advantages < 0, torch.maximum(surrogate, self.dual * advantages), surrogate
-            )
+        lower, upper = per_sign_bounds(bounds, advantages)
+        low, beyond = clip_decisions(log_ratio, *per_sign_thresholds(bounds, advantages))
+        clipped = ratio  # (B, T): clip(r, L, H), the branch chosen by the decisions
+        if lower is not None:
+            clipped = torch.where(low, lower, clipped)
+        if upper is not None:
+            clipped = torch.where(beyond, upper, clipped)
+        if self.dual is not None:  # r == c exactly (A < 0): half the gradient, value r
+            tie = ratio_equal(log_ratio, self.dual) & (advantages < 0) & ~beyond
+            clipped = torch.where(tie, (ratio + ratio.detach()) * 0.5, clipped)
+        surrogate = clipped * advantages  # (B, T)
         ratio_d = ratio.detach()
         nonzero = advantages != 0
         safe = torch.where(nonzero, advantages, torch.ones_like(advantages))
         weight = torch.where(nonzero, surrogate.detach() / safe, ratio_d)  # w = s / A
         band = (None, None) if bounds.band is None else bounds.band
-        out_of_band = band_sets(ratio_d, advantages, *band)[0]
-        low, beyond = clip_decisions(ratio_d, *per_sign_bounds(bounds, advantages))
+        out_of_band = ratio_band_sets(log_ratio, advantages, *band)[0]
         high, dual = beyond & (advantages > 0), beyond & (advantages < 0)
         return FormulaTerms(surrogate, weight, out_of_band, low, high, dual)
 
@@ -160,17 +193,34 @@ class Clip(SurrogateObjective):
         return _clip_stage(self, inputs)
 
     def kernel_flags(self) -> dict[str, Any]:
-        """The kernel's ``"clip"`` setup: the band and the per-sign upper edges, the dual clip."""
+        """The kernel's ``"clip"`` setup: the band, the per-sign upper edges, the dual clip.
+
+        Each edge comes with its float32 log-ratio threshold (``*_threshold``: the decisions of
+        :func:`clip_decisions`, :mod:`rlobjectives._core.decisions`); the edges themselves give
+        the values.
+        """
         bounds = clip_bounds(self)
         band = (None, None) if bounds.band is None else bounds.band
+        dual = self.dual
         return {
             "surrogate": "clip",
             "low": _number(band[0]),
             "high": _number(band[1]),
             "upper_positive": _number(bounds.upper_positive),
             "upper_negative": _number(bounds.upper_negative),
-            "dual_clip": _number(self.dual),
+            "dual_clip": _number(dual),
+            "low_threshold": _host(band[0], upper=False),
+            "high_threshold": _host(band[1], upper=True),
+            "upper_positive_threshold": _host(bounds.upper_positive, upper=True),
+            "upper_negative_threshold": _host(bounds.upper_negative, upper=True),
+            "dual_low_threshold": _host(dual, upper=False),
+            "dual_high_threshold": _host(dual, upper=True),
         }
+
+
+def _host(bound: Bound | None, *, upper: bool) -> float | None:
+    """The float32 threshold of an edge for the kernel (None without the edge)."""
+    return None if bound is None else host_threshold(bound, upper=upper)
 
 
 def _number(value: Bound | None) -> float | None:
@@ -250,24 +300,67 @@ def per_sign_bounds(
     return lower, upper
 
 
+def per_sign_thresholds(
+    bounds: ClipBounds, advantages: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """:func:`per_sign_bounds` as log-ratio thresholds ``(t-(L), t+(H))`` in the dtype of ``A``.
+
+    ``r < L`` is ``x < t-(L)`` and ``r > H`` is ``x > t+(H)`` for the log-ratio ``x``
+    (:func:`rlobjectives._core.decisions.lower_threshold` / ``upper_threshold``: a correctly
+    rounded ``exp`` in that dtype against the bound rounded to it); ``-inf`` / ``+inf`` where a
+    side has no bound.
+    """
+    dtype = advantages.dtype
+    negative, positive = advantages < 0, advantages > 0
+    inf = _as_tensor(math.inf, advantages)
+    lower = None
+    if bounds.lower_negative is not None:
+        edge = lower_threshold(bounds.lower_negative, dtype)
+        lower = torch.where(negative, _as_tensor(edge, advantages), -inf)
+    upper = None
+    if bounds.upper_positive is not None or bounds.upper_negative is not None:
+        on_positive = _upper(bounds.upper_positive, dtype)
+        on_negative = _upper(bounds.upper_negative, dtype)
+        upper = torch.where(
+            positive,
+            _as_tensor(on_positive, advantages),
+            torch.where(negative, _as_tensor(on_negative, advantages), inf),
+        )
+    return lower, upper
+
+
+def band_thresholds(bounds: ClipBounds, dtype: torch.dtype) -> tuple[Bound | None, Bound | None]:
+    """The band's thresholds ``(t-(1 - eps_low), t+(1 + eps_high))`` (None without a band)."""
+    if bounds.band is None:
+        return None, None
+    return lower_threshold(bounds.band[0], dtype), upper_threshold(bounds.band[1], dtype)
+
+
+def _upper(bound: Bound | None, dtype: torch.dtype) -> Bound:
+    return math.inf if bound is None else upper_threshold(bound, dtype)
+
+
 def clip_decisions(
-    ratio: torch.Tensor,
+    log_ratio: torch.Tensor,
     lower: torch.Tensor | None,
     upper: torch.Tensor | None,
     *,
     dtype: torch.dtype = torch.bool,
     out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where the clip binds: ``(r < L, r > H)`` with the per-sign bounds of :func:`per_sign_bounds`.
+    """Where the clip binds: ``(r < L, r > H)``, as ``(x < t-(L), x > t+(H))`` on the log-ratio.
 
-    The one decision rule of the clip: ``r < L`` is the low edge binding (``A < 0``), ``r > H``
-    an upper edge (the high edge for ``A > 0``, the dual clip or ``delta`` for ``A < 0``), and
-    the gradient passes where neither holds, ``L <= r <= H`` (``torch.clamp``'s closed
-    interval). The formula (:meth:`Clip.formula`) asks for bool sets, the fused stage for float
-    indicators (``dtype``: 1.0 where the clip binds), which it sums and multiplies; ``out``: a
-    scratch buffer of that dtype for ``r > H``.
+    The one decision rule of the clip, with the thresholds of :func:`per_sign_thresholds`:
+    ``r < L`` is the low edge binding (``A < 0``), ``r > H`` an upper edge (the high edge for
+    ``A > 0``, the dual clip or ``delta`` for ``A < 0``), and the gradient passes where neither
+    holds, ``L <= r <= H`` (``torch.clamp``'s closed interval), as a correctly rounded ``exp``
+    would decide it (``docs/conventions.md``, "Decisions at a bound"; a NaN log-ratio is in
+    neither set). The formula (:meth:`Clip.formula`) asks for bool sets, the fused stage for
+    float indicators (``dtype``: 1.0 where the clip binds), which it sums and multiplies;
+    ``out``: a scratch buffer of that dtype for ``r > H``.
     """
-    return _compare(torch.lt, ratio, lower, dtype), _compare(torch.gt, ratio, upper, dtype, out)
+    below = _compare(torch.lt, log_ratio, lower, dtype)
+    return below, _compare(torch.gt, log_ratio, upper, dtype, out)
 
 
 def _compare(
@@ -299,21 +392,25 @@ def _clip_stage(clip: Clip, inputs: StageInputs) -> StageOutputs:
     :math:`\partial s / \partial \ell = r \tilde A` where :func:`clip_decisions` lets the
     gradient pass (:math:`L \le r \le H`) and the log-ratio bound held, else 0, halved at an
     exact dual-clip tie :math:`r = c` (``torch.maximum``'s convention); the counts of the clip
-    diagnostics. The ratio is exactly 1 at unselected tokens, never clipped (``L <= 1 <= H``):
-    their decisions are 0 and their clipped ratio 1, so the selected sums are the full sums
-    minus the unselected count.
+    diagnostics. Every decision is taken on the log-ratio by the rule (``docs/conventions.md``,
+    "Decisions at a bound"). The ratio is exactly 1 at unselected tokens, never clipped
+    (``L <= 1 <= H``): their decisions are 0 and their clipped ratio 1, so the selected sums
+    are the full sums minus the unselected count.
     """
-    ratio, weighted, dtype = inputs.ratio, inputs.weighted, inputs.dtype
+    ratio, log_ratio = inputs.ratio, inputs.log_ratio
+    weighted, dtype = inputs.weighted, inputs.dtype
     bounds = clip_bounds(clip)
     lower, upper = per_sign_bounds(bounds, inputs.advantages)
     # clip(r, L, H) as max then min: both propagate NaN like torch.clamp (a fresh buffer)
     clipped = ratio.clone() if lower is None else torch.maximum(ratio, lower)
     if upper is not None:
         clipped = torch.minimum(clipped, upper, out=clipped)
-    band = (None, None) if bounds.band is None else bounds.band
-    scratch = _compare(torch.lt, ratio, band[0], dtype)  # (B, T): r below the band, any sign
-    out_of_band = scratch.sum() + _compare(torch.gt, ratio, band[1], dtype, out=scratch).sum()
-    below, above = clip_decisions(ratio, lower, upper, dtype=dtype, out=scratch)  # 1.0: binds
+    # The decisions, on the log-ratio against the thresholds of the bounds (the rule)
+    band = band_thresholds(bounds, dtype)
+    scratch = _compare(torch.lt, log_ratio, band[0], dtype)  # (B, T): r below the band, any sign
+    out_of_band = scratch.sum() + _compare(torch.gt, log_ratio, band[1], dtype, out=scratch).sum()
+    thresholds = per_sign_thresholds(bounds, inputs.advantages)
+    below, above = clip_decisions(log_ratio, *thresholds, dtype=dtype, out=scratch)  # 1.0: binds
     negative = (inputs.advantages < 0).to(dtype)  # shape of A
     positive = (inputs.advantages > 0).to(dtype)
     above_rows = above.sum(-1, keepdim=True) if positive.shape[-1] == 1 else above
@@ -327,8 +424,9 @@ def _clip_stage(clip: Clip, inputs: StageInputs) -> StageOutputs:
         coefficient = coefficient.mul_(weighted).mul_(inputs.passes)
     blocked = below.add_(above)  # 1.0 where the clip binds
     if clip.dual is not None:  # at r == c exactly torch.maximum(s, cA) ties: half the gradient
-        tie = torch.eq(ratio, _as_tensor(clip.dual, ratio), out=above).mul_(negative)
-        blocked = torch.maximum(blocked, tie.mul_(0.5), out=blocked)  # unless a clip binds
+        tie = torch.ge(log_ratio, _as_tensor(lower_threshold(clip.dual, dtype), ratio), out=above)
+        tie = tie.mul_(log_ratio <= _as_tensor(upper_threshold(clip.dual, dtype), ratio))
+        blocked = torch.maximum(blocked, tie.mul_(negative).mul_(0.5), out=blocked)
     coefficient = coefficient.addcmul_(coefficient, blocked, value=-1.0)  # c (1 - blocked)
     # Sums over the selected tokens: r - 1 and clip(r, L, H) - 1 are exactly 0 at the others.
     count = inputs.selected_count.to(dtype)
