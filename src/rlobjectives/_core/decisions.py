@@ -57,7 +57,7 @@ import decimal
 import math
 from collections.abc import Callable
 from fractions import Fraction
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 import torch
 
@@ -81,8 +81,12 @@ def constant_when_traced(function: _Function) -> _Function:
 
     For the host computations of thresholds from Python numbers (the hyperparameters of a
     surrogate object are constants of the graph): ``decimal`` cannot be traced, and need not be.
+    This is ``torch.compiler.assume_constant_result``, which only sets the attribute below;
+    calling it would import ``torch._dynamo`` (and triton) with the library, so the attribute is
+    set directly (``tests/core/test_decisions.py`` checks that the two agree).
     """
-    return cast(_Function, torch.compiler.assume_constant_result(function))  # type: ignore[no-untyped-call]
+    function._dynamo_marked_constant = True  # type: ignore[attr-defined]
+    return function
 
 
 # Precision (decimal digits) of the starting ln and the first exact comparison: float64 midpoints
@@ -224,18 +228,22 @@ def _host_lower(bound: float, dtype: torch.dtype) -> float:
     return _smallest_above_log(_midpoints(rounded, dtype)[0], dtype)  # type: ignore[arg-type]
 
 
+# Rounding to nearest float32 sends e^x to infinity from this value on: the largest float32 plus
+# half its ulp (2^128 - 2^103, exact in float64).
+_FLOAT32_OVERFLOW = 2.0**128 - 2.0**103
+
+
 def _device_threshold(bound: torch.Tensor, dtype: torch.dtype, upper: bool) -> torch.Tensor:
     """The threshold of a 0-d tensor bound, on its device (see the module docstring)."""
     value = bound.detach().to(dtype)
     if dtype == torch.float64:  # the documented fallback: ln B by the backend's float64 log
         return torch.log(value)
-    wide = value.double()
     inf = torch.tensor(math.inf, dtype=dtype, device=value.device)
     neighbour = torch.nextafter(value, inf if upper else -inf).double()
-    if upper:  # beyond the largest float32: the overflow threshold
-        overflow = 2.0 * wide - _prev(value).double()  # b + (b - prev b): exact in float64
-        neighbour = torch.where(torch.isinf(neighbour), overflow, neighbour)
-    midpoint = (wide + neighbour) * 0.5  # exact in float64 (float32 midpoints have 25 bits)
+    midpoint = (value.double() + neighbour) * 0.5  # exact in float64 (float32 midpoints: 25 bits)
+    # the midpoint beyond the largest float32 (above it, or below infinity): the overflow value
+    beyond = torch.isinf(neighbour) if upper else torch.isinf(value)
+    midpoint = torch.where(beyond, _FLOAT32_OVERFLOW, midpoint)
     log = torch.log(midpoint)  # float64
     candidate = log.to(dtype)
     if upper:  # the largest float32 strictly below ln m
@@ -245,10 +253,6 @@ def _device_threshold(bound: torch.Tensor, dtype: torch.dtype, upper: bool) -> t
     stepped = torch.nextafter(candidate, inf)  # the smallest float32 strictly above ln m
     threshold = torch.where(candidate.double() <= log, stepped, candidate)
     return torch.where(value <= 0, -inf, threshold)
-
-
-def _prev(value: torch.Tensor) -> torch.Tensor:
-    return torch.nextafter(value, torch.tensor(-math.inf, dtype=value.dtype, device=value.device))
 
 
 def upper_threshold(bound: float | torch.Tensor, dtype: torch.dtype) -> Threshold:

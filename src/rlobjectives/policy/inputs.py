@@ -102,6 +102,11 @@ class PolicyLossDiagnostics(NamedTuple):
       ``A > 0``; dual: 0 (only one edge binds per sign).
     - :class:`~rlobjectives.VESPO`: no clipping (the clip fields are 0).
 
+    Every comparison of ``r`` with an edge is decided as a correctly rounded ``exp`` in the
+    computation dtype would decide it against the edge rounded to that dtype (the same on every
+    backend; an edge itself is inside the band): ``docs/conventions.md``, "Decisions at a
+    bound".
+
     Attributes:
         clipped_fraction: ratio strictly outside the band, any sign of the advantage (the seed's
             definition; a superset of the binding clips). 0 without a band.

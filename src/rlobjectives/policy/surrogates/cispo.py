@@ -53,7 +53,8 @@ class CISPO(SurrogateObjective):
     with :math:`\epsilon_{low}` = ``low`` and :math:`\epsilon_{high}` = ``high``; the gradient
     flows through :math:`\ell` only, at every selected token. Its fused stage is
     :meth:`CISPO.stage` (weight bounds :func:`cispo_bounds`), its Triton kernel the ``"cispo"``
-    surrogate of :mod:`rlobjectives.kernels.jit.token_loss`.
+    surrogate of :mod:`rlobjectives.kernels.jit.token_loss`. Its clip diagnostics decide the
+    cap and the band by the rule of ``docs/conventions.md`` ("Decisions at a bound").
 
     Attributes:
         cap: TRL's absolute cap of the weight (its ``epsilon_high``, e.g. 5.0 in ScaleRL),

@@ -23,9 +23,9 @@ its bound, else 0 (halved at an exact dual-clip tie :math:`r = c`, :math:`A < 0`
 functions hold the rule, shared by the autograd specification (:meth:`Clip.formula`), the fused
 stage (:meth:`Clip.stage`) and the Triton kernel's host-side setup (:meth:`Clip.kernel_flags`):
 :func:`clip_bounds` (the per-sign bounds, as numbers; :func:`per_sign_bounds` as tensors of the
-shape of :math:`A`), :func:`per_sign_thresholds` (the same bounds as log-ratio thresholds) and
-:func:`clip_decisions` (which tokens the clip changes: :math:`r < L`, :math:`r > H`; the
-gradient passes where neither holds).
+shape of :math:`A`), :func:`clip_thresholds` / :func:`per_sign_thresholds` (the same bounds as
+log-ratio thresholds) and :func:`clip_decisions` (which tokens the clip changes:
+:math:`r < L`, :math:`r > H`; the gradient passes where neither holds).
 
 **Decisions at a bound** (``docs/conventions.md``): :math:`r < L`, :math:`r > H`, the band's
 :math:`r \notin [1 - \epsilon_{low}, 1 + \epsilon_{high}]` and the tie :math:`r = c` are taken
@@ -52,12 +52,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ..._core.decisions import (
-    host_threshold,
-    lower_threshold,
-    ratio_equal,
-    upper_threshold,
-)
+from ..._core.decisions import constant_when_traced, lower_threshold, upper_threshold
 from ..._core.validation import Scalar, validate_scalar
 from .base import (
     Bound,
@@ -67,15 +62,15 @@ from .base import (
     StageOutputs,
     SurrogateInputs,
     SurrogateObjective,
-    ratio_band_sets,
 )
 
 __all__ = [
     "Clip",
     "ClipBounds",
-    "band_thresholds",
+    "ClipThresholds",
     "clip_bounds",
     "clip_decisions",
+    "clip_thresholds",
     "per_sign_bounds",
     "per_sign_thresholds",
 ]
@@ -94,6 +89,9 @@ class Clip(SurrogateObjective):
     ``dual`` and :math:`\delta` = ``delta``; the loss is :math:`-s` per token. Its fused stage
     is :meth:`Clip.stage` (per-sign bounds :func:`clip_bounds`: ``s = A clip(r, L, H)``), its
     Triton kernel the ``"clip"`` surrogate of :mod:`rlobjectives.kernels.jit.token_loss`.
+    Which tokens the clip changes is decided on the log-ratio as a correctly rounded ``exp``
+    would decide it (``docs/conventions.md``, "Decisions at a bound"): a ratio equal to an edge
+    after rounding is on the band, on every backend.
 
     Attributes:
         low: :math:`0 \le \epsilon_{low} < 1`; None: no clipping, :math:`s = rA` (vanilla
@@ -167,24 +165,24 @@ class Clip(SurrogateObjective):
         """
         ratio, advantages = inputs.ratio, inputs.advantages
         log_ratio = inputs.log_ratio.detach()
-        bounds = clip_bounds(self)
+        bounds, thresholds = clip_bounds(self), clip_thresholds(self, log_ratio.dtype)
         lower, upper = per_sign_bounds(bounds, advantages)
-        low, beyond = clip_decisions(log_ratio, *per_sign_thresholds(bounds, advantages))
+        low, beyond = clip_decisions(log_ratio, *per_sign_thresholds(thresholds, advantages))
         clipped = ratio  # (B, T): clip(r, L, H), the branch chosen by the decisions
         if lower is not None:
             clipped = torch.where(low, lower, clipped)
         if upper is not None:
             clipped = torch.where(beyond, upper, clipped)
-        if self.dual is not None:  # r == c exactly (A < 0): half the gradient, value r
-            tie = ratio_equal(log_ratio, self.dual) & (advantages < 0) & ~beyond
+        if thresholds.dual is not None:  # r == c exactly (A < 0): half the gradient, value r
+            tie = _on(log_ratio, thresholds.dual) & (advantages < 0) & ~beyond
             clipped = torch.where(tie, (ratio + ratio.detach()) * 0.5, clipped)
         surrogate = clipped * advantages  # (B, T)
         ratio_d = ratio.detach()
         nonzero = advantages != 0
         safe = torch.where(nonzero, advantages, torch.ones_like(advantages))
         weight = torch.where(nonzero, surrogate.detach() / safe, ratio_d)  # w = s / A
-        band = (None, None) if bounds.band is None else bounds.band
-        out_of_band = ratio_band_sets(log_ratio, advantages, *band)[0]
+        below_band = _compare(torch.lt, log_ratio, thresholds.band_low, torch.bool)
+        out_of_band = below_band | _compare(torch.gt, log_ratio, thresholds.band_high, torch.bool)
         high, dual = beyond & (advantages > 0), beyond & (advantages < 0)
         return FormulaTerms(surrogate, weight, out_of_band, low, high, dual)
 
@@ -199,28 +197,23 @@ class Clip(SurrogateObjective):
         :func:`clip_decisions`, :mod:`rlobjectives._core.decisions`); the edges themselves give
         the values.
         """
-        bounds = clip_bounds(self)
+        bounds, thresholds = clip_bounds(self), clip_thresholds(self, torch.float32)
         band = (None, None) if bounds.band is None else bounds.band
-        dual = self.dual
+        dual = (None, None) if thresholds.dual is None else thresholds.dual
         return {
             "surrogate": "clip",
             "low": _number(band[0]),
             "high": _number(band[1]),
             "upper_positive": _number(bounds.upper_positive),
             "upper_negative": _number(bounds.upper_negative),
-            "dual_clip": _number(dual),
-            "low_threshold": _host(band[0], upper=False),
-            "high_threshold": _host(band[1], upper=True),
-            "upper_positive_threshold": _host(bounds.upper_positive, upper=True),
-            "upper_negative_threshold": _host(bounds.upper_negative, upper=True),
-            "dual_low_threshold": _host(dual, upper=False),
-            "dual_high_threshold": _host(dual, upper=True),
+            "dual_clip": _number(self.dual),
+            "low_threshold": _number(thresholds.band_low),
+            "high_threshold": _number(thresholds.band_high),
+            "upper_positive_threshold": _number(thresholds.upper_positive),
+            "upper_negative_threshold": _number(thresholds.upper_negative),
+            "dual_low_threshold": _number(dual[0]),
+            "dual_high_threshold": _number(dual[1]),
         }
-
-
-def _host(bound: Bound | None, *, upper: bool) -> float | None:
-    """The float32 threshold of an edge for the kernel (None without the edge)."""
-    return None if bound is None else host_threshold(bound, upper=upper)
 
 
 def _number(value: Bound | None) -> float | None:
@@ -300,27 +293,102 @@ def per_sign_bounds(
     return lower, upper
 
 
-def per_sign_thresholds(
-    bounds: ClipBounds, advantages: torch.Tensor
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """:func:`per_sign_bounds` as log-ratio thresholds ``(t-(L), t+(H))`` in the dtype of ``A``.
+class ClipThresholds(NamedTuple):
+    """:class:`ClipBounds` as log-ratio thresholds of one computation dtype (None: no bound).
 
-    ``r < L`` is ``x < t-(L)`` and ``r > H`` is ``x > t+(H)`` for the log-ratio ``x``
-    (:func:`rlobjectives._core.decisions.lower_threshold` / ``upper_threshold``: a correctly
-    rounded ``exp`` in that dtype against the bound rounded to it); ``-inf`` / ``+inf`` where a
-    side has no bound.
+    ``r < B`` is ``x < t-(B)`` and ``r > B`` is ``x > t+(B)`` for the log-ratio ``x``
+    (:mod:`rlobjectives._core.decisions`: a correctly rounded ``exp`` in that dtype against the
+    bound rounded to it); Python floats for number fields, 0-d tensors for tensor fields.
     """
-    dtype = advantages.dtype
+
+    band_low: Bound | None  # t-(1 - eps_low): below the band (clipped_fraction)
+    band_high: Bound | None  # t+(1 + eps_high): above the band
+    lower_negative: Bound | None  # t-(1 - eps_low): the low edge of A < 0
+    upper_positive: Bound | None  # t+(min(1 + eps_high, delta))
+    upper_negative: Bound | None  # t+(min(c, max(1 + eps_high, delta)))
+    dual: tuple[Bound, Bound] | None  # (t-(c), t+(c)): the tie r == c
+
+
+#: The thresholds of the clips with number fields, per (fields, dtype): a call with the same
+#: hyperparameters reads them back (cleared past 1024 entries).
+_THRESHOLDS: dict[tuple[Any, ...], ClipThresholds] = {}
+
+
+def clip_thresholds(clip: Clip, dtype: torch.dtype) -> ClipThresholds:
+    """The thresholds of :func:`clip_bounds` in ``dtype``, computed once per hyperparameters.
+
+    Number fields: the host's exact thresholds, kept per (fields, dtype) (a constant of a
+    ``torch.compile`` graph); tensor fields: on their device at every call (a schedule or a
+    learnable value changes between calls).
+    """
+    fields = (clip.low, clip.high, clip.dual, clip.delta)
+    if any(isinstance(field, torch.Tensor) for field in fields):
+        return _thresholds(clip, dtype)
+    thresholds: ClipThresholds = _number_thresholds(*fields, dtype)
+    return thresholds
+
+
+@constant_when_traced  # its inputs are Python numbers
+def _number_thresholds(
+    low: Scalar | None,
+    high: Scalar | None,
+    dual: Scalar | None,
+    delta: Scalar | None,
+    dtype: torch.dtype,
+) -> ClipThresholds:
+    key = (low, high, dual, delta, dtype)
+    thresholds = _THRESHOLDS.get(key)
+    if thresholds is None:
+        clip = object.__new__(Clip)  # the fields were validated by the object that has them
+        for name, value in zip(("low", "high", "dual", "delta"), key[:4], strict=True):
+            object.__setattr__(clip, name, value)
+        thresholds = _thresholds(clip, dtype)
+        if len(_THRESHOLDS) >= 1024:
+            _THRESHOLDS.clear()
+        _THRESHOLDS[key] = thresholds
+    return thresholds
+
+
+def _thresholds(clip: Clip, dtype: torch.dtype) -> ClipThresholds:
+    bounds = clip_bounds(clip)
+    band = (None, None) if bounds.band is None else bounds.band
+    dual = None if clip.dual is None else (_lower(clip.dual, dtype), _upper(clip.dual, dtype))
+    return ClipThresholds(
+        _lower(band[0], dtype),
+        _upper(band[1], dtype),
+        _lower(bounds.lower_negative, dtype),
+        _upper(bounds.upper_positive, dtype),
+        _upper(bounds.upper_negative, dtype),
+        dual,  # type: ignore[arg-type]
+    )
+
+
+def _lower(bound: Bound | None, dtype: torch.dtype) -> Bound | None:
+    return None if bound is None else lower_threshold(bound, dtype)
+
+
+def _upper(bound: Bound | None, dtype: torch.dtype) -> Bound | None:
+    return None if bound is None else upper_threshold(bound, dtype)
+
+
+def per_sign_thresholds(
+    thresholds: ClipThresholds, advantages: torch.Tensor
+) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """``(t-(L), t+(H))`` of :func:`per_sign_bounds` as tensors of the shape of ``A``.
+
+    ``r < L`` is ``x < t-(L)`` and ``r > H`` is ``x > t+(H)`` for the log-ratio ``x``;
+    ``-inf`` / ``+inf`` where a side has no bound (``A = 0`` or NaN included).
+    """
     negative, positive = advantages < 0, advantages > 0
     inf = _as_tensor(math.inf, advantages)
     lower = None
-    if bounds.lower_negative is not None:
-        edge = lower_threshold(bounds.lower_negative, dtype)
-        lower = torch.where(negative, _as_tensor(edge, advantages), -inf)
+    if thresholds.lower_negative is not None:
+        edge = _as_tensor(thresholds.lower_negative, advantages)
+        lower = torch.where(negative, edge, -inf)
     upper = None
-    if bounds.upper_positive is not None or bounds.upper_negative is not None:
-        on_positive = _upper(bounds.upper_positive, dtype)
-        on_negative = _upper(bounds.upper_negative, dtype)
+    if thresholds.upper_positive is not None or thresholds.upper_negative is not None:
+        on_positive = inf if thresholds.upper_positive is None else thresholds.upper_positive
+        on_negative = inf if thresholds.upper_negative is None else thresholds.upper_negative
         upper = torch.where(
             positive,
             _as_tensor(on_positive, advantages),
@@ -329,15 +397,11 @@ def per_sign_thresholds(
     return lower, upper
 
 
-def band_thresholds(bounds: ClipBounds, dtype: torch.dtype) -> tuple[Bound | None, Bound | None]:
-    """The band's thresholds ``(t-(1 - eps_low), t+(1 + eps_high))`` (None without a band)."""
-    if bounds.band is None:
-        return None, None
-    return lower_threshold(bounds.band[0], dtype), upper_threshold(bounds.band[1], dtype)
-
-
-def _upper(bound: Bound | None, dtype: torch.dtype) -> Bound:
-    return math.inf if bound is None else upper_threshold(bound, dtype)
+def _on(log_ratio: torch.Tensor, edges: tuple[Bound, Bound]) -> torch.Tensor:
+    """Bool ``r == c``: ``t-(c) <= x <= t+(c)``."""
+    return (log_ratio >= _as_tensor(edges[0], log_ratio)) & (
+        log_ratio <= _as_tensor(edges[1], log_ratio)
+    )
 
 
 def clip_decisions(
@@ -350,7 +414,8 @@ def clip_decisions(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Where the clip binds: ``(r < L, r > H)``, as ``(x < t-(L), x > t+(H))`` on the log-ratio.
 
-    The one decision rule of the clip, with the thresholds of :func:`per_sign_thresholds`:
+    The one decision rule of the clip, with the thresholds of :func:`per_sign_thresholds`
+    (:func:`clip_thresholds`):
     ``r < L`` is the low edge binding (``A < 0``), ``r > H`` an upper edge (the high edge for
     ``A > 0``, the dual clip or ``delta`` for ``A < 0``), and the gradient passes where neither
     holds, ``L <= r <= H`` (``torch.clamp``'s closed interval), as a correctly rounded ``exp``
@@ -399,18 +464,18 @@ def _clip_stage(clip: Clip, inputs: StageInputs) -> StageOutputs:
     """
     ratio, log_ratio = inputs.ratio, inputs.log_ratio
     weighted, dtype = inputs.weighted, inputs.dtype
-    bounds = clip_bounds(clip)
+    bounds, thresholds = clip_bounds(clip), clip_thresholds(clip, dtype)
     lower, upper = per_sign_bounds(bounds, inputs.advantages)
     # clip(r, L, H) as max then min: both propagate NaN like torch.clamp (a fresh buffer)
     clipped = ratio.clone() if lower is None else torch.maximum(ratio, lower)
     if upper is not None:
         clipped = torch.minimum(clipped, upper, out=clipped)
     # The decisions, on the log-ratio against the thresholds of the bounds (the rule)
-    band = band_thresholds(bounds, dtype)
-    scratch = _compare(torch.lt, log_ratio, band[0], dtype)  # (B, T): r below the band, any sign
-    out_of_band = scratch.sum() + _compare(torch.gt, log_ratio, band[1], dtype, out=scratch).sum()
-    thresholds = per_sign_thresholds(bounds, inputs.advantages)
-    below, above = clip_decisions(log_ratio, *thresholds, dtype=dtype, out=scratch)  # 1.0: binds
+    scratch = _compare(torch.lt, log_ratio, thresholds.band_low, dtype)  # (B, T): below the band
+    above_band = (torch.gt, log_ratio, thresholds.band_high, dtype)  # then above it, in scratch
+    out_of_band = scratch.sum() + _compare(*above_band, out=scratch).sum()
+    edges = per_sign_thresholds(thresholds, inputs.advantages)
+    below, above = clip_decisions(log_ratio, *edges, dtype=dtype, out=scratch)  # 1.0: binds
     negative = (inputs.advantages < 0).to(dtype)  # shape of A
     positive = (inputs.advantages > 0).to(dtype)
     above_rows = above.sum(-1, keepdim=True) if positive.shape[-1] == 1 else above
@@ -423,9 +488,9 @@ def _clip_stage(clip: Clip, inputs: StageInputs) -> StageOutputs:
         coefficient = torch.nan_to_num(ratio, nan=0.0, posinf=math.inf, neginf=-math.inf)
         coefficient = coefficient.mul_(weighted).mul_(inputs.passes)
     blocked = below.add_(above)  # 1.0 where the clip binds
-    if clip.dual is not None:  # at r == c exactly torch.maximum(s, cA) ties: half the gradient
-        tie = torch.ge(log_ratio, _as_tensor(lower_threshold(clip.dual, dtype), ratio), out=above)
-        tie = tie.mul_(log_ratio <= _as_tensor(upper_threshold(clip.dual, dtype), ratio))
+    if thresholds.dual is not None:  # at r == c exactly torch.maximum(s, cA) ties: half
+        tie = torch.ge(log_ratio, _as_tensor(thresholds.dual[0], ratio), out=above)  # t-(c) <= x
+        tie = tie.mul_(log_ratio <= _as_tensor(thresholds.dual[1], ratio))  # x <= t+(c)
         blocked = torch.maximum(blocked, tie.mul_(negative).mul_(0.5), out=blocked)
     coefficient = coefficient.addcmul_(coefficient, blocked, value=-1.0)  # c (1 - blocked)
     # Sums over the selected tokens: r - 1 and clip(r, L, H) - 1 are exactly 0 at the others.

@@ -57,7 +57,8 @@ class SAPO(SurrogateObjective):
     :math:`A \le 0`; at :math:`r = 1` the gate is :math:`2/\tau` with slope 1, and far from
     :math:`r = 1` its gradient vanishes smoothly (a soft clip). Its fused stage is
     :meth:`SAPO.stage`, its Triton kernel the ``"sapo"`` surrogate of
-    :mod:`rlobjectives.kernels.jit.token_loss`.
+    :mod:`rlobjectives.kernels.jit.token_loss`. Its soft-clip count decides
+    :math:`|\tau(r - 1)| > h` by the rule of ``docs/conventions.md`` ("Decisions at a bound").
 
     Attributes:
         temperature_pos: :math:`\tau_+ > 0` for :math:`A > 0`.
