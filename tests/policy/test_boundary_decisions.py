@@ -156,3 +156,85 @@ def test_compiled_tensor_bounds_decide_as_eager() -> None:
     assert leaves[0].grad is not None and leaves[1].grad is not None
     assert torch.equal(leaves[0].grad == 0, leaves[1].grad == 0)
     torch.testing.assert_close(leaves[0].grad, leaves[1].grad)
+
+
+# Cross-backend and hidden-state checks: kept to the cases whose gradient takes a decision
+# (Clip) plus one CISPO and one SAPO case for the diagnostics, one launch each.
+CROSS_CASES = ["band", "dual", "delta", "vanilla_delta_dual", "cispo_band", "sapo"]
+
+
+@requires_triton
+@pytest.mark.kernels
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", CROSS_CASES)
+def test_torch_and_triton_agree_on_the_sweep(case: str, input_dtype: torch.dtype) -> None:
+    # The same diagnostics, bit for bit, and the same gradient support (values within the
+    # rounding of exp, which differs between torch and the interpreter's NumPy): no decision
+    # depends on the backend.
+    surrogate = CASES[case]
+    batch = boundary_batch(sweep_points(surrogate, input_dtype), input_dtype)
+    torch_out, torch_gradient = _run("fused", surrogate, batch)
+    triton_out, triton_gradient = _run("triton", surrogate, batch)
+    for name in COUNTS:
+        assert torch.equal(
+            getattr(torch_out.diagnostics, name), getattr(triton_out.diagnostics, name)
+        )
+    assert torch.equal(torch_gradient == 0, triton_gradient == 0)
+    tolerance = 1e-2 if input_dtype == torch.bfloat16 else 1e-6
+    torch.testing.assert_close(triton_gradient, torch_gradient, rtol=tolerance, atol=0.0)
+
+
+# The hidden-state path: logits (80, 0) make the sampled token's log-probability exactly 0 on
+# every backend (log-sum-exp = 80 + log(1 + e^-80) = 80 in float32), so the log-ratio is
+# exactly -old = the sweep point; p_1 = e^-80 ~ 1.8e-35 (a normal float32) carries the
+# per-token coefficient c into the hidden gradient: d loss / d h_1 = -c p_1.
+_LOGIT = 80.0
+
+
+def _hidden_batch(
+    points: list[float], input_dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    count = len(points)
+    hidden = torch.zeros(2, count, 2, dtype=input_dtype)
+    hidden[..., 0] = 1.0
+    weight = torch.tensor([[_LOGIT, 0.0], [0.0, 1.0]], dtype=input_dtype)
+    tokens = torch.zeros(2, count, dtype=torch.long)
+    old = -torch.tensor([points, points], dtype=torch.float64).to(input_dtype)
+    return hidden, weight, tokens, old, torch.tensor([1.0, -1.0], dtype=input_dtype)
+
+
+HIDDEN_BACKENDS = ["torch", pytest.param("triton", marks=[requires_triton, pytest.mark.kernels])]
+
+
+@pytest.mark.parametrize("backend_name", HIDDEN_BACKENDS)
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["dual", "delta", "cispo_cap", "sapo"])
+def test_hidden_state_path_gives_the_rules_decisions(
+    case: str, input_dtype: torch.dtype, backend_name: str
+) -> None:
+    from rlobjectives.logprobs.fused import fused_policy_loss_from_hidden
+
+    surrogate = CASES[case]
+    points = sweep_points(surrogate, input_dtype)
+    hidden, weight, tokens, old, advantages = _hidden_batch(points, input_dtype)
+    leaf = hidden.clone().requires_grad_(True)
+    mask = torch.ones(tokens.shape, dtype=torch.bool)
+    with use_kernels(backend_name):
+        out = fused_policy_loss_from_hidden(
+            leaf, weight, tokens, old, advantages, mask, surrogate=surrogate
+        )
+        (gradient,) = torch.autograd.grad(out.loss, leaf)
+    counts, factors = expected_totals(surrogate, points, torch.float32)
+    selected = 2 * len(points)
+    for name, count in zip(COUNTS, counts, strict=True):
+        assert round(float(getattr(out.diagnostics, name)) * selected) == count, name
+    if factors[0] is None:
+        return
+    # c = -A r factor / n, and d loss / d h_1 = -c p_1 = A r factor p_1 / n
+    x = -old.float()
+    scale = torch.tensor([[1.0], [-1.0]]) * torch.exp(x) * math.exp(-_LOGIT) / selected
+    observed = (gradient[..., 1].float() / scale).reshape(-1)
+    want = torch.tensor(factors, dtype=torch.float32)
+    assert torch.equal(observed == 0, want == 0)
+    tolerance = 2e-2 if input_dtype == torch.bfloat16 else 1e-5
+    torch.testing.assert_close(observed, want, rtol=tolerance, atol=0.0)
