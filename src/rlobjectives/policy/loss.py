@@ -263,6 +263,8 @@ def run_autograd(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutpu
     """:func:`policy_loss` through the autograd specification (:mod:`.specification`)."""
     inputs = call.inputs
     terms = policy_terms(inputs, call.options, call.diagnostics_normalizer, call.layout)
+    if terms.loss_mask is not None:  # the surrogate narrows the loss's selection (M2PO)
+        call = call._replace(inputs=inputs._replace(mask=terms.loss_mask))
     output = _finish(call, terms.per_token_loss, terms.per_token_loss, terms.diagnostics)
     return output if return_per_token else output._replace(per_token_loss=None)
 

@@ -1,0 +1,277 @@
+r"""DPPO (divergence proximal policy optimisation): a trust region on the token probabilities.
+
+With :math:`p = e^{\ell}` and :math:`p^{old} = e^{\ell^{old}}` the probabilities of the sampled
+token under the current and the behaviour policy, :math:`r` the ratio after the log-ratio bound
+and :math:`A` the advantage, DPPO keeps the tokens inside a trust region on a *binary*
+divergence between :math:`p` and :math:`p^{old}` (not a band on the ratio), one-sided per sign
+of the advantage (:math:`A \le 0` takes the low rule, as verl and prime-rl):
+
+.. math::
+
+    \text{TV:}\quad & \text{kept} \iff p - p^{old} \le \delta_{high}\ (A > 0), \quad
+        p - p^{old} \ge -\delta_{low}\ (A \le 0); \\
+    \text{KL:}\quad & \text{kept} \iff D \le \delta_{high} \lor p \le p^{old}\ (A > 0), \quad
+        D \le \delta_{low} \lor p \ge p^{old}\ (A \le 0), \\
+    & D = p^{old} \log\frac{p^{old}}{p} + (1 - p^{old}) \log\frac{1 - p^{old} + \varepsilon}
+        {1 - p + \varepsilon}, \quad \varepsilon = 10^{-8},
+
+and the surviving tokens get :math:`s = \mathrm{sg}(\min(r, c))\, A\, \ell` (verl's value form,
+:math:`c` = ``ratio_cap``); without a cap, :math:`s = rA` (prime-rl's and SkyRL's value form,
+the same gradient :math:`rA`). A masked token has value and gradient 0 and stays in the
+reduction's denominator. The decision is one function, :func:`dppo_trust_region`, shared by the
+formula (:meth:`DPPO.formula`), the fused stage (:meth:`DPPO.stage`) and, in the same
+arithmetic, the Triton kernel (``dppo_tv`` / ``dppo_kl`` of
+:mod:`rlobjectives.kernels.jit.token_loss`).
+
+Numerics: :math:`1 - p` is :math:`-\mathrm{expm1}(\ell)` (verl's ``1 - exp(l)`` loses every digit
+in float32 for :math:`\ell > -6 \cdot 10^{-8}`, the near-certain tokens), the complement's
+log-ratio is :math:`\mathrm{log1p}\big(p^{old}\mathrm{expm1}(\Delta) / (1 - p + \varepsilon)\big)`
+(no cancellation), :math:`p^{old} \log(p^{old}/p) = p^{old}(\ell^{old} - \ell)` is 0 at
+:math:`p^{old} = 0` (its limit; verl computes NaN there and masks the token), and the direction
+clause compares :math:`\ell` with :math:`\ell^{old}` (exact). The TV difference is
+:math:`e^{\ell} - e^{\ell^{old}}` in the computation dtype, as every peer: against an absolute
+threshold its absolute error (2 ulp of 1) is harmless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..._core.validation import Scalar, validate_scalar
+from .base import (
+    ClipCounts,
+    FormulaTerms,
+    StageInputs,
+    StageOutputs,
+    SurrogateInputs,
+    SurrogateObjective,
+)
+
+__all__ = ["BINARY_KL_EPSILON", "DIVERGENCES", "DPPO", "binary_kl", "dppo_trust_region"]
+
+#: verl's and SkyRL's epsilon in the binary KL's complement term.
+BINARY_KL_EPSILON = 1e-8
+#: The divergences of DPPO, with the default threshold of each (SkyRL's documented values; the
+#: TV one is prime-rl's ``dppo_mask_low`` / ``dppo_mask_high``).
+DIVERGENCES: dict[str, float] = {"tv": 0.2, "kl": 0.05}
+
+
+@dataclass(frozen=True)
+class DPPO(SurrogateObjective):
+    r"""DPPO: :math:`s = \mathrm{sg}(\min(r, c)) A \ell` on the tokens inside a binary trust region.
+
+    The trust region is the binary total-variation (``"tv"``) or binary KL (``"kl"``) divergence
+    between :math:`p = e^{\ell}` and :math:`p^{old}`, one-sided per sign of :math:`A` (see the
+    module docstring for the conditions; :func:`dppo_trust_region` decides them). A token
+    outside it has value and gradient 0 and stays in the reduction's denominator; a token
+    inside has :math:`\partial s / \partial \ell = \min(r, c) A` (the capped ratio is a
+    constant weight, as CISPO's), or, with ``ratio_cap=None``, :math:`s = rA` with the same
+    gradient :math:`rA`. Its fused stage is :meth:`DPPO.stage`, its Triton kernel the ``dppo_tv``
+    / ``dppo_kl`` surrogates of :mod:`rlobjectives.kernels.jit.token_loss`. The divergence is
+    decided per token: ``ratio_level`` must be ``"token"``.
+
+    Attributes:
+        divergence: ``"tv"`` (Binary-TV, arXiv:2602.04879 Eq. 13) or ``"kl"`` (Binary-KL, Eq. 14).
+        low: :math:`\delta_{low} \ge 0`, the threshold for :math:`A \le 0` tokens (verl's
+            ``clip_ratio_low``); None: the divergence's default, 0.2 for ``"tv"`` (prime-rl's
+            ``dppo_mask_low``, SkyRL) and 0.05 for ``"kl"`` (SkyRL's recommendation). For
+            ``"tv"`` at most 1 (``|p - p_old| <= 1``).
+        high: :math:`\delta_{high} \ge 0`, the threshold for :math:`A > 0` tokens (verl's
+            ``clip_ratio_high``); None means ``low``.
+        ratio_cap: :math:`c > 0`, the cap of the ratio weight (verl's ``clip_ratio_c``; the
+            paper recommends a large value, Sec. 5.4: 20.0). None: no cap, and the value form
+            :math:`rA` of prime-rl and SkyRL (same gradient where :math:`r \le c`).
+
+    Raises:
+        ValueError: an unknown ``divergence``, a negative threshold, a ``"tv"`` threshold above
+            1, ``ratio_cap <= 0`` or a non-finite value (the message names the field).
+        TypeError: a field that is not a real number or a 0-d real tensor (``divergence``: not
+            a string).
+
+    References:
+        DPPO, arXiv:2602.04879 Eq. 13 (Binary-TV) and Eq. 14 (Binary-KL), Sec. 5.4 (the cap).
+
+    Peer options: verl ``policy_loss.loss_mode="dppo_tv"`` / ``"dppo_kl"`` =
+    ``DPPO(divergence, low=clip_ratio_low, high=clip_ratio_high, ratio_cap=clip_ratio_c)``
+    (verl's ``ActorConfig.clip_ratio_c`` is 3.0 unless set); prime-rl ``default_loss_fn`` =
+    ``DPPO("tv", low=dppo_mask_low, high=dppo_mask_high, ratio_cap=None)`` with
+    ``log_ratio_bound=None`` (plus its ``kl_tau`` term); SkyRL ``dppo_policy_loss`` =
+    ``DPPO("tv" | "kl", low=delta_low, high=delta_high, ratio_cap=None)``.
+
+    Examples:
+        >>> DPPO()
+        DPPO(divergence='tv', low=0.2, high=0.2, ratio_cap=20.0)
+        >>> DPPO("kl", ratio_cap=3.0)
+        DPPO(divergence='kl', low=0.05, high=0.05, ratio_cap=3.0)
+
+    .. versionadded:: 0.4.0
+    """
+
+    divergence: str = "tv"
+    low: Scalar | None = None
+    high: Scalar | None = None
+    ratio_cap: Scalar | None = 20.0
+
+    name: ClassVar[str] = "dppo"
+    takes_sequence_ratio: ClassVar[bool] = False
+    token_ratio_reason: ClassVar[str] = "decides its trust region per token"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.divergence, str):
+            raise TypeError(
+                f"DPPO.divergence must be a string, one of {sorted(DIVERGENCES)}, got "
+                f"{type(self.divergence).__name__} ({self.divergence!r})"
+            )
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(
+                f"DPPO.divergence must be one of {sorted(DIVERGENCES)}, got {self.divergence!r}"
+            )
+        low = DIVERGENCES[self.divergence] if self.low is None else self.low
+        low = self._threshold(low, "low")
+        high = low if self.high is None else self._threshold(self.high, "high")
+        object.__setattr__(self, "low", low)
+        object.__setattr__(self, "high", high)
+        if self.ratio_cap is not None:
+            cap = validate_scalar(self.ratio_cap, "DPPO.ratio_cap", minimum=0.0, strict=True)
+            object.__setattr__(self, "ratio_cap", cap)
+
+    def _threshold(self, value: Scalar, field: str) -> float | torch.Tensor:
+        checked = validate_scalar(value, f"DPPO.{field}", minimum=0.0)
+        number = float(checked) if not isinstance(checked, torch.Tensor) else None
+        if self.divergence == "tv" and number is not None and number > 1.0:
+            raise ValueError(
+                f"DPPO.{field} must be <= 1 for divergence='tv' (|p - p_old| <= 1), got {number}"
+            )
+        return checked
+
+    def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
+        r""":math:`\mathrm{sg}(\min(r, c)) A \ell` (or :math:`rA`) in the trust region, else 0."""
+        old = inputs.old_log_probs
+        assert old is not None  # the specification passes the (selected) old log-probs
+        advantages, mask = inputs.advantages, inputs.mask
+        kept = dppo_trust_region(inputs.log_probs.detach(), old, advantages, self) & mask
+        ratio = inputs.ratio
+        zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+        if self.ratio_cap is None:
+            weight = torch.where(kept, ratio.detach(), zero)
+            values = torch.where(kept, ratio, zero) * advantages  # r A: gradient r A
+            capped = torch.zeros_like(kept)
+        else:
+            cap = torch.as_tensor(self.ratio_cap, dtype=ratio.dtype, device=ratio.device)
+            weight = torch.where(kept, torch.minimum(ratio.detach(), cap), zero)
+            values = weight * advantages * inputs.log_probs  # sg(min(r, c)) A l
+            capped = kept & (ratio.detach() > cap)
+        outside = mask & ~kept
+        return FormulaTerms(
+            values,
+            weight,
+            out_of_band=outside,
+            below=outside & (advantages < 0),
+            above=outside & (advantages > 0),
+            dual=capped,
+        )
+
+    def stage(self, inputs: StageInputs) -> StageOutputs:
+        r"""The fused stage: the trust region, then CISPO's weight :math:`\min(r, c)` on it.
+
+        Values :math:`w \tilde A \ell` (or :math:`w \tilde A` without a cap) and the
+        coefficient :math:`w \tilde A` with :math:`w = 1[\text{kept}] \min(r, c)` (without a cap
+        times the log-ratio bound's indicator, as :math:`\partial r / \partial \ell`); the clip
+        counts are the tokens outside the region (all, ``A < 0``, ``A > 0``) and ``dual`` the
+        capped ones.
+        """
+        ratio, mask, dtype = inputs.ratio, inputs.mask, inputs.dtype
+        assert inputs.old_log_probs is not None  # the fused path passes them
+        zero = torch.zeros((), dtype=dtype, device=ratio.device)
+        log_probs = torch.where(mask, inputs.log_probs.to(dtype), zero)  # (B, T)
+        old = torch.where(mask, inputs.old_log_probs.to(dtype), zero)  # (B, T)
+        kept = dppo_trust_region(log_probs, old, inputs.advantages, self) & mask  # (B, T)
+        outside = mask & ~kept
+        advantages = inputs.advantages
+        clip = ClipCounts(
+            outside.sum(), (outside & (advantages < 0)).sum(), (outside & (advantages > 0)).sum()
+        )
+        if self.ratio_cap is None:
+            weight = torch.where(kept, ratio, zero)  # (B, T)
+            dual = torch.zeros((), dtype=torch.int64, device=ratio.device)
+            values = weight * inputs.weighted  # r A~
+            coefficient = values if inputs.passes is None else values * inputs.passes
+        else:
+            cap = torch.as_tensor(self.ratio_cap, dtype=dtype, device=ratio.device)
+            dual = (kept & (ratio > cap)).sum()
+            weight = torch.where(kept, torch.minimum(ratio, cap), zero)  # (B, T)
+            coefficient = weight * inputs.weighted  # (B, T), 0 at unselected tokens
+            values = log_probs.mul_(coefficient)  # w A~ l
+        unselected = ratio.numel() - inputs.selected_count  # r = 1 at unselected tokens
+        ratio_sum = ratio.sum() - unselected
+        return StageOutputs(coefficient, values, clip, dual, ratio_sum, weight.sum())
+
+    def kernel_flags(self) -> dict[str, Any]:
+        """The kernel's ``"dppo_tv"`` / ``"dppo_kl"`` setup: the thresholds and the cap."""
+        assert self.low is not None and self.high is not None  # resolved at construction
+        return {
+            "surrogate": f"dppo_{self.divergence}",
+            "low": float(self.low),
+            "high": float(self.high),
+            "ratio_cap": None if self.ratio_cap is None else float(self.ratio_cap),
+        }
+
+
+def binary_kl(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Tensor:
+    r"""DPPO's binary KL :math:`D(p^{old} \| p)` with verl's :math:`\varepsilon`, no NaN at 0, 1.
+
+    .. math::
+
+        D = p^{old} (\ell^{old} - \ell) + (1 - p^{old})\,
+            \mathrm{log1p}\Big(\frac{p^{old}\,\mathrm{expm1}(\ell - \ell^{old})}
+            {-\mathrm{expm1}(\ell) + \varepsilon}\Big),
+
+    which is :math:`p^{old}\log(p^{old}/p) + (1 - p^{old})\log\frac{1 - p^{old} + \varepsilon}
+    {1 - p + \varepsilon}` without cancellation (the complement difference :math:`(1 - p^{old}) -
+    (1 - p) = p - p^{old} = p^{old}\,\mathrm{expm1}(\Delta)`); the first term is 0 at
+    :math:`p^{old} = 0` (its limit) and the complement difference is :math:`p` there.
+    """
+    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
+    old_probability = torch.exp(old_log_probs)
+    present = old_probability > 0
+    first = torch.where(present, old_probability * (old_log_probs - log_probs), zero)
+    moved = torch.where(
+        present, old_probability * torch.expm1(log_probs - old_log_probs), torch.exp(log_probs)
+    )  # p - p_old
+    complement = -torch.expm1(log_probs) + BINARY_KL_EPSILON  # 1 - p + eps
+    second = -torch.expm1(old_log_probs) * torch.log1p(moved / complement)
+    return first + second
+
+
+def dppo_trust_region(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    dppo: DPPO,
+) -> torch.Tensor:
+    r"""Where a token stays inside DPPO's trust region (bool, the broadcast shape of the inputs).
+
+    The one decision rule of DPPO (module docstring): ``"tv"``: :math:`p - p^{old} \le
+    \delta_{high}` for :math:`A > 0`, :math:`p - p^{old} \ge -\delta_{low}` for :math:`A \le 0`;
+    ``"kl"``: :math:`D \le \delta_{high} \lor \ell \le \ell^{old}` for :math:`A > 0`,
+    :math:`D \le \delta_{low} \lor \ell \ge \ell^{old}` for :math:`A \le 0`
+    (:func:`binary_kl`). The thresholds are compared in the dtype of the inputs (the
+    computation dtype); a NaN divergence is outside. ``log_probs`` and ``old_log_probs`` are
+    the selected values (zeros elsewhere), detached.
+    """
+    dtype, device = log_probs.dtype, log_probs.device
+    low = torch.as_tensor(dppo.low, dtype=dtype, device=device)
+    high = torch.as_tensor(dppo.high, dtype=dtype, device=device)
+    positive = advantages > 0
+    if dppo.divergence == "tv":
+        moved = torch.exp(log_probs) - torch.exp(old_log_probs)  # p - p_old
+        return torch.where(positive, moved <= high, moved >= -low)
+    divergence = binary_kl(log_probs, old_log_probs)
+    return torch.where(
+        positive,
+        (divergence <= high) | (log_probs <= old_log_probs),
+        (divergence <= low) | (log_probs >= old_log_probs),
+    )
