@@ -403,6 +403,18 @@ def policy_loss(
         (i, t): -value * (1.0 if folds else _weight(weights, i, t))
         for (i, t), value in surrogates.items()
     }
+    reduce = {
+        "reduction": reduction,
+        "normalizer": normalizer,
+        "max_response_length": max_response_length,
+    }
+    if surrogate_name(options.get("surrogate", "clip")) == "m2po":
+        # M2PO: the surrogate over its kept tokens (the dict's keys), the bonus over the mask's
+        loss = reduce_losses(losses, tuple(mask.shape), **reduce)  # type: ignore[arg-type]
+        if entropy is not None and entropy_coef != 0:
+            bonus = {k: -entropy_coef * entropy[k] for k in _selected_tokens(mask)}
+            loss = loss + reduce_losses(bonus, tuple(mask.shape), **reduce)  # type: ignore[arg-type]
+        return loss
     if entropy is not None and entropy_coef != 0:
         losses = {(i, t): v - entropy_coef * entropy[i, t] for (i, t), v in losses.items()}
     return reduce_losses(

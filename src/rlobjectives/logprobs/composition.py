@@ -123,13 +123,6 @@ def loss_value(
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
     loss, kl_loss, entropy_loss = out.loss, zero, zero
     mask = inputs.mask
-    narrows = call.options.surrogate.narrows_selection  # M2PO: the kept tokens
-    if narrows and (kl is not None or entropy is not None):
-        log_ratio = masked_fill_zero(
-            log_probs.detach().to(inputs.dtype) - inputs.old_log_probs.to(inputs.dtype), mask
-        )
-        narrowed = call.options.surrogate.loss_tokens(log_ratio, mask)
-        mask = mask if narrowed is None else narrowed
     if kl is not None:
         terms = kl_terms(
             log_probs,

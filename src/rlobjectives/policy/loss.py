@@ -18,9 +18,9 @@ import torch
 
 from .._core.backend import kernel_backend
 from .._core.layout import token_ndim, token_output
-from .._core.reduction import Reduction
+from .._core.reduction import Reduction, reduce
 from .._core.validation import ArrayLike, Scalar, checks_environment, validate_bool
-from .fused import _finish, run_fused
+from .fused import _finish, entropy_term, run_fused
 from .inputs import (
     PolicyCall,
     PolicyLossOutput,
@@ -263,10 +263,18 @@ def run_autograd(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutpu
     """:func:`policy_loss` through the autograd specification (:mod:`.specification`)."""
     inputs = call.inputs
     terms = policy_terms(inputs, call.options, call.diagnostics_normalizer, call.layout)
-    if terms.loss_mask is not None:  # the surrogate narrows the loss's selection (M2PO)
-        call = call._replace(inputs=inputs._replace(mask=terms.loss_mask))
-    output = _finish(call, terms.per_token_loss, terms.per_token_loss, terms.diagnostics)
-    return output if return_per_token else output._replace(per_token_loss=None)
+    per_token = terms.per_token_loss
+    if terms.loss_mask is None:
+        output = _finish(call, per_token, per_token, terms.diagnostics)
+        return output if return_per_token else output._replace(per_token_loss=None)
+    # M2PO: the surrogate is reduced over its kept tokens, the entropy bonus over the call's.
+    surrogate = reduce(per_token, terms.loss_mask, call.reduction, call.layout)
+    output = _finish(call, surrogate, None, terms.diagnostics)
+    if not return_per_token:
+        return output
+    bonus = entropy_term(call)
+    per_token = per_token if bonus is None else per_token + bonus
+    return output._replace(per_token_loss=per_token.to(inputs.output_dtype))
 
 
 def _policy_loss_autograd(*args: ArrayLike, **kwargs: Any) -> PolicyLossOutput:

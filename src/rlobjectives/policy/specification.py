@@ -132,7 +132,7 @@ def surrogate_diagnostics(
 class PolicyTerms(NamedTuple):
     """Per-token loss ``-w s`` ``(B, T)`` (zeros at unselected tokens) and diagnostics.
 
-    ``loss_mask``: the tokens the loss is reduced over when the surrogate narrows the call's
+    ``loss_mask``: the tokens the surrogate is reduced over when it narrows the call's
     selection (M2PO's kept tokens; the per-token loss is 0 at the others), else None.
     """
 

@@ -21,9 +21,8 @@ Class attributes: ``name`` (the string that means the object with its defaults),
 sequence-level GMPO and VESPO form their own sequence ratio, and the batch-level M2PO, ClipCov
 and KLCov select tokens from the whole call), ``takes_sequence_ratio`` (``ratio_level="sequence"``
 allowed: GSPO's sequence ratio in place of the token ratio; ``token_ratio_reason`` says why not
-in the error), ``folds_importance_weights`` (the importance weights enter the formula instead
-of scaling the per-token loss: VESPO) and ``narrows_selection`` (the loss is reduced over a
-subset of the call's tokens, :meth:`SurrogateObjective.loss_tokens`: M2PO).
+in the error) and ``folds_importance_weights`` (the importance weights enter the formula instead
+of scaling the per-token loss: VESPO).
 
 Fields are Python numbers or 0-d tensors; a tensor that requires grad (a learnable
 hyperparameter) routes the call to the autograd path.
@@ -79,7 +78,7 @@ class FormulaTerms(NamedTuple):
     dual: torch.Tensor  # bool (B, T): dual_clip_fraction
     # bool (B, T): selected_fraction (tokens the objective masks, detaches or penalises), or None
     selected: torch.Tensor | None = None
-    # bool (B, T): the tokens the policy loss is reduced over when the objective narrows the
+    # bool (B, T): the tokens the surrogate is reduced over when the objective narrows the
     # call's selection (M2PO's kept tokens), or None (the call's mask)
     loss_mask: torch.Tensor | None = None
 
@@ -131,7 +130,6 @@ class SurrogateObjective:
     takes_sequence_ratio: ClassVar[bool] = True
     token_ratio_reason: ClassVar[str] = "forms its own sequence ratio"
     folds_importance_weights: ClassVar[bool] = False
-    narrows_selection: ClassVar[bool] = False  # loss_tokens narrows the loss's tokens (M2PO)
 
     def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
         """The readable autograd specification of the surrogate (see the subclass)."""
@@ -144,15 +142,6 @@ class SurrogateObjective:
     def kernel_flags(self) -> dict[str, Any]:
         """The Triton token-loss kernel's setup: surrogate name, edges, scalars, flags."""
         raise NotImplementedError(f"{type(self).__name__} has no Triton kernel")
-
-    def loss_tokens(self, log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor | None:
-        """The tokens the loss is reduced over, when the surrogate narrows the call's selection.
-
-        ``log_ratio``: the call's raw log-ratio ``(B, T)`` (zeros at unselected tokens). None
-        (every surrogate but M2PO): the call's mask. The formula reports the same set as
-        :attr:`FormulaTerms.loss_mask`; the hidden-state path's KL and entropy terms ask here.
-        """
-        return None
 
 
 def above(ratio: torch.Tensor, bound: Bound | None) -> torch.Tensor:

@@ -12,11 +12,13 @@ unclipped surrogate :math:`s = rA` (the paper's) or PPO's clip on the kept token
     \mathcal{L} = \mathrm{reduce}_K\big(-s\big), \qquad s = rA \ \text{or}\
     \min\big(rA, \mathrm{clip}(r, 1 - \epsilon_{low}, 1 + \epsilon_{high})A\big).
 
-The kept tokens form the loss's selection: ``token_mean`` divides by :math:`|K|` (AReaL's
+The kept tokens form the surrogate's selection: ``token_mean`` divides by :math:`|K|` (AReaL's
 ``ppo_actor_loss_fn``, which divides by the M2PO-masked loss mask), ``sequence_mean`` by each
-row's kept count, and the entropy bonus (and the KL term of
-:func:`rlobjectives.fused_policy_loss_from_hidden`) is reduced over :math:`K` too; the
-diagnostics stay over the call's mask (``selected_fraction`` is the masked fraction). The
+row's kept count (a row with nothing kept leaves the mean). The other terms keep the call's
+mask and reduction (the entropy bonus, the KL term of
+:func:`rlobjectives.fused_policy_loss_from_hidden`: M2PO selects the tokens of its surrogate),
+and so do the diagnostics (``selected_fraction`` is the masked fraction); ``per_token_loss``
+is :math:`-s` at the kept tokens, 0 at the masked ones, plus the bonus. The
 paper's denominator, the original token count :math:`\sum_i |o_i|` (arXiv:2510.01161, the
 objective with the M2PO mask), is ``normalizer=`` that count with ``reduction="token_mean"``.
 
@@ -49,11 +51,11 @@ class M2PO(SurrogateObjective):
     The kept tokens :math:`K` are those left after masking the fewest of the largest
     :math:`\Delta^2` whose removal brings the second moment of the rest below ``threshold``
     (see the module docstring); :math:`\Delta` is the call's raw log-ratio (detached). A
-    masked token has value and gradient 0 and leaves the loss's selection (AReaL's
-    denominator, the kept count); the diagnostics are over the call's selected tokens, with
-    ``selected_fraction`` the masked fraction. The mask needs the whole call: the autograd
-    specification :meth:`M2PO.formula` runs (no fused stage, no kernel), ``ratio_level`` must
-    be ``"token"``.
+    masked token has value and gradient 0 and leaves the surrogate's selection (AReaL's
+    denominator, the kept count; the entropy bonus keeps the call's tokens); the diagnostics
+    are over the call's selected tokens, with ``selected_fraction`` the masked fraction. The
+    mask needs the whole call: the autograd specification :meth:`M2PO.formula` runs (no fused
+    stage, no kernel), ``ratio_level`` must be ``"token"``.
 
     Attributes:
         threshold: :math:`\tau > 0`, the bound of the kept tokens' second moment (AReaL's
@@ -94,7 +96,6 @@ class M2PO(SurrogateObjective):
     token_local: ClassVar[bool] = False
     takes_sequence_ratio: ClassVar[bool] = False
     token_ratio_reason: ClassVar[str] = "selects tokens of the whole call"
-    narrows_selection: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         threshold = validate_scalar(self.threshold, "M2PO.threshold", minimum=0.0, strict=True)
@@ -110,7 +111,7 @@ class M2PO(SurrogateObjective):
         if self.high is not None:
             object.__setattr__(self, "high", validate_scalar(self.high, "M2PO.high", minimum=0.0))
 
-    def loss_tokens(self, log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    def kept(self, log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The kept tokens ``K`` (bool, the shape of ``mask``) of the call's raw log-ratio."""
         return m2po_kept(log_ratio.detach(), mask, self.threshold)
 
@@ -119,7 +120,7 @@ class M2PO(SurrogateObjective):
         old = inputs.old_log_probs
         assert old is not None  # the specification passes the (selected) old log-probs
         mask = inputs.mask
-        kept = self.loss_tokens(inputs.log_probs.detach() - old, mask)  # (B, T)
+        kept = self.kept(inputs.log_probs.detach() - old, mask)  # (B, T)
         ratio = inputs.ratio
         if self.low is None:
             values, weight = ratio * inputs.advantages, ratio.detach()

@@ -82,7 +82,8 @@ def m2po_kept(log_ratio: torch.Tensor, mask: torch.Tensor, threshold: Scalar) ->
     suffix = values.flip(0).cumsum(0).flip(0)  # the sums of the kept values, AReaL's order
     remaining = (count - position).clamp(min=1).to(squares.dtype)
     below = valid & (suffix / remaining < threshold)
-    first = torch.where(below.any(), torch.argmax(below.to(torch.int8)), count - 1)
+    fallback = count - 1  # none below: all but the smallest are masked
+    first = torch.cat([torch.where(below, position, fallback), fallback.reshape(1)]).min()
     kept_sorted = position >= first
     kept = torch.zeros_like(flat_mask).scatter(0, order, kept_sorted)
     return kept.reshape(mask.shape) & mask
