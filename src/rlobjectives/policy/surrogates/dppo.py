@@ -24,9 +24,10 @@ arithmetic, the Triton kernel (``dppo_tv`` / ``dppo_kl`` of
 :mod:`rlobjectives.kernels.jit.token_loss`).
 
 Numerics: :math:`1 - p` is :math:`-\mathrm{expm1}(\ell)` (verl's ``1 - exp(l)`` loses every digit
-in float32 for :math:`\ell > -6 \cdot 10^{-8}`, the near-certain tokens), the complement's
+in float32 for :math:`\ell > -6 \cdot 10^{-8}`, the near-certain tokens), the complements'
 log-ratio is :math:`\mathrm{log1p}\big(p^{old}\mathrm{expm1}(\Delta) / (1 - p + \varepsilon)\big)`
-(no cancellation), :math:`p^{old} \log(p^{old}/p) = p^{old}(\ell^{old} - \ell)` is 0 at
+where they are close (no cancellation; :func:`binary_kl`), :math:`p^{old} \log(p^{old}/p) =
+p^{old}(\ell^{old} - \ell)` is 0 at
 :math:`p^{old} = 0` (its limit; verl computes NaN there and masks the token), and the direction
 clause compares :math:`\ell` with :math:`\ell^{old}` (exact). The TV difference is
 :math:`e^{\ell} - e^{\ell^{old}}` in the computation dtype, as every peer: against an absolute
@@ -225,14 +226,16 @@ def binary_kl(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Ten
 
     .. math::
 
-        D = p^{old} (\ell^{old} - \ell) + (1 - p^{old})\,
-            \mathrm{log1p}\Big(\frac{p^{old}\,\mathrm{expm1}(\ell - \ell^{old})}
-            {-\mathrm{expm1}(\ell) + \varepsilon}\Big),
+        D = p^{old} (\ell^{old} - \ell) + (1 - p^{old}) \log\frac{1 - p^{old} + \varepsilon}
+            {1 - p + \varepsilon}, \qquad 1 - p = -\mathrm{expm1}(\ell),
 
-    which is :math:`p^{old}\log(p^{old}/p) + (1 - p^{old})\log\frac{1 - p^{old} + \varepsilon}
-    {1 - p + \varepsilon}` without cancellation (the complement difference :math:`(1 - p^{old}) -
-    (1 - p) = p - p^{old} = p^{old}\,\mathrm{expm1}(\Delta)`); the first term is 0 at
-    :math:`p^{old} = 0` (its limit) and the complement difference is :math:`p` there.
+    the log of the complements as :math:`\mathrm{log1p}(x)`, :math:`x = (p - p^{old}) / (1 - p +
+    \varepsilon)` with :math:`p - p^{old} = p^{old}\,\mathrm{expm1}(\ell - \ell^{old})` where
+    :math:`|x| \le 1/2` (the complements close: no cancellation), as the difference of the two
+    logarithms elsewhere (far apart: none either; and finite when :math:`x \to -1`, e.g.
+    :math:`p^{old} = 1` in float32, where :math:`\varepsilon` is below the resolution of
+    :math:`1 - p`). The first term is 0 at :math:`p^{old} = 0` (its limit), and
+    :math:`p - p^{old}` is :math:`p` there.
     """
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
     old_probability = torch.exp(old_log_probs)
@@ -240,10 +243,17 @@ def binary_kl(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Ten
     first = torch.where(present, old_probability * (old_log_probs - log_probs), zero)
     moved = torch.where(
         present, old_probability * torch.expm1(log_probs - old_log_probs), torch.exp(log_probs)
-    )  # p - p_old
+    )  # p - p_old = (1 - p_old) - (1 - p)
+    old_complement = -torch.expm1(old_log_probs)  # 1 - p_old
     complement = -torch.expm1(log_probs) + BINARY_KL_EPSILON  # 1 - p + eps
-    second = -torch.expm1(old_log_probs) * torch.log1p(moved / complement)
-    return first + second
+    relative = moved / complement
+    close = relative.abs() <= 0.5  # log1p where the two complements are close, else the logs
+    log_ratio = torch.where(
+        close,
+        torch.log1p(torch.where(close, relative, zero)),
+        torch.log(old_complement + BINARY_KL_EPSILON) - torch.log(complement),
+    )
+    return first + old_complement * log_ratio
 
 
 def dppo_trust_region(
