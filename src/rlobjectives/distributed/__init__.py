@@ -488,7 +488,7 @@ def global_m2po_mask(
         >>> global_m2po_mask(torch.tensor([[0.1, -0.5, 0.3, 1.0]]), torch.ones(1, 4))
         tensor([[ True, False, False, False]])
 
-    .. versionadded:: 0.4.0
+    .. versionadded:: 0.3.0
     """
     if not process_group_active(group):
         return m2po_mask(log_ratio, mask, threshold=threshold)
@@ -543,7 +543,7 @@ def global_cov_selection(
     References:
         Cui et al. 2025, arXiv:2505.22617 (Clip-Cov, KL-Cov).
 
-    .. versionadded:: 0.4.0
+    .. versionadded:: 0.3.0
     """
     if not process_group_active(group):
         return cov_selection(

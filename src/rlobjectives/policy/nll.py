@@ -88,7 +88,7 @@ def nll_loss(
         >>> nll_loss(lp, torch.tensor([[1, 1, 0], [1, 0, 0]]))  # (0.5 + 1 + 4) / 3
         tensor(1.8333)
 
-    .. versionadded:: 0.4.0
+    .. versionadded:: 0.3.0
     """
     packed = cu_seqlens is not None
     values = as_float_tensor(log_probs, "log_probs")

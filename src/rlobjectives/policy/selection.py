@@ -83,7 +83,7 @@ def m2po_mask(
         >>> m2po_mask(torch.tensor([[0.1, -0.5, 0.3, 0.05, 1.0, 0.2]]), torch.ones(1, 6))
         tensor([[ True, False,  True,  True, False,  True]])
 
-    .. versionadded:: 0.4.0
+    .. versionadded:: 0.3.0
     """
     packed = cu_seqlens is not None
     values = as_float_tensor(log_ratio, "log_ratio")
@@ -180,7 +180,7 @@ def cov_selection(
         Cui et al. 2025, arXiv:2505.22617 (Clip-Cov, KL-Cov); verl ``compute_policy_loss_clip_cov``
         / ``compute_policy_loss_kl_cov``.
 
-    .. versionadded:: 0.4.0
+    .. versionadded:: 0.3.0
     """
     objective = as_surrogate(surrogate)
     if not isinstance(objective, ClipCov | KLCov):

@@ -147,7 +147,7 @@ class ClipCov(SurrogateObjective):
         >>> ClipCov()
         ClipCov(ratio=0.0002, low=0.2, high=None, cov_lb=1.0, cov_ub=5.0, generator=None)
 
-    .. versionadded:: 0.4.0
+    .. versionadded:: 0.3.0
     """
 
     ratio: Scalar = 0.0002
@@ -270,7 +270,7 @@ class KLCov(SurrogateObjective):
         >>> KLCov()
         KLCov(ratio=0.0002, coef=0.1)
 
-    .. versionadded:: 0.4.0
+    .. versionadded:: 0.3.0
     """
 
     ratio: Scalar = 0.0002

@@ -108,7 +108,7 @@ class DPPO(SurrogateObjective):
         >>> DPPO("kl", ratio_cap=3.0)
         DPPO(divergence='kl', low=0.05, high=0.05, ratio_cap=3.0)
 
-    .. versionadded:: 0.4.0
+    .. versionadded:: 0.3.0
     """
 
     divergence: str = "tv"

@@ -66,7 +66,7 @@ class DRO(SurrogateObjective):
         >>> DRO(beta=0.1)
         DRO(beta=0.1)
 
-    .. versionadded:: 0.4.0
+    .. versionadded:: 0.3.0
     """
 
     beta: Scalar

@@ -85,7 +85,7 @@ class M2PO(SurrogateObjective):
         >>> M2PO()
         M2PO(threshold=0.04, low=None, high=None)
 
-    .. versionadded:: 0.4.0
+    .. versionadded:: 0.3.0
     """
 
     threshold: Scalar = 0.04
