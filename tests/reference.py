@@ -1959,8 +1959,8 @@ def binary_kl(log_prob: float, old_log_prob: float) -> float:
     """DPPO's binary KL: p_old log(p_old / p) + (1 - p_old) log((1 - p_old + e) / (1 - p + e))."""
     p, p_old = math.exp(log_prob), math.exp(old_log_prob)
     first = 0.0 if p_old == 0 else p_old * (old_log_prob - log_prob)
-    complement = (1 - p_old + BINARY_KL_EPSILON) / (1 - p + BINARY_KL_EPSILON)
-    return first + (1 - p_old) * _log(complement)
+    logs = _log(1 - p_old + BINARY_KL_EPSILON) - _log(1 - p + BINARY_KL_EPSILON)
+    return first + (1 - p_old) * logs
 
 
 def dppo_kept(

@@ -254,10 +254,14 @@ def fused_forward(
         weighted = advantages * importance_weights.to(dtype)
     log_ratios = _log_ratio_stage(log_probs, old_log_probs, mask, counts, spec)
     kl_sums = (log_ratios.approx_kl_k1, log_ratios.approx_kl_k3)
+    surrogate = spec.options.surrogate
+    # the raw selected log-ratio for the stages that read it (DPPO, DRO): a copy, since the
+    # ratio stage spends the buffer
+    raw = log_ratios.log_ratio.clone() if surrogate.needs_log_ratio else None
     ratios = _ratio_stage(log_ratios, spec)
     del log_ratios  # the log-ratio buffers are spent
     selected = torch.where(mask, weighted, _zero(weighted))  # (B, T) A~, 0 at unselected tokens
-    stage = spec.options.surrogate.stage(
+    stage = surrogate.stage(
         StageInputs(
             ratio=ratios.ratio,
             advantages=advantages,
@@ -269,6 +273,7 @@ def fused_forward(
             dtype=dtype,
             old_log_probs=old_log_probs,
             importance_weights=importance_weights,
+            log_ratio=raw,
         )
     )
     values = stage.values

@@ -47,19 +47,6 @@ def expm1(x):
 
 
 @triton.jit
-def log1p(x):
-    r""":math:`\log(1 + x)` without cancellation: :math:`\log(u)\,x / (u - 1)`, :math:`u = 1 + x`.
-
-    Goldberg's form (What every computer scientist should know about floating-point arithmetic,
-    Theorem 4): the rounding of :math:`u` cancels between the logarithm and the quotient.
-
-    A few float32 ulps for every :math:`x > -1`; ``log1p(-1) = -inf``, NaN below.
-    """
-    u = 1.0 + x
-    return tl.where(u == 1.0, x, tl.log(u) * (x / (u - 1.0)))
-
-
-@triton.jit
 def clamp_symmetric(x, bound):
     """``clamp(x, -bound, bound)`` that keeps NaN (as ``torch.clamp``), unlike min/max."""
     return tl.where(x > bound, bound, tl.where(x < -bound, -bound, x))

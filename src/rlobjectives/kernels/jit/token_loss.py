@@ -21,7 +21,7 @@ TV and KL trust regions (:func:`dppo_surrogate`), 6 DRO (:func:`dro_surrogate`).
 import triton
 import triton.language as tl
 
-from .math import clamp_symmetric, expm1, expm1_minus_x, kl_estimate, load_indexed, log1p
+from .math import clamp_symmetric, expm1, expm1_minus_x, kl_estimate, load_indexed
 
 # Columns of the (programs, SUMS) partial-sum tensor (the order of TokenLossSums); the last nine
 # are the numerators of PolicyLossDiagnostics, in its field order.
@@ -46,7 +46,10 @@ SUM_NAMES = (
 )
 SUMS = len(SUM_NAMES)
 SURROGATES = {"clip": 0, "cispo": 1, "sapo": 2, "none": 3, "dppo_tv": 4, "dppo_kl": 5, "dro": 6}
-BINARY_KL_EPSILON = tl.constexpr(1e-8)  # verl's (rlobjectives.policy.surrogates.dppo)
+BINARY_KL_EPSILON = tl.constexpr(1e-8)
+LOWEST_FLOAT32 = tl.constexpr(
+    -3.4028234663852886e38
+)  # torch.finfo(torch.float32).min  # verl's (rlobjectives.policy.surrogates.dppo)
 ESTIMATORS = {"k1": 1, "k2": 2, "k3": 3, "abs": 4}
 
 
@@ -158,26 +161,21 @@ def dppo_surrogate(
     The trust region of ``rlobjectives.policy.surrogates.dppo.dppo_trust_region`` in float32:
     TV ``p - p_old <= high`` (A > 0) / ``>= -low`` (A <= 0); KL ``D <= high or l <= l_old``
     (A > 0) / ``D <= low or l >= l_old`` (A <= 0), ``D`` the binary KL with ``1 - p =
-    -expm1(l)`` and the complements' log-ratio as ``log1p`` where they are close (the
-    ``binary_kl`` of the PyTorch path). The slope ``w A~`` (without a cap times
+    -expm1(l)`` and the log of the complements' quotient (the ``binary_kl`` of the PyTorch
+    path). The slope ``w A~`` (without a cap times
     the bound's ``passes``). Sets: outside (any sign), outside with ``A < 0`` / ``A > 0``, kept
     with ``r > c`` (any sign). Returns as :func:`clip_surrogate`.
     """
     positive = advantages > 0.0
     if KL:
-        old_probability = tl.exp(old)
-        present = old_probability > 0.0
-        first = tl.where(present, old_probability * (old - log_probs), 0.0)
-        moved = tl.where(present, old_probability * expm1(log_probs - old), tl.exp(log_probs))
+        gap = old - log_probs
+        gap = tl.where(gap < LOWEST_FLOAT32, LOWEST_FLOAT32, gap)  # keeps NaN; 0 * gap at p_old = 0
+        first = tl.exp(old) * gap
         old_complement = -expm1(old)
         complement = BINARY_KL_EPSILON - expm1(log_probs)
-        relative = moved / complement
-        close = tl.abs(relative) <= 0.5  # log1p where the complements are close, else the logs
-        log_ratio = tl.where(
-            close, log1p(tl.where(close, relative, 0.0)),
-            tl.log(old_complement + BINARY_KL_EPSILON) - tl.log(complement),
-        )  # fmt: skip
-        divergence = first + old_complement * log_ratio
+        divergence = first + old_complement * tl.log(
+            (old_complement + BINARY_KL_EPSILON) / complement
+        )
         kept = tl.where(
             positive, (divergence <= high) | (log_probs <= old),
             (divergence <= low) | (log_probs >= old),

@@ -21,8 +21,9 @@ Class attributes: ``name`` (the string that means the object with its defaults),
 sequence-level GMPO and VESPO form their own sequence ratio, and the batch-level M2PO, ClipCov
 and KLCov select tokens from the whole call), ``takes_sequence_ratio`` (``ratio_level="sequence"``
 allowed: GSPO's sequence ratio in place of the token ratio; ``token_ratio_reason`` says why not
-in the error) and ``folds_importance_weights`` (the importance weights enter the formula instead
-of scaling the per-token loss: VESPO).
+in the error), ``folds_importance_weights`` (the importance weights enter the formula instead
+of scaling the per-token loss: VESPO) and ``needs_log_ratio`` (the fused stage reads the raw
+selected log-ratio, :attr:`StageInputs.log_ratio`: DPPO, DRO).
 
 Fields are Python numbers or 0-d tensors; a tensor that requires grad (a learnable
 hyperparameter) routes the call to the autograd path.
@@ -97,6 +98,9 @@ class StageInputs(NamedTuple):
     dtype: torch.dtype
     old_log_probs: torch.Tensor | None = None  # (B, T) l_old, not selected, any float dtype
     importance_weights: torch.Tensor | None = None  # (B, 1) or (B, T) rho, not selected
+    # (B, T) the raw token log-ratio Delta at selected tokens, 0 elsewhere (a fresh buffer),
+    # for the surrogates with ``needs_log_ratio`` (None otherwise)
+    log_ratio: torch.Tensor | None = None
 
 
 class ClipCounts(NamedTuple):
@@ -130,6 +134,7 @@ class SurrogateObjective:
     takes_sequence_ratio: ClassVar[bool] = True
     token_ratio_reason: ClassVar[str] = "forms its own sequence ratio"
     folds_importance_weights: ClassVar[bool] = False
+    needs_log_ratio: ClassVar[bool] = False  # the fused stage reads StageInputs.log_ratio
 
     def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
         """The readable autograd specification of the surrogate (see the subclass)."""

@@ -24,10 +24,8 @@ arithmetic, the Triton kernel (``dppo_tv`` / ``dppo_kl`` of
 :mod:`rlobjectives.kernels.jit.token_loss`).
 
 Numerics: :math:`1 - p` is :math:`-\mathrm{expm1}(\ell)` (verl's ``1 - exp(l)`` loses every digit
-in float32 for :math:`\ell > -6 \cdot 10^{-8}`, the near-certain tokens), the complements'
-log-ratio is :math:`\mathrm{log1p}\big(p^{old}\mathrm{expm1}(\Delta) / (1 - p + \varepsilon)\big)`
-where they are close (no cancellation; :func:`binary_kl`), :math:`p^{old} \log(p^{old}/p) =
-p^{old}(\ell^{old} - \ell)` is 0 at
+in float32 for :math:`\ell > -6 \cdot 10^{-8}`, the near-certain tokens; :func:`binary_kl`),
+:math:`p^{old} \log(p^{old}/p) = p^{old}(\ell^{old} - \ell)` is 0 at
 :math:`p^{old} = 0` (its limit; verl computes NaN there and masks the token), and the direction
 clause compares :math:`\ell` with :math:`\ell^{old}` (exact). The TV difference is
 :math:`e^{\ell} - e^{\ell^{old}}` in the computation dtype, as every peer: against an absolute
@@ -182,33 +180,35 @@ class DPPO(SurrogateObjective):
         coefficient :math:`w \tilde A` with :math:`w = 1[\text{kept}] \min(r, c)` (without a cap
         times the log-ratio bound's indicator, as :math:`\partial r / \partial \ell`); the clip
         counts are the tokens outside the region (all, ``A < 0``, ``A > 0``) and ``dual`` the
-        capped ones.
+        capped ones. The decisions are float indicators (1.0: kept), summed and multiplied in
+        vectorised float loops; an unselected token (zeros: :math:`p = p^{old} = 1`) is inside.
         """
         ratio, mask, dtype = inputs.ratio, inputs.mask, inputs.dtype
         assert inputs.old_log_probs is not None  # the fused path passes them
         zero = torch.zeros((), dtype=dtype, device=ratio.device)
         log_probs = torch.where(mask, inputs.log_probs.to(dtype), zero)  # (B, T)
         old = torch.where(mask, inputs.old_log_probs.to(dtype), zero)  # (B, T)
-        kept = dppo_trust_region(log_probs, old, inputs.advantages, self) & mask  # (B, T)
-        outside = mask & ~kept
         advantages = inputs.advantages
-        clip = ClipCounts(
-            outside.sum(), (outside & (advantages < 0)).sum(), (outside & (advantages > 0)).sum()
-        )
+        kept = dppo_trust_region(log_probs, old, advantages, self, dtype=dtype)  # (B, T), 1.0 in
+        outside = torch.rsub(kept, 1.0)  # 1 - kept: 0.0 at unselected tokens
+        rows = outside.sum(-1, keepdim=True) if advantages.shape[-1] == 1 else outside
+        negative, positive = (advantages < 0).to(dtype), (advantages > 0).to(dtype)
+        clip = ClipCounts(rows.sum(), (rows * negative).sum(), (rows * positive).sum())
         if self.ratio_cap is None:
-            weight = torch.where(kept, ratio, zero)  # (B, T)
-            dual = torch.zeros((), dtype=torch.int64, device=ratio.device)
+            weight = kept.mul_(ratio)  # (B, T)
+            dual = torch.zeros((), dtype=dtype, device=ratio.device)
             values = weight * inputs.weighted  # r A~
             coefficient = values if inputs.passes is None else values * inputs.passes
         else:
             cap = torch.as_tensor(self.ratio_cap, dtype=dtype, device=ratio.device)
-            dual = (kept & (ratio > cap)).sum()
-            weight = torch.where(kept, torch.minimum(ratio, cap), zero)  # (B, T)
+            dual = torch.gt(ratio, cap, out=outside).mul_(kept).sum()  # kept and capped
+            weight = torch.minimum(ratio, cap, out=outside).mul_(kept)  # (B, T)
             coefficient = weight * inputs.weighted  # (B, T), 0 at unselected tokens
             values = log_probs.mul_(coefficient)  # w A~ l
-        unselected = ratio.numel() - inputs.selected_count  # r = 1 at unselected tokens
+        unselected = ratio.numel() - inputs.selected_count  # r = w = 1 at unselected tokens
         ratio_sum = ratio.sum() - unselected
-        return StageOutputs(coefficient, values, clip, dual, ratio_sum, weight.sum())
+        weight_sum = weight.sum() - unselected
+        return StageOutputs(coefficient, values, clip, dual, ratio_sum, weight_sum)
 
     def kernel_flags(self) -> dict[str, Any]:
         """The kernel's ``"dppo_tv"`` / ``"dppo_kl"`` setup: the thresholds and the cap."""
@@ -229,31 +229,28 @@ def binary_kl(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Ten
         D = p^{old} (\ell^{old} - \ell) + (1 - p^{old}) \log\frac{1 - p^{old} + \varepsilon}
             {1 - p + \varepsilon}, \qquad 1 - p = -\mathrm{expm1}(\ell),
 
-    the log of the complements as :math:`\mathrm{log1p}(x)`, :math:`x = (p - p^{old}) / (1 - p +
-    \varepsilon)` with :math:`p - p^{old} = p^{old}\,\mathrm{expm1}(\ell - \ell^{old})` where
-    :math:`|x| \le 1/2` (the complements close: no cancellation), as the difference of the two
-    logarithms elsewhere (far apart: none either; and finite when :math:`x \to -1`, e.g.
-    :math:`p^{old} = 1` in float32, where :math:`\varepsilon` is below the resolution of
-    :math:`1 - p`). The first term is 0 at :math:`p^{old} = 0` (its limit), and
-    :math:`p - p^{old}` is :math:`p` there.
+    which is :math:`p^{old}\log(p^{old}/p) + (1 - p^{old})\log\frac{1 - p^{old} + \varepsilon}
+    {1 - p + \varepsilon}` with the complements computed without cancellation (verl's
+    ``1 - exp(l)`` is 0 in float32 for :math:`\ell > -6 \cdot 10^{-8}`, which moves
+    :math:`\log(1 - p + \varepsilon)` by up to 2 there). The logarithm of the quotient is exact
+    to an ulp of itself, an absolute error of :math:`10^{-7}` in :math:`D` (float32): harmless
+    against the thresholds. :math:`\ell^{old} - \ell` is raised to the dtype's lowest finite
+    value, so that the first term is 0 (its limit) at :math:`p^{old} = 0` (:math:`\ell^{old} =
+    -\infty`: verl computes NaN there and masks the token).
     """
-    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
-    old_probability = torch.exp(old_log_probs)
-    present = old_probability > 0
-    first = torch.where(present, old_probability * (old_log_probs - log_probs), zero)
-    moved = torch.where(
-        present, old_probability * torch.expm1(log_probs - old_log_probs), torch.exp(log_probs)
-    )  # p - p_old = (1 - p_old) - (1 - p)
-    old_complement = -torch.expm1(old_log_probs)  # 1 - p_old
-    complement = -torch.expm1(log_probs) + BINARY_KL_EPSILON  # 1 - p + eps
-    relative = moved / complement
-    close = relative.abs() <= 0.5  # log1p where the two complements are close, else the logs
-    log_ratio = torch.where(
-        close,
-        torch.log1p(torch.where(close, relative, zero)),
-        torch.log(old_complement + BINARY_KL_EPSILON) - torch.log(complement),
-    )
-    return first + old_complement * log_ratio
+    return _binary_kl(log_probs, old_log_probs, old_log_probs - log_probs)
+
+
+def _binary_kl(
+    log_probs: torch.Tensor, old_log_probs: torch.Tensor, gap: torch.Tensor
+) -> torch.Tensor:
+    r""":func:`binary_kl` given ``gap`` = :math:`\ell^{old} - \ell` (a buffer it spends)."""
+    lowest = torch.finfo(log_probs.dtype).min
+    first = gap.clamp_(min=lowest).mul_(torch.exp(old_log_probs))  # p_old (l_old - l)
+    old_complement = torch.expm1(old_log_probs).neg_()  # 1 - p_old
+    complement = torch.expm1(log_probs).neg_().add_(BINARY_KL_EPSILON)  # 1 - p + eps
+    quotient = torch.add(old_complement, BINARY_KL_EPSILON).div_(complement).log_()
+    return first.addcmul_(old_complement, quotient)
 
 
 def dppo_trust_region(
@@ -261,8 +258,10 @@ def dppo_trust_region(
     old_log_probs: torch.Tensor,
     advantages: torch.Tensor,
     dppo: DPPO,
+    *,
+    dtype: torch.dtype = torch.bool,
 ) -> torch.Tensor:
-    r"""Where a token stays inside DPPO's trust region (bool, the broadcast shape of the inputs).
+    r"""Where a token stays inside DPPO's trust region (the broadcast shape of the inputs).
 
     The one decision rule of DPPO (module docstring): ``"tv"``: :math:`p - p^{old} \le
     \delta_{high}` for :math:`A > 0`, :math:`p - p^{old} \ge -\delta_{low}` for :math:`A \le 0`;
@@ -270,18 +269,29 @@ def dppo_trust_region(
     :math:`D \le \delta_{low} \lor \ell \ge \ell^{old}` for :math:`A \le 0`
     (:func:`binary_kl`). The thresholds are compared in the dtype of the inputs (the
     computation dtype); a NaN divergence is outside. ``log_probs`` and ``old_log_probs`` are
-    the selected values (zeros elsewhere), detached.
+    the selected values (zeros elsewhere: inside), detached. ``dtype``: ``torch.bool`` (the
+    formula's sets) or the float dtype of 1.0 / 0.0 indicators (the fused stage's, which sum
+    and multiply in vectorised loops).
+
+    Per sign :math:`\sigma = \pm 1` of :math:`A` (:math:`A \le 0`: :math:`-1`) and its threshold
+    :math:`\delta_\sigma`, the TV rule is :math:`\sigma (p - p^{old}) \le \delta_\sigma` (a sign
+    flip is exact) and the KL rule :math:`D \le \delta_\sigma` or :math:`\sigma (\ell -
+    \ell^{old}) \le 0`.
     """
-    dtype, device = log_probs.dtype, log_probs.device
-    low = torch.as_tensor(dppo.low, dtype=dtype, device=device)
-    high = torch.as_tensor(dppo.high, dtype=dtype, device=device)
-    positive = advantages > 0
+    compute, device = log_probs.dtype, log_probs.device
+    positive = (advantages > 0).to(compute)  # shape of A
+    low = torch.as_tensor(dppo.low, dtype=compute, device=device)
+    high = torch.as_tensor(dppo.high, dtype=compute, device=device)
+    threshold = torch.lerp(low, high, positive)  # high where A > 0, else low (exact at 0, 1)
+    sign = positive.mul(2.0).sub_(1.0)  # +1 where A > 0, else -1
     if dppo.divergence == "tv":
-        moved = torch.exp(log_probs) - torch.exp(old_log_probs)  # p - p_old
-        return torch.where(positive, moved <= high, moved >= -low)
-    divergence = binary_kl(log_probs, old_log_probs)
-    return torch.where(
-        positive,
-        (divergence <= high) | (log_probs <= old_log_probs),
-        (divergence <= low) | (log_probs >= old_log_probs),
-    )
+        moved = torch.exp(log_probs).sub_(torch.exp(old_log_probs)).mul_(sign)  # sign (p - p_old)
+        kept = torch.le(moved, threshold, out=moved)
+    else:
+        gap = old_log_probs - log_probs  # -Delta
+        along = gap * sign
+        along = torch.ge(along, 0.0, out=along)  # sign (l - l_old) <= 0: moved along A's sign
+        divergence = _binary_kl(log_probs, old_log_probs, gap)
+        kept = torch.le(divergence, threshold, out=divergence)
+        kept = torch.maximum(kept, along, out=kept)
+    return kept if dtype != torch.bool else kept > 0.5

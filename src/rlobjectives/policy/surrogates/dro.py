@@ -72,6 +72,7 @@ class DRO(SurrogateObjective):
     beta: Scalar
 
     name: ClassVar[str] = "dro"
+    needs_log_ratio: ClassVar[bool] = True
     takes_sequence_ratio: ClassVar[bool] = False
     token_ratio_reason: ClassVar[str] = "has no ratio"
 
@@ -97,10 +98,10 @@ class DRO(SurrogateObjective):
         the per-token loss, which the weights multiply.
         """
         ratio, mask, dtype = inputs.ratio, inputs.mask, inputs.dtype
-        assert inputs.old_log_probs is not None  # the fused path passes them
+        log_ratio = inputs.log_ratio  # raw Delta, 0 at unselected tokens (a fresh buffer)
+        assert log_ratio is not None  # needs_log_ratio: the fused path passes it
         zero = torch.zeros((), dtype=dtype, device=ratio.device)
         log_probs = torch.where(mask, inputs.log_probs.to(dtype), zero)  # (B, T)
-        log_ratio = log_probs - torch.where(mask, inputs.old_log_probs.to(dtype), zero)  # (B, T)
         penalty = log_ratio * self.beta  # beta Delta, 0 at unselected tokens
         weights = inputs.importance_weights
         if weights is not None:  # rho beta Delta (rho selected: NaN there reaches nothing)
