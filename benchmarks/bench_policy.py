@@ -135,7 +135,11 @@ def _objective_cases(quick: bool) -> list[harness.Case]:
         for dtype in dtypes:
             element = torch.finfo(dtype).bits // 8
             forward_bytes = batch * tokens * (2 * element + 1)
-            variants = [harness.Variant("ours Clip()", _ours, role="reference")]
+            variants = [
+                harness.Variant("ours Clip()", _ours, role="reference"),
+                # the path the selection-based objects take: their cost over it is the selection's
+                harness.Variant("ours Clip() autograd (unfused)", _ours_autograd),
+            ]
             variants += [
                 harness.Variant(f"ours {name}", _ours_surrogate(surrogate))  # type: ignore[arg-type]
                 for name, surrogate in OBJECTIVES24
