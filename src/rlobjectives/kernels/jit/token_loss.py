@@ -167,6 +167,8 @@ def dppo_surrogate(
     with ``r > c`` (any sign). Returns as :func:`clip_surrogate`.
     """
     positive = advantages > 0.0
+    log_ratio = log_probs - old  # Delta and l - Delta: the numbers the PyTorch paths decide on
+    old = log_probs - log_ratio
     if KL:
         gap = old - log_probs
         gap = tl.where(gap < LOWEST_FLOAT32, LOWEST_FLOAT32, gap)  # keeps NaN; 0 * gap at p_old = 0
@@ -177,8 +179,8 @@ def dppo_surrogate(
             (old_complement + BINARY_KL_EPSILON) / complement
         )
         kept = tl.where(
-            positive, (divergence <= high) | (log_probs <= old),
-            (divergence <= low) | (log_probs >= old),
+            positive, (divergence <= high) | (log_ratio <= 0.0),
+            (divergence <= low) | (log_ratio >= 0.0),
         )  # fmt: skip
     else:
         moved = tl.exp(log_probs) - tl.exp(old)

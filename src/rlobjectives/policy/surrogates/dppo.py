@@ -18,9 +18,9 @@ of the advantage (:math:`A \le 0` takes the low rule, as verl and prime-rl):
 and the surviving tokens get :math:`s = \mathrm{sg}(\min(r, c))\, A\, \ell` (verl's value form,
 :math:`c` = ``ratio_cap``); without a cap, :math:`s = rA` (prime-rl's and SkyRL's value form,
 the same gradient :math:`rA`). A masked token has value and gradient 0 and stays in the
-reduction's denominator. The decision is one function, :func:`dppo_trust_region`, shared by the
-formula (:meth:`DPPO.formula`), the fused stage (:meth:`DPPO.stage`) and, in the same
-arithmetic, the Triton kernel (``dppo_tv`` / ``dppo_kl`` of
+reduction's denominator. The decision is one function, :func:`dppo_trust_region`, of the selected
+log-probabilities and log-ratios, shared by the formula (:meth:`DPPO.formula`), the fused stage
+(:meth:`DPPO.stage`) and, in the same arithmetic, the Triton kernel (``dppo_tv`` / ``dppo_kl`` of
 :mod:`rlobjectives.kernels.jit.token_loss`).
 
 Numerics: :math:`1 - p` is :math:`-\mathrm{expm1}(\ell)` (verl's ``1 - exp(l)`` loses every digit
@@ -115,6 +115,7 @@ class DPPO(SurrogateObjective):
     ratio_cap: Scalar | None = 20.0
 
     name: ClassVar[str] = "dppo"
+    needs_log_ratio: ClassVar[bool] = True
     takes_sequence_ratio: ClassVar[bool] = False
     token_ratio_reason: ClassVar[str] = "decides its trust region per token"
 
@@ -151,7 +152,8 @@ class DPPO(SurrogateObjective):
         old = inputs.old_log_probs
         assert old is not None  # the specification passes the (selected) old log-probs
         advantages, mask = inputs.advantages, inputs.mask
-        kept = dppo_trust_region(inputs.log_probs.detach(), old, advantages, self) & mask
+        log_probs = inputs.log_probs.detach()
+        kept = dppo_trust_region(log_probs, log_probs - old, advantages, self) & mask
         ratio = inputs.ratio
         zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
         if self.ratio_cap is None:
@@ -184,12 +186,12 @@ class DPPO(SurrogateObjective):
         vectorised float loops; an unselected token (zeros: :math:`p = p^{old} = 1`) is inside.
         """
         ratio, mask, dtype = inputs.ratio, inputs.mask, inputs.dtype
-        assert inputs.old_log_probs is not None  # the fused path passes them
+        log_ratio = inputs.log_ratio  # raw Delta at selected tokens, 0 elsewhere
+        assert log_ratio is not None  # needs_log_ratio: the fused path passes it
         zero = torch.zeros((), dtype=dtype, device=ratio.device)
         log_probs = torch.where(mask, inputs.log_probs.to(dtype), zero)  # (B, T)
-        old = torch.where(mask, inputs.old_log_probs.to(dtype), zero)  # (B, T)
         advantages = inputs.advantages
-        kept = dppo_trust_region(log_probs, old, advantages, self, dtype=dtype)  # (B, T), 1.0 in
+        kept = dppo_trust_region(log_probs, log_ratio, advantages, self, dtype=dtype)  # 1.0: in
         outside = torch.rsub(kept, 1.0)  # 1 - kept: 0.0 at unselected tokens
         rows = outside.sum(-1, keepdim=True) if advantages.shape[-1] == 1 else outside
         negative, positive = (advantages < 0).to(dtype), (advantages > 0).to(dtype)
@@ -255,7 +257,7 @@ def _binary_kl(
 
 def dppo_trust_region(
     log_probs: torch.Tensor,
-    old_log_probs: torch.Tensor,
+    log_ratio: torch.Tensor,
     advantages: torch.Tensor,
     dppo: DPPO,
     *,
@@ -268,15 +270,19 @@ def dppo_trust_region(
     ``"kl"``: :math:`D \le \delta_{high} \lor \ell \le \ell^{old}` for :math:`A > 0`,
     :math:`D \le \delta_{low} \lor \ell \ge \ell^{old}` for :math:`A \le 0`
     (:func:`binary_kl`). The thresholds are compared in the dtype of the inputs (the
-    computation dtype); a NaN divergence is outside. ``log_probs`` and ``old_log_probs`` are
-    the selected values (zeros elsewhere: inside), detached. ``dtype``: ``torch.bool`` (the
-    formula's sets) or the float dtype of 1.0 / 0.0 indicators (the fused stage's, which sum
-    and multiply in vectorised loops).
+    computation dtype); a NaN divergence is outside.
+
+    It reads what every path has, the selected log-probabilities ``log_probs`` and raw
+    log-ratios ``log_ratio`` :math:`\Delta = \ell - \ell^{old}` (zeros elsewhere: inside;
+    detached), with :math:`\ell^{old} = \ell - \Delta` (exact when :math:`\ell` and
+    :math:`\ell^{old}` are within a factor 2 of each other, else within an ulp of :math:`\ell`):
+    the autograd specification, the fused stage and the kernel decide on the same numbers.
+    ``dtype``: ``torch.bool`` (the formula's sets) or the float dtype of 1.0 / 0.0 indicators
+    (the fused stage's, which sum and multiply in vectorised loops).
 
     Per sign :math:`\sigma = \pm 1` of :math:`A` (:math:`A \le 0`: :math:`-1`) and its threshold
     :math:`\delta_\sigma`, the TV rule is :math:`\sigma (p - p^{old}) \le \delta_\sigma` (a sign
-    flip is exact) and the KL rule :math:`D \le \delta_\sigma` or :math:`\sigma (\ell -
-    \ell^{old}) \le 0`.
+    flip is exact) and the KL rule :math:`D \le \delta_\sigma` or :math:`\sigma \Delta \le 0`.
     """
     compute, device = log_probs.dtype, log_probs.device
     positive = (advantages > 0).to(compute)  # shape of A
@@ -284,14 +290,14 @@ def dppo_trust_region(
     high = torch.as_tensor(dppo.high, dtype=compute, device=device)
     threshold = torch.lerp(low, high, positive)  # high where A > 0, else low (exact at 0, 1)
     sign = positive.mul(2.0).sub_(1.0)  # +1 where A > 0, else -1
+    old_log_probs = log_probs - log_ratio
     if dppo.divergence == "tv":
         moved = torch.exp(log_probs).sub_(torch.exp(old_log_probs)).mul_(sign)  # sign (p - p_old)
         kept = torch.le(moved, threshold, out=moved)
     else:
-        gap = old_log_probs - log_probs  # -Delta
-        along = gap * sign
-        along = torch.ge(along, 0.0, out=along)  # sign (l - l_old) <= 0: moved along A's sign
-        divergence = _binary_kl(log_probs, old_log_probs, gap)
+        along = log_ratio * sign
+        along = torch.le(along, 0.0, out=along)  # sign Delta <= 0: moved along A's sign
+        divergence = _binary_kl(log_probs, old_log_probs, log_ratio.neg())
         kept = torch.le(divergence, threshold, out=divergence)
         kept = torch.maximum(kept, along, out=kept)
     return kept if dtype != torch.bool else kept > 0.5
