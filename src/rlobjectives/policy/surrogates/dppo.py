@@ -249,10 +249,12 @@ def _binary_kl(
     r""":func:`binary_kl` given ``gap`` = :math:`\ell^{old} - \ell` (a buffer it spends)."""
     lowest = torch.finfo(log_probs.dtype).min
     first = gap.clamp_(min=lowest).mul_(torch.exp(old_log_probs))  # p_old (l_old - l)
-    old_complement = torch.expm1(old_log_probs).neg_()  # 1 - p_old
-    complement = torch.expm1(log_probs).neg_().add_(BINARY_KL_EPSILON)  # 1 - p + eps
-    quotient = torch.add(old_complement, BINARY_KL_EPSILON).div_(complement).log_()
-    return first.addcmul_(old_complement, quotient)
+    # p_old - 1 = expm1(l_old) kept negated (a sign flip is exact: eps - expm1(l) is
+    # 1 - p + eps bit for bit), two passes fewer than negating each complement
+    old_shortfall = torch.expm1(old_log_probs)  # p_old - 1
+    complement = torch.rsub(torch.expm1(log_probs), BINARY_KL_EPSILON)  # 1 - p + eps
+    quotient = torch.rsub(old_shortfall, BINARY_KL_EPSILON).div_(complement).log_()
+    return first.addcmul_(old_shortfall, quotient, value=-1.0)  # + (1 - p_old) log(...)
 
 
 def dppo_trust_region(
