@@ -20,7 +20,7 @@ import torch
 
 import boundary_cases
 import triton_reference as reference
-from rlobjectives import CISPO, SAPO, Clip, grpo_clipped_surrogate, policy_loss
+from rlobjectives import CISPO, DPPO, SAPO, Clip, grpo_clipped_surrogate, policy_loss
 from rlobjectives._core.backend import use_kernels
 from rlobjectives.kernels.from_hidden import (
     FusedPolicyLossFromHiddenFunction,
@@ -324,7 +324,30 @@ def check_boundary_decisions(device: torch.device, dry: bool = False) -> list[Re
         for dtype in (torch.float32, torch.bfloat16):
             for case, surrogate in boundary_cases.CASES.items():
                 results.append(_boundary_case(device, dtype, case, surrogate))
+            for divergence in ("tv", "kl"):  # DPPO: float64 evaluation, the exact decision
+                results.append(_dppo_case(device, dtype, DPPO(divergence)))
     return results
+
+
+def _dppo_case(device: torch.device, dtype: torch.dtype, surrogate: DPPO) -> Result:
+    positive, positive_old, negative, negative_old = boundary_cases.dppo_sweep(surrogate, dtype)
+    kept = [boundary_cases.dppo_exact_kept(surrogate, lp, lo, sign)
+            for logs, olds, sign in ((positive, positive_old, 1), (negative, negative_old, -1))
+            for lp, lo in zip(logs, olds, strict=True)]  # fmt: skip
+    log_probs = torch.tensor([positive, negative], dtype=torch.float64).to(dtype).to(device)
+    old = torch.tensor([positive_old, negative_old], dtype=torch.float64).to(dtype).to(device)
+    leaf = log_probs.requires_grad_(True)
+    advantages = torch.tensor([1.0, -1.0], dtype=dtype, device=device)
+    mask = torch.ones(leaf.shape, dtype=torch.bool, device=device)
+    out = policy_loss(leaf, old, advantages, mask, surrogate=surrogate)
+    (gradient,) = torch.autograd.grad(out.loss, leaf)
+    same = bool(torch.equal(gradient.reshape(-1).cpu() != 0, torch.tensor(kept)))
+    outside = round(float(out.diagnostics.clipped_fraction) * len(kept))
+    ok = same and outside == kept.count(False)
+    detail = (
+        f"outside {outside} (exact {kept.count(False)}), kept tokens {'ok' if same else 'differ'}"
+    )
+    return (f"boundary dppo_{surrogate.divergence} {str(dtype)[6:]}", ok, detail)
 
 
 def _boundary_case(device: torch.device, dtype: torch.dtype, case: str, surrogate: Any) -> Result:

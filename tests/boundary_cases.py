@@ -9,7 +9,9 @@ dtype (the 300-bit mpmath oracle of ``tests/reference.py``) against the bound ro
 
 from __future__ import annotations
 
+import functools
 import math
+from typing import Any
 
 import torch
 
@@ -19,7 +21,16 @@ from rlobjectives._core.decisions import lower_threshold, upper_threshold
 from rlobjectives.policy.surrogates import SurrogateObjective
 from rlobjectives.policy.surrogates.sapo import SAPO_HALF_PEAK, soft_clip_ratios
 
-__all__ = ["CASES", "COUNTS", "boundary_batch", "expected", "expected_totals", "sweep_points"]
+__all__ = [
+    "CASES",
+    "COUNTS",
+    "boundary_batch",
+    "dppo_exact_kept",
+    "dppo_sweep",
+    "expected",
+    "expected_totals",
+    "sweep_points",
+]
 
 CASES: dict[str, SurrogateObjective] = {
     "band": Clip(low=0.2),
@@ -204,3 +215,104 @@ def expected_totals(
             counts = [c + int(s) for c, s in zip(counts, sets, strict=True)]
             factors.append(factor)
     return counts, factors
+
+
+# ------------------------------------------------------------------------------ DPPO's rule
+# DPPO's trust region is not one exp against a bound: it is evaluated in float64 from the
+# log-probabilities of the computation dtype, then decided (docs/conventions.md, "Decisions at
+# a bound"). The sweep: pairs (l, l_old) of float32 (bfloat16) numbers with l next to the exact
+# boundary l* of the region (p - p_old = +-delta, or D = delta), on both sides; the expected
+# decision is the exact one (mpmath at 120 digits), which float64 evaluation reproduces there
+# and float32 evaluation does not always.
+DPPO_OLD = [-1.1 + 0.2 * k / 15 for k in range(16)]  # l_old in [-1.1, -0.9]: l within 2x
+
+
+def _mp_divergence(divergence: str, log_probs: Any, old: Any) -> Any:
+    """TV ``p - p_old`` or the binary KL ``D(p_old || p)`` with float64's 1e-8, exactly."""
+    import mpmath
+
+    p, p_old = mpmath.exp(log_probs), mpmath.exp(old)
+    if divergence == "tv":
+        return p - p_old
+    epsilon = mpmath.mpf(1e-8)  # the float64 nearest to 1e-8, as the float64 evaluation
+    return p_old * (old - log_probs) + (1 - p_old) * mpmath.log(
+        (1 - p_old + epsilon) / (1 - p + epsilon)
+    )
+
+
+def dppo_exact_kept(surrogate: Any, log_probs: float, old: float, sign: int) -> bool:
+    """The exact decision of :func:`dppo_trust_region` for ``(l, l_old)`` (float32 thresholds)."""
+    import mpmath
+
+    with mpmath.workdps(120):
+        value = _mp_divergence(surrogate.divergence, mpmath.mpf(log_probs), mpmath.mpf(old))
+        low, high = (
+            rounded(float(surrogate.low), torch.float32),
+            rounded(float(surrogate.high), torch.float32),
+        )
+        if surrogate.divergence == "tv":
+            return bool(value <= high) if sign > 0 else bool(value >= -low)
+        if sign > 0:
+            return bool(value <= high) or log_probs <= old
+        return bool(value <= low) or log_probs >= old
+
+
+def _boundary_log_prob(surrogate: Any, old: float, sign: int) -> float:
+    """``l*``: where the exact divergence reaches the sign's threshold on the deciding side."""
+    import mpmath
+
+    with mpmath.workdps(120):
+        old_mp = mpmath.mpf(old)
+        delta = rounded(float(surrogate.high if sign > 0 else surrogate.low), torch.float32)
+        if surrogate.divergence == "tv":
+            return float(mpmath.log(mpmath.exp(old_mp) + sign * mpmath.mpf(delta)))
+
+        low, high = (old_mp, mpmath.mpf(0)) if sign > 0 else (old_mp - 1.5, old_mp)
+        # bisection to 1.5 / 2^90 (far below a float64 ulp): D - delta changes sign once
+        for _ in range(90):
+            middle = (low + high) / 2
+            excess = _mp_divergence("kl", middle, old_mp) - delta
+            if (excess > 0) == (sign > 0):
+                high = middle
+            else:
+                low = middle
+        return float((low + high) / 2)
+
+
+@functools.cache  # the sweep of each case is found once
+def dppo_sweep(
+    surrogate: Any, input_dtype: torch.dtype
+) -> tuple[list[float], list[float], list[float], list[float]]:
+    """Row ``A = +1`` and row ``A = -1``: ``(l, l_old)`` pairs next to ``l*``, the same count.
+
+    For each ``l_old``: the two numbers of the input dtype either side of ``l*`` and their outer
+    neighbours (pairs whose ``l - (l - l_old)`` is not ``l_old`` are left out: the paths decide
+    on the reconstructed old log-probability).
+    """
+    rows: list[tuple[list[float], list[float]]] = []
+    for sign in (1, -1):
+        logs: list[float] = []
+        olds: list[float] = []
+        for value in DPPO_OLD:
+            old = rounded(value, input_dtype)
+            start = float(torch.tensor(_boundary_log_prob(surrogate, old, sign)).to(input_dtype))
+            below = (
+                start
+                if start <= _boundary_log_prob(surrogate, old, sign)
+                else _step(start, input_dtype, -math.inf)
+            )
+            above = _step(below, input_dtype, math.inf)
+            for point in (
+                _step(below, input_dtype, -math.inf),
+                below,
+                above,
+                _step(above, input_dtype, math.inf),
+            ):
+                here = torch.tensor([point, old], dtype=input_dtype).float()
+                delta = here[0] - here[1]
+                if float(here[0] - delta) == float(here[1]):
+                    logs.append(point)
+                    olds.append(old)
+        rows.append((logs, olds))
+    width = min(len(rows[0][0]), len(rows[1][0]))
+    return rows[0][0][:width], rows[0][1][:width], rows[1][0][:width], rows[1][1][:width]

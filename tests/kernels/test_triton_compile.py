@@ -21,7 +21,7 @@ FLOATS = (
     "low_threshold", "high_threshold", "upper_positive_threshold", "upper_negative_threshold",
     "dual_low_threshold", "dual_high_threshold", "soft_low_positive", "soft_high_positive",
     "soft_low_negative", "soft_high_negative", "bound", "diagnostic_bound", "kl_coef",
-    "entropy_coef", "beta", "inv_temperature",
+    "entropy_coef", "beta", "inv_temperature", "ratio_cap", "cap_threshold",
 )  # fmt: skip
 
 
@@ -80,15 +80,17 @@ TOKEN_POINTERS = {
 }  # fmt: skip
 TOKEN_FLAGS = {
     "HAS_LOW": True, "HAS_HIGH": True, "HAS_UPPER_POSITIVE": True, "HAS_UPPER_NEGATIVE": True,
-    "HAS_DUAL": True, "HAS_BOUND": True, "HAS_WEIGHTS": True, "HAS_SEQUENCE": True,
+    "HAS_DUAL": True, "HAS_CAP": True, "HAS_BOUND": True, "HAS_WEIGHTS": True, "HAS_SEQUENCE": True,
     "HAS_IMPORTANCE": True, "HAS_KL": True, "KL_ESTIMATOR": 3, "KL_STRAIGHT_THROUGH": False,
     "KL_IMPORTANCE": False, "HAS_ENTROPY": True, "STORE_LOSS": True, "COLUMNS": 17, "BLOCK": 1024,
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("surrogate", [0, 1, 2, 3])
+@pytest.mark.parametrize("surrogate", [0, 1, 2, 3, 4, 5, 6])  # ... 4, 5 DPPO (TV, KL), 6 DRO
 def test_token_loss_kernel_compiles(kernels: Any, surrogate: int) -> None:
     flags = dict(TOKEN_FLAGS, SURROGATE=surrogate)
+    if surrogate == 5:  # DPPO without a cap: prime-rl's value form
+        flags.update(HAS_CAP=False)
     if surrogate == 3:
         flags.update(KL_ESTIMATOR=4, KL_STRAIGHT_THROUGH=True, KL_IMPORTANCE=True)
     if surrogate == 1:  # absent optional inputs are passed as None (constexpr None)

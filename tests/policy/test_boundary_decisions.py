@@ -10,6 +10,7 @@ oracle); ``benchmarks/gpu_triton_checks.py`` runs the same sweep on a GPU.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -17,9 +18,17 @@ import pytest
 import torch
 
 from backends import requires_triton
-from boundary_cases import CASES, COUNTS, boundary_batch, expected_totals, sweep_points
+from boundary_cases import (
+    CASES,
+    COUNTS,
+    boundary_batch,
+    dppo_exact_kept,
+    dppo_sweep,
+    expected_totals,
+    sweep_points,
+)
 from reference import rule_compare
-from rlobjectives import Clip, grpo_clipped_surrogate, policy_loss
+from rlobjectives import DPPO, Clip, grpo_clipped_surrogate, policy_loss
 from rlobjectives._core.backend import use_kernels
 from rlobjectives.policy.loss import _policy_loss_autograd
 from rlobjectives.policy.surrogates import SurrogateObjective
@@ -238,3 +247,91 @@ def test_hidden_state_path_gives_the_rules_decisions(
     assert torch.equal(observed == 0, want == 0)
     tolerance = 2e-2 if input_dtype == torch.bfloat16 else 1e-5
     torch.testing.assert_close(observed, want, rtol=tolerance, atol=0.0)
+
+
+# DPPO: the trust region evaluated in float64, then decided (docs/conventions.md, "Decisions
+# at a bound"); the expected decision is the exact one (tests/boundary_cases.py's mpmath).
+DPPO_CASES = {"tv": DPPO("tv"), "kl": DPPO("kl", ratio_cap=None)}
+
+
+@functools.cache  # each case and dtype: one mpmath sweep
+def _dppo_batch(case: str, input_dtype: torch.dtype) -> tuple[tuple[torch.Tensor, ...], list[bool]]:
+    surrogate = DPPO_CASES[case]
+    positive_logs, positive_olds, negative_logs, negative_olds = dppo_sweep(surrogate, input_dtype)
+    log_probs = torch.tensor([positive_logs, negative_logs], dtype=torch.float64).to(input_dtype)
+    old = torch.tensor([positive_olds, negative_olds], dtype=torch.float64).to(input_dtype)
+    pairs = zip(positive_logs, positive_olds, strict=True)
+    kept = [dppo_exact_kept(surrogate, lp, lo, 1) for lp, lo in pairs]
+    pairs = zip(negative_logs, negative_olds, strict=True)
+    kept += [dppo_exact_kept(surrogate, lp, lo, -1) for lp, lo in pairs]
+    advantages = torch.tensor([1.0, -1.0], dtype=input_dtype)
+    return (log_probs, old, advantages, torch.ones(log_probs.shape, dtype=torch.bool)), kept
+
+
+def test_dppo_sweep_brackets_the_region_where_float32_errs() -> None:
+    # The sweep is not vacuous: both decisions on each row, and float32 evaluation of the
+    # divergence (every peer's, the library's before the rule) is wrong at some of its pairs.
+    from rlobjectives.policy.surrogates.dppo import binary_kl
+
+    for case, surrogate in DPPO_CASES.items():
+        (log_probs, old, _, _), kept = _dppo_batch(case, torch.float32)
+        want = torch.tensor(kept).reshape(2, -1)
+        assert want.any(dim=1).all() and (~want).any(dim=1).all()
+        delta = torch.tensor([[surrogate.high], [-surrogate.low]], dtype=torch.float32)  # type: ignore[list-item]
+        if case == "tv":
+            moved = torch.exp(log_probs) - torch.exp(old)
+            single = torch.where(delta > 0, moved <= delta, moved >= delta)
+        else:
+            divergence = binary_kl(log_probs, old)
+            along = torch.where(delta > 0, log_probs <= old, log_probs >= old)
+            single = (divergence <= delta.abs()) | along
+        assert not torch.equal(single, want), case
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("input_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", list(DPPO_CASES))
+def test_dppo_trust_region_is_the_exact_decision(
+    case: str, input_dtype: torch.dtype, path: str
+) -> None:
+    batch, kept = _dppo_batch(case, input_dtype)
+    out, gradient = _run(path, DPPO_CASES[case], batch)
+    want = torch.tensor(kept)
+    assert torch.equal(gradient.reshape(-1) != 0, want), (case, path)
+    selected = want.numel()
+    outside = (~want).reshape(2, -1)
+    assert round(float(out.diagnostics.clipped_fraction) * selected) == int(outside.sum())
+    assert round(float(out.diagnostics.clip_fraction_high) * selected) == int(outside[0].sum())
+    assert round(float(out.diagnostics.clip_fraction_low) * selected) == int(outside[1].sum())
+
+
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("input_dtype", INPUT_DTYPES, ids=str)
+def test_dppo_cap_count_follows_the_rule(input_dtype: torch.dtype, path: str) -> None:
+    # l = 0, l_old = -x: the log-ratio is exactly x. Row A = -1 keeps every token (p - p_old
+    # >= 0 > -0.2), so the cap count r > 3 is the rule's, at and one ulp around t+-(3).
+    if path == "triton" and input_dtype == torch.float64:
+        pytest.skip("float64 always takes the PyTorch path")
+    surrogate = DPPO("tv", ratio_cap=3.0)
+    points = sweep_points(Clip(low=None, delta=3.0), input_dtype)
+    log_probs = torch.zeros(2, len(points), dtype=input_dtype)
+    old = -torch.tensor([points, points], dtype=torch.float64).to(input_dtype)
+    advantages = torch.tensor([1.0, -1.0], dtype=input_dtype)
+    mask = torch.ones(log_probs.shape, dtype=torch.bool)
+    out, _ = _run(path, surrogate, (log_probs, old, advantages, mask))
+    dtype = torch.float64 if input_dtype == torch.float64 else torch.float32
+    above = sum(rule_compare(x, 3.0, dtype) > 0 for x in points)
+    assert 0 < above < len(points)
+    assert round(float(out.diagnostics.dual_clip_fraction) * 2 * len(points)) == above
+
+
+@pytest.mark.parametrize("path", ["autograd", "fused"])
+def test_dppo_float64_compares_with_the_float64_threshold(path: str) -> None:
+    # float64 inputs: delta = 0.2 rounded to float64, not to float32 (0.20000000298...). p_old
+    # = 0.3, p = 0.5 + 1.5e-9: p - p_old = 0.2000000015 is above float64's 0.2 (A > 0: outside)
+    # and below float32's (kept if delta were rounded to float32).
+    log_probs = torch.tensor([[math.log(0.5 + 1.5e-9)]], dtype=torch.float64)
+    old = torch.tensor([[math.log(0.3)]], dtype=torch.float64)
+    batch = (log_probs, old, torch.ones(1, dtype=torch.float64), torch.ones(1, 1, dtype=torch.bool))
+    out, gradient = _run(path, DPPO("tv"), batch)
+    assert float(gradient) == 0.0 and float(out.diagnostics.clip_fraction_high) == 1.0

@@ -14,13 +14,16 @@ arithmetic (``tl.where``, never a product): NaN/inf there reaches nothing.
 
 The surrogate ``s`` is chosen by the compile-time constant ``SURROGATE`` (one function per
 formula): 0 clip/vanilla (:func:`clip_surrogate`), 1 CISPO (:func:`cispo_surrogate`), 2 SAPO
-(:func:`sapo_surrogate`), 3 none (``kl_loss``: only the KL term).
+(:func:`sapo_surrogate`), 3 none (``kl_loss``: only the KL term), 4 and 5 DPPO with the binary
+TV and KL trust regions (:func:`dppo_surrogate`), 6 DRO (:func:`dro_surrogate`).
 
 Every decision at a bound (which tokens a clip changes, the diagnostics' sets, the dual-clip
-tie) compares the bounded log-ratio :math:`\Delta` with a float32 threshold computed on the host
-(``*_threshold`` / ``soft_*`` arguments, :mod:`rlobjectives._core.decisions`): the decision a
-correctly rounded ``exp`` would take, whatever ``tl.exp`` rounds to (an approximate ``ex2`` on
-a GPU, NumPy's ``exp`` in the interpreter). The values use ``tl.exp``'s ratio.
+tie, DPPO's cap count) compares the bounded log-ratio :math:`\Delta` with a float32 threshold
+computed on the host (``*_threshold`` / ``soft_*`` arguments, :mod:`rlobjectives._core.decisions`):
+the decision a correctly rounded ``exp`` would take, whatever ``tl.exp`` rounds to (an
+approximate ``ex2`` on a GPU, NumPy's ``exp`` in the interpreter). DPPO's trust region is
+evaluated in float64 from the float32 log-probabilities, then decided (as on the PyTorch paths).
+The values use ``tl.exp``'s ratio.
 """
 
 import triton
@@ -50,7 +53,11 @@ SUM_NAMES = (
     "weight_sum",  # sum of the factor w of s = w A (or sg(w) A l): weight_mean
 )
 SUMS = len(SUM_NAMES)
-SURROGATES = {"clip": 0, "cispo": 1, "sapo": 2, "none": 3}
+SURROGATES = {"clip": 0, "cispo": 1, "sapo": 2, "none": 3, "dppo_tv": 4, "dppo_kl": 5, "dro": 6}
+BINARY_KL_EPSILON = tl.constexpr(1e-8)
+LOWEST_FLOAT64 = tl.constexpr(
+    -1.7976931348623157e308
+)  # torch.finfo(torch.float64).min: DPPO's binary KL is evaluated in float64
 ESTIMATORS = {"k1": 1, "k2": 2, "k3": 3, "abs": 4}
 
 
@@ -159,16 +166,102 @@ def sapo_surrogate(
 
 
 @triton.jit
+def expm1_float64(x):
+    r""":math:`e^x - 1` in float64 by Kahan's formula :math:`(u - 1)\,x / \log u`, :math:`u = e^x`.
+
+    Accurate to a few float64 ulps with ``tl.exp`` / ``tl.log`` (no ``libdevice``: the
+    interpreter has none): the rounding of :math:`u` cancels in the quotient. :math:`x` where
+    :math:`u = 1`, -1 where :math:`u = 0`, inf where :math:`u = \infty`; NaN propagates.
+    """
+    u = tl.exp(x)
+    shifted = u - 1.0
+    special = (u == 1.0) | (shifted == -1.0) | (u == float("inf"))
+    kahan = shifted * x / tl.log(tl.where(special, 2.0, u))
+    return tl.where(u == 1.0, x, tl.where(special, shifted, kahan))
+
+
+@triton.jit
+def dppo_surrogate(
+    log_probs, old, ratio, log_ratio, passes, advantages, weighted, low, high, ratio_cap,
+    cap_threshold, KL: tl.constexpr, HAS_CAP: tl.constexpr,
+):  # fmt: skip
+    r"""DPPO: ``w s = sg(w) A~ l`` with ``w = 1[kept] min(r, c)`` (``w A~`` without a cap).
+
+    The trust region of ``rlobjectives.policy.surrogates.dppo.dppo_trust_region``, evaluated in
+    float64 from the float32 log-probabilities ``l`` and ``l - Delta`` and then decided against
+    ``low`` / ``high`` (already rounded to float32 on the host), as on the PyTorch paths
+    (``docs/conventions.md``, "Decisions at a bound"): TV ``p - p_old <= high`` (A > 0) /
+    ``>= -low`` (A <= 0); KL ``D <= high or l <= l_old`` (A > 0) / ``D <= low or l >= l_old``
+    (A <= 0), ``D`` the binary KL with ``1 - p = -expm1(l)`` and the log of the complements'
+    quotient (the ``binary_kl`` of the PyTorch path). The cap count ``r > c`` compares the
+    bounded log-ratio with ``cap_threshold`` = ``t+(c)``. The slope ``w A~`` (without a cap
+    times the bound's ``passes``). Sets: outside (any sign), outside with ``A < 0`` / ``A > 0``,
+    kept with ``r > c`` (any sign). Returns as :func:`clip_surrogate`.
+    """
+    positive = advantages > 0.0
+    raw = log_probs - old  # Delta and l - Delta: the numbers the PyTorch paths decide on
+    old = log_probs - raw
+    wide = log_probs.to(tl.float64)
+    wide_old = old.to(tl.float64)
+    if KL:
+        epsilon = tl.full(wide.shape, BINARY_KL_EPSILON, tl.float64)
+        gap = wide_old - wide
+        gap = tl.where(gap < LOWEST_FLOAT64, LOWEST_FLOAT64, gap)  # keeps NaN; 0 at p_old = 0
+        first = tl.exp(wide_old) * gap
+        old_complement = -expm1_float64(wide_old)
+        complement = epsilon - expm1_float64(wide)
+        divergence = first + old_complement * tl.log((old_complement + epsilon) / complement)
+        kept = tl.where(
+            positive, (divergence <= high) | (raw <= 0.0), (divergence <= low) | (raw >= 0.0),
+        )  # fmt: skip
+    else:
+        moved = tl.exp(wide) - tl.exp(wide_old)
+        kept = tl.where(positive, moved <= high, moved >= -low)
+    outside = ~kept
+    capped = ratio < float("-inf")  # all False
+    if HAS_CAP:
+        capped = kept & (log_ratio > cap_threshold)
+        factor = tl.where(kept, tl.where(ratio > ratio_cap, ratio_cap, ratio), 0.0)
+        slope = factor * weighted
+        value = log_probs * slope
+    else:
+        factor = tl.where(kept, ratio, 0.0)
+        value = factor * weighted
+        slope = tl.where(passes, value, 0.0)
+    return (
+        value, slope, factor, outside, outside & (advantages < 0.0), outside & positive, capped,
+    )  # fmt: skip
+
+
+@triton.jit
+def dro_surrogate(log_probs, old, weighted, importance, beta, HAS_IMPORTANCE: tl.constexpr):
+    r"""DRO: ``w s = rho (l A - beta Delta^2 / 2)``, slope ``rho (A - beta Delta)``, raw ``Delta``.
+
+    No ratio and no clip: the sets are empty, the factor is 1.
+    """
+    log_ratio = log_probs - old
+    penalty = beta * log_ratio
+    if HAS_IMPORTANCE:
+        penalty = penalty * importance
+    none = log_probs < float("-inf")  # all False
+    return (
+        log_probs * weighted - 0.5 * penalty * log_ratio, weighted - penalty,
+        tl.full(log_probs.shape, 1.0, tl.float32), none, none, none, none,
+    )  # fmt: skip
+
+
+@triton.jit
 def policy_terms(
     log_probs, old, advantages, sequence, importance, selected,
     low, high, upper_positive, upper_negative, tau_positive, tau_negative,
     low_threshold, high_threshold, upper_positive_threshold, upper_negative_threshold,
     dual_low_threshold, dual_high_threshold,
     soft_low_positive, soft_high_positive, soft_low_negative, soft_high_negative,
-    bound, diagnostic_bound,
+    ratio_cap, cap_threshold, beta, bound, diagnostic_bound,
     SURROGATE: tl.constexpr, HAS_LOW: tl.constexpr, HAS_HIGH: tl.constexpr,
     HAS_UPPER_POSITIVE: tl.constexpr, HAS_UPPER_NEGATIVE: tl.constexpr, HAS_DUAL: tl.constexpr,
-    HAS_BOUND: tl.constexpr, HAS_SEQUENCE: tl.constexpr, HAS_IMPORTANCE: tl.constexpr,
+    HAS_CAP: tl.constexpr, HAS_BOUND: tl.constexpr, HAS_SEQUENCE: tl.constexpr,
+    HAS_IMPORTANCE: tl.constexpr,
 ):  # fmt: skip
     """The policy part of one block: ``-w s``, its slope, and the nine diagnostic numerators.
 
@@ -203,10 +296,19 @@ def policy_terms(
             log_probs, ratio, log_ratio, advantages, weighted, low, high, low_threshold,
             high_threshold, HAS_LOW, HAS_HIGH,
         )  # fmt: skip
-    else:
+    elif SURROGATE == 2:
         value, slope, factor, band, low_set, high_set, dual_set = sapo_surrogate(
             ratio, log_ratio, passes, advantages, weighted, tau_positive, tau_negative,
             soft_low_positive, soft_high_positive, soft_low_negative, soft_high_negative,
+        )  # fmt: skip
+    elif SURROGATE == 6:
+        value, slope, factor, band, low_set, high_set, dual_set = dro_surrogate(
+            log_probs, old, weighted, importance, beta, HAS_IMPORTANCE
+        )
+    else:  # 4, 5: DPPO (TV, KL)
+        value, slope, factor, band, low_set, high_set, dual_set = dppo_surrogate(
+            log_probs, old, ratio, log_ratio, passes, advantages, weighted, low, high,
+            ratio_cap, cap_threshold, SURROGATE == 5, HAS_CAP,
         )  # fmt: skip
     kl_log_ratio = clamp_symmetric(token_log_ratio, diagnostic_bound)
     return (
@@ -254,11 +356,12 @@ def token_loss_kernel(
     low_threshold, high_threshold, upper_positive_threshold, upper_negative_threshold,
     dual_low_threshold, dual_high_threshold,
     soft_low_positive, soft_high_positive, soft_low_negative, soft_high_negative,
-    bound, diagnostic_bound, kl_coef, entropy_coef,
+    ratio_cap, cap_threshold, beta, bound, diagnostic_bound, kl_coef, entropy_coef,
     SURROGATE: tl.constexpr, HAS_LOW: tl.constexpr, HAS_HIGH: tl.constexpr,
     HAS_UPPER_POSITIVE: tl.constexpr, HAS_UPPER_NEGATIVE: tl.constexpr, HAS_DUAL: tl.constexpr,
-    HAS_BOUND: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_SEQUENCE: tl.constexpr,
-    HAS_IMPORTANCE: tl.constexpr, HAS_KL: tl.constexpr, KL_ESTIMATOR: tl.constexpr,
+    HAS_CAP: tl.constexpr, HAS_BOUND: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    HAS_SEQUENCE: tl.constexpr, HAS_IMPORTANCE: tl.constexpr, HAS_KL: tl.constexpr,
+    KL_ESTIMATOR: tl.constexpr,
     KL_STRAIGHT_THROUGH: tl.constexpr, KL_IMPORTANCE: tl.constexpr, HAS_ENTROPY: tl.constexpr,
     STORE_LOSS: tl.constexpr, COLUMNS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -313,9 +416,9 @@ def token_loss_kernel(
             low_threshold, high_threshold, upper_positive_threshold, upper_negative_threshold,
             dual_low_threshold, dual_high_threshold,
             soft_low_positive, soft_high_positive, soft_low_negative, soft_high_negative,
-            bound, diagnostic_bound,
+            ratio_cap, cap_threshold, beta, bound, diagnostic_bound,
             SURROGATE, HAS_LOW, HAS_HIGH, HAS_UPPER_POSITIVE, HAS_UPPER_NEGATIVE, HAS_DUAL,
-            HAS_BOUND, HAS_SEQUENCE, HAS_IMPORTANCE,
+            HAS_CAP, HAS_BOUND, HAS_SEQUENCE, HAS_IMPORTANCE,
         )  # fmt: skip
         policy, total_slope, band, low_set, high_set, dual_set, fired, ratio, k1, k3, factor = terms
         total = policy

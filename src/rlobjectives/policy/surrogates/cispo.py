@@ -148,7 +148,7 @@ class CISPO(SurrogateObjective):
         zero = torch.zeros((), dtype=dtype, device=ratio.device)
         log_probs = torch.where(mask, inputs.log_probs.to(dtype), zero)  # (B, T)
         values = log_probs.mul_(coefficient)  # w A~ l
-        log_ratio = inputs.log_ratio  # the decisions (the rule): x < t-(lo), x > t+(hi)
+        log_ratio = inputs.bounded_log_ratio  # the decisions (the rule): x < t-(lo), x > t+(hi)
         below = log_ratio < _as_tensor(_threshold(lower, dtype, upper=False), log_ratio)
         above_ = log_ratio > _as_tensor(_threshold(upper, dtype, upper=True), log_ratio)
         clip = ClipCounts(

@@ -462,7 +462,7 @@ def _clip_stage(clip: Clip, inputs: StageInputs) -> StageOutputs:
     (``L <= 1 <= H``): their decisions are 0 and their clipped ratio 1, so the selected sums
     are the full sums minus the unselected count.
     """
-    ratio, log_ratio = inputs.ratio, inputs.log_ratio
+    ratio, log_ratio = inputs.ratio, inputs.bounded_log_ratio
     weighted, dtype = inputs.weighted, inputs.dtype
     bounds, thresholds = clip_bounds(clip), clip_thresholds(clip, dtype)
     lower, upper = per_sign_bounds(bounds, inputs.advantages)

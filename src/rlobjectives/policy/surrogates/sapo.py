@@ -134,7 +134,7 @@ class SAPO(SurrogateObjective):
         coefficient = slope.mul_(inputs.weighted)  # (B, T), 0 at unselected tokens
         gate = sigma.mul_(4.0).div_(temperature)  # (B, T), the advantage factor
         values = gate * inputs.weighted  # (B, T), 0 at unselected tokens
-        low, high = self._soft_clipped(inputs.log_ratio, advantages)  # (B, T), the rule
+        low, high = self._soft_clipped(inputs.bounded_log_ratio, advantages)  # (B, T), the rule
         clip = ClipCounts(
             _count(low | high, mask),
             _count(low & (advantages < 0), mask),
