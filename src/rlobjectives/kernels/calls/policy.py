@@ -18,7 +18,10 @@ the kernels. This module maps the validated call onto the flat launcher of
   the layout and read per row (padded) or per token (packed);
 - the entropy bonus is a term of the kernel's per-token loss (gradient :math:`-c_H w`);
 - the nine diagnostics are the kernel's last nine sums over the selected-token count (or
-  ``diagnostics_normalizer``).
+  ``diagnostics_normalizer``);
+- under context parallelism (``layout.context``) the counts and GSPO's sums come from the
+  layout (whole sequences), and the kernel's weighted sum and its totals are summed over the
+  group in one all-reduce.
 
 :func:`kernel_options` returns None when a hyperparameter cannot be handed to the kernel (a
 tensor that requires grad): the caller then takes the PyTorch path.
@@ -215,6 +218,11 @@ def run_kernels(
     per_token_wanted = return_per_token or spec.reduction == "none"
     weights = None if per_token_wanted else reduction_weights(inputs.mask, spec, layout)
     loss, per_token, totals = _launch(flat, options, weights, sequence, entropy)
+    if layout.context is not None:  # the sums of the whole sequences, one all-reduce
+        if weights is None:  # per-token mode: reduce() below sums the loss over the group
+            (totals,) = layout.combine(totals)
+        else:  # identity backward: the kernel's gradient is that of the summed loss
+            loss, totals = layout.combine(loss, totals)
     per_token_loss = None
     if per_token_wanted:
         per_token_loss = per_token.view(flat.shape)  # (B, T), zeros at unselected tokens
