@@ -830,6 +830,110 @@ def data_parallel_results(rank: int, context: Any, data: Any) -> dict[str, Any]:
     return out
 
 
+class Traffic:
+    """Counts the collectives a call makes and the bytes of their payloads (a wrapper)."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def __enter__(self) -> Traffic:
+        self.saved = (dist.all_reduce, dist.all_gather)
+        reduce_, gather = self.saved
+
+        def all_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            self.calls.append(("all_reduce", tensor.numel() * tensor.element_size()))
+            return reduce_(tensor, *args, **kwargs)
+
+        def all_gather(
+            outputs: list[torch.Tensor], tensor: torch.Tensor, *args: Any, **kwargs: Any
+        ) -> Any:
+            self.calls.append(("all_gather", tensor.numel() * tensor.element_size()))
+            return gather(outputs, tensor, *args, **kwargs)
+
+        dist.all_reduce, dist.all_gather = all_reduce, all_gather  # type: ignore[assignment]
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        dist.all_reduce, dist.all_gather = self.saved  # type: ignore[assignment]
+
+
+def traffic_results(rank: int, group: Any, data: Any) -> dict[str, Any]:
+    """The collectives (kind, payload bytes) of one forward of representative calls (pair)."""
+    case = Case("traffic", "policy_loss", {}, seed=800)
+    whole = make_problem(case)
+    local = share(whole, owners(case, whole, 2), rank).problem
+    t, m, a = local.tokens, local.mask, local.sequences["advantages"]
+    calls: dict[str, Callable[[], Any]] = {
+        "policy_loss token_mean": lambda: rlo.policy_loss(
+            t["log_probs"], t["old_log_probs"], a, m, context_group=group
+        ),
+        "policy_loss sequence_mean": lambda: rlo.policy_loss(
+            t["log_probs"],
+            t["old_log_probs"],
+            a,
+            m,
+            reduction="sequence_mean",
+            context_group=group,
+        ),
+        "policy_loss GSPO sequence_mean": lambda: rlo.policy_loss(
+            t["log_probs"],
+            t["old_log_probs"],
+            a,
+            m,
+            ratio_level="sequence",
+            reduction="sequence_mean",
+            context_group=group,
+        ),
+        "kl_loss sequence_mean": lambda: rlo.kl_loss(
+            t["log_probs"],
+            t["ref_log_probs"],
+            m,
+            estimator="k2",
+            reduction="sequence_mean",
+            context_group=group,
+        ),
+        "kl_penalized_rewards": lambda: rlo.kl_penalized_rewards(
+            t["log_probs"],
+            t["ref_log_probs"],
+            local.sequences["scores"],
+            m,
+            0.1,
+            context_group=group,
+        ),
+        "gae": lambda: rlo.gae(
+            t["rewards"], t["values"], m, gamma=0.9, lam=0.9, context_group=group
+        ),
+        "global_normalizers": lambda: global_normalizers([m, m], group=data, context_group=group),
+    }
+    out: dict[str, Any] = {}
+    for name, call in calls.items():
+        with Traffic() as traffic:
+            call()
+        out[name] = traffic.calls
+    return out
+
+
+def error_results(rank: int, groups: dict[str, Any], data: Any) -> dict[str, str]:
+    """The messages of the errors only real process groups can raise."""
+    out: dict[str, str] = {}
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    zeros = torch.zeros(2, 3, dtype=torch.float64)
+    attempts: dict[str, Callable[[], Any]] = {
+        "outside": lambda: rlo.policy_loss(
+            zeros, zeros, torch.zeros(2), mask, context_group=groups["outside"]
+        ),
+        "overlap": lambda: global_normalizers([mask], context_group=groups["pair"]),
+    }
+    for name, attempt in attempts.items():
+        if name == "outside" and rank != 3:
+            continue
+        try:
+            attempt()
+        except (TypeError, ValueError) as error:
+            out[name] = f"{type(error).__name__}: {error}"
+    return out
+
+
 def worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
     """Entry point of a spawned rank: results to ``rank{r}.pt``, traceback to ``rank{r}.err``."""
     torch.set_num_threads(1)
@@ -851,6 +955,10 @@ def worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
         start = time.monotonic()
         results = run_cases(rank, own) if rank < 3 else {}
         results["_dp"] = data_parallel_results(rank, groups["pair_rank"], data)
+        results["_traffic"] = traffic_results(rank % 2, groups["pair_rank"], data)
+        results["_errors"] = error_results(
+            rank, {"outside": groups["pair"], "pair": groups["pair_rank"]}, data
+        )
         results["_seconds"] = time.monotonic() - start
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()

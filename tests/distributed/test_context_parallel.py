@@ -18,7 +18,8 @@ from typing import Any
 import pytest
 import torch
 
-from _context_workers import CASES, GROUPS, Case, launch, make_problem, owners, reference
+import rlobjectives as rlo
+from _context_workers import CASES, GROUPS, WIDTH, Case, launch, make_problem, owners, reference
 from tolerances import CONTEXT_TOLERANCE, tolerance
 
 pytestmark = pytest.mark.distributed
@@ -88,3 +89,81 @@ def _check(case: Case, results: list[dict[str, Any]]) -> None:
 @pytest.mark.parametrize("case", CASES, ids=[case.name for case in CASES])
 def test_context_parallel_equals_unsplit(ranks: list[dict[str, Any]], case: Case) -> None:
     _check(case, ranks)
+
+
+# --------------------------------------------------------------------------------------------
+# Data x context parallelism: 2 x 2 ranks, normalisers over both groups
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "sequence_sum_normalized"])
+def test_data_times_context_parallel_equals_the_whole_step(
+    ranks: list[dict[str, Any]], reduction: str
+) -> None:
+    # The step's batch: replica 0's sequences (on ranks 0 and 1), then replica 1's (2 and 3).
+    problems = [make_problem(Case("dp", "policy_loss", {}, seed=700 + r)) for r in range(2)]
+    log_probs = torch.cat([p.tokens["log_probs"] for p in problems]).requires_grad_(True)
+    whole = rlo.policy_loss(
+        log_probs,
+        torch.cat([p.tokens["old_log_probs"] for p in problems]),
+        torch.cat([p.sequences["advantages"] for p in problems]),
+        torch.cat([p.mask for p in problems]),
+        reduction=reduction,
+        max_response_length=WIDTH,
+    )
+    whole.loss.backward()
+    mask = torch.cat([p.mask for p in problems])
+    expected_counts = [int(mask.sum()), int((mask.sum(-1) > 0).sum()), mask.shape[0]]
+    losses, shares = [], []
+    for rank in range(4):
+        result = ranks[rank]["_dp"][reduction]
+        assert result["counts"] == expected_counts  # one rank of each CP group per DP group
+        replica = rank // 2
+        grad = log_probs.grad.detach()[replica * 5 : (replica + 1) * 5]
+        _compare(result["grad"], _at(grad, result["index"]), _DP, f"rank {rank} grad")
+        losses.append(result["loss"])
+        shares.append(result["diagnostics"])
+    # each CP pair returns its replica's share (the same on both ranks); the shares add up
+    torch.testing.assert_close(losses[0], losses[1], rtol=0, atol=0)
+    torch.testing.assert_close(losses[2], losses[3], rtol=0, atol=0)
+    _compare(losses[0] + losses[2], whole.loss.detach(), _DP, "summed loss")
+    # the diagnostics over the global token count add up the same way (sum_diagnostics over DP)
+    _compare(shares[0] + shares[2], whole.diagnostics.clipped_fraction, _DP, "diagnostics")
+    _compare(shares[1], shares[0], _DP, "diagnostics of the CP pair")
+
+
+_DP = Case("dp", "policy_loss", {})
+
+
+# --------------------------------------------------------------------------------------------
+# What crosses the ranks: one all-reduce of (S,) values per quantity, batched
+# --------------------------------------------------------------------------------------------
+
+S = 5  # sequences of the traffic problem; buffers are float64 (8 bytes) except the DP counts
+TRAFFIC = {
+    # the loss total, the 9 diagnostic sums, the token count: scalars only for token_mean
+    "policy_loss token_mean": [("all_reduce", 8 * 11)],
+    # the (S,) row sums and counts, the 9 sums and the count, in one all-reduce
+    "policy_loss sequence_mean": [("all_reduce", 8 * (S + 9 + S + 1))],
+    # GSPO: the (S,) log-ratio sums and counts first, then the rest
+    "policy_loss GSPO sequence_mean": [("all_reduce", 8 * 2 * S), ("all_reduce", 8 * (S + 9 + 1))],
+    "kl_loss sequence_mean": [("all_reduce", 8 * 2 * S)],
+    "kl_penalized_rewards": [("all_reduce", 8 * S)],  # D_i
+    "gae": [("all_gather", 8 * S * 4)],  # the (S, 4) boundary states
+    # the two micro-batches' (S,) counts over the CP group, then the int64 3-vector over DP
+    "global_normalizers": [("all_reduce", 8 * 2 * S), ("all_reduce", 8 * 3)],
+}
+
+
+@pytest.mark.parametrize("call", sorted(TRAFFIC))
+def test_collectives_per_call(ranks: list[dict[str, Any]], call: str) -> None:
+    for rank in range(4):
+        assert ranks[rank]["_traffic"][call] == TRAFFIC[call], (rank, call)
+
+
+def test_errors_that_need_real_groups(ranks: list[dict[str, Any]]) -> None:
+    # rank 3 is not in the pair {0, 1}: new_group gave it NON_GROUP_MEMBER
+    assert ranks[3]["_errors"]["outside"].startswith("ValueError: context_group must contain")
+    for rank in range(4):  # group=None is the world: it overlaps the context group
+        message = ranks[rank]["_errors"]["overlap"]
+        assert message.startswith("ValueError: group must be the data-parallel group"), message

@@ -59,6 +59,7 @@ __all__ = [
     "mean_selected",
     "reduce",
     "reduce_rows",
+    "reduction_counts",
     "row_weights",
     "safe_divide",
     "sum_selected",
@@ -175,6 +176,20 @@ def row_weights(
     if normalizer is None:
         normalizer = counts.sum().to(dtype).clamp(min=1)
     return RowWeights(None, normalizer)
+
+
+def reduction_counts(mask: torch.Tensor, spec: ReductionSpec, layout: Layout) -> torch.Tensor:
+    """The selected-token counts :func:`row_weights` reads for ``spec``, of whole sequences.
+
+    ``(S,)`` per sequence; under context parallelism only what the reduction reads crosses the
+    ranks: the ``(S,)`` counts for ``sequence_mean``, the total count as ``(1,)`` for
+    ``token_mean`` without a normaliser, nothing otherwise (zeros, unread).
+    """
+    if layout.context is None or spec.reduction == "sequence_mean":
+        return layout.row_counts(mask)
+    if spec.reduction == "token_mean" and spec.normalizer is None:
+        return layout.total(mask.to(torch.int64)).reshape(1)
+    return torch.zeros(1, dtype=torch.int64, device=mask.device)
 
 
 def token_gradient_weights(weights: RowWeights, layout: Layout, dtype: torch.dtype) -> torch.Tensor:

@@ -470,10 +470,19 @@ def validate_context_group(context_group: object) -> ContextGroup | None:
 
     Raises:
         TypeError: ``context_group`` is neither None nor a ``torch.distributed.ProcessGroup``.
-        ValueError: no process group is initialised, or this rank is not in ``context_group``.
+        ValueError: no process group is initialised, or this rank is not in ``context_group``
+            (including ``GroupMember.NON_GROUP_MEMBER``, what ``new_group`` returns to the ranks
+            outside the new group).
     """
     if context_group is None:
         return None
+    outside = dist.GroupMember.NON_GROUP_MEMBER  # what new_group returns to the other ranks
+    if type(context_group) is type(outside) and context_group == outside:
+        raise ValueError(
+            f"context_group must contain this rank, got torch.distributed.GroupMember."
+            f"NON_GROUP_MEMBER ({outside!r}: new_group's value on a rank outside the group); "
+            "call with the group of the ranks that hold this rank's sequences"
+        )
     if not isinstance(context_group, dist.ProcessGroup):
         raise TypeError(
             "context_group must be a torch.distributed.ProcessGroup (the ranks that hold parts of "

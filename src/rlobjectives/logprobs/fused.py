@@ -26,6 +26,7 @@ from .._core.reduction import (
     Reduction,
     ReductionSpec,
     masked_fill_zero,
+    reduction_counts,
     row_weights,
     token_gradient_weights,
 )
@@ -342,7 +343,7 @@ def _fused_loss(
 ) -> FusedPolicyLossOutput:
     """Gradients formed in the forward chunk loop; the value from the composition."""
     inputs, dtype, layout = call.inputs, call.inputs.dtype, call.layout
-    counts = layout.row_counts(inputs.mask)  # (S,)
+    counts = reduction_counts(inputs.mask, call.reduction, layout)  # (S,), whole sequences
     weights = row_weights(counts, call.reduction, dtype=dtype, batch=layout.num_sequences)
     token_weights = token_gradient_weights(weights, layout, dtype).expand(batch_shape)
     mask = inputs.mask.reshape(-1)

@@ -287,11 +287,11 @@ def fused_forward(
     # (S,) row sums, or the 0-d total where the loss needs the total only
     totals = layout.local_row_sums(values) if rows else values.sum()
     if layout.context is not None:  # one all-reduce of everything the rest reads
-        if whole_counts is counts:
+        if whole_counts is counts and per_row:
             totals, raw, counts, count = layout.combine(totals, raw, counts, count)
-        else:  # GSPO summed the counts already
+        else:  # only the total count is needed, or GSPO summed the counts already
             totals, raw, count = layout.combine(totals, raw, count)
-            counts = whole_counts
+            counts = count.reshape(1) if whole_counts is counts else whole_counts
     elif whole_counts is not counts:
         counts = whole_counts
     reduced = _reduce_stage(values, totals, counts, mask, spec)
@@ -304,10 +304,13 @@ def _per_row_sums_needed(spec: FusedSpec) -> bool:
     """Whether the math needs per-sequence counts and sums (always cheap when padded).
 
     A packed layout computes segment sums only for GSPO (the sequence log-ratio) and
-    ``sequence_mean`` (the per-sequence divisors); the other reductions need totals.
+    ``sequence_mean`` (the per-sequence divisors); the other reductions need totals. Under
+    context parallelism neither does a padded one: the token-local reductions then send only
+    scalars (the total and the count) to the other ranks, never ``(S,)`` sums.
     """
+    layout = spec.layout
     return (
-        spec.layout.sequence_ids is None
+        (layout.sequence_ids is None and layout.context is None)
         or spec.options.ratio_level == "sequence"
         or spec.reduction.reduction == "sequence_mean"
     )

@@ -38,6 +38,7 @@ from ..._core.reduction import (
     ReductionSpec,
     masked_fill_zero,
     reduce,
+    reduction_counts,
     row_weights,
     safe_divide,
     token_gradient_weights,
@@ -152,7 +153,7 @@ def flat_inputs(inputs: PolicyInputs) -> FlatInputs:
 
 def reduction_weights(mask: torch.Tensor, spec: ReductionSpec, layout: Layout) -> torch.Tensor:
     """Per-token weights :math:`1 / (d_i D)` of ``spec`` in the flat layout (float32)."""
-    counts = layout.row_counts(mask)  # (S,)
+    counts = reduction_counts(mask, spec, layout)  # (S,) (under CP: what the reduction reads)
     weights = row_weights(counts, spec, dtype=torch.float32, batch=layout.num_sequences)
     gradient = token_gradient_weights(weights, layout, torch.float32)  # (B, 1), (1, N) or (1, 1)
     return flat_values(gradient, (mask.shape[0], mask.shape[1]))
