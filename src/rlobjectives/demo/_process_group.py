@@ -89,7 +89,7 @@ def release_sharding_caches() -> None:
     with contextlib.suppress(ImportError, AttributeError):
         from torch.distributed.tensor import debug
 
-        debug._clear_sharding_prop_cache()  # the Python table and the C++ fast path
+        debug._clear_sharding_prop_cache()  # type: ignore[no-untyped-call]  # Python and C++
     with contextlib.suppress(ImportError, AttributeError):
         from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
 

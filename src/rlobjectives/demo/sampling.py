@@ -74,7 +74,8 @@ def sample_responses(
         else:
             offset, total = rows
             uniforms = torch.rand(total, generator=generator, dtype=torch.float64)  # every row
-            next_token = _inverse_cdf(torch.softmax(logits, dim=-1), uniforms[offset:][: len(logits)])
+            mine = uniforms[offset : offset + logits.shape[0]]  # (B,) this call's rows
+            next_token = _inverse_cdf(torch.softmax(logits, dim=-1), mine)
         next_token = torch.where(finished, pad, next_token)
         mask_columns.append(~finished)
         columns.append(next_token)
