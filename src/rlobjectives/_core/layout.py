@@ -81,6 +81,8 @@ class Layout(NamedTuple):
 
         Identity backward: the results are replicated on every rank of the group.
         """
+        if self.context is None:
+            return tensors
         return context_sum(self.context, *tensors)
 
     def row_sums(self, values: torch.Tensor) -> torch.Tensor:

@@ -326,6 +326,8 @@ def reinforce_plus_plus_advantages(
             ``gamma`` outside [0, 1], a negative ``eps``, an unknown ``holes`` or a malformed
             ``cu_seqlens``.
         TypeError: on non-numeric inputs or a non-bool ``unbiased``.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         Hu et al. 2025, REINFORCE++, arXiv:2501.03262: token advantage
@@ -516,6 +518,8 @@ def gae(
             ``lam`` outside [0, 1], an unknown ``holes`` or a malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs, tensor-valued ``gamma``/``lam`` or a non-bool
             ``whiten``.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         Schulman et al. 2016, GAE, arXiv:1506.02438 Eq. 16; Ouyang et al. 2022,

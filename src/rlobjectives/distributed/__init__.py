@@ -17,7 +17,8 @@ sum over micro-batches and ranks is the full-batch loss.
 Data-parallel wrappers (``DistributedDataParallel``, FSDP with its default settings) *average*
 gradients over the ``W`` ranks, so each rank must multiply its loss by ``W``
 (:func:`data_parallel_loss_scale`) to obtain the gradient of the sum. The full recipe, with
-the reasoning and the bugs it avoids, is in ``docs/distributed.md``.
+the reasoning and the bugs it avoids, is in ``docs/distributed/data-parallel.md``; context
+parallelism (``context_group=``) in ``docs/distributed/context-parallel.md``.
 
 Example (one optimizer step on one rank)::
 
@@ -161,6 +162,8 @@ def global_normalizers(
             different devices, ``cu_seqlens`` does not match ``masks`` or is malformed,
             ``group`` or ``context_group`` is given without an initialised process group, or
             ``group`` shares ranks other than this one with ``context_group``.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         Global token normalisation over the optimizer-step window: Yu et al. 2025, DAPO,

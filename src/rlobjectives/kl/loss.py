@@ -191,6 +191,8 @@ def kl_loss(
             non-positive ``normalizer``/``max_response_length``/``log_ratio_bound``, or a
             malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs or a non-bool ``straight_through``.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     Warns:
         BiasedGradientWarning: for ``"k1"`` or ``"k3"`` without ``straight_through``; with

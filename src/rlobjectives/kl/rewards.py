@@ -88,6 +88,8 @@ def kl_penalized_token_rewards(
             unknown ``estimator``, a negative/non-finite ``kl_coef``, a non-positive
             ``log_ratio_bound``, or a malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     Warns:
         BiasedGradientWarning: for ``"k2"``/``"k3"``, or ``"k1"`` with a ``log_ratio_bound``.

@@ -173,6 +173,8 @@ def fused_policy_loss_from_hidden(
             ``ref_log_probs``.
         TypeError: on non-numeric inputs (a tensor ``entropy_coef`` or ``kl_coef`` included).
         RuntimeError: on a second backward through the same result.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     Warns:
         BiasedGradientWarning: with the KL term on, for ``"k1"`` or ``"k3"`` without

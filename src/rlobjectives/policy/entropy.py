@@ -158,6 +158,8 @@ def top_entropy_mask(
     Raises:
         ValueError: on shapes or devices that differ, or ``quantile`` outside ``[0, 1]``.
         TypeError: on non-numeric inputs or a tensor ``quantile``.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective

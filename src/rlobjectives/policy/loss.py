@@ -188,6 +188,8 @@ def policy_loss(
             validates its own fields when it is built.
         TypeError: on non-numeric inputs, or a ``surrogate`` that is neither a name nor a
             surrogate object.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         Schulman et al. 2017, PPO, arXiv:1707.06347 Eq. 7 and Eq. 9 (entropy bonus); Shao et

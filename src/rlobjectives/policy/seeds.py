@@ -247,6 +247,8 @@ def kl_penalized_rewards(
         ValueError: on mismatched shapes or devices, rewards of the wrong length, a
             negative/NaN/infinite ``beta``, or a malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         Ziegler et al. 2019, arXiv:1909.08593 Eq. 2; Ouyang et al. 2022 (InstructGPT),

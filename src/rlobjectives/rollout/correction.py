@@ -404,6 +404,8 @@ def rollout_correction(
             ``level``/``mode``, ``upper``/``veto`` not > 0, ``lower`` < 0, ``lower > upper``
             or a non-finite bound.
         TypeError: on non-numeric inputs or bounds.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL

@@ -77,6 +77,8 @@ def off_policy_sequence_mask(
         ValueError: on inputs that are not ``(B, T)``, mismatched shapes/devices, advantages of
             another shape or a non-finite ``threshold``.
         TypeError: on non-numeric inputs or threshold.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         DeepSeek-AI 2025, DeepSeek-V3.2, arXiv:2512.02556 Eq. 9 (off-policy sequence masking);

@@ -239,6 +239,8 @@ def value_loss(
             or non-finite ``clip``, an unknown ``reduction``, a non-positive ``normalizer`` or
             ``max_response_length``, or a malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         Schulman et al. 2017, PPO, arXiv:1707.06347 Eq. 9 (:math:`L^{VF}`); the clipped value
