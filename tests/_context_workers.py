@@ -61,6 +61,7 @@ class Case(NamedTuple):
     group: str = "pair"  # a key of GROUPS
     kernels: bool = False  # RLOBJECTIVES_KERNELS=triton through the interpreter
     seed: int = 0
+    dtype: torch.dtype = torch.float64  # of the floating inputs (bf16: computed in float32)
 
 
 # ------------------------------------------------------------------------------- problems
@@ -119,9 +120,10 @@ def make_problem(case: Case) -> Problem:
         "scalar": torch.tensor(1.0, dtype=torch.float64),
     }
     sequence_of = torch.arange(SEQUENCES).unsqueeze(1).expand(shape)
-    if case.kernels:  # the kernels compute in float32 (float64 takes the PyTorch path)
-        tokens = {name: value.float() for name, value in tokens.items()}
-        sequences = {name: value.float() for name, value in sequences.items()}
+    dtype = torch.float32 if case.kernels else case.dtype  # the kernels compute in float32
+    if dtype != torch.float64:  # (float64 takes the PyTorch path)
+        tokens = {name: value.to(dtype) for name, value in tokens.items()}
+        sequences = {name: value.to(dtype) for name, value in sequences.items()}
     problem = Problem(tokens, mask, ids, sequences, None, positions, sequence_of, weights)
     return problem if case.layout == "padded" else _packed(problem)
 
@@ -764,9 +766,40 @@ def _kernel_cases() -> list[Case]:
     ]
 
 
+def _bfloat16_cases() -> list[Case]:
+    """bf16 inputs, computed in float32: the sums cross the ranks in float64 buffers."""
+    bf16 = torch.bfloat16
+    return [
+        Case(
+            "bf16-policy-gspo-seqmean",
+            "policy_loss",
+            {"ratio_level": "sequence", "reduction": "sequence_mean"},
+            seed=600,
+            dtype=bf16,
+        ),
+        Case(
+            "bf16-policy-vespo-packed",
+            "policy_loss",
+            {"surrogate": "vespo"},
+            "packed",
+            group="trio",
+            seed=601,
+            dtype=bf16,
+        ),
+        Case(
+            "bf16-kl_loss-seqmean",
+            "kl_loss",
+            {"estimator": "k2", "reduction": "sequence_mean"},
+            seed=602,
+            dtype=bf16,
+        ),
+    ]
+
+
 CASES: list[Case] = [
     *_policy_cases(),
     *_other_cases(),
+    *_bfloat16_cases(),
     *(_kernel_cases() if triton_available() else []),
 ]
 

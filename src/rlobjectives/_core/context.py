@@ -98,15 +98,15 @@ class _ContextSum(torch.autograd.Function):
         return tuple(outputs)
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        # (unused outputs get zeros: autograd materialises them, so every rank sends the same)
         floating = ctx.floating
         kept = [g for g, f in zip(grads, floating, strict=True) if f]
         if ctx.adjoint and kept:
-            present = [g if g is not None else torch.zeros(()) for g in kept]
-            summed = _flatten(present)
+            summed = _flatten(kept)
             dist.all_reduce(summed, op=dist.ReduceOp.SUM, group=ctx.context.group)
-            reduced = iter(_unflatten(summed, present))
-            grads = tuple(next(reduced) if f else None for f in floating)
+            reduced = iter(_unflatten(summed, kept))
+            grads = tuple(next(reduced) if f else g for g, f in zip(grads, floating, strict=True))
         return (None, None, *(g if f else None for g, f in zip(grads, floating, strict=True)))
 
 

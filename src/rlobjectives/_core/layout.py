@@ -160,6 +160,22 @@ class Layout(NamedTuple):
         first = first.scatter_reduce(0, self.sequence_ids, scored, "amin")  # (S,)
         return ((positions == first[self.sequence_ids]) & flat).reshape(mask.shape)
 
+    def local_selected_after(self, mask: torch.Tensor) -> torch.Tensor:
+        """Int64, the shape of ``mask``: this rank's selected tokens after ``t`` in its sequence.
+
+        A difference of integer cumulative sums (exact): the row's (packed: the sequence's)
+        total minus the running count up to ``t`` included.
+        """
+        if self.sequence_ids is None:
+            running = mask.to(torch.int64).cumsum(-1)  # (B, T)
+            total = running[:, -1:] if mask.shape[-1] else running
+            return total - running
+        flat = mask.reshape(-1).to(torch.int64)  # (N,)
+        running = torch.cat([flat.new_zeros(1), flat.cumsum(0)])  # (N + 1,) before each position
+        positions = torch.arange(flat.shape[0], device=flat.device)
+        ends = _sequence_end(self, positions)  # (N,) one past the end of t's sequence
+        return (running.index_select(0, ends) - running[1:]).reshape(mask.shape)
+
     def local_last_selected(self, mask: torch.Tensor) -> torch.Tensor:
         """Bool: True at the last selected token of each sequence among this rank's tokens."""
         if self.sequence_ids is None:

@@ -160,9 +160,9 @@ def _context_scan(
 
     ``local`` is this rank's scan :math:`G^0 = \mathrm{scan}(x)` with a zero bootstrap after its
     last chain token. The recursion :math:`G_t = x_t + a\,G_{n(t)}` is linear, so the exact
-    value is :math:`G_t = G^0_t + P_t\,c`, with :math:`P = \mathrm{scan}(e_{last})` the
-    propagation of a unit at this rank's last chain token (:math:`a^{k}` after :math:`k` later
-    chain tokens here) and :math:`c` the correction the later chunks add at that token. Each
+    value is :math:`G_t = G^0_t + P_t\,c`, with :math:`P_t = a^{k_t}` the propagation of a unit at
+    this rank's last chain token (the scan of that unit: :math:`k_t` later chain tokens here, an
+    exact integer count) and :math:`c` the correction the later chunks add at that token. Each
     rank summarises each sequence by ``[holds a chain token, G^0 and P at its first chain token,
     *extra at it]``; one ``all_gather`` of these ``(S, 3 + e)`` states and a fold from the last
     rank down (:func:`~rlobjectives._core.context.carry_from_later_ranks`) give :math:`c`:
@@ -182,8 +182,9 @@ def _context_scan(
     context = layout.context
     assert context is not None  # internal invariant: called under context parallelism
     zero = torch.zeros((), dtype=local.dtype, device=local.device)
-    unit = torch.where(layout.local_last_selected(chain), 1.0, zero).to(local.dtype)
-    propagation = _discounted_sum(unit, chain, discount, layout)  # (B, T) a^(chain tokens after)
+    after = layout.local_selected_after(chain).to(local.dtype)  # (B, T) later chain tokens here
+    base = torch.full((), discount, dtype=local.dtype, device=local.device)
+    propagation = torch.where(chain, torch.pow(base, after), zero)  # (B, T) a^k (0^0 = 1)
     first = layout.first_selected(chain)
     at_first = [
         layout.local_row_sums(torch.where(first, value, zero))
