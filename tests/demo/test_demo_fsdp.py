@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -46,6 +47,32 @@ RUN = [
 METRICS = ("loss", "reward", "accuracy", "kl", "clip_fraction", "ratio_mean", "approx_kl")
 LEARNING_RATE = 1e-3  # the demo's default --lr
 UPDATES = 2 * 2 * 2  # steps x epochs x minibatches
+TORCHRUN_TIMEOUT_S = 300.0  # the run takes about 35 s on 2 shared cores
+
+
+def _run_in_own_session(
+    command: list[str], *, env: dict[str, str], timeout_s: float
+) -> subprocess.CompletedProcess[str]:
+    """Run ``command`` (torchrun) as the leader of a new session; on a timeout kill the session.
+
+    ``subprocess.run(timeout=...)`` kills only torchrun itself (SIGKILL cannot be forwarded),
+    which would leave its two worker ranks running; killing the process group ends them too.
+    """
+    process = subprocess.Popen(
+        command,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        start_new_session=True,
+    )
+    try:
+        stdout, stderr = process.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)  # torchrun and its workers
+        stdout, stderr = process.communicate()
+        pytest.fail(f"torchrun ran past {timeout_s} s:\n{stdout[-3000:]}\n{stderr[-6000:]}")
+    return subprocess.CompletedProcess(command, process.returncode, stdout, stderr)
 
 
 def _metrics(out: Path) -> list[dict[str, float]]:
@@ -68,9 +95,7 @@ def test_fsdp2_two_ranks_train_as_one_process(tmp_path: Path) -> None:
         str(sharded),
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    result = subprocess.run(
-        command, capture_output=True, text=True, timeout=300, check=False, env=env
-    )
+    result = _run_in_own_session(command, env=env, timeout_s=TORCHRUN_TIMEOUT_S)
     if result.returncode != 0:
         print(result.stdout[-3000:], result.stderr[-6000:])  # shown by pytest on failure
     assert result.returncode == 0
