@@ -937,6 +937,15 @@ def traffic_results(rank: int, group: Any, data: Any) -> dict[str, Any]:
             t["rewards"], t["values"], m, gamma=0.9, lam=0.9, context_group=group
         ),
         "global_normalizers": lambda: global_normalizers([m, m], group=data, context_group=group),
+        "value_loss clip sequence_mean": lambda: rlo.value_loss(
+            t["values"],
+            t["old_values"],
+            t["returns"],
+            m,
+            clip=0.2,
+            reduction="sequence_mean",
+            context_group=group,
+        ),
     }
     out: dict[str, Any] = {}
     for name, call in calls.items():

@@ -154,6 +154,16 @@ TRAFFIC = {
     "gae": [("all_gather", 8 * S * 4)],  # the (S, 4) boundary states
     # the two micro-batches' (S,) counts over the CP group, then the int64 3-vector over DP
     "global_normalizers": [("all_reduce", 8 * 2 * S), ("all_reduce", 8 * 3)],
+    # the clip fraction's 2 counts; the (S,) row sums and counts; the explained variance: the
+    # common scale's maximum, then both variances' maxima, [2 sums, count], 2 squared deviations
+    "value_loss clip sequence_mean": [
+        ("all_reduce", 8 * 2),
+        ("all_reduce", 8 * 2 * S),
+        ("all_reduce", 8),
+        ("all_reduce", 8 * 2),
+        ("all_reduce", 8 * 3),
+        ("all_reduce", 8 * 2),
+    ],
 }
 
 

@@ -57,13 +57,13 @@ def power_of_two_scale(magnitude: torch.Tensor) -> torch.Tensor:
 class MaskedMoments(NamedTuple):
     """Mean and variance of the selected values of a tensor, in units of ``scale``.
 
-    Attributes:
+    Attributes (``(K,)`` instead of 0-d for ``K`` stacked tensors, see :func:`masked_moments`):
         scale: 0-d power of two; the true statistics are ``scale * mean`` and
             ``scale**2 * variance``.
         mean: 0-d mean of ``values / scale`` over the selected entries (0 if none).
         centered: ``(values / scale - mean)`` at selected entries, exact 0 elsewhere.
         variance: 0-d variance of ``values / scale`` (divisor ``N - 1`` or ``N``, at least 1).
-        selected: 0-d number of selected entries (int64).
+        selected: 0-d number of selected entries (int64), shared by the stacked tensors.
     """
 
     scale: torch.Tensor
@@ -86,26 +86,37 @@ def masked_moments(
     caller. NaN/inf at unselected entries reaches nothing. With ``N <= 1`` selected entries the
     variance is 0 (the divisor ``N - 1`` is raised to 1 and the centered values are 0).
 
+    ``values`` of shape ``(K, *mask.shape)``: the statistics of ``K`` tensors under the same
+    mask at once (``scale``, ``mean``, ``variance`` are then ``(K,)``, each with its own
+    scale), so that under a context group their collectives are shared.
+
     ``context``: the statistics of the selected entries of every rank of a context group (this
-    rank's ``values`` are its shard): the largest magnitude by one ``all_reduce(MAX)``, the
-    count and sum by one ``all_reduce``, the squared deviations by one more; the backward of the
-    sums is the adjoint (every rank's centered values depend on every rank's values).
+    rank's ``values`` are its shard): the largest magnitudes by one ``all_reduce(MAX)``, the
+    count and sums by one ``all_reduce``, the squared deviations by one more (three collectives
+    for any ``K``); the backward of the sums is the adjoint (every rank's centered values depend
+    on every rank's values).
     """
+    stacked = values.ndim == mask.ndim + 1
+    dims = tuple(range(int(stacked), values.ndim))  # the entries (all but the stack)
     selected = masked_fill_zero(values, mask)
     if selected.numel() == 0 and context is None:
-        zero = selected.new_zeros(())
-        return MaskedMoments(selected.new_ones(()), zero, selected, zero, mask.sum())
-    magnitude = selected.abs().amax() if selected.numel() else selected.new_zeros(())
-    scale = power_of_two_scale(context_max(context, magnitude))  # ()
-    scaled = selected / scale
-    total, count = context_sum(context, scaled.sum(), mask.sum(), adjoint=True)  # ()
-    mean = safe_divide(total, count)  # ()
+        zero = selected.new_zeros(values.shape[:1] if stacked else ())
+        return MaskedMoments(torch.ones_like(zero), zero, selected, zero, mask.sum())
+    if selected.numel():
+        magnitude = selected.abs().amax(dim=dims)
+    else:
+        magnitude = selected.new_zeros(values.shape[:1] if stacked else ())
+    scale = power_of_two_scale(context_max(context, magnitude))  # () or (K,)
+    trailing = scale.reshape(scale.shape + (1,) * mask.ndim)  # broadcasts over the entries
+    scaled = selected / trailing
+    total, count = context_sum(context, scaled.sum(dim=dims), mask.sum(), adjoint=True)
+    mean = safe_divide(total, count)  # () or (K,)
     # With one selected entry the centered value is identically 0: select it (gradient exactly
     # 0) instead of differencing x and mean(x), whose gradients cancel to rounding only.
-    centered = masked_fill_zero(scaled - mean, mask & (count > 1))
+    centered = masked_fill_zero(scaled - mean.reshape(trailing.shape), mask & (count > 1))
     divisor = (count - 1).clamp(min=1) if unbiased else count.clamp(min=1)
-    (squares,) = context_sum(context, centered.square().sum(), adjoint=True)
-    variance = squares / divisor.to(scaled.dtype)  # ()
+    (squares,) = context_sum(context, centered.square().sum(dim=dims), adjoint=True)
+    variance = squares / divisor.to(scaled.dtype)  # () or (K,)
     return MaskedMoments(scale, mean, centered, variance, count)
 
 

@@ -127,27 +127,33 @@ def _explained_variance(
     exponents (exact integers), so a float32 square never overflows or underflows (returns of
     1e19 have a variance of 1e38, whose rescaling by 2^130 did overflow) and the result is the
     float32 rounding of the true value wherever that is finite. ``context``: over the selected
-    tokens of every rank of a context group (the moments of :func:`masked_moments`).
+    tokens of every rank of a context group (one maximum for the common scale, then the two
+    variances' maxima, sums and squared deviations in three collectives shared by both).
     """
     if mask.numel() == 0 and context is None:
         return values.new_zeros(())
     # R - V of values divided by a common power of two: the difference cannot overflow either.
     largest = torch.maximum(_largest(values), _largest(returns))
     common = power_of_two_scale(context_max(context, largest))
-    residual = masked_moments(
-        returns / common - values / common, mask, unbiased=True, context=context
+    # Both variances at once (stacked: their collectives are shared under a context group).
+    moments = masked_moments(
+        torch.stack([returns / common - values / common, returns]),
+        mask,
+        unbiased=True,
+        context=context,
     )
-    target = masked_moments(returns, mask, unbiased=True, context=context)
+    residual_scale, target_scale = moments.scale.unbind()
+    residual_variance, target_variance = moments.variance.unbind()
     # log Var(R - V) - log(Var(R) + eps), each variance = variance' * scale^2.
-    exponent = 2.0 * (residual.scale.log2() + common.log2() - target.scale.log2())  # exact
-    log_eps = math.log(_EXPLAINED_VARIANCE_EPS) - 2.0 * math.log(2.0) * target.scale.log2()
+    exponent = 2.0 * (residual_scale.log2() + common.log2() - target_scale.log2())  # exact
+    log_eps = math.log(_EXPLAINED_VARIANCE_EPS) - 2.0 * math.log(2.0) * target_scale.log2()
     log_ratio = (
-        residual.variance.log()
+        residual_variance.log()
         + exponent * math.log(2.0)
-        - torch.logaddexp(target.variance.log(), log_eps)
+        - torch.logaddexp(target_variance.log(), log_eps)
     )
     explained = 1.0 - torch.exp(log_ratio)
-    return torch.where(target.selected >= 2, explained, 0.0)
+    return torch.where(moments.selected >= 2, explained, 0.0)
 
 
 def _largest(values: torch.Tensor) -> torch.Tensor:
