@@ -30,6 +30,7 @@ import os
 import time
 import traceback
 from collections.abc import Callable
+from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -45,8 +46,11 @@ WORLD_SIZE = 4  # one launch: pairs {0, 1} and {2, 3}, the trio {0, 1, 2}, DP pa
 GROUPS: dict[str, tuple[int, ...]] = {"pair": (0, 1), "pair_b": (2, 3), "trio": (0, 1, 2)}
 SEQUENCES, WIDTH, VOCAB, HIDDEN = 5, 9, 7, 3
 LENGTHS = (9, 4, 0, 7, 2)  # sequence 2 selects no token
-INIT_TIMEOUT_S = 60.0
-JOIN_TIMEOUT_S = 300.0
+# The group's timeout (the rendezvous and every collective): a rank waits for the slowest one's
+# imports (4 processes on 2 loaded cores: up to ~40 s measured) and cases (~4 s). Generous, so a
+# slow CI never times out; a rank that fails writes its traceback and ends the run at once.
+COLLECTIVE_TIMEOUT_S = 180.0
+JOIN_TIMEOUT_S = 300.0  # the whole launch
 NAN, INF = float("nan"), float("inf")
 
 
@@ -986,7 +990,7 @@ def worker(rank: int, world_size: int, store_path: str, out_dir: str) -> None:
             store=store,
             rank=rank,
             world_size=world_size,
-            timeout=datetime.timedelta(seconds=INIT_TIMEOUT_S),
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S),
         )
         groups = {name: dist.new_group(list(ranks)) for name, ranks in GROUPS.items()}
         groups["pair_rank"] = groups["pair"] if rank < 2 else groups["pair_b"]
@@ -1026,13 +1030,17 @@ def launch(
         for process in processes:
             process.start()
         deadline = time.monotonic() + timeout_s
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        stragglers = [rank for rank, p in enumerate(processes) if p.is_alive()]
-        if stragglers:
-            raise TimeoutError(f"ranks {stragglers} still running after {timeout_s} s")
-        failed = [rank for rank, p in enumerate(processes) if p.exitcode != 0]
-        if failed:
+        while True:  # until every rank is done, or one failed (the others would wait for it)
+            running = [p for p in processes if p.exitcode is None]
+            if not running or any(p.exitcode for p in processes if p.exitcode is not None):
+                break
+            left = deadline - time.monotonic()
+            if left <= 0:
+                stragglers = [rank for rank, p in enumerate(processes) if p in running]
+                raise TimeoutError(f"ranks {stragglers} still running after {timeout_s} s")
+            wait([p.sentinel for p in running], timeout=left)
+        failed = [rank for rank, p in enumerate(processes) if p.exitcode not in (0, None)]
+        if failed:  # (the ranks still running are ended below)
             reports = []
             for rank in failed:
                 path = Path(out_dir) / f"rank{rank}.err"
