@@ -276,6 +276,12 @@ def _worker(rank: int, store: str, out: str, quick: bool, repeats: int) -> None:
         dist.destroy_process_group()
 
 
+def cases(*, quick: bool, device: str) -> list[harness.Case]:
+    """No in-process cases for ``run.py``: this benchmark spawns its ranks, run it alone."""
+    del quick, device
+    return []
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
