@@ -21,6 +21,7 @@ import math
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -243,6 +244,12 @@ def _fully_shard(model: nn.Module) -> nn.Module:
     from torch.distributed.fsdp import fully_shard
 
     _, world_size = _rank_and_world_size()
+    # The root returns the head's logits, a view of its 2-D matrix product; FSDP2 warns at every
+    # forward that an in-place op on a view would skip its pre-backward hook. The demo only
+    # reads the logits (log-softmax, gathers), never writes them in place.
+    warnings.filterwarnings(
+        "ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning
+    )
     mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
     for block in getattr(model, "blocks", []):
         fully_shard(block, mesh=mesh)
