@@ -746,6 +746,26 @@ def _packed(length: int, rows: int = B) -> Callable[[Arguments], Arguments]:
     return also
 
 
+def context_group_wrongs() -> tuple[Wrong, ...]:
+    """``context_group=`` given something that is not a process group (TypeError naming it).
+
+    A real group needs initialised processes: its value errors (this rank outside the group,
+    a data-parallel group that overlaps it) are tested with real ranks in
+    ``tests/distributed/test_context_parallel.py``.
+    """
+    return tuple(
+        Wrong(
+            "context_group",
+            "type",
+            label,
+            lambda a, v=value: v,
+            TypeError,
+            subject("context_group"),
+        )
+        for label, value in (("str", "cp"), ("int", 0), ("ranks", [0, 1]))
+    )
+
+
 def cu_seqlens_wrongs(length: int = T, *, rows: int = B, listed: bool = False) -> tuple[Wrong, ...]:
     """Malformed ``cu_seqlens`` for valid packed ``(B L,)`` arguments: each a named ValueError.
 
@@ -838,7 +858,8 @@ CASES: tuple[Case, ...] = (
         per_token_wrongs("values", reference=True)
         + mask_wrongs()
         + reduction_wrongs()
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     Case(
         "data_parallel_loss_scale",
@@ -887,7 +908,8 @@ CASES: tuple[Case, ...] = (
         + scalar_wrongs("kl_coef", below=-0.1)  # a Python number: 0-d tensors are rejected
         + choice_wrongs("kl_estimator")
         + flag_wrongs("kl_straight_through")
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     Case(
         "gae",
@@ -906,7 +928,8 @@ CASES: tuple[Case, ...] = (
         + scalar_wrongs("lam", below=-0.1, above=1.5, xfail=None)
         + flag_wrongs("whiten")
         + choice_wrongs("holes")
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     Case(
         "global_normalizers",
@@ -933,7 +956,8 @@ CASES: tuple[Case, ...] = (
                 subject("device"),
             ),
         )
-        + cu_seqlens_wrongs(listed=True),
+        + cu_seqlens_wrongs(listed=True)
+        + context_group_wrongs(),
     ),
     Case(
         "group_relative_advantages",
@@ -992,7 +1016,8 @@ CASES: tuple[Case, ...] = (
         + hyper("log_ratio_bound", below=0.0)
         + reduction_wrongs()
         + cu_seqlens_wrongs()
-        + tensor_wrongs("importance_weights", shapes=PER_SEQUENCE_SHAPES),
+        + tensor_wrongs("importance_weights", shapes=PER_SEQUENCE_SHAPES)
+        + context_group_wrongs(),
     ),
     Case(
         "rollout_correction",
@@ -1012,7 +1037,8 @@ CASES: tuple[Case, ...] = (
         + hyper("upper", below=0.0)
         + hyper("lower", below=-0.1, above=5.0)  # above upper = 2
         + hyper("veto", below=0.0)
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     Case(
         "off_policy_sequence_mask",
@@ -1029,7 +1055,8 @@ CASES: tuple[Case, ...] = (
         + tensor_wrongs("advantages", shapes=PER_SEQUENCE_SHAPES)
         + mask_wrongs()
         + hyper("threshold", below=None)
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     Case(
         "kl_penalized_rewards",
@@ -1046,7 +1073,8 @@ CASES: tuple[Case, ...] = (
         + tensor_wrongs("rewards", shapes=PER_SEQUENCE_SHAPES)
         + mask_wrongs("response_mask")
         + hyper("beta", below=-0.1)
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     Case(
         "kl_penalized_token_rewards",
@@ -1065,7 +1093,8 @@ CASES: tuple[Case, ...] = (
         + hyper("kl_coef", below=-0.1)
         + choice_wrongs("estimator")
         + hyper("log_ratio_bound", below=0.0)
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     *(
         Case(
@@ -1124,7 +1153,8 @@ CASES: tuple[Case, ...] = (
         + per_token_wrongs("entropy")
         + hyper("entropy_coef", below=None)
         + flag_wrongs("return_per_token")
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     Case(
         "reinforce_plus_plus_advantages",
@@ -1148,7 +1178,8 @@ CASES: tuple[Case, ...] = (
         + flag_wrongs("unbiased")
         + hyper("eps", below=-0.1)
         + choice_wrongs("holes")
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     Case(
         "response_alignment",
@@ -1236,7 +1267,8 @@ CASES: tuple[Case, ...] = (
         + mask_wrongs()
         + hyper("clip", below=-0.1)
         + reduction_wrongs()
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     *(
         Case(
@@ -1309,7 +1341,7 @@ CASES: tuple[Case, ...] = (
         "top_entropy_mask",
         rlo.top_entropy_mask,
         lambda: {"entropy": per_token(), "mask": token_mask(), "quantile": 0.5},
-        ENTROPY_MASK_WRONGS,
+        ENTROPY_MASK_WRONGS + context_group_wrongs(),
     ),
     Case(
         "global_top_entropy_mask",

@@ -10,10 +10,17 @@ float64). The outcome-reward (one score per sequence) estimators are in ``_outco
 from __future__ import annotations
 
 import math
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
 import torch
+from torch.distributed import ProcessGroup
 
+from .._core.context import (
+    carry_from_later_ranks,
+    context_gather,
+    context_max,
+)
 from .._core.layout import (
     Layout,
     per_sequence,
@@ -34,16 +41,17 @@ from .._core.validation import (
     checks_environment,
     compute_dtype,
     validate_choice,
+    validate_context_group,
     validate_scalar,
 )
 from .groups import group_centered, grouped_rewards
 from .whitening import (
     divide_or_zero,
     masked_moments,
-    masked_whiten,
     power_of_two_scale,
     safe_sqrt,
     validate_flag,
+    whiten_selected,
 )
 
 __all__ = ["HOLES", "GAEOutput", "Holes", "gae", "reinforce_plus_plus_advantages"]
@@ -140,6 +148,62 @@ def _next_on_chain(values: torch.Tensor, chain: torch.Tensor, layout: Layout) ->
     return segment_next_selected(values, chain, layout)
 
 
+def _context_scan(
+    local: torch.Tensor,
+    chain: torch.Tensor,
+    layout: Layout,
+    discount: float,
+    boundary: Callable[[torch.Tensor], torch.Tensor],
+    extra: Sequence[torch.Tensor] = (),
+) -> torch.Tensor:
+    r"""A reverse scan over sequences split into contiguous chunks, one per rank in group order.
+
+    ``local`` is this rank's scan :math:`G^0 = \mathrm{scan}(x)` with a zero bootstrap after its
+    last chain token. The recursion :math:`G_t = x_t + a\,G_{n(t)}` is linear, so the exact
+    value is :math:`G_t = G^0_t + P_t\,c`, with :math:`P_t = a^{k_t}` the propagation of a unit at
+    this rank's last chain token (the scan of that unit: :math:`k_t` later chain tokens here, an
+    exact integer count) and :math:`c` the correction the later chunks add at that token. Each
+    rank summarises each sequence by ``[holds a chain token, G^0 and P at its first chain token,
+    *extra at it]``; one ``all_gather`` of these ``(S, 3 + e)`` states and a fold from the last
+    rank down (:func:`~rlobjectives._core.context.carry_from_later_ranks`) give :math:`c`:
+    ``boundary(carry)`` is the correction from the carry ``[G, *extra]`` at the first chain
+    token of the next chunk that has one (zeros after the last). The gather's backward is the
+    adjoint (each rank's outputs are its own tokens).
+
+    Args:
+        local: ``(B, T)`` / ``(1, N)`` the local scan, 0 off the chain.
+        chain: bool, the recursion's steps.
+        layout: the layout with its context group.
+        discount: :math:`a`.
+        boundary: ``(S, 1 + e) -> (S,)`` the correction from the next chunk's carry.
+        extra: per-token values whose value at the first chain token enters the carry (GAE:
+            :math:`V`, for the next chunk's bootstrap).
+    """
+    context = layout.context
+    assert context is not None  # internal invariant: called under context parallelism
+    zero = torch.zeros((), dtype=local.dtype, device=local.device)
+    after = layout.local_selected_after(chain).to(local.dtype)  # (B, T) later chain tokens here
+    base = torch.full((), discount, dtype=local.dtype, device=local.device)
+    propagation = torch.where(chain, torch.pow(base, after), zero)  # (B, T) a^k (0^0 = 1)
+    first = layout.first_selected(chain)
+    at_first = [
+        layout.local_row_sums(torch.where(first, value, zero))
+        for value in (local, propagation, *extra)
+    ]  # (S,) each
+    holds = (layout.local_row_counts(chain) > 0).to(local.dtype)  # (S,)
+    states = context_gather(context, torch.stack([holds, *at_first], dim=-1))  # (W, S, 3 + e)
+
+    def step(state: torch.Tensor, carry: torch.Tensor) -> torch.Tensor:
+        start = state[:, 1] + state[:, 2] * boundary(carry)  # (S,) G at the first chain token
+        value = torch.cat([start.unsqueeze(-1), state[:, 3:]], dim=-1)  # (S, 1 + e)
+        return torch.where(state[:, :1] > 0, value, carry)
+
+    start = local.new_zeros(layout.num_sequences, 1 + len(extra))
+    carry = carry_from_later_ranks(states, context.rank, start, step)  # (S, 1 + e)
+    correction = layout.expand(boundary(carry))  # (B, 1) / (1, N)
+    return masked_fill_zero(local + propagation * correction, chain)
+
+
 def _max_abs(values: torch.Tensor) -> torch.Tensor:
     """0-d largest magnitude of ``values`` (0 for an empty tensor)."""
     return values.abs().amax() if values.numel() else values.new_zeros(())
@@ -182,6 +246,7 @@ def reinforce_plus_plus_advantages(
     eps: Scalar = 1e-8,
     holes: Holes = "skip",
     cu_seqlens: ArrayLike | None = None,
+    context_group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     r"""REINFORCE++ token advantages: discounted token returns, whitened over the whole batch.
 
@@ -212,6 +277,15 @@ def reinforce_plus_plus_advantages(
     ``rewards`` ``(S,)``; each score lands on the last selected token of its sequence and the
     discounted sum restarts at every boundary (the whitening is over the whole batch anyway).
 
+    Context parallelism (``context_group``): each rank holds a contiguous chunk of every
+    sequence, chunks in group-rank order (rank 0 the first tokens; a chunk may be empty), and
+    every rank the same ``rewards``. The score lands on the last selected token of the whole
+    sequence, the returns carry across the chunk boundaries (one ``all_gather`` of each rank's
+    ``(S, 3)`` boundary state) and the whitening statistics are those of every rank's tokens, so
+    each rank gets its tokens' advantages of the unsplit call; the backward of the collectives
+    is their adjoint (each rank's advantages are its own tokens). A zigzag (load-balanced ring
+    attention) split is not contiguous: see ``docs/distributed/context-parallel.md``.
+
     Peers: OpenRLHF ``reinforce`` / ``reinforce_baseline`` whiten with
     :math:`(G - \mu)\,\mathrm{rsqrt}(\max(\sigma^2, 10^{-8}))` (population variance); verl
     ``reinforce_plus_plus`` / ``reinforce_plus_plus_baseline`` with
@@ -240,6 +314,8 @@ def reinforce_plus_plus_advantages(
             holes or with :math:`\gamma = 1`.
         cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
             non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
+        context_group: the process group of the ranks holding the other chunks of the same
+            sequences (context parallelism, see above), or None.
 
     Returns:
         ``(B, T)`` advantages (packed: the shape of ``mask``) on the device of ``mask``,
@@ -251,6 +327,8 @@ def reinforce_plus_plus_advantages(
             ``gamma`` outside [0, 1], a negative ``eps``, an unknown ``holes`` or a malformed
             ``cu_seqlens``.
         TypeError: on non-numeric inputs or a non-bool ``unbiased``.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         Hu et al. 2025, REINFORCE++, arXiv:2501.03262: token advantage
@@ -267,11 +345,12 @@ def reinforce_plus_plus_advantages(
        ``unbiased``, ``group_ids``, ``holes``; magnitudes up to the float limits.
     """
     packed = cu_seqlens is not None
+    context = validate_context_group(context_group)
     mask_in = as_mask(mask, "mask")
     flat = packed and mask_in.ndim == 1
     mask_t = token_matrix(mask_in, "mask", packed)
     device = mask_t.device
-    layout = sequence_layout(cu_seqlens, mask_t)
+    layout = sequence_layout(cu_seqlens, mask_t, context)
     scores = as_float_tensor(rewards, "rewards", device)
     tensors = {"mask": mask_t, "rewards": scores}
     if packed:
@@ -300,20 +379,41 @@ def reinforce_plus_plus_advantages(
     magnitude = _max_abs(scores)
     if extra_selected is not None:
         magnitude = torch.maximum(magnitude, _max_abs(extra_selected))
+    magnitude, last = _magnitude_and_last(magnitude, mask_t, layout)  # whole sequences
     unit = power_of_two_scale(magnitude)  # () returns are computed in units of `unit`
     scores = scores / unit  # (B,)
     if group_size is not None or group_ids is not None:
         scores, groups = grouped_rewards(scores, group_size, group_ids, minimum=1)
         scores = group_centered(scores, groups)  # (B,) (r_i - b_i) / unit
-    last = layout.last_selected(mask_t)  # (B, T)
     token_level = masked_fill_zero(layout.expand(scores).expand(mask_t.shape), last)
     if extra_selected is not None:
         token_level = token_level + extra_selected / unit  # (B, T)
     chain = mask_t if holes == "skip" else torch.ones_like(mask_t)  # the recursion's steps
     returns = _discounted_sum(token_level, chain, discount, layout)  # (B, T) G / unit
-    moments = masked_moments(returns, mask_t, unbiased=unbiased)  # in units of unit * scale
+    if context is not None:  # G_t += gamma^k gamma G_next: the carry of the later chunks
+        returns = _context_scan(returns, chain, layout, discount, lambda c: discount * c[:, 0])
+    # in units of unit * scale; under CP the statistics of every rank's tokens
+    moments = masked_moments(returns, mask_t, unbiased=unbiased, context=context)
     denominator = safe_sqrt(moments.variance) + epsilon / (unit * moments.scale)  # ()
     return token_output(divide_or_zero(moments.centered, denominator), flat)  # (B, T)
+
+
+def _magnitude_and_last(
+    magnitude: torch.Tensor, mask: torch.Tensor, layout: Layout
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The largest magnitude and the last selected token of each sequence, whole sequences.
+
+    Under context parallelism both come from one ``all_reduce(MAX)``: the magnitude and the
+    ``(S,)`` index of the last rank holding a selected token of each sequence.
+    """
+    local = layout.local_last_selected(mask)  # (B, T)
+    context = layout.context
+    if context is None:
+        return magnitude, local
+    holds = layout.local_row_counts(mask) > 0  # (S,)
+    owners = torch.where(holds, context.rank, -1).to(magnitude.dtype)  # exact small integers
+    reduced = context_max(context, torch.cat([magnitude.reshape(1), owners]))
+    return reduced[0], local & layout.expand(reduced[1:] == context.rank)
 
 
 class GAEOutput(NamedTuple):
@@ -341,6 +441,7 @@ def gae(
     whiten: bool = False,
     holes: Holes = "skip",
     cu_seqlens: ArrayLike | None = None,
+    context_group: ProcessGroup | None = None,
 ) -> GAEOutput:
     r"""Masked generalized advantage estimation (GAE) over the selected tokens of each row.
 
@@ -374,6 +475,16 @@ def gae(
     :math:`\gamma = \lambda = 1`, :math:`\hat A_t = \sum_{s \ge t} M_s r_s - V_t`
     (reward-to-go minus value).
 
+    Context parallelism (``context_group``): each rank holds a contiguous chunk of every
+    sequence, chunks in group-rank order (rank 0 the first tokens; a chunk may be empty; with
+    ``holes="zero"`` every local position is a step, so the local rows must be contiguous
+    slices of the padded rows, as Megatron CP's split gives). The recursion carries
+    :math:`V_{n(t)}` and :math:`\hat A_{n(t)}` across the chunk boundaries (one
+    ``all_gather`` of each rank's ``(S, 4)`` boundary state, composed locally) and
+    ``whiten=True`` takes the statistics of every rank's tokens, so each rank gets its tokens'
+    outputs of the unsplit call; the backward of the collectives is their adjoint. A zigzag
+    (load-balanced ring attention) split: see ``docs/distributed/context-parallel.md``.
+
     ``whiten=True`` whitens the advantages over the selected tokens of the batch with
     :func:`rlobjectives.masked_whiten` (unbiased variance, :math:`\epsilon = 10^{-8}`) and keeps
     the returns of the raw advantages: exactly verl's ``compute_gae_advantage_return``
@@ -394,6 +505,8 @@ def gae(
         holes: ``"skip"`` (verl) or ``"zero"`` (OpenRLHF), see above.
         cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
             non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
+        context_group: the process group of the ranks holding the other chunks of the same
+            sequences (context parallelism, see above), or None.
 
     Returns:
         :class:`GAEOutput` ``(advantages, returns)``, each ``(B, T)`` (packed: the shape of
@@ -406,6 +519,8 @@ def gae(
             ``lam`` outside [0, 1], an unknown ``holes`` or a malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs, tensor-valued ``gamma``/``lam`` or a non-bool
             ``whiten``.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         Schulman et al. 2016, GAE, arXiv:1506.02438 Eq. 16; Ouyang et al. 2022,
@@ -434,7 +549,8 @@ def gae(
     trace = _validate_discount(lam, "lam")
     validate_flag(whiten, "whiten")
     validate_choice(holes, "holes", HOLES)
-    layout = sequence_layout(cu_seqlens, rewards_t)
+    context = validate_context_group(context_group)
+    layout = sequence_layout(cu_seqlens, rewards_t, context)
     dtype = compute_dtype(rewards_t, values_t)
 
     rewards_m = masked_fill_zero(rewards_t.to(dtype), mask_t)  # (B, T)
@@ -446,10 +562,20 @@ def gae(
     next_values = _next_on_chain(values_m, chain, layout)  # (B, T) V_{n(t)}, 0 after the last
     deltas = masked_fill_zero(rewards_m + discount * next_values - values_m, chain)  # (B, T)
     # A_t = delta_t + gamma * lam * A_{n(t)}: the same masked reverse scan as the returns.
-    advantages = masked_fill_zero(
-        _discounted_sum(deltas, chain, discount * trace, layout), mask_t
-    )  # (B, T)
+    advantages = _discounted_sum(deltas, chain, discount * trace, layout)  # (B, T)
+    if context is not None:  # + (gamma lam)^k (gamma V_next + gamma lam A_next): later chunks
+        advantages = _context_scan(
+            advantages,
+            chain,
+            layout,
+            discount * trace,
+            lambda carry: discount * carry[:, 1] + discount * trace * carry[:, 0],
+            extra=(values_m,),
+        )
+    advantages = masked_fill_zero(advantages, mask_t)  # (B, T)
     returns = masked_fill_zero(advantages + values_m, mask_t)  # (B, T)
     if whiten:
-        advantages = masked_whiten(advantages, mask_t)
+        advantages = whiten_selected(
+            advantages, mask_t, shift_mean=True, unbiased=True, epsilon=1e-8, context=context
+        )
     return GAEOutput(advantages=token_output(advantages, flat), returns=token_output(returns, flat))
