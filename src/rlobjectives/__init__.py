@@ -18,6 +18,15 @@ from .advantages.outcome import (
     rloo_advantages,
 )
 from .advantages.whitening import masked_whiten
+from .distillation import (
+    generalized_jsd_loss,
+    generalized_jsd_loss_from_hidden,
+    reverse_kl_loss,
+    reverse_kl_loss_from_hidden,
+    reverse_kl_rewards,
+    topk_forward_kl,
+    topk_forward_kl_from_hidden,
+)
 from .distributed import (
     Normalizers,
     data_parallel_loss_scale,
@@ -87,6 +96,8 @@ __all__ = [
     "full_vocab_kl_loss",
     "fused_policy_loss_from_hidden",
     "gae",
+    "generalized_jsd_loss",
+    "generalized_jsd_loss_from_hidden",
     "global_masked_whiten",
     "global_normalizers",
     "global_top_entropy_mask",
@@ -109,6 +120,9 @@ __all__ = [
     "remax_advantages",
     "response_alignment",
     "response_log_probs",
+    "reverse_kl_loss",
+    "reverse_kl_loss_from_hidden",
+    "reverse_kl_rewards",
     "rloo_advantages",
     "rollout_correction",
     "sum_diagnostics",
@@ -116,6 +130,8 @@ __all__ = [
     "token_log_probs",
     "token_log_probs_from_hidden",
     "top_entropy_mask",
+    "topk_forward_kl",
+    "topk_forward_kl_from_hidden",
     "unpack",
     "value_loss",
 ]
