@@ -10,6 +10,9 @@ from importlib.metadata import PackageNotFoundError, version
 from ._core.packing import PackedTokens, UnpackedTokens, pack, unpack
 from ._core.reduction import Reduction, aggregate, masked_mean, masked_sum
 from .advantages.gae import GAEOutput, gae, reinforce_plus_plus_advantages
+from .advantages.gdpo import gdpo_advantages
+from .advantages.length import length_adaptive_lambda, overlong_penalty
+from .advantages.maxrl import maxrl_advantages
 from .advantages.outcome import (
     group_relative_advantages,
     opo_advantages,
@@ -96,6 +99,7 @@ __all__ = [
     "full_vocab_kl_loss",
     "fused_policy_loss_from_hidden",
     "gae",
+    "gdpo_advantages",
     "generalized_jsd_loss",
     "generalized_jsd_loss_from_hidden",
     "global_masked_whiten",
@@ -107,12 +111,15 @@ __all__ = [
     "kl_loss",
     "kl_penalized_rewards",
     "kl_penalized_token_rewards",
+    "length_adaptive_lambda",
     "masked_mean",
     "masked_sum",
     "masked_whiten",
+    "maxrl_advantages",
     "normalizer_for_reduction",
     "off_policy_sequence_mask",
     "opo_advantages",
+    "overlong_penalty",
     "passk_advantages",
     "pack",
     "policy_loss",
