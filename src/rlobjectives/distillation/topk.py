@@ -146,8 +146,8 @@ class TopKRule:
         tail = torch.zeros_like(head)
         if self.mode == "tail":
             log_tail_teacher = log1mexp(torch.logsumexp(teacher, dim=1))  # (n,) log(1 - P_T)
-            tail = _zero_where(empty, log_tail_teacher.exp())  # t: no bucket when V \ K is empty
-            term = tail * (log_tail_teacher - log_tail_student)
+            tail = _zero_where(_covered(ids, valid, scores.shape[1]), log_tail_teacher.exp())  # t
+            term = tail * (log_tail_teacher - log_tail_student)  # +inf where T_S = 0 < t
             head = head + _zero_where(tail == 0, term)
         if upstream is None:
             return ChunkOutput(head, None)
@@ -157,6 +157,19 @@ class TopKRule:
         slots = (total.unsqueeze(1) * student_log_probs.exp() - teacher_probs) * upstream[:, None]
         grad.scatter_add_(1, ids, _zero_where(~valid, slots))  # on K (0 there before)
         return ChunkOutput(head, grad)
+
+
+def _covered(ids: torch.Tensor, valid: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``(n,)`` rows whose valid ids cover the whole vocabulary: no tail bucket exists.
+
+    Only possible with ``K >= V`` slots (decided from the static shapes; all False otherwise).
+    A complement whose student logits are all ``-inf`` is not covered: the student's tail is 0
+    there and the KL is ``+inf`` wherever the teacher's tail is positive.
+    """
+    if ids.shape[1] < vocab:
+        return torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+    counts = torch.zeros(ids.shape[0], vocab, dtype=torch.int32, device=ids.device)
+    return counts.scatter_add_(1, ids, valid.to(torch.int32)).gt(0).all(1)
 
 
 def _renormalized(
