@@ -503,7 +503,8 @@ def gae(
     value_trace = None
     if value_lam is not None:
         value_trace = _validate_lambda(value_lam, "value_lam", layout, device)
-    dtype = compute_dtype(rewards_t, values_t)
+    lambdas = [t for t in (trace, value_trace) if isinstance(t, torch.Tensor)]
+    dtype = compute_dtype(rewards_t, values_t, *lambdas)  # a float64 lambda tensor counts too
 
     rewards_m = masked_fill_zero(rewards_t.to(dtype), mask_t)  # (B, T)
     values_m = masked_fill_zero(values_t.to(dtype), mask_t)  # (B, T)

@@ -165,14 +165,18 @@ def hidden_call(
     """
     packed = cu_seqlens is not None
     ids: ArrayLike = tokens
-    if tokens is None:
+    if tokens is None:  # zeros stand in for the ids: they must not vote on the device
+        head_tensors = {"hidden": hidden, "weight": weight, "bias": bias}
+        present = {k: v for k, v in head_tensors.items() if isinstance(v, torch.Tensor)}
+        if len(present) > 1:
+            check_same_device(present)
         shape = _hidden_batch_shape(hidden, packed)
         device = hidden.device if isinstance(hidden, torch.Tensor) else None
         ids = torch.zeros(shape, dtype=torch.int64, device=device)
     head, batch_shape = prepare_head(
         hidden, weight, ids, bias, temperature, chunk_size, packed=packed
     )
-    reference = head.hidden.reshape(*batch_shape, -1)
+    reference = head.hidden.reshape(*batch_shape, head.hidden.shape[-1])
     rows = _rows(
         mask,
         reference,

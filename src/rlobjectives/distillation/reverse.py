@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .._core.chunking import Block
+from .._core.chunking import Block, resolve_chunk_size
 from .._core.layout import sequence_layout, token_matrix, token_ndim, token_output
 from .._core.reduction import Reduction, masked_fill_zero
 from .._core.validation import (
@@ -43,8 +43,7 @@ from ..kl.estimators import (
     warn_biased,
     warn_biased_kl_loss,
 )
-from ..logprobs.logits import token_log_probs
-from .chunks import ChunkOutput, softmax_rows_
+from .chunks import ChunkOutput, LogitsDivergence, logits_rows, softmax_rows_
 from .inputs import hidden_call, hidden_loss, logits_call, per_token, reduced, validate_temperature
 
 __all__ = ["SampledRule", "reverse_kl_loss", "reverse_kl_loss_from_hidden", "reverse_kl_rewards"]
@@ -117,7 +116,7 @@ def reverse_kl_loss(
 ) -> torch.Tensor:
     r"""Reverse KL(student || teacher) on the sampled tokens, as a differentiable loss term.
 
-    With :math:`\ell^S_{it} = \log\mathrm{softmax}(\text{logits}_{it}/\tau)[y_{it}]` (chunked,
+    With :math:`\ell^S_{it} = \log\mathrm{softmax}(\text{logits}_{it}/\tau)[y_{it}]` (chunked as
     :func:`rlobjectives.token_log_probs`), the teacher's log-probability
     :math:`\ell^T_{it}` of the same token and :math:`d = \mathrm{clip}(\ell^S - \ell^T, -b, b)`,
 
@@ -201,14 +200,14 @@ def reverse_kl_loss(
     check_same_device({"logits": logits_t, "tokens": tokens_t, "teacher_log_probs": teacher})
     bound = validate_kl_options(estimator, straight_through, log_ratio_bound)
     tau = validate_temperature(temperature)
+    chunk = resolve_chunk_size(chunk_size, row_width=logits_t.shape[-1])
     warn_biased_kl_loss(estimator, straight_through, "reverse_kl_loss")
-    student = token_log_probs(
-        logits_t, tokens_t, mask=rows.mask, temperature=tau, chunk_size=chunk_size
-    )  # (B, T)
-    terms = kl_terms(
-        student, teacher, rows.mask, estimator=estimator, straight_through=straight_through,
-        log_ratio_bound=bound, dtype=compute_dtype(student, teacher),
-    )  # fmt: skip
+    dtype = compute_dtype(logits_t, teacher)  # a float64 teacher makes the log-softmax float64
+    flat = logits_rows(logits_t, chunk).flat
+    tokens_r = tokens_t.reshape(-1) if flat else tokens_t
+    rule = SampledRule(tokens_r.long(), teacher.reshape(-1) if flat else teacher, estimator,
+                       straight_through, bound, dtype)  # fmt: skip
+    terms = LogitsDivergence.apply(logits_t, rule, rows.mask, 1.0 / tau, chunk, dtype)  # type: ignore[no-untyped-call]
     return reduced(terms, rows)
 
 

@@ -98,8 +98,9 @@ def trl_grpo_advantages(
     Examples:
         >>> import torch
         >>> rewards = torch.tensor([[1.0, 0.0], [0.0, 1.0], [1.0, 1.0], [0.0, 1.0]])
+        >>> # z-scores +-1/sqrt2 (eps 1e-4), sums [0, 0, .7071, -.7071], whitened (eps 1e-4)
         >>> trl_grpo_advantages(rewards, 2, multi_objective_aggregation="normalize_then_sum")
-        tensor([ 0.0000,  0.0000,  1.2247, -1.2247])
+        tensor([ 0.0000,  0.0000,  1.2245, -1.2245])
     """
     aggregation = validate_choice(
         multi_objective_aggregation, "multi_objective_aggregation", TRL_AGGREGATIONS
