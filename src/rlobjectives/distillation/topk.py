@@ -501,11 +501,12 @@ def topk_forward_kl_from_hidden(
     return hidden_loss(head, rule, rows)
 
 
+@checks_environment
 def teacher_slot_log_probs(
-    logits: torch.Tensor,
-    teacher_log_probs: torch.Tensor,
-    teacher_ids: torch.Tensor,
-    mask: torch.Tensor,
+    logits: ArrayLike,
+    teacher_log_probs: ArrayLike,
+    teacher_ids: ArrayLike,
+    mask: ArrayLike,
     *,
     temperature: float = 1.0,
     chunk_size: int | None = None,
@@ -515,18 +516,18 @@ def teacher_slot_log_probs(
     :math:`\ell^S_k = x_{id_k} - \log\sum_v e^{x_v}` with :math:`x = \text{logits}/\tau`;
     ``-inf`` at padding slots (teacher ``-inf``) and 0 where ``mask`` is False. Differentiable
     in ``logits`` (the gradient is recomputed block by block). The building block of the
-    presets that transform the per-slot values (verl's ``log_prob_min_clamp``); inputs are
-    validated by the caller.
+    presets that transform the per-slot values (verl's ``log_prob_min_clamp``); validated as
+    :func:`topk_forward_kl` (padded ``(B, T, V)`` logits).
     """
-    logits_t = logits
+    logits_t, rows = logits_call(logits, mask, cu_seqlens=None, reduction="none",
+                                 normalizer=None, max_response_length=None)  # fmt: skip
+    log_probs, ids = _teacher(teacher_log_probs, teacher_ids, rows, logits_t.device)
+    tau = validate_temperature(temperature)
     chunk = resolve_chunk_size(chunk_size, row_width=logits_t.shape[-1])
-    dtype = compute_dtype(logits_t, teacher_log_probs)
+    dtype = compute_dtype(logits_t, log_probs)
     flat = logits_rows(logits_t, chunk).flat
-    slots = teacher_log_probs.shape[-1]
-    rule = SlotLogProbsRule(
-        _flatten(teacher_log_probs.detach(), flat), _flatten(teacher_ids.long(), flat), dtype, slots
-    )
+    rule = SlotLogProbsRule(_flatten(log_probs, flat), _flatten(ids, flat), dtype, ids.shape[-1])
     values: torch.Tensor = LogitsDivergence.apply(  # type: ignore[no-untyped-call]
-        logits_t, rule, mask, 1.0 / temperature, chunk, dtype
+        logits_t, rule, rows.mask, 1.0 / tau, chunk, dtype
     )
     return values
