@@ -92,12 +92,18 @@ class ChunkRule(Protocol):
 def softmax_rows_(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(probs, log_normaliser, empty)`` of each row of ``scores`` ``(n, V)``, in place.
 
-    ``empty``: rows with no finite logit (their probabilities are not defined, their
-    log-normaliser is returned as ``-inf``). The log-normaliser is recovered from the largest
-    probability (at least 1/V, never underflows): ``lse = max_v s_v - log max_v p_v``.
+    ``empty``: rows with no logit above ``-inf``; their log-normaliser is ``-inf`` and their
+    "probabilities" are a one-hot at column 0 (finite: the row's column 0 is set to 0 before
+    the softmax, one ``(n,)`` write instead of a pass over ``(n, V)``), which the caller weighs
+    by 0. The log-normaliser is recovered from the largest probability (at least 1/V, never
+    underflows): ``lse = max_v s_v - log max_v p_v``.
     """
     maximum = scores.amax(dim=1)  # (n,)
     empty = maximum == -torch.inf
+    first = scores.select(1, 0)  # (n,) a view of column 0
+    first.copy_(
+        torch.where(empty, torch.zeros((), dtype=scores.dtype, device=scores.device), first)
+    )
     if scores.device.type == "cpu":
         probs = torch.ops.aten._softmax.out(scores, 1, False, out=scores)  # (n, V)
     else:

@@ -152,8 +152,8 @@ class TopKRule:
         if upstream is None:
             return ChunkOutput(head, None)
         total = teacher_probs.sum(1) + tail  # a = P_T + t, (n,)
-        factor = (total * log_tail_student.exp() - tail) * upstream  # (n,)
-        grad = rest.masked_fill_(empty.unsqueeze(1), 0.0).mul_(factor.unsqueeze(1))  # off K
+        factor = _zero_where(empty, (total * log_tail_student.exp() - tail) * upstream)  # (n,)
+        grad = rest.mul_(factor.unsqueeze(1))  # off K (an empty complement weighs 0)
         slots = (total.unsqueeze(1) * student_log_probs.exp() - teacher_probs) * upstream[:, None]
         grad.scatter_add_(1, ids, _zero_where(~valid, slots))  # on K (0 there before)
         return ChunkOutput(head, grad)
@@ -304,7 +304,9 @@ def topk_forward_kl(
     (exact to float32 rounding at any tail); the teacher's :math:`\log(1 - P_T)` is
     ``log1mexp`` of :math:`\log P_T` (``-inf``, a tail term of 0, when :math:`P_T \ge 1` by
     rounding; no silent renormalisation). A teacher set covering the whole vocabulary has no
-    tail bucket (term 0). Gradient with respect to the logits (:math:`q = \mathrm{softmax}(x)`):
+    tail bucket (term 0); a student with no mass outside the set (every other logit ``-inf``)
+    while the teacher has some gives ``+inf``, never NaN. Gradient with respect to the logits
+    (:math:`q = \mathrm{softmax}(x)`):
 
     .. math::
 
