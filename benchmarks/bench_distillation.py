@@ -10,7 +10,12 @@ top-K log-probabilities and ids (a teacher served by an engine):
 - ``ours topk_forward_kl (materialised logits)``: ``hidden @ weight.T`` then the library's logits
   function (chunked over the logits, closed-form gradient);
 - ``ours topk_forward_kl_from_hidden``: the chunked LM head, gradients formed in the forward pass;
-  no (N, V) tensor.
+  no (N, V) tensor;
+- ``verl compute_forward_kl_topk`` (when ``verl`` is importable; a benchmark-only peer row):
+  ``hidden @ weight.T`` then verl 0.9.1's own FSDP ``compute_forward_kl_topk`` (its default
+  ``log_softmax`` path, and ``use_chunked_topk=True``; both also take the student's own top-k
+  for verl's overlap metrics), ``clamp_min(0)`` and the masked token mean, as verl's
+  ``forward_kl_topk`` loss does (head only, ``log_prob_min_clamp=-10``, the dataclass default).
 
 Shapes: N = 4096, H = 1024, V = 32000, K = 64 (the issue's row); quick: N = 1024, H = 256,
 V = 8000, K = 16. 90% of the tokens selected. Floor: the three matrix products alone. Activation
@@ -22,7 +27,10 @@ memory = peak (fresh process) minus ``grad_hidden`` and ``grad_weight``, as in
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import sys
+import types
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -93,6 +101,42 @@ def _ours_hidden(x: Inputs) -> torch.Tensor:
     )
 
 
+def _verl_variants() -> list[harness.Variant]:
+    """verl 0.9.1's FSDP ``compute_forward_kl_topk`` on materialised logits, when importable."""
+    if importlib.util.find_spec("verl") is None:
+        return []
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            from verl.trainer.distillation.fsdp import losses as verl_losses
+    except Exception:  # noqa: BLE001 - any import failure skips the peer rows
+        return []
+
+    def variant(chunked: bool) -> harness.Variant:
+        loss_config = types.SimpleNamespace(
+            use_chunked_topk=chunked, chunked_topk_chunk_size=4096, log_prob_min_clamp=-10.0
+        )
+        config = types.SimpleNamespace(distillation_loss=loss_config)
+
+        def verl(x: Inputs) -> torch.Tensor:
+            logits = x["hidden"] @ x["weight"].T  # (1, N, V)
+            tokens = logits.shape[1]
+            offsets = torch.tensor([0, tokens], device=logits.device)
+            nested = [
+                torch.nested.nested_tensor_from_jagged(x[name][0], offsets)
+                for name in ("teacher_log_probs", "teacher_ids")
+            ]
+            out = verl_losses.compute_forward_kl_topk(logits, *nested, config, "thd")
+            per_token = out["distillation_losses"].clamp_min(0.0)  # (1, N)
+            mask = x["mask"]
+            return (per_token * mask).sum() / mask.sum().clamp(min=1)
+
+        suffix = " use_chunked_topk" if chunked else ""
+        return harness.Variant(f"verl compute_forward_kl_topk{suffix}", verl)
+
+    return [variant(False), variant(True)]
+
+
 def shapes(quick: bool) -> list[tuple[int, int, int, int]]:
     """(N, H, V, K) of the cases."""
     return [(1024, 256, 8000, 16)] if quick else [(4096, 1024, 32000, 64)]
@@ -114,6 +158,7 @@ def cases(*, quick: bool, device: str) -> list[harness.Case]:
                     harness.Variant("naive eager", _naive, compile=True),
                     harness.Variant("ours topk_forward_kl (materialised logits)", _ours_logits),
                     harness.Variant("ours topk_forward_kl_from_hidden", _ours_hidden),
+                    *_verl_variants(),
                 ),
                 floor=bench_logprobs._floor(tokens, hidden_size, vocab),
             )
