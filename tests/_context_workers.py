@@ -384,8 +384,13 @@ def _call_entropy_mask(
 def _call_gae(
     p: Problem, leaves: dict[str, torch.Tensor], group: Any, o: dict[str, Any]
 ) -> Outputs:
+    options = dict(o)
+    if options.pop("per_sequence_lam", False):  # VAPO: a lambda per sequence, the critic's own
+        sequences = p.sequences["scores"].shape[0]
+        options["lam"] = torch.linspace(0.5, 0.95, sequences, dtype=torch.float64)
+        options["value_lam"] = torch.linspace(1.0, 0.6, sequences, dtype=torch.float64)
     out = rlo.gae(
-        leaves["rewards"], leaves["values"], p.mask, **o, **_packing(p), context_group=group
+        leaves["rewards"], leaves["values"], p.mask, **options, **_packing(p), context_group=group
     )
     return {}, {"advantages": out.advantages, "returns": out.returns}
 
@@ -687,6 +692,7 @@ def _other_cases() -> list[Case]:
         ("gae", "skip", {"gamma": 0.95, "lam": 0.9}, "chunks", "trio"),
         ("gae", "skip-whiten", {"gamma": 1.0, "lam": 0.7, "whiten": True}, "chunks", "pair"),
         ("gae", "zero", {"gamma": 0.9, "lam": 0.8, "holes": "zero"}, "slices", "trio"),
+        ("gae", "per-sequence-lam", {"gamma": 0.97, "per_sequence_lam": True}, "chunks", "trio"),
         (
             "fused_policy_loss_from_hidden",
             "clip-token",

@@ -213,12 +213,18 @@ def _sequence_ids(layout: Layout) -> torch.Tensor:
 
 
 def segment_discounted_sum(
-    values: torch.Tensor, chain: torch.Tensor, layout: Layout, discount: float
+    values: torch.Tensor,
+    chain: torch.Tensor,
+    layout: Layout,
+    discount: float | torch.Tensor,
 ) -> torch.Tensor:
     """Reverse discounted sum over the chain tokens of each packed sequence, ``(1, N)``.
 
     ``values`` and ``chain`` (bool) are ``(1, N)``; the result is 0 off the chain. Equal to
     the padded scan of :mod:`rlobjectives.advantages.gae` applied to each sequence separately.
+    ``discount`` is a number, or a ``(1, N)`` tensor of per-token discounts (a per-sequence
+    discount broadcast to its tokens, GAE with a per-sequence lambda). A log-depth doubling
+    scan: it multiplies factors in ``[0, 1]`` only, so no discount under- or overflows.
     """
     ids = _sequence_ids(layout)  # (N,)
     tokens = ids.shape[0]
@@ -226,7 +232,10 @@ def segment_discounted_sum(
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     total = torch.where(selected, values.reshape(-1), zero)  # (N,) B
     one = torch.ones((), dtype=values.dtype, device=values.device)
-    factor = torch.where(selected, one * discount, one)  # (N,) A
+    if isinstance(discount, torch.Tensor):
+        factor = torch.where(selected, discount.reshape(-1).to(values.dtype), one)  # (N,) A
+    else:
+        factor = torch.where(selected, one * discount, one)  # (N,) A
     offset = 1
     while offset < tokens:
         same = ids[offset:] == ids[:-offset]  # (N - d,) t + d in the sequence of t

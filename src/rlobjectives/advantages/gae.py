@@ -10,6 +10,7 @@ float64). The outcome-reward (one score per sequence) estimators are in ``_outco
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, NamedTuple
 
@@ -36,10 +37,12 @@ from .._core.validation import (
     Scalar,
     as_float_tensor,
     as_mask,
+    as_tensor,
     check_same_device,
     check_shape,
     checks_environment,
     compute_dtype,
+    describe,
     validate_choice,
     validate_context_group,
     validate_scalar,
@@ -119,6 +122,38 @@ def _masked_discounted_sum(
     return masked_fill_zero(returns.reshape(batch, blocks * block)[:, :tokens], mask)  # (B, T)
 
 
+def _row_scan(values: torch.Tensor, chain: torch.Tensor, discount: torch.Tensor) -> torch.Tensor:
+    r"""Reverse discounted sum with a discount per row (or per token), ``(B, T)``.
+
+    :math:`G_t = x_t + w_t\, G_{n(t)}` over the chain tokens, as
+    :func:`_masked_discounted_sum`, for ``discount`` :math:`w` of shape ``(B, 1)`` or
+    ``(B, T)``. A log-depth doubling scan (Hillis-Steele): with :math:`c_t = w_t` on the chain
+    and 1 off it (a hole passes the return through), ``x_t += c_t x_{t+d}``, ``c_t *= c_{t+d}``
+    for ``d = 1, 2, 4, ...``; it only multiplies factors in ``[0, 1]``, so no discount
+    (:math:`w = 0` included, or :math:`10^{-40}`) under- or overflows, traces (static
+    ``log2 T`` steps) and has no host sync.
+    """
+    batch, tokens = values.shape
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    total = masked_fill_zero(values, chain)  # (B, T)
+    factor = torch.where(chain, discount.to(values.dtype), torch.ones_like(zero))  # (B, T)
+    offset = 1
+    while offset < tokens:
+        shifted = factor[:, :-offset] * total[:, offset:]  # (B, T - d)
+        total = torch.cat([total[:, :-offset] + shifted, total[:, -offset:]], dim=1)
+        factor = torch.cat(
+            [factor[:, :-offset] * factor[:, offset:], zero.expand(batch, offset)], dim=1
+        )
+        offset *= 2
+    return masked_fill_zero(total, chain)
+
+
+#: The blocked scan keeps its block's factors below e^34 with blocks of ``34 / -log w`` tokens;
+#: below this discount the blocks would be shorter than 8 tokens (and ``w^-1`` of a tiny
+#: ``w`` overflows), so the doubling scan runs instead.
+_BLOCKED_MIN_DISCOUNT = math.exp(-_SCAN_LOG_RANGE / 8)
+
+
 def _next_selected(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``values`` at the next selected token after ``t`` in the row (0 after the last), (B, T)."""
     batch, tokens = values.shape
@@ -133,12 +168,21 @@ def _next_selected(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def _discounted_sum(
-    values: torch.Tensor, chain: torch.Tensor, discount: float, layout: Layout
+    values: torch.Tensor, chain: torch.Tensor, discount: float | torch.Tensor, layout: Layout
 ) -> torch.Tensor:
-    """:func:`_masked_discounted_sum` per row, or per packed sequence (restarting at each)."""
-    if layout.sequence_ids is None:
-        return _masked_discounted_sum(values, chain, discount)
-    return segment_discounted_sum(values, chain, layout, discount)
+    """:func:`_masked_discounted_sum` per row, or per packed sequence (restarting at each).
+
+    ``discount``: a number, or per-token discounts broadcastable to ``values`` (``(B, 1)``
+    padded, ``(1, N)`` packed: a per-sequence discount); tensors and discounts below
+    :data:`_BLOCKED_MIN_DISCOUNT` (0 excepted) take the doubling scan.
+    """
+    if layout.sequence_ids is not None:
+        return segment_discounted_sum(values, chain, layout, discount)
+    if isinstance(discount, torch.Tensor):
+        return _row_scan(values, chain, discount.expand(values.shape))
+    if 0.0 < discount < _BLOCKED_MIN_DISCOUNT:
+        return _row_scan(values, chain, values.new_full((), discount).expand(values.shape))
+    return _masked_discounted_sum(values, chain, discount)
 
 
 def _next_on_chain(values: torch.Tensor, chain: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -152,7 +196,7 @@ def _context_scan(
     local: torch.Tensor,
     chain: torch.Tensor,
     layout: Layout,
-    discount: float,
+    discount: float | torch.Tensor,
     boundary: Callable[[torch.Tensor], torch.Tensor],
     extra: Sequence[torch.Tensor] = (),
 ) -> torch.Tensor:
@@ -174,7 +218,7 @@ def _context_scan(
         local: ``(B, T)`` / ``(1, N)`` the local scan, 0 off the chain.
         chain: bool, the recursion's steps.
         layout: the layout with its context group.
-        discount: :math:`a`.
+        discount: :math:`a`, a number or per-token (``(B, 1)`` / ``(1, N)``, one per sequence).
         boundary: ``(S, 1 + e) -> (S,)`` the correction from the next chunk's carry.
         extra: per-token values whose value at the first chain token enters the carry (GAE:
             :math:`V`, for the next chunk's bootstrap).
@@ -183,7 +227,7 @@ def _context_scan(
     assert context is not None  # internal invariant: called under context parallelism
     zero = torch.zeros((), dtype=local.dtype, device=local.device)
     after = layout.local_selected_after(chain).to(local.dtype)  # (B, T) later chain tokens here
-    base = torch.full((), discount, dtype=local.dtype, device=local.device)
+    base = torch.as_tensor(discount, dtype=local.dtype, device=local.device)
     propagation = torch.where(chain, torch.pow(base, after), zero)  # (B, T) a^k (0^0 = 1)
     first = layout.first_selected(chain)
     at_first = [
@@ -437,7 +481,8 @@ def gae(
     mask: ArrayLike,
     *,
     gamma: float,
-    lam: float,
+    lam: float | ArrayLike,
+    value_lam: float | ArrayLike | None = None,
     whiten: bool = False,
     holes: Holes = "skip",
     cu_seqlens: ArrayLike | None = None,
@@ -475,6 +520,20 @@ def gae(
     :math:`\gamma = \lambda = 1`, :math:`\hat A_t = \sum_{s \ge t} M_s r_s - V_t`
     (reward-to-go minus value).
 
+    Per-sequence :math:`\lambda` (VAPO's length-adaptive GAE): ``lam`` may be a ``(B,)``
+    tensor (packed: ``(S,)``, one per sequence of ``cu_seqlens``); row :math:`i` then runs
+    :math:`\hat A_t = \delta_t + \gamma\lambda_i \hat A_{n(t)}` with its own
+    :math:`\lambda_i` (:func:`rlobjectives.length_adaptive_lambda` gives VAPO's
+    :math:`\lambda_i = 1 - 1/(\alpha\,l_i)`). The values are not range-checked on the device
+    (keep them in [0, 1]). ``value_lam`` (a number or the same kind of tensor) decouples the
+    critic's :math:`\lambda`: the returns are then :math:`\hat A(\lambda_V) + V` while the
+    advantages use ``lam`` (VAPO's decoupled GAE, :math:`\lambda_{critic} = 1`,
+    :math:`\lambda_{policy}` length-adaptive; NeMo-RL ``gae_lambda_value`` /
+    ``gae_lambda_policy`` / ``length_adaptive_alpha``, which runs its GAE twice). The scan
+    multiplies discounts in [0, 1] only (a log-depth doubling scan for per-sequence and tiny
+    :math:`\gamma\lambda`), so :math:`\lambda = 0` and :math:`\gamma\lambda = 10^{-40}` are
+    exact.
+
     Context parallelism (``context_group``): each rank holds a contiguous chunk of every
     sequence, chunks in group-rank order (rank 0 the first tokens; a chunk may be empty; with
     ``holes="zero"`` every local position is a step, so the local rows must be contiguous
@@ -500,7 +559,10 @@ def gae(
         values: ``(B, T)`` value estimates :math:`V_t`.
         mask: ``(B, T)``, bool or numeric; nonzero selects the token.
         gamma: discount :math:`\gamma \in [0, 1]`.
-        lam: GAE :math:`\lambda \in [0, 1]`.
+        lam: GAE :math:`\lambda \in [0, 1]`: a number, or a ``(B,)`` floating tensor of
+            per-sequence values (packed: ``(S,)``).
+        value_lam: optional :math:`\lambda_V` of the returns (number or per-sequence tensor);
+            None: the returns use ``lam``.
         whiten: whiten the advantages (verl); the returns are not whitened.
         holes: ``"skip"`` (verl) or ``"zero"`` (OpenRLHF), see above.
         cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
@@ -516,9 +578,10 @@ def gae(
 
     Raises:
         ValueError: on mismatched shapes/devices, inputs that are not ``(B, T)``, ``gamma`` or
-            ``lam`` outside [0, 1], an unknown ``holes`` or a malformed ``cu_seqlens``.
-        TypeError: on non-numeric inputs, tensor-valued ``gamma``/``lam`` or a non-bool
-            ``whiten``.
+            a number ``lam``/``value_lam`` outside [0, 1], a per-sequence ``lam``/``value_lam``
+            of another shape or device, an unknown ``holes`` or a malformed ``cu_seqlens``.
+        TypeError: on non-numeric inputs, a tensor-valued ``gamma``, a non-floating
+            ``lam``/``value_lam`` tensor or a non-bool ``whiten``.
         Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
             group; ValueError if this rank is not in it or no process group is initialised.
 
@@ -534,6 +597,8 @@ def gae(
     .. versionadded:: 0.1.0
     .. versionchanged:: 0.2.0
        ``whiten`` and ``holes``.
+    .. versionchanged:: 0.3.0
+       per-sequence ``lam`` and ``value_lam`` (VAPO).
     """
     packed = cu_seqlens is not None
     rewards_in = as_float_tensor(rewards, "rewards")
@@ -546,12 +611,16 @@ def gae(
     check_shape(values_t, "values", rewards_t.shape, "rewards")
     check_shape(mask_t, "mask", rewards_t.shape, "rewards")
     discount = _validate_discount(gamma, "gamma")
-    trace = _validate_discount(lam, "lam")
     validate_flag(whiten, "whiten")
     validate_choice(holes, "holes", HOLES)
     context = validate_context_group(context_group)
     layout = sequence_layout(cu_seqlens, rewards_t, context)
-    dtype = compute_dtype(rewards_t, values_t)
+    trace = _validate_lambda(lam, "lam", layout, device)
+    value_trace = None
+    if value_lam is not None:
+        value_trace = _validate_lambda(value_lam, "value_lam", layout, device)
+    lambdas = [t for t in (trace, value_trace) if isinstance(t, torch.Tensor)]
+    dtype = compute_dtype(rewards_t, values_t, *lambdas)  # a float64 lambda tensor counts too
 
     rewards_m = masked_fill_zero(rewards_t.to(dtype), mask_t)  # (B, T)
     values_m = masked_fill_zero(values_t.to(dtype), mask_t)  # (B, T)
@@ -562,20 +631,72 @@ def gae(
     next_values = _next_on_chain(values_m, chain, layout)  # (B, T) V_{n(t)}, 0 after the last
     deltas = masked_fill_zero(rewards_m + discount * next_values - values_m, chain)  # (B, T)
     # A_t = delta_t + gamma * lam * A_{n(t)}: the same masked reverse scan as the returns.
-    advantages = _discounted_sum(deltas, chain, discount * trace, layout)  # (B, T)
-    if context is not None:  # + (gamma lam)^k (gamma V_next + gamma lam A_next): later chunks
-        advantages = _context_scan(
-            advantages,
-            chain,
-            layout,
-            discount * trace,
-            lambda carry: discount * carry[:, 1] + discount * trace * carry[:, 0],
-            extra=(values_m,),
-        )
-    advantages = masked_fill_zero(advantages, mask_t)  # (B, T)
-    returns = masked_fill_zero(advantages + values_m, mask_t)  # (B, T)
+    advantages = _advantage_scan(deltas, chain, mask_t, discount, trace, layout, values_m)
+    critic = advantages
+    if value_trace is not None:  # the returns' own lambda (VAPO's decoupled GAE)
+        critic = _advantage_scan(deltas, chain, mask_t, discount, value_trace, layout, values_m)
+    returns = masked_fill_zero(critic + values_m, mask_t)  # (B, T)
     if whiten:
         advantages = whiten_selected(
             advantages, mask_t, shift_mean=True, unbiased=True, epsilon=1e-8, context=context
         )
     return GAEOutput(advantages=token_output(advantages, flat), returns=token_output(returns, flat))
+
+
+def _validate_lambda(
+    value: float | ArrayLike, name: str, layout: Layout, device: torch.device
+) -> float | torch.Tensor:
+    """A number in [0, 1], or a floating per-sequence tensor ``(B,)`` / ``(S,)`` on ``device``."""
+    if isinstance(value, numbers.Real) or (
+        isinstance(value, torch.Tensor) and value.ndim == 0 and value.dtype == torch.bool
+    ):
+        return _validate_discount(value, name)  # type: ignore[arg-type]
+    tensor = as_tensor(value, name, device)
+    if not tensor.is_floating_point():
+        raise TypeError(
+            f"{name} must be a number in [0, 1] or a floating tensor of one value per sequence, "
+            f"got {describe(tensor)}"
+        )
+    check_same_device({"rewards": torch.empty(0, device=device), name: tensor})
+    sequences = layout.num_sequences
+    what = "B" if layout.sequence_ids is None else "S"
+    if tensor.ndim != 1 or tensor.shape[0] != sequences:
+        raise ValueError(
+            f"{name} must be a number or have shape ({what},) = ({sequences},) (one value per "
+            f"sequence), got shape {tuple(tensor.shape)}"
+        )
+    return tensor
+
+
+def _advantage_scan(
+    deltas: torch.Tensor,
+    chain: torch.Tensor,
+    mask: torch.Tensor,
+    discount: float,
+    trace: float | torch.Tensor,
+    layout: Layout,
+    values: torch.Tensor,
+) -> torch.Tensor:
+    r"""``A_t = delta_t + gamma lambda A_{n(t)}``, ``(B, T)``; ``lambda`` a number or per row.
+
+    Under context parallelism the later chunks add
+    :math:`(\gamma\lambda)^k (\gamma V_{next} + \gamma\lambda A_{next})` (:func:`_context_scan`;
+    ``values``: the masked :math:`V`, the next chunk's bootstrap).
+    """
+    per_sequence: float | torch.Tensor
+    if isinstance(trace, torch.Tensor):
+        per_sequence = discount * trace.to(deltas.dtype)  # (S,) gamma lambda_i
+        factor: float | torch.Tensor = layout.expand(per_sequence)  # (B, 1) / (1, N)
+    else:
+        per_sequence = factor = discount * trace
+    advantages = _discounted_sum(deltas, chain, factor, layout)
+    if layout.context is not None:
+        advantages = _context_scan(
+            advantages,
+            chain,
+            layout,
+            factor,
+            lambda carry: discount * carry[:, 1] + per_sequence * carry[:, 0],
+            extra=(values,),
+        )
+    return masked_fill_zero(advantages, mask)
