@@ -14,6 +14,9 @@ every section, so a run cut short still leaves what it measured):
    with dual clip and delta, CISPO, SAPO, importance weights + KL + entropy), ``kl_loss``
    estimators, ``kl_penalized_rewards``, LM-head log-probs/entropy and gradients (one and several
    vocabulary chunks, ``-inf`` bias, NaN in masked rows), the fused policy loss from hidden;
+   the decisions at every clip bound (``tests/boundary_cases.py``'s sweep at and one ulp around
+   each bound, and the specification's ratios on the edges: exactly the rule's counts and
+   gradient factors, whatever the GPU's approximate ``exp`` returns);
    then every public function with kernels under ``RLOBJECTIVES_KERNELS=triton`` on CUDA
    against the same call under ``RLOBJECTIVES_KERNELS=torch`` in float64 on the CPU
    (``gpu_triton_public.py``: values, gradients, diagnostics; padded and packed).

@@ -4,7 +4,10 @@ Each check is ``check(device) -> list[(name, ok, detail)]``. Errors are measured
 largest magnitude of the expected tensor (``max |got - want| / max |want|``), against a bound per
 dtype: float32 math everywhere (approximate ``exp`` on the GPU, fp32 ``tl.dot`` in IEEE mode) and,
 for bf16 gradients, the two roundings the autograd path also makes (``dL/dz`` and the result).
-Counts may differ by one where a ratio lands within an ulp of a clip edge.
+Decisions at a bound do not depend on ``tl.exp``'s rounding (``docs/conventions.md``,
+"Decisions at a bound"): :func:`check_boundary_decisions` runs the sweep of
+``tests/boundary_cases.py`` (log-ratios at and one ulp around every bound) through the public
+``policy_loss`` on the kernels and requires the rule's counts and gradient factors exactly.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ from typing import Any
 
 import torch
 
+import boundary_cases
 import triton_reference as reference
-from rlobjectives import CISPO, Clip
+from rlobjectives import CISPO, DPPO, SAPO, Clip, grpo_clipped_surrogate, policy_loss
+from rlobjectives._core.backend import use_kernels
 from rlobjectives.kernels.from_hidden import (
     FusedPolicyLossFromHiddenFunction,
     LogProbsFromHiddenFunction,
@@ -39,7 +44,7 @@ POLICY_CASES: dict[str, tuple[TokenLossOptions, dict[str, bool]]] = {
         {"sequence_mean": True},
     ),  # fmt: skip
     "cispo(trl cap)": (TokenLossOptions(surrogate=CISPO(cap=1.3)), {}),
-    "sapo": (TokenLossOptions(surrogate="sapo"), {"sequence_mean": True}),
+    "sapo": (TokenLossOptions(surrogate=SAPO()), {"sequence_mean": True}),
     "is+kl(k3)+entropy": (
         TokenLossOptions(kl_coef=0.1, entropy_coef=0.01, log_ratio_bound=1.0),
         {"terms": True},
@@ -304,8 +309,74 @@ def _check_fused(
     return results
 
 
+def check_boundary_decisions(device: torch.device, dry: bool = False) -> list[Result]:
+    """The rule's decisions at every bound on the kernels (counts exact, gradient factors)."""
+    del dry  # the sweep is small on every device
+    results: list[Result] = []
+    with use_kernels("triton"):
+        example = grpo_clipped_surrogate(
+            torch.tensor([[0.1823215567939546, -0.2231435513142097]], device=device),
+            torch.zeros(1, 2, device=device), torch.ones(1, device=device),
+            torch.ones(1, 2, dtype=torch.bool, device=device), 0.2,
+        )  # fmt: skip
+        fraction = float(example["clipped_fraction"])
+        results.append(("specification example clipped_fraction", fraction == 0.0, f"{fraction}"))
+        for dtype in (torch.float32, torch.bfloat16):
+            for case, surrogate in boundary_cases.CASES.items():
+                results.append(_boundary_case(device, dtype, case, surrogate))
+            for divergence in ("tv", "kl"):  # DPPO: float64 evaluation, the exact decision
+                results.append(_dppo_case(device, dtype, DPPO(divergence)))
+    return results
+
+
+def _dppo_case(device: torch.device, dtype: torch.dtype, surrogate: DPPO) -> Result:
+    positive, positive_old, negative, negative_old = boundary_cases.dppo_sweep(surrogate, dtype)
+    kept = [boundary_cases.dppo_exact_kept(surrogate, lp, lo, sign)
+            for logs, olds, sign in ((positive, positive_old, 1), (negative, negative_old, -1))
+            for lp, lo in zip(logs, olds, strict=True)]  # fmt: skip
+    log_probs = torch.tensor([positive, negative], dtype=torch.float64).to(dtype).to(device)
+    old = torch.tensor([positive_old, negative_old], dtype=torch.float64).to(dtype).to(device)
+    leaf = log_probs.requires_grad_(True)
+    advantages = torch.tensor([1.0, -1.0], dtype=dtype, device=device)
+    mask = torch.ones(leaf.shape, dtype=torch.bool, device=device)
+    out = policy_loss(leaf, old, advantages, mask, surrogate=surrogate)
+    (gradient,) = torch.autograd.grad(out.loss, leaf)
+    same = bool(torch.equal(gradient.reshape(-1).cpu() != 0, torch.tensor(kept)))
+    outside = round(float(out.diagnostics.clipped_fraction) * len(kept))
+    ok = same and outside == kept.count(False)
+    detail = (
+        f"outside {outside} (exact {kept.count(False)}), kept tokens {'ok' if same else 'differ'}"
+    )
+    return (f"boundary dppo_{surrogate.divergence} {str(dtype)[6:]}", ok, detail)
+
+
+def _boundary_case(device: torch.device, dtype: torch.dtype, case: str, surrogate: Any) -> Result:
+    points = boundary_cases.sweep_points(surrogate, dtype)
+    log_probs, old, advantages, mask = boundary_cases.boundary_batch(points, dtype)
+    leaf = log_probs.to(device).requires_grad_(True)
+    out = policy_loss(leaf, old.to(device), advantages.to(device), mask.to(device),
+                      surrogate=surrogate)  # fmt: skip
+    (gradient,) = torch.autograd.grad(out.loss, leaf)
+    counts, factors = boundary_cases.expected_totals(surrogate, points, torch.float32)
+    selected = 2 * len(points)
+    got = [round(float(getattr(out.diagnostics, name)) * selected)
+           for name in boundary_cases.COUNTS]  # fmt: skip
+    ok, detail = got == counts, f"counts {got} (rule {counts})"
+    if factors[0] is not None:  # the gradient's factor of r A: 1, 0 or 1/2 (the dual tie)
+        ratio = torch.exp(log_probs.float())
+        signs = torch.tensor([[1.0], [-1.0]])
+        observed = (-gradient.float().cpu() * selected / (signs * ratio)).reshape(-1)
+        want = torch.tensor(factors, dtype=torch.float32)
+        tolerance = 1e-2 if dtype == torch.bfloat16 else 1e-5
+        same_zeros = bool(torch.equal(observed == 0, want == 0))
+        close = bool(((observed - want).abs() <= tolerance * want.abs()).all())
+        ok = ok and same_zeros and close
+        detail += f", gradient factors {'ok' if same_zeros and close else 'differ'}"
+    return (f"boundary {case} {str(dtype)[6:]}", ok, detail)
+
+
 def correctness_checks(dry: bool) -> list[Callable[[torch.device], list[Result]]]:
-    """The checks in order (token losses, KL, LM head), bound to the dry-run shapes if asked."""
+    """The checks in order (token losses, decisions at a bound, KL, LM head), dry-run shapes."""
 
     def bind(check: Callable[..., list[Result]]) -> Callable[[torch.device], list[Result]]:
         def bound(device: torch.device) -> list[Result]:
@@ -314,4 +385,5 @@ def correctness_checks(dry: bool) -> list[Callable[[torch.device], list[Result]]
         bound.__name__ = check.__name__
         return bound
 
-    return [bind(check_token_losses), bind(check_kl), bind(check_lm_head)]
+    checks = (check_token_losses, check_boundary_decisions, check_kl, check_lm_head)
+    return [bind(check) for check in checks]

@@ -1959,6 +1959,56 @@ def unpack(
     return out, mask
 
 
+# --------------------------------------------------------------------------------------------
+# The decision rule at a bound (docs/conventions.md, "Decisions at a bound"): an independent
+# oracle with mpmath (torch's own dependency), by the definition and not by thresholds.
+# --------------------------------------------------------------------------------------------
+
+
+def rounded(value: float, dtype: torch.dtype) -> float:
+    """``value`` rounded to ``dtype`` (nearest, ties to even), as a Python float."""
+    return float(torch.tensor(value, dtype=torch.float64).to(dtype))
+
+
+def neighbour(value: float, dtype: torch.dtype, direction: float) -> float:
+    """The next number of ``dtype`` after ``value`` towards ``direction``."""
+    here = torch.tensor(value, dtype=dtype)
+    return float(torch.nextafter(here, torch.tensor(direction, dtype=dtype)))
+
+
+def correctly_rounded_exp(x: float, dtype: torch.dtype) -> float:
+    """``fl(e^x)`` in ``dtype``: the number of ``dtype`` nearest to ``e^x`` (300-bit mpmath).
+
+    The nearest of three candidates around ``e^x``, measured exactly (no tie is possible: ``e^x``
+    is transcendental for ``x != 0``).
+    """
+    import mpmath
+
+    with mpmath.workprec(300):
+        exact = mpmath.exp(mpmath.mpf(x))
+        guess = rounded(float(exact), dtype)
+        candidates = [guess, neighbour(guess, dtype, math.inf), neighbour(guess, dtype, -math.inf)]
+        finite = [c for c in candidates if math.isfinite(c)]
+        best = min(finite, key=lambda c: abs(mpmath.mpf(c) - exact))
+        largest = float(torch.finfo(dtype).max)
+        if (
+            best == largest
+            and exact
+            > mpmath.mpf(largest)
+            + (mpmath.mpf(largest) - mpmath.mpf(neighbour(largest, dtype, 0.0))) / 2
+        ):
+            return math.inf
+        return best
+
+
+def rule_compare(x: float, bound: float, dtype: torch.dtype) -> int:
+    """The sign of ``fl(e^x) - fl(B)`` in ``dtype``: -1 (ratio below), 0 (on), 1 (above)."""
+    if math.isnan(x):
+        return 2  # in no set
+    ratio, edge = correctly_rounded_exp(x, dtype), rounded(bound, dtype)
+    return (ratio > edge) - (ratio < edge)
+
+
 # === Issue 24: DPPO, DRO, M2PO, Clip-Cov / KL-Cov, nll_loss ==================================
 
 BINARY_KL_EPSILON = 1e-8  # verl / SkyRL

@@ -17,9 +17,11 @@ from backends import requires_triton
 pytestmark = requires_triton
 
 FLOATS = (
-    "low", "high", "upper_positive", "upper_negative", "dual_clip", "tau_positive",
-    "tau_negative", "half_peak", "bound", "diagnostic_bound", "kl_coef", "entropy_coef", "beta",
-    "inv_temperature", "ratio_cap",
+    "low", "high", "upper_positive", "upper_negative", "tau_positive", "tau_negative",
+    "low_threshold", "high_threshold", "upper_positive_threshold", "upper_negative_threshold",
+    "dual_low_threshold", "dual_high_threshold", "soft_low_positive", "soft_high_positive",
+    "soft_low_negative", "soft_high_negative", "bound", "diagnostic_bound", "kl_coef",
+    "entropy_coef", "beta", "inv_temperature", "ratio_cap", "cap_threshold",
 )  # fmt: skip
 
 

@@ -16,7 +16,8 @@ values, gradients and diagnostics up to float32 rounding):
 - ``"clip"``: :math:`s = A\,\mathrm{clip}(r, L, H)` with the per-sign bounds of
   :func:`rlobjectives.policy.surrogates.clip.clip_bounds` (the band, ``delta``, ``dual``); the
   slope :math:`rA` where :math:`L \le r \le H` and the log-ratio bound held, halved at an exact
-  dual-clip tie :math:`r = c` (clipping decided on the ratio, as the fused PyTorch path).
+  dual-clip tie :math:`r = c` (clipping decided on the log-ratio against the thresholds of
+  :mod:`rlobjectives._core.decisions`, as the PyTorch paths decide it).
 - ``"cispo"``: :math:`\mathrm{sg}(w) A \ell`, :math:`w = \mathrm{clamp}(r, lo, hi)` with
   :func:`rlobjectives.policy.surrogates.cispo.cispo_bounds` (TRL's cap or verl's band).
 - ``"sapo"``: :math:`(4/\tau) \sigma(\tau (r - 1)) A`, :math:`\tau = \tau_+` if :math:`A > 0`
@@ -46,7 +47,6 @@ import torch
 
 from ..policy.specification import DIAGNOSTIC_LOG_RATIO_BOUND
 from ..policy.surrogates import Clip, SurrogateObjective
-from ..policy.surrogates.sapo import SAPO_HALF_PEAK
 from .common import (
     Indexed,
     check_mask,
@@ -156,7 +156,10 @@ _DEFAULT_OPTIONS = TokenLossOptions()
 
 
 #: The kernel arguments of the surrogate terms, with the placeholders (never read) that a
-#: surrogate's :meth:`kernel_flags` leaves in place; an edge given as None is absent.
+#: surrogate's :meth:`kernel_flags` leaves in place; an edge given as None is absent. The
+#: ``*_threshold`` and ``soft_*`` entries are the float32 log-ratio thresholds of the decisions
+#: (:mod:`rlobjectives._core.decisions`); ``dual_clip`` names the dual-clip edge, whose
+#: decisions are its two thresholds.
 _SURROGATE_PLACEHOLDERS: dict[str, Any] = {
     "low": None,
     "high": None,
@@ -165,8 +168,18 @@ _SURROGATE_PLACEHOLDERS: dict[str, Any] = {
     "dual_clip": None,
     "tau_positive": 1.0,
     "tau_negative": 1.0,
-    "half_peak": SAPO_HALF_PEAK,
+    "low_threshold": None,
+    "high_threshold": None,
+    "upper_positive_threshold": None,
+    "upper_negative_threshold": None,
+    "dual_low_threshold": None,
+    "dual_high_threshold": None,
+    "soft_low_positive": 0.0,
+    "soft_high_positive": 0.0,
+    "soft_low_negative": 0.0,
+    "soft_high_negative": 0.0,
     "ratio_cap": None,
+    "cap_threshold": None,
     "beta": 1.0,
 }
 
@@ -202,7 +215,9 @@ def _flags(options: TokenLossOptions, kernel_module: Any) -> dict[str, Any]:
     if diagnostic is None:
         diagnostic = DIAGNOSTIC_LOG_RATIO_BOUND if bound is None else bound
     flags: dict[str, Any] = {
-        key: 1.0 if value is None else float(value) for key, value in setup.items()
+        key: 1.0 if value is None else float(value)
+        for key, value in setup.items()
+        if key != "dual_clip"  # the tie is decided by its thresholds
     }  # placeholders (never read) where an edge is absent
     flags.update(
         bound=0.0 if bound is None else float(bound),

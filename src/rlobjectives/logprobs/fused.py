@@ -106,7 +106,10 @@ def fused_policy_loss_from_hidden(
     token :math:`(i, t)` and on the batch normaliser, which is computed from the mask before the
     chunk loop, so each chunk forms :math:`\partial\mathcal{L}/\partial z = (c\,(\mathbb{1}_y
     - p) - g\, p \odot (\log p + H))/\tau` and its products with ``weight`` and ``hidden``
-    right away; the full logits are never formed and nothing is recomputed in backward.
+    right away; the full logits are never formed and nothing is recomputed in backward. The
+    per-token derivative is the fused policy stage's, so its decisions at a bound (which tokens
+    a clip changes) follow the rule of :func:`policy_loss` (``docs/conventions.md``,
+    "Decisions at a bound"), on PyTorch and on the Triton kernels alike.
 
     ``reduction="none"``, ``ratio_level="sequence"`` (GSPO), the sequence-level surrogates
     ``"gmpo"`` and ``"vespo"`` (whose per-token derivative needs the whole sequence) and the

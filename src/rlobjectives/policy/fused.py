@@ -30,16 +30,14 @@ The stages of :func:`fused_forward`, each the formula it names:
 The math is that of the objects' formulas (the readable autograd specification of
 :mod:`rlobjectives.policy.specification`, which it is tested against), with autograd's
 conventions: ``torch.clamp`` passes the gradient on the closed interval (ratio band and
-log-ratio bound); in the band ``torch.minimum`` sees a tie of two equal products whose halves
-add up to the full gradient; at an exact dual-clip tie :math:`r = c` ``torch.maximum`` passes
-half, and so does the fused path. NaN at a selected position propagates to the loss.
+log-ratio bound); at an exact dual-clip tie :math:`r = c` ``torch.maximum`` passes half, and
+so does the fused path. NaN at a selected position propagates to the loss.
 
-Differences from the autograd path (at measure-zero or non-finite inputs only): clipping is
-decided on the ratio (:math:`r < L` or :math:`r > H`, the rule of
-:func:`rlobjectives.policy.surrogates.clip.clip_decisions`), where autograd compares the rounded
-products :math:`rA` and :math:`\mathrm{clip}(r)A` (they can tie when :math:`r` is within an ulp
-of an edge or :math:`|A|` is tiny: autograd then passes half the gradient, the fused path none);
-a NaN log-ratio counts as out of its bound in the diagnostics; the final sums are ordered
+Every decision (which tokens a clip changes, the diagnostics' token sets) is taken on the
+bounded log-ratio by the rule of :mod:`rlobjectives._core.decisions` (``docs/conventions.md``,
+"Decisions at a bound"), as on the autograd path and in the kernels: the same tokens whatever
+``exp`` rounds to. Differences from the autograd path (at measure-zero or non-finite inputs
+only): a NaN log-ratio counts as out of its bound in the diagnostics; the final sums are ordered
 differently (rounding); double backward raises (first-order gradients only).
 
 Implementation notes (CPU speed; the same code traces under ``torch.compile(fullgraph=True)``):
@@ -162,6 +160,7 @@ def _log_ratio_stage(
 
 class _Ratios(NamedTuple):
     ratio: torch.Tensor  # (B, T) exp(clamp(Delta, -b, b)), 1 at unselected tokens
+    log_ratio: torch.Tensor  # (B, T) clamp(Delta, -b, b), 0 at unselected: the decisions' x
     passes: torch.Tensor | None  # (B, T) 1.0 where |Delta| <= b (the gradient passes), else 0.0
     bound_fired: torch.Tensor  # () tokens where the bound fired
 
@@ -172,21 +171,22 @@ def _ratio_stage(log_ratios: _LogRatios, spec: FusedSpec) -> _Ratios:
     ``torch.clamp`` passes no gradient where the bound fired: the surrogate stage multiplies its
     coefficient by ``passes`` (a float indicator; a NaN log-ratio is out of its bound and its
     NaN ratio is replaced by 0 in the coefficient, so that the gradient there is exactly 0, as
-    autograd's). Consumes the stage's buffers: the clamped log-ratio becomes the ratio, the
-    log-ratio the indicator ``passes``.
+    autograd's). The bounded log-ratio is kept: the surrogate's decisions are taken on it
+    (``docs/conventions.md``, "Decisions at a bound"), never on the rounded ratio. Consumes the
+    stage's log-ratio buffer for the indicator ``passes``.
     """
     log_ratio, bound = log_ratios.log_ratio, spec.options.log_ratio_bound
     if bound is None:
         none = torch.zeros((), dtype=log_ratio.dtype, device=log_ratio.device)
-        return _Ratios(log_ratio.exp(), None, none)
+        return _Ratios(log_ratio.exp(), log_ratio, None, none)
     clamped = log_ratios.clamped
     if clamped is None:
         clamped = clamp(log_ratio, -bound, bound)
-    ratio = clamped.exp_()  # (B, T)
+    ratio = torch.exp(clamped)  # (B, T)
     # 1.0 where |Delta| <= b (a NaN log-ratio: 0.0, out of its bound), in the spent buffer
     passes = torch.le(log_ratio.abs_(), _as_tensor(bound, log_ratio), out=log_ratio)
     fired = passes.numel() - passes.sum()  # unselected tokens have Delta = 0: they pass
-    return _Ratios(ratio, passes, fired)
+    return _Ratios(ratio, clamped, passes, fired)
 
 
 def has_fused_stage(options: SurrogateOptions) -> bool:
@@ -273,6 +273,7 @@ def fused_forward(
     stage = surrogate.stage(
         StageInputs(
             ratio=ratios.ratio,
+            bounded_log_ratio=ratios.log_ratio,
             advantages=advantages,
             weighted=selected,
             mask=mask,

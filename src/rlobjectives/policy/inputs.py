@@ -116,6 +116,11 @@ class PolicyLossDiagnostics(NamedTuple):
     - :class:`~rlobjectives.M2PO`: none without ``low``; with it the band of
       ``Clip(low, high)`` at the kept tokens.
 
+    Every comparison of ``r`` with an edge is decided as a correctly rounded ``exp`` in the
+    computation dtype would decide it against the edge rounded to that dtype (the same on every
+    backend; an edge itself is inside the band): ``docs/conventions.md``, "Decisions at a
+    bound".
+
     Attributes:
         clipped_fraction: ratio strictly outside the band, any sign of the advantage (the seed's
             definition; a superset of the binding clips). 0 without a band.

@@ -135,6 +135,13 @@ def policy_loss(
     ``ClipCov``, ``KLCov`` (batch-level selections: per call) use the plain-autograd
     specification (:mod:`rlobjectives.policy.specification`) instead.
 
+    Decisions at a bound (which tokens a clip changes, hence which carry a gradient, and the
+    clip diagnostics) are taken as a correctly rounded ``exp`` in the computation dtype would
+    take them against the bound rounded to that dtype, on the log-ratio against thresholds
+    computed once per call: the same tokens on every path and backend (the Triton kernels
+    included), a ratio equal to a bound after rounding on the band (``docs/conventions.md``,
+    "Decisions at a bound").
+
     Args:
         log_probs: current-policy log-probabilities of the sampled tokens, ``(B, T)``.
         old_log_probs: behaviour-policy log-probabilities, ``(B, T)``.

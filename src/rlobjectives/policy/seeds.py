@@ -57,7 +57,11 @@ def grpo_clipped_surrogate(
     ``loss`` is :math:`-\sum_{it} m_{it} s_{it} / \sum_{it} m_{it}` (token mean over the whole
     batch); ``per_sequence_surrogate[i]`` is the mean of :math:`s_{it}` over sequence ``i``'s
     selected tokens (0 if none); ``clipped_fraction`` is the fraction of selected ratios strictly
-    outside :math:`[1-\epsilon, 1+\epsilon]`. With no selected token both scalars are 0.
+    outside :math:`[1-\epsilon, 1+\epsilon]`. With no selected token both scalars are 0. The
+    clip is decided as a correctly rounded float32 (float64) ``exp`` would decide it against the
+    rounded edges, on every backend (``docs/conventions.md``, "Decisions at a bound"): the ratios
+    :math:`e^{\log 1.2}` and :math:`e^{\log 0.8}` of the second example are on the edges, not
+    outside.
 
     This is :func:`rlobjectives.policy_loss` with ``surrogate=Clip(low=clip_epsilon)``,
     ``log_ratio_bound=60`` and ``reduction="token_mean"`` (any :math:`\epsilon \ge 0` is

@@ -21,18 +21,24 @@ turns it into a weight :math:`w` and a mask:
 
 and ``veto`` :math:`v` removes a whole sequence with any token ratio :math:`e^{\delta_{it}} < v`.
 
+Every decision (:math:`\rho < L`, :math:`\rho > U`, :math:`e^{\delta} < v`) is taken on the
+log-ratio by the rule of :mod:`rlobjectives._core.decisions` (``docs/conventions.md``,
+"Decisions at a bound"): as a correctly rounded ``exp`` in the computation dtype would take it
+against the bound rounded to that dtype, whatever the backend's ``exp`` rounds to. The weights
+keep their formulas (the truncation :math:`\mathrm{clip}(\rho, L, U)` is continuous).
+
 Every per-sequence operation goes through :class:`rlobjectives._core.layout.Layout`.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Literal, NamedTuple, get_args
 
 import torch
 from torch.distributed import ProcessGroup
 
+from .._core.decisions import ratio_above, ratio_below
 from .._core.layout import Layout, sequence_layout, token_matrix, token_ndim, token_output
 from .._core.reduction import masked_fill_zero
 from .._core.validation import (
@@ -133,10 +139,10 @@ _LEVELS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Layout], 
 
 
 # ------------------------------------------------------------------------------------- modes
-def _outside(ratio: torch.Tensor, lower: Bound, upper: Bound) -> torch.Tensor | None:
-    """Bool ``ratio < lower or ratio > upper``; None when both bounds are open (none outside)."""
-    below = None if lower is None else ratio < lower
-    above = None if upper is None else ratio > upper
+def _outside(log_ratio: torch.Tensor, lower: Bound, upper: Bound) -> torch.Tensor | None:
+    """Bool ``rho < lower or rho > upper`` by the rule, on ``log rho``; None when both are open."""
+    below = None if lower is None else ratio_below(log_ratio, lower)
+    above = None if upper is None else ratio_above(log_ratio, upper)
     if below is None or above is None:
         return above if below is None else below
     return below | above
@@ -146,28 +152,33 @@ def _as_bound(value: Bound, like: torch.Tensor) -> torch.Tensor | None:
     return None if value is None else torch.as_tensor(value, dtype=like.dtype, device=like.device)
 
 
-def _truncate(ratio: torch.Tensor, lower: Bound, upper: Bound) -> _ModeResult:
-    outside = _outside(ratio, lower, upper)
+def _truncate(
+    ratio: torch.Tensor, log_ratio: torch.Tensor, lower: Bound, upper: Bound
+) -> _ModeResult:
+    outside = _outside(log_ratio, lower, upper)
     if outside is None:
         return _ModeResult(ratio, None, None, None)
     weights = torch.clamp(ratio, min=_as_bound(lower, ratio), max=_as_bound(upper, ratio))
     return _ModeResult(weights, None, outside, None)
 
 
-def _mask(ratio: torch.Tensor, lower: Bound, upper: Bound) -> _ModeResult:
-    outside = _outside(ratio, lower, upper)
+def _mask(ratio: torch.Tensor, log_ratio: torch.Tensor, lower: Bound, upper: Bound) -> _ModeResult:
+    outside = _outside(log_ratio, lower, upper)
     if outside is None:
         return _ModeResult(ratio, None, None, None)
     return _ModeResult(torch.where(outside, 0.0, ratio), None, None, outside)
 
 
-def _reject(ratio: torch.Tensor, lower: Bound, upper: Bound) -> _ModeResult:
-    outside = _outside(ratio, lower, upper)
+def _reject(
+    ratio: torch.Tensor, log_ratio: torch.Tensor, lower: Bound, upper: Bound
+) -> _ModeResult:
+    outside = _outside(log_ratio, lower, upper)
     one = torch.ones((), dtype=ratio.dtype, device=ratio.device)  # broadcast by the output mask
     return _ModeResult(one, None if outside is None else ~outside, None, outside)
 
 
-_MODES: dict[str, Callable[[torch.Tensor, Bound, Bound], _ModeResult]] = {
+#: A mode: ``(ratio, its log, lower, upper)`` to the weight and the mask changes.
+_MODES: dict[str, Callable[[torch.Tensor, torch.Tensor, Bound, Bound], _ModeResult]] = {
     "truncate": _truncate,
     "mask": _mask,
     "reject": _reject,
@@ -250,11 +261,16 @@ def _log_ratio(
 def _vetoed(
     delta: torch.Tensor, mask: torch.Tensor, layout: Layout, veto: Bound
 ) -> torch.Tensor | None:
-    """Bool ``(B, T)``: the selected tokens of sequences with a token ratio below ``veto``."""
+    """Bool ``(B, T)``: the selected tokens of sequences with a token ratio below ``veto``.
+
+    ``e^delta < veto`` by the rule (on the unclamped log-ratio, verl's form): ``delta`` below
+    the smallest log-ratio whose correctly rounded ``exp`` reaches ``veto`` rounded to the
+    computation dtype (not ``log(veto)`` rounded: at ``veto=1e-4`` the float32 log-ratio just
+    below ``log(1e-4)`` has ``exp`` equal to float32 ``1e-4``, and is kept).
+    """
     if veto is None:
         return None
-    log_veto = math.log(veto) if not isinstance(veto, torch.Tensor) else torch.log(veto)
-    catastrophic = mask & (delta < log_veto)  # (B, T), unclamped log-ratio (verl's form)
+    catastrophic = mask & ratio_below(delta, veto)  # (B, T)
     has_any = layout.row_counts(catastrophic) > 0  # (S,)
     return mask & layout.expand(has_any)
 
@@ -281,7 +297,7 @@ def _correct(
     token_log_ratio = delta.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # (B, T)
     level_log_ratio = _LEVELS[level](delta, token_log_ratio, mask, layout)  # (B, T) or (B, 1)
     ratio = torch.exp(level_log_ratio)
-    applied = _MODES[mode](ratio, lower, upper)
+    applied = _MODES[mode](ratio, level_log_ratio, lower, upper)
     survive = mask if applied.keep is None else mask & applied.keep  # (B, T)
     vetoed = _vetoed(delta, mask, layout, veto)
     if vetoed is not None:
@@ -333,7 +349,10 @@ def rollout_correction(
     the log-ratio is clamped to :math:`\pm 20` before ``exp`` (verl's bound; TRL and OpenRLHF
     do not clamp, which differs only where :math:`|\log\rho| > 20`). A sequence ratio is
     broadcast to the sequence's tokens. Then, with :math:`L` = ``lower`` (None: no lower bound)
-    and :math:`U` = ``upper`` (None: no upper bound), both inclusive:
+    and :math:`U` = ``upper`` (None: no upper bound), both inclusive (every comparison with a
+    bound is decided on the log-ratio as a correctly rounded ``exp`` in the computation dtype
+    would decide it against the bound rounded to that dtype: ``docs/conventions.md``,
+    "Decisions at a bound"; a ratio equal to a bound after rounding is inside):
 
     - ``mode="truncate"``: :math:`w = \mathrm{clip}(\rho, L, U)`; the mask is unchanged;
     - ``mode="mask"``: :math:`w = \rho\,\mathbb 1[L \le \rho \le U]`; the mask is unchanged
@@ -341,7 +360,7 @@ def rollout_correction(
     - ``mode="reject"``: :math:`w = 1`, and tokens with :math:`\rho \notin [L, U]` (whole
       sequences for the sequence levels) leave the returned mask (and so the denominator);
     - ``veto`` :math:`v`: a sequence with any token :math:`e^{\delta_{it}} < v` leaves the mask
-      entirely (compared as :math:`\delta_{it} < \log v`, unclamped).
+      entirely (on the unclamped :math:`\delta_{it}`, by the same rule).
 
     The weights are constants: multiply the per-token policy loss by them and reduce with the
     returned ``mask``: ``policy_loss(log_probs, old_log_probs, advantages, out.mask,

@@ -49,9 +49,11 @@ def off_policy_sequence_mask(
         \text{keep}_{it} = M_{it} \wedge \big(A_{it} \ge 0 \vee \bar k_i \le \tau\big).
 
     Exactly TRL's ``GRPOTrainer.get_off_policy_mask`` (1.16: a NaN difference counts as 0; the
-    mean in float32 or wider). TRL multiplies the per-token loss by the mask and keeps the
-    dropped sequences in every denominator; to reproduce it, pass the mask as 0/1 weights and
-    keep the original mask for the reduction:
+    mean in float32 or wider). The decision compares a mean of log-probability differences with
+    :math:`\tau`: no ``exp`` enters it, so it is the same on every backend
+    (``docs/conventions.md``, "Decisions at a bound"). TRL multiplies the per-token loss by the
+    mask and keeps the dropped sequences in every denominator; to reproduce it, pass the mask
+    as 0/1 weights and keep the original mask for the reduction:
     ``policy_loss(..., mask, importance_weights=keep.to(torch.float32) * weights)``. Passing it
     as the loss's ``mask`` instead removes the dropped tokens from the denominator too.
 

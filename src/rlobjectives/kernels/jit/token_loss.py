@@ -16,12 +16,20 @@ The surrogate ``s`` is chosen by the compile-time constant ``SURROGATE`` (one fu
 formula): 0 clip/vanilla (:func:`clip_surrogate`), 1 CISPO (:func:`cispo_surrogate`), 2 SAPO
 (:func:`sapo_surrogate`), 3 none (``kl_loss``: only the KL term), 4 and 5 DPPO with the binary
 TV and KL trust regions (:func:`dppo_surrogate`), 6 DRO (:func:`dro_surrogate`).
+
+Every decision at a bound (which tokens a clip changes, the diagnostics' sets, the dual-clip
+tie, DPPO's cap count) compares the bounded log-ratio :math:`\Delta` with a float32 threshold
+computed on the host (``*_threshold`` / ``soft_*`` arguments, :mod:`rlobjectives._core.decisions`):
+the decision a correctly rounded ``exp`` would take, whatever ``tl.exp`` rounds to (an
+approximate ``ex2`` on a GPU, NumPy's ``exp`` in the interpreter). DPPO's trust region is
+evaluated in float64 from the float32 log-probabilities, then decided (as on the PyTorch paths).
+The values use ``tl.exp``'s ratio.
 """
 
 import triton
 import triton.language as tl
 
-from .math import clamp_symmetric, expm1, expm1_minus_x, kl_estimate, load_indexed
+from .math import clamp_symmetric, expm1_minus_x, kl_estimate, load_indexed
 
 # Columns of the (programs, SUMS) partial-sum tensor (the order of TokenLossSums); the last nine
 # are the numerators of PolicyLossDiagnostics, in its field order.
@@ -47,21 +55,17 @@ SUM_NAMES = (
 SUMS = len(SUM_NAMES)
 SURROGATES = {"clip": 0, "cispo": 1, "sapo": 2, "none": 3, "dppo_tv": 4, "dppo_kl": 5, "dro": 6}
 BINARY_KL_EPSILON = tl.constexpr(1e-8)
-LOWEST_FLOAT32 = tl.constexpr(
-    -3.4028234663852886e38
-)  # torch.finfo(torch.float32).min  # verl's (rlobjectives.policy.surrogates.dppo)
+LOWEST_FLOAT64 = tl.constexpr(
+    -1.7976931348623157e308
+)  # torch.finfo(torch.float64).min: DPPO's binary KL is evaluated in float64
 ESTIMATORS = {"k1": 1, "k2": 2, "k3": 3, "abs": 4}
 
 
 @triton.jit
-def above(x, bound):
-    """``x > bound`` for ``x >= 0`` with NaN counted above (the fused path's bit comparison)."""
-    return ~(x <= bound)
-
-
-@triton.jit
 def clip_surrogate(
-    ratio, passes, advantages, weighted, low, high, upper_positive, upper_negative, dual_clip,
+    ratio, log_ratio, passes, advantages, weighted, low, upper_positive, upper_negative,
+    low_threshold, high_threshold, upper_positive_threshold, upper_negative_threshold,
+    dual_low_threshold, dual_high_threshold,
     HAS_BAND: tl.constexpr, HAS_UPPER_POSITIVE: tl.constexpr, HAS_UPPER_NEGATIVE: tl.constexpr,
     HAS_DUAL: tl.constexpr,
 ):  # fmt: skip
@@ -70,9 +74,10 @@ def clip_surrogate(
     ``s = A clip(r, L, H)`` with ``(L, H) = (-inf, upper_positive)`` for ``A > 0`` and
     ``(low, upper_negative)`` for ``A < 0`` (``rlobjectives.policy.surrogates.clip.clip_bounds``);
     the slope ``r A~`` (``A~ = rho A``) where ``L <= r <= H`` and the log-ratio bound held, else 0,
-    halved at ``r == c`` for ``A < 0`` (``torch.maximum``'s tie). Clipping is decided on the
-    ratio, as the fused PyTorch path decides it. Returns ``(w s, d(w s)/dl, factor, out of
-    band, low binds, high binds, dual binds)``.
+    halved at ``r == c`` for ``A < 0`` (``torch.maximum``'s tie). Every decision compares the
+    log-ratio with its edge's threshold (``r > H`` is ``x > t+(H)``, ``r < L`` is ``x < t-(L)``,
+    ``r == c`` is ``t-(c) <= x <= t+(c)``), as the PyTorch paths decide. Returns ``(w s,
+    d(w s)/dl, factor, out of band, low binds, high binds, dual binds)``.
     """
     positive = advantages > 0.0
     negative = advantages < 0.0
@@ -84,44 +89,46 @@ def clip_surrogate(
     high_binds = out_of_band
     dual_binds = out_of_band
     if HAS_BAND:
-        below = ratio < low
-        out_of_band = below | above(ratio, high)
+        below = log_ratio < low_threshold
+        out_of_band = below | (log_ratio > high_threshold)
         low_binds = below & negative
         lower = tl.where(negative, low, lower)
     if HAS_UPPER_POSITIVE:
-        high_binds = above(ratio, upper_positive) & positive
+        high_binds = (log_ratio > upper_positive_threshold) & positive
         upper = tl.where(positive, upper_positive, upper)
     if HAS_UPPER_NEGATIVE:
-        dual_binds = above(ratio, upper_negative) & negative
+        dual_binds = (log_ratio > upper_negative_threshold) & negative
         upper = tl.where(negative, upper_negative, upper)
     keep = keep & ~low_binds & ~high_binds & ~dual_binds
     factor = tl.where(ratio < lower, lower, tl.where(ratio > upper, upper, ratio))  # keeps NaN
     slope = tl.where(keep, ratio * weighted, 0.0)
     if HAS_DUAL:
-        slope = tl.where((ratio == dual_clip) & negative, 0.5 * slope, slope)
+        tie = (log_ratio >= dual_low_threshold) & (log_ratio <= dual_high_threshold)
+        slope = tl.where(tie & negative, 0.5 * slope, slope)
     return factor * weighted, slope, factor, out_of_band, low_binds, high_binds, dual_binds
 
 
 @triton.jit
 def cispo_surrogate(
-    log_probs, ratio, advantages, weighted, low, high,
+    log_probs, ratio, log_ratio, advantages, weighted, low, high, low_threshold, high_threshold,
     HAS_LOW: tl.constexpr, HAS_HIGH: tl.constexpr,
 ):  # fmt: skip
     r"""CISPO: ``w s = l sg(c) A~`` with ``c = clamp(r, low, high)`` (cap or band).
 
-    The slope ``c A~`` at every selected token (the bound changes ``c`` only). Sets: ``r``
-    outside ``[low, high]``; low: below with ``A < 0``; high: above with ``A > 0``; dual: above
-    with ``A < 0`` (strict float comparisons). Returns as :func:`clip_surrogate`.
+    The slope ``c A~`` at every selected token (the bound changes ``c`` only). Sets, decided on
+    the log-ratio against the thresholds: ``r`` outside ``[low, high]``; low: below with
+    ``A < 0``; high: above with ``A > 0``; dual: above with ``A < 0``. Returns as
+    :func:`clip_surrogate`.
     """
     factor = ratio
     below = ratio < float("-inf")  # all False
     upper = below
     if HAS_LOW:
-        below = ratio < low
-        factor = tl.where(below, low, factor)
+        below = log_ratio < low_threshold
+        factor = tl.where(ratio < low, low, factor)
     if HAS_HIGH:
-        upper = ratio > high
-        factor = tl.where(upper, high, factor)
+        upper = log_ratio > high_threshold
+        factor = tl.where(ratio > high, high, factor)
     slope = factor * weighted
     negative = advantages < 0.0
     return (
@@ -131,64 +138,89 @@ def cispo_surrogate(
 
 
 @triton.jit
-def sapo_surrogate(ratio, passes, advantages, weighted, tau_positive, tau_negative, half_peak):
+def sapo_surrogate(
+    ratio, log_ratio, passes, advantages, weighted, tau_positive, tau_negative,
+    soft_low_positive, soft_high_positive, soft_low_negative, soft_high_negative,
+):  # fmt: skip
     r"""SAPO: ``w s = (4 sigma / tau) A~``, ``sigma = sigmoid(tau (r - 1))``, tau by sign of A.
 
     The slope ``4 sigma(x) sigma(-x) r A~`` where the log-ratio bound held. Soft-clipped:
-    ``|x| > half_peak`` (the gate's gradient weight below half its peak); low: with ``x < 0``
-    and ``A < 0``; high: ``x > 0``, ``A > 0``; dual: ``x > 0``, ``A < 0``.
+    ``|x| > h`` (the gate's gradient weight below half its peak), decided on the log-ratio:
+    below ``soft_low_*`` (``x < -h``) or above ``soft_high_*`` (``x > h``), the thresholds of
+    the sign's temperature (``rlobjectives.policy.surrogates.sapo.soft_clip_thresholds``); low:
+    below with ``A < 0``; high: above, ``A > 0``; dual: above, ``A < 0``.
     """
-    tau = tl.where(advantages > 0.0, tau_positive, tau_negative)
+    positive = advantages > 0.0
+    tau = tl.where(positive, tau_positive, tau_negative)
     x = (ratio - 1.0) * tau
     sigma = tl.sigmoid(x)
     slope = tl.where(passes, tl.sigmoid(-x) * sigma * ratio * 4.0 * weighted, 0.0)
     gate = sigma * 4.0 / tau
-    soft = tl.abs(x) > half_peak
+    soft_low = log_ratio < tl.where(positive, soft_low_positive, soft_low_negative)
+    soft_high = log_ratio > tl.where(positive, soft_high_positive, soft_high_negative)
     negative = advantages < 0.0
     return (
-        gate * weighted, slope, gate, soft, soft & (x < 0.0) & negative,
-        soft & (x > 0.0) & (advantages > 0.0), soft & (x > 0.0) & negative,
+        gate * weighted, slope, gate, soft_low | soft_high, soft_low & negative,
+        soft_high & positive, soft_high & negative,
     )  # fmt: skip
 
 
 @triton.jit
+def expm1_float64(x):
+    r""":math:`e^x - 1` in float64 by Kahan's formula :math:`(u - 1)\,x / \log u`, :math:`u = e^x`.
+
+    Accurate to a few float64 ulps with ``tl.exp`` / ``tl.log`` (no ``libdevice``: the
+    interpreter has none): the rounding of :math:`u` cancels in the quotient. :math:`x` where
+    :math:`u = 1`, -1 where :math:`u = 0`, inf where :math:`u = \infty`; NaN propagates.
+    """
+    u = tl.exp(x)
+    shifted = u - 1.0
+    special = (u == 1.0) | (shifted == -1.0) | (u == float("inf"))
+    kahan = shifted * x / tl.log(tl.where(special, 2.0, u))
+    return tl.where(u == 1.0, x, tl.where(special, shifted, kahan))
+
+
+@triton.jit
 def dppo_surrogate(
-    log_probs, old, ratio, passes, advantages, weighted, low, high, ratio_cap,
-    KL: tl.constexpr, HAS_CAP: tl.constexpr,
+    log_probs, old, ratio, log_ratio, passes, advantages, weighted, low, high, ratio_cap,
+    cap_threshold, KL: tl.constexpr, HAS_CAP: tl.constexpr,
 ):  # fmt: skip
     r"""DPPO: ``w s = sg(w) A~ l`` with ``w = 1[kept] min(r, c)`` (``w A~`` without a cap).
 
-    The trust region of ``rlobjectives.policy.surrogates.dppo.dppo_trust_region`` in float32:
-    TV ``p - p_old <= high`` (A > 0) / ``>= -low`` (A <= 0); KL ``D <= high or l <= l_old``
-    (A > 0) / ``D <= low or l >= l_old`` (A <= 0), ``D`` the binary KL with ``1 - p =
-    -expm1(l)`` and the log of the complements' quotient (the ``binary_kl`` of the PyTorch
-    path). The slope ``w A~`` (without a cap times
-    the bound's ``passes``). Sets: outside (any sign), outside with ``A < 0`` / ``A > 0``, kept
-    with ``r > c`` (any sign). Returns as :func:`clip_surrogate`.
+    The trust region of ``rlobjectives.policy.surrogates.dppo.dppo_trust_region``, evaluated in
+    float64 from the float32 log-probabilities ``l`` and ``l - Delta`` and then decided against
+    ``low`` / ``high`` (already rounded to float32 on the host), as on the PyTorch paths
+    (``docs/conventions.md``, "Decisions at a bound"): TV ``p - p_old <= high`` (A > 0) /
+    ``>= -low`` (A <= 0); KL ``D <= high or l <= l_old`` (A > 0) / ``D <= low or l >= l_old``
+    (A <= 0), ``D`` the binary KL with ``1 - p = -expm1(l)`` and the log of the complements'
+    quotient (the ``binary_kl`` of the PyTorch path). The cap count ``r > c`` compares the
+    bounded log-ratio with ``cap_threshold`` = ``t+(c)``. The slope ``w A~`` (without a cap
+    times the bound's ``passes``). Sets: outside (any sign), outside with ``A < 0`` / ``A > 0``,
+    kept with ``r > c`` (any sign). Returns as :func:`clip_surrogate`.
     """
     positive = advantages > 0.0
-    log_ratio = log_probs - old  # Delta and l - Delta: the numbers the PyTorch paths decide on
-    old = log_probs - log_ratio
+    raw = log_probs - old  # Delta and l - Delta: the numbers the PyTorch paths decide on
+    old = log_probs - raw
+    wide = log_probs.to(tl.float64)
+    wide_old = old.to(tl.float64)
     if KL:
-        gap = old - log_probs
-        gap = tl.where(gap < LOWEST_FLOAT32, LOWEST_FLOAT32, gap)  # keeps NaN; 0 * gap at p_old = 0
-        first = tl.exp(old) * gap
-        old_complement = -expm1(old)
-        complement = BINARY_KL_EPSILON - expm1(log_probs)
-        divergence = first + old_complement * tl.log(
-            (old_complement + BINARY_KL_EPSILON) / complement
-        )
+        epsilon = tl.full(wide.shape, BINARY_KL_EPSILON, tl.float64)
+        gap = wide_old - wide
+        gap = tl.where(gap < LOWEST_FLOAT64, LOWEST_FLOAT64, gap)  # keeps NaN; 0 at p_old = 0
+        first = tl.exp(wide_old) * gap
+        old_complement = -expm1_float64(wide_old)
+        complement = epsilon - expm1_float64(wide)
+        divergence = first + old_complement * tl.log((old_complement + epsilon) / complement)
         kept = tl.where(
-            positive, (divergence <= high) | (log_ratio <= 0.0),
-            (divergence <= low) | (log_ratio >= 0.0),
+            positive, (divergence <= high) | (raw <= 0.0), (divergence <= low) | (raw >= 0.0),
         )  # fmt: skip
     else:
-        moved = tl.exp(log_probs) - tl.exp(old)
+        moved = tl.exp(wide) - tl.exp(wide_old)
         kept = tl.where(positive, moved <= high, moved >= -low)
     outside = ~kept
     capped = ratio < float("-inf")  # all False
     if HAS_CAP:
-        capped = kept & (ratio > ratio_cap)
+        capped = kept & (log_ratio > cap_threshold)
         factor = tl.where(kept, tl.where(ratio > ratio_cap, ratio_cap, ratio), 0.0)
         slope = factor * weighted
         value = log_probs * slope
@@ -221,8 +253,11 @@ def dro_surrogate(log_probs, old, weighted, importance, beta, HAS_IMPORTANCE: tl
 @triton.jit
 def policy_terms(
     log_probs, old, advantages, sequence, importance, selected,
-    low, high, upper_positive, upper_negative, dual_clip, tau_positive, tau_negative, half_peak,
-    ratio_cap, beta, bound, diagnostic_bound,
+    low, high, upper_positive, upper_negative, tau_positive, tau_negative,
+    low_threshold, high_threshold, upper_positive_threshold, upper_negative_threshold,
+    dual_low_threshold, dual_high_threshold,
+    soft_low_positive, soft_high_positive, soft_low_negative, soft_high_negative,
+    ratio_cap, cap_threshold, beta, bound, diagnostic_bound,
     SURROGATE: tl.constexpr, HAS_LOW: tl.constexpr, HAS_HIGH: tl.constexpr,
     HAS_UPPER_POSITIVE: tl.constexpr, HAS_UPPER_NEGATIVE: tl.constexpr, HAS_DUAL: tl.constexpr,
     HAS_CAP: tl.constexpr, HAS_BOUND: tl.constexpr, HAS_SEQUENCE: tl.constexpr,
@@ -251,25 +286,29 @@ def policy_terms(
         weighted = advantages * importance
     if SURROGATE == 0:
         value, slope, factor, band, low_set, high_set, dual_set = clip_surrogate(
-            ratio, passes, advantages, weighted, low, high, upper_positive, upper_negative,
-            dual_clip, HAS_LOW, HAS_UPPER_POSITIVE, HAS_UPPER_NEGATIVE, HAS_DUAL,
+            ratio, log_ratio, passes, advantages, weighted, low, upper_positive, upper_negative,
+            low_threshold, high_threshold, upper_positive_threshold, upper_negative_threshold,
+            dual_low_threshold, dual_high_threshold,
+            HAS_LOW, HAS_UPPER_POSITIVE, HAS_UPPER_NEGATIVE, HAS_DUAL,
         )  # fmt: skip
     elif SURROGATE == 1:
         value, slope, factor, band, low_set, high_set, dual_set = cispo_surrogate(
-            log_probs, ratio, advantages, weighted, low, high, HAS_LOW, HAS_HIGH
-        )
+            log_probs, ratio, log_ratio, advantages, weighted, low, high, low_threshold,
+            high_threshold, HAS_LOW, HAS_HIGH,
+        )  # fmt: skip
     elif SURROGATE == 2:
         value, slope, factor, band, low_set, high_set, dual_set = sapo_surrogate(
-            ratio, passes, advantages, weighted, tau_positive, tau_negative, half_peak
-        )
+            ratio, log_ratio, passes, advantages, weighted, tau_positive, tau_negative,
+            soft_low_positive, soft_high_positive, soft_low_negative, soft_high_negative,
+        )  # fmt: skip
     elif SURROGATE == 6:
         value, slope, factor, band, low_set, high_set, dual_set = dro_surrogate(
             log_probs, old, weighted, importance, beta, HAS_IMPORTANCE
         )
     else:  # 4, 5: DPPO (TV, KL)
         value, slope, factor, band, low_set, high_set, dual_set = dppo_surrogate(
-            log_probs, old, ratio, passes, advantages, weighted, low, high, ratio_cap,
-            SURROGATE == 5, HAS_CAP,
+            log_probs, old, ratio, log_ratio, passes, advantages, weighted, low, high,
+            ratio_cap, cap_threshold, SURROGATE == 5, HAS_CAP,
         )  # fmt: skip
     kl_log_ratio = clamp_symmetric(token_log_ratio, diagnostic_bound)
     return (
@@ -313,8 +352,11 @@ def token_loss_kernel(
     coefficient_ptr, loss_ptr, partial_ptr,
     n, advantages_divisor, advantages_stride, weights_divisor, weights_stride,
     sequence_divisor, sequence_stride, importance_divisor, importance_stride,
-    low, high, upper_positive, upper_negative, dual_clip, tau_positive, tau_negative,
-    half_peak, ratio_cap, beta, bound, diagnostic_bound, kl_coef, entropy_coef,
+    low, high, upper_positive, upper_negative, tau_positive, tau_negative,
+    low_threshold, high_threshold, upper_positive_threshold, upper_negative_threshold,
+    dual_low_threshold, dual_high_threshold,
+    soft_low_positive, soft_high_positive, soft_low_negative, soft_high_negative,
+    ratio_cap, cap_threshold, beta, bound, diagnostic_bound, kl_coef, entropy_coef,
     SURROGATE: tl.constexpr, HAS_LOW: tl.constexpr, HAS_HIGH: tl.constexpr,
     HAS_UPPER_POSITIVE: tl.constexpr, HAS_UPPER_NEGATIVE: tl.constexpr, HAS_DUAL: tl.constexpr,
     HAS_CAP: tl.constexpr, HAS_BOUND: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
@@ -370,8 +412,11 @@ def token_loss_kernel(
         terms = policy_terms(
             log_probs, tl.where(selected, old, 0.0), tl.where(selected, advantages, 0.0),
             tl.where(selected, sequence, 0.0), importance, selected,
-            low, high, upper_positive, upper_negative, dual_clip, tau_positive, tau_negative,
-            half_peak, ratio_cap, beta, bound, diagnostic_bound,
+            low, high, upper_positive, upper_negative, tau_positive, tau_negative,
+            low_threshold, high_threshold, upper_positive_threshold, upper_negative_threshold,
+            dual_low_threshold, dual_high_threshold,
+            soft_low_positive, soft_high_positive, soft_low_negative, soft_high_negative,
+            ratio_cap, cap_threshold, beta, bound, diagnostic_bound,
             SURROGATE, HAS_LOW, HAS_HIGH, HAS_UPPER_POSITIVE, HAS_UPPER_NEGATIVE, HAS_DUAL,
             HAS_CAP, HAS_BOUND, HAS_SEQUENCE, HAS_IMPORTANCE,
         )  # fmt: skip

@@ -27,6 +27,11 @@ selected log-ratio, :attr:`StageInputs.log_ratio`: DPPO, DRO).
 
 Fields are Python numbers or 0-d tensors; a tensor that requires grad (a learnable
 hyperparameter) routes the call to the autograd path.
+
+Every decision a surrogate takes on the ratio :math:`r = e^x` against a bound (which tokens a
+clip changes, the diagnostics' token sets) is taken on the log-ratio :math:`x` by the rule of
+:mod:`rlobjectives._core.decisions` (``docs/conventions.md``, "Decisions at a bound"): as a
+correctly rounded ``exp`` in the computation dtype would take it, the same on every backend.
 """
 
 from __future__ import annotations
@@ -35,6 +40,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
+from ..._core.decisions import ratio_above, ratio_below
 from ..._core.layout import Layout
 
 __all__ = [
@@ -49,6 +55,7 @@ __all__ = [
     "band_sets",
     "below",
     "by_sign",
+    "ratio_band_sets",
 ]
 
 Bound = float | torch.Tensor
@@ -88,6 +95,8 @@ class StageInputs(NamedTuple):
     """The ratio of one fused call and what a surrogate stage needs besides it."""
 
     ratio: torch.Tensor  # (B, T) r after the bound, 1 at unselected tokens; a fresh buffer
+    bounded_log_ratio: torch.Tensor  # (B, T) x = log r (after the bound), 0 at unselected:
+    # the decisions' x (docs/conventions.md, "Decisions at a bound")
     advantages: torch.Tensor  # (B, 1) or (B, T) A, not selected: the signs of the decisions
     weighted: torch.Tensor  # (B, T) A~ = w A, exact zeros at unselected tokens
     mask: torch.Tensor  # (B, T) bool
@@ -177,6 +186,25 @@ def band_sets(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(outside [lower, upper], below and A < 0, above and A > 0)`` of the ratio."""
     low, high = below(ratio, lower), above(ratio, upper)
+    return low | high, low & (advantages < 0), high & (advantages > 0)
+
+
+def ratio_band_sets(
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    lower: Bound | None,
+    upper: Bound | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`band_sets` of the ratio :math:`e^x`, decided on the log-ratio ``x`` by the rule.
+
+    ``(r < lower or r > upper, r < lower and A < 0, r > upper and A > 0)`` as a correctly
+    rounded ``exp`` in the dtype of ``log_ratio`` decides them
+    (:func:`rlobjectives._core.decisions.ratio_below` / ``ratio_above``); a NaN log-ratio is in
+    none of them.
+    """
+    none = torch.zeros_like(log_ratio, dtype=torch.bool)
+    low = none if lower is None else ratio_below(log_ratio, lower)
+    high = none if upper is None else ratio_above(log_ratio, upper)
     return low | high, low & (advantages < 0), high & (advantages > 0)
 
 

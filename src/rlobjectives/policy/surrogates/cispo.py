@@ -6,6 +6,10 @@ the log-probability, :math:`s = \mathrm{sg}(w) A \ell` with :math:`w = \min(r, \
 (verl's band), and :math:`\partial s / \partial \ell = wA` at every selected token (the bound
 and the cap change the weight, never the gradient's support). The weight bounds are one
 function, :func:`cispo_bounds`, shared by the formula, the fused stage and the kernel setup.
+The diagnostics' token sets (:math:`r` below / above the bounds) are decided on the log-ratio
+by the rule of :mod:`rlobjectives._core.decisions` (``docs/conventions.md``, "Decisions at a
+bound": as a correctly rounded ``exp`` in the computation dtype would decide them); the weight
+keeps its formula :math:`\mathrm{clamp}(r, lo, hi)` (continuous at the bounds).
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..._core.decisions import host_threshold, lower_threshold, upper_threshold
 from ..._core.reduction import clamp
 from ..._core.validation import Scalar, validate_scalar
 from .base import (
@@ -26,8 +31,7 @@ from .base import (
     StageOutputs,
     SurrogateInputs,
     SurrogateObjective,
-    above,
-    band_sets,
+    ratio_band_sets,
 )
 
 __all__ = ["CISPO", "cispo_bounds"]
@@ -49,7 +53,8 @@ class CISPO(SurrogateObjective):
     with :math:`\epsilon_{low}` = ``low`` and :math:`\epsilon_{high}` = ``high``; the gradient
     flows through :math:`\ell` only, at every selected token. Its fused stage is
     :meth:`CISPO.stage` (weight bounds :func:`cispo_bounds`), its Triton kernel the ``"cispo"``
-    surrogate of :mod:`rlobjectives.kernels.jit.token_loss`.
+    surrogate of :mod:`rlobjectives.kernels.jit.token_loss`. Its clip diagnostics decide the
+    cap and the band by the rule of ``docs/conventions.md`` ("Decisions at a bound").
 
     Attributes:
         cap: TRL's absolute cap of the weight (its ``epsilon_high``, e.g. 5.0 in ScaleRL),
@@ -122,9 +127,10 @@ class CISPO(SurrogateObjective):
             ratio, -math.inf if lower is None else lower, math.inf if upper is None else upper
         )  # (B, T), a constant: the gradient flows through log_probs only
         values = weight * inputs.advantages * inputs.log_probs  # (B, T)
-        advantages = inputs.advantages
-        out_of_band, low, high = band_sets(ratio, advantages, lower, upper)
-        dual = above(ratio, upper) & (advantages < 0)  # the cap changes an A < 0 token's weight
+        advantages, log_ratio = inputs.advantages, inputs.log_ratio.detach()
+        out_of_band, low, high = ratio_band_sets(log_ratio, advantages, lower, upper)
+        beyond = ratio_band_sets(log_ratio, advantages, None, upper)[0]  # r above the cap
+        dual = beyond & (advantages < 0)  # the cap changes an A < 0 token's weight
         return FormulaTerms(values, weight, out_of_band, low, high, dual)
 
     def stage(self, inputs: StageInputs) -> StageOutputs:
@@ -142,7 +148,9 @@ class CISPO(SurrogateObjective):
         zero = torch.zeros((), dtype=dtype, device=ratio.device)
         log_probs = torch.where(mask, inputs.log_probs.to(dtype), zero)  # (B, T)
         values = log_probs.mul_(coefficient)  # w A~ l
-        below, above_ = ratio < _as_tensor(low, ratio), ratio > _as_tensor(high, ratio)
+        log_ratio = inputs.bounded_log_ratio  # the decisions (the rule): x < t-(lo), x > t+(hi)
+        below = log_ratio < _as_tensor(_threshold(lower, dtype, upper=False), log_ratio)
+        above_ = log_ratio > _as_tensor(_threshold(upper, dtype, upper=True), log_ratio)
         clip = ClipCounts(
             _count(below | above_, mask),
             _count(below & (inputs.advantages < 0), mask),
@@ -155,12 +163,14 @@ class CISPO(SurrogateObjective):
         return StageOutputs(coefficient, values, clip, dual, ratio_sum, weight_sum)
 
     def kernel_flags(self) -> dict[str, Any]:
-        """The kernel's ``"cispo"`` setup: the weight bounds."""
+        """The kernel's ``"cispo"`` setup: the weight bounds and their float32 thresholds."""
         lower, upper = cispo_bounds(self)
         return {
             "surrogate": "cispo",
             "low": None if lower is None else float(lower),
             "high": None if upper is None else float(upper),
+            "low_threshold": None if lower is None else host_threshold(lower, upper=False),
+            "high_threshold": None if upper is None else host_threshold(upper, upper=True),
         }
 
 
@@ -172,6 +182,13 @@ def cispo_bounds(cispo: CISPO) -> tuple[Bound | None, Bound | None]:
         return None, None
     high = cispo.low if cispo.high is None else cispo.high
     return 1.0 - cispo.low, 1.0 + high
+
+
+def _threshold(bound: Bound | None, dtype: torch.dtype, *, upper: bool) -> Bound:
+    """The log-ratio threshold of a weight bound (``-inf`` / ``+inf`` without it)."""
+    if bound is None:
+        return math.inf if upper else -math.inf
+    return upper_threshold(bound, dtype) if upper else lower_threshold(bound, dtype)
 
 
 def _count(condition: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

@@ -27,9 +27,17 @@ Numerics: :math:`1 - p` is :math:`-\mathrm{expm1}(\ell)` (verl's ``1 - exp(l)`` 
 in float32 for :math:`\ell > -6 \cdot 10^{-8}`, the near-certain tokens; :func:`binary_kl`),
 :math:`p^{old} \log(p^{old}/p) = p^{old}(\ell^{old} - \ell)` is 0 at
 :math:`p^{old} = 0` (its limit; verl computes NaN there and masks the token), and the direction
-clause compares :math:`\ell` with :math:`\ell^{old}` (exact). The TV difference is
-:math:`e^{\ell} - e^{\ell^{old}}` in the computation dtype, as every peer: against an absolute
-threshold its absolute error (2 ulp of 1) is harmless.
+clause compares :math:`\ell` with :math:`\ell^{old}` (exact).
+
+Decisions (``docs/conventions.md``, "Decisions at a bound"): both divergences are evaluated in
+**float64** from the log-probabilities of the computation dtype (:math:`\ell` and
+:math:`\ell - \Delta`), on the autograd specification, the fused stage and the kernel alike,
+then compared with :math:`\delta` rounded to the computation dtype: the exact real-number
+decision unless the exact divergence lies within the float64 evaluation's error of the
+threshold (TV: :math:`2^{-50}\max(1, p, p^{old})`; KL: :math:`2^{-46}(1 + p^{old}|\Delta| +
+|\log q|)`), where the peers' float32 evaluation (and a GPU's approximate ``exp``) errs by
+about :math:`2^{-23}`. The cap count :math:`r > c` is the rule's threshold decision on the
+bounded log-ratio. The values keep their formulas in the computation dtype.
 """
 
 from __future__ import annotations
@@ -39,6 +47,7 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..._core.decisions import host_threshold, ratio_above
 from ..._core.validation import Scalar, validate_scalar
 from .base import (
     ClipCounts,
@@ -164,7 +173,7 @@ class DPPO(SurrogateObjective):
             cap = torch.as_tensor(self.ratio_cap, dtype=ratio.dtype, device=ratio.device)
             weight = torch.where(kept, torch.minimum(ratio.detach(), cap), zero)
             values = weight * advantages * inputs.log_probs  # sg(min(r, c)) A l
-            capped = kept & (ratio.detach() > cap)
+            capped = kept & ratio_above(inputs.log_ratio.detach(), self.ratio_cap)  # the rule
         outside = mask & ~kept
         return FormulaTerms(
             values,
@@ -203,7 +212,8 @@ class DPPO(SurrogateObjective):
             coefficient = values if inputs.passes is None else values * inputs.passes
         else:
             cap = torch.as_tensor(self.ratio_cap, dtype=dtype, device=ratio.device)
-            dual = torch.gt(ratio, cap, out=outside).mul_(kept).sum()  # kept and capped
+            beyond = ratio_above(inputs.bounded_log_ratio, self.ratio_cap) & mask  # the rule
+            dual = torch.mul(beyond, kept, out=outside).sum()  # kept and capped
             weight = torch.minimum(ratio, cap, out=outside).mul_(kept)  # (B, T)
             coefficient = weight * inputs.weighted  # (B, T), 0 at unselected tokens
             values = log_probs.mul_(coefficient)  # w A~ l
@@ -215,12 +225,21 @@ class DPPO(SurrogateObjective):
     def kernel_flags(self) -> dict[str, Any]:
         """The kernel's ``"dppo_tv"`` / ``"dppo_kl"`` setup: the thresholds and the cap."""
         assert self.low is not None and self.high is not None  # resolved at construction
+        cap, threshold = None, None
+        if self.ratio_cap is not None:  # r > c by the rule: x > t+(c)
+            cap, threshold = float(self.ratio_cap), host_threshold(self.ratio_cap, upper=True)
         return {
             "surrogate": f"dppo_{self.divergence}",
-            "low": float(self.low),
-            "high": float(self.high),
-            "ratio_cap": None if self.ratio_cap is None else float(self.ratio_cap),
+            "low": _float32(self.low),  # the kernel's float64 comparisons take fl32(delta)
+            "high": _float32(self.high),
+            "ratio_cap": cap,
+            "cap_threshold": threshold,
         }
+
+
+def _float32(value: Scalar) -> float:
+    """``value`` rounded to float32 (to nearest), as a Python float (exact in float64)."""
+    return float(torch.as_tensor(value, dtype=torch.float64).detach().to(torch.float32))
 
 
 def binary_kl(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Tensor:
@@ -271,8 +290,10 @@ def dppo_trust_region(
     \delta_{high}` for :math:`A > 0`, :math:`p - p^{old} \ge -\delta_{low}` for :math:`A \le 0`;
     ``"kl"``: :math:`D \le \delta_{high} \lor \ell \le \ell^{old}` for :math:`A > 0`,
     :math:`D \le \delta_{low} \lor \ell \ge \ell^{old}` for :math:`A \le 0`
-    (:func:`binary_kl`). The thresholds are compared in the dtype of the inputs (the
-    computation dtype); a NaN divergence is outside.
+    (:func:`binary_kl`). The divergences are evaluated in float64 from the inputs (the
+    computation dtype) and compared with the thresholds rounded to the computation dtype
+    (``docs/conventions.md``, "Decisions at a bound": the exact decision outside a window of the
+    float64 evaluation's error); a NaN divergence is outside.
 
     It reads what every path has, the selected log-probabilities ``log_probs`` and raw
     log-ratios ``log_ratio`` :math:`\Delta = \ell - \ell^{old}` (zeros elsewhere: inside;
@@ -287,19 +308,22 @@ def dppo_trust_region(
     flip is exact) and the KL rule :math:`D \le \delta_\sigma` or :math:`\sigma \Delta \le 0`.
     """
     compute, device = log_probs.dtype, log_probs.device
-    positive = (advantages > 0).to(compute)  # shape of A
-    low = torch.as_tensor(dppo.low, dtype=compute, device=device)
-    high = torch.as_tensor(dppo.high, dtype=compute, device=device)
+    wide = torch.float64  # the evaluation dtype of the divergences (the rule)
+    positive = (advantages > 0).to(wide)  # shape of A
+    # the thresholds rounded to the computation dtype, then widened (exact)
+    low = torch.as_tensor(dppo.low, dtype=wide, device=device).detach().to(compute).to(wide)
+    high = torch.as_tensor(dppo.high, dtype=wide, device=device).detach().to(compute).to(wide)
     threshold = torch.lerp(low, high, positive)  # high where A > 0, else low (exact at 0, 1)
     sign = positive.mul(2.0).sub_(1.0)  # +1 where A > 0, else -1
-    old_log_probs = log_probs - log_ratio
+    old_log_probs = (log_probs - log_ratio).to(wide)  # l - Delta in the computation dtype
+    wide_log_probs = log_probs.to(wide)
     if dppo.divergence == "tv":
-        moved = torch.exp(log_probs).sub_(torch.exp(old_log_probs)).mul_(sign)  # sign (p - p_old)
-        kept = torch.le(moved, threshold, out=moved)
+        moved = torch.exp(wide_log_probs).sub_(torch.exp(old_log_probs)).mul_(sign)
+        kept = torch.le(moved, threshold, out=moved)  # sign (p - p_old) <= delta, in float64
     else:
-        along = log_ratio * sign
-        along = torch.le(along, 0.0, out=along)  # sign Delta <= 0: moved along A's sign
-        divergence = _binary_kl(log_probs, old_log_probs, log_ratio.neg())
+        along = torch.le(log_ratio.to(wide) * sign, 0.0)  # sign Delta <= 0: along A's sign
+        gap = old_log_probs - wide_log_probs  # l_old - l in float64
+        divergence = _binary_kl(wide_log_probs, old_log_probs, gap)
         kept = torch.le(divergence, threshold, out=divergence)
-        kept = torch.maximum(kept, along, out=kept)
-    return kept if dtype != torch.bool else kept > 0.5
+        kept = torch.maximum(kept, along.to(wide), out=kept)
+    return kept > 0.5 if dtype == torch.bool else kept.to(dtype)

@@ -11,6 +11,9 @@ With :math:`\Delta` the token's bounded log-ratio and :math:`A` its advantage,
 :math:`\bar A_i` the mean advantage of the sequence, in the token form of GSPO (value
 :math:`\rho_i` at every token, derivative through the token's own clipped log-ratio). The
 derivative needs the whole sequence: no fused stage, no kernel, ``ratio_level="token"`` only.
+The band is decided in log space (the log-ratio against :math:`-\epsilon_{low}` and
+:math:`\epsilon_{high}` rounded to the computation dtype): no ``exp`` is rounded before the
+decision, so it is the same on every backend (``docs/conventions.md``, "Decisions at a bound").
 """
 
 from __future__ import annotations

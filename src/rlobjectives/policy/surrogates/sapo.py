@@ -8,7 +8,12 @@ the log-ratio bound did not fire, else 0 (``torch.clamp``'s closed interval); th
 uses :math:`\sigma(x)\sigma(-x)` instead of autograd's :math:`\sigma(1 - \sigma)` (no
 cancellation for large :math:`|x|`; equal to rounding otherwise). The clip diagnostics count the
 tokens whose gradient weight :math:`4\sigma(1 - \sigma)` is below half its peak:
-:math:`|x| >` :data:`SAPO_HALF_PEAK`.
+:math:`|x| >` :data:`SAPO_HALF_PEAK`, a decision on :math:`r = e^{\Delta}` taken by the rule
+(``docs/conventions.md``, "Decisions at a bound"): :math:`|\tau(r - 1)| > h` in the
+computation dtype's arithmetic holds exactly for :math:`r < R_{lo}` or :math:`r > R_{hi}`
+(:func:`soft_clip_ratios`, found once per temperature), so it is decided on the log-ratio
+against the thresholds of :math:`R_{lo}, R_{hi}` (:mod:`rlobjectives._core.decisions`), as a
+correctly rounded ``exp`` would decide it, on every backend.
 """
 
 from __future__ import annotations
@@ -19,8 +24,15 @@ from typing import Any, ClassVar
 
 import torch
 
+from ..._core.decisions import (
+    constant_when_traced,
+    host_threshold,
+    lower_threshold,
+    upper_threshold,
+)
 from ..._core.validation import Scalar, validate_scalar
 from .base import (
+    Bound,
     ClipCounts,
     FormulaTerms,
     StageInputs,
@@ -30,7 +42,7 @@ from .base import (
     by_sign,
 )
 
-__all__ = ["SAPO", "SAPO_HALF_PEAK"]
+__all__ = ["SAPO", "SAPO_HALF_PEAK", "soft_clip_ratios", "soft_clip_thresholds"]
 
 # |tau (r - 1)| beyond which SAPO's gradient weight 4 sigma (1 - sigma) is below 1/2 (its peak
 # is 1 at r = 1): 4 sigma (1 - sigma) = 1/2 at sigma = (1 +- 1/sqrt 2)/2, i.e. x = 2 ln(1 + sqrt 2).
@@ -45,7 +57,8 @@ class SAPO(SurrogateObjective):
     :math:`A \le 0`; at :math:`r = 1` the gate is :math:`2/\tau` with slope 1, and far from
     :math:`r = 1` its gradient vanishes smoothly (a soft clip). Its fused stage is
     :meth:`SAPO.stage`, its Triton kernel the ``"sapo"`` surrogate of
-    :mod:`rlobjectives.kernels.jit.token_loss`.
+    :mod:`rlobjectives.kernels.jit.token_loss`. Its soft-clip count decides
+    :math:`|\tau(r - 1)| > h` by the rule of ``docs/conventions.md`` ("Decisions at a bound").
 
     Attributes:
         temperature_pos: :math:`\tau_+ > 0` for :math:`A > 0`.
@@ -87,12 +100,22 @@ class SAPO(SurrogateObjective):
         )  # (B, T)
         scaled = temperature * (inputs.ratio - 1.0)  # (B, T)
         gate = torch.sigmoid(scaled) * 4.0 / temperature  # (B, T)
-        x = scaled.detach()
-        soft_clipped = x.abs() > SAPO_HALF_PEAK
-        below = soft_clipped & (x < 0) & (advantages < 0)
-        above = soft_clipped & (x > 0) & (advantages > 0)
-        dual = soft_clipped & (x > 0) & (advantages < 0)
-        return FormulaTerms(gate * advantages, gate.detach(), soft_clipped, below, above, dual)
+        low, high = self._soft_clipped(inputs.log_ratio.detach(), advantages)
+        below, above = low & (advantages < 0), high & (advantages > 0)
+        dual = high & (advantages < 0)
+        return FormulaTerms(gate * advantages, gate.detach(), low | high, below, above, dual)
+
+    def _soft_clipped(
+        self, log_ratio: torch.Tensor, advantages: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(tau (r - 1) < -h, tau (r - 1) > h)`` by the rule: on the log-ratio, tau by sign."""
+        dtype = log_ratio.dtype
+        positive = advantages > 0
+        low_positive, high_positive = soft_clip_thresholds(self.temperature_pos, dtype)
+        low_negative, high_negative = soft_clip_thresholds(self.temperature_neg, dtype)
+        low = torch.where(positive, _as_tensor(low_positive, log_ratio), low_negative)
+        high = torch.where(positive, _as_tensor(high_positive, log_ratio), high_negative)
+        return log_ratio < low, log_ratio > high
 
     def stage(self, inputs: StageInputs) -> StageOutputs:
         r"""The gate :math:`\frac{4}{\tau}\sigma(\tau(r - 1))` times :math:`\tilde A`, its slope."""
@@ -111,27 +134,118 @@ class SAPO(SurrogateObjective):
         coefficient = slope.mul_(inputs.weighted)  # (B, T), 0 at unselected tokens
         gate = sigma.mul_(4.0).div_(temperature)  # (B, T), the advantage factor
         values = gate * inputs.weighted  # (B, T), 0 at unselected tokens
-        soft_clipped = x.abs() > SAPO_HALF_PEAK  # (B, T)
+        low, high = self._soft_clipped(inputs.bounded_log_ratio, advantages)  # (B, T), the rule
         clip = ClipCounts(
-            _count(soft_clipped, mask),
-            _count(soft_clipped & (x < 0) & (advantages < 0), mask),
-            _count(soft_clipped & (x > 0) & (advantages > 0), mask),
+            _count(low | high, mask),
+            _count(low & (advantages < 0), mask),
+            _count(high & (advantages > 0), mask),
         )
         unselected = ratio.numel() - inputs.selected_count
         ratio_sum = ratio.sum() - unselected  # r = 1 at unselected tokens
-        dual = _count(soft_clipped & (x > 0) & (advantages < 0), mask)
+        dual = _count(high & (advantages < 0), mask)
         zero = torch.zeros((), dtype=dtype, device=ratio.device)
         weight_sum = torch.where(mask, gate, zero).sum()
         return StageOutputs(coefficient, values, clip, dual, ratio_sum, weight_sum)
 
     def kernel_flags(self) -> dict[str, Any]:
-        """The kernel's ``"sapo"`` setup: the two temperatures and the half-peak width."""
-        return {
+        """The kernel's ``"sapo"`` setup: the two temperatures and the soft-clip thresholds."""
+        setup: dict[str, Any] = {
             "surrogate": "sapo",
             "tau_positive": float(self.temperature_pos),
             "tau_negative": float(self.temperature_neg),
-            "half_peak": SAPO_HALF_PEAK,
         }
+        signs = (("positive", self.temperature_pos), ("negative", self.temperature_neg))
+        for sign, temperature in signs:
+            low, high = soft_clip_ratios(temperature, torch.float32)
+            setup[f"soft_low_{sign}"] = host_threshold(low, upper=False)
+            setup[f"soft_high_{sign}"] = host_threshold(high, upper=True)
+        return setup
+
+
+def soft_clip_ratios(temperature: Bound, dtype: torch.dtype) -> tuple[Bound, Bound]:
+    r"""``(R_lo, R_hi)``: :math:`|\tau(r - 1)| > h` exactly where :math:`r \notin [R_{lo}, R_{hi}]`.
+
+    :math:`\tau(r - 1)` and :math:`h` = :data:`SAPO_HALF_PEAK` in ``dtype``'s arithmetic, as
+    the stage, the formula and the kernel evaluate them (the product is non-decreasing in
+    :math:`r`): :math:`R_{hi}` is the largest :math:`r` of ``dtype`` with
+    :math:`\tau(r - 1) \le h`, :math:`R_{lo}` the smallest with :math:`\tau(r - 1) \ge -h`
+    (0 when no ratio reaches :math:`-h`, :math:`\tau \le h`). A Python number is searched on
+    the host (a ``nextafter`` walk from :math:`1 \pm h/\tau`, cached); a 0-d tensor on its
+    device, among the 9 neighbours of :math:`1 \pm h/\tau` (the edge is within 2 of them).
+    """
+    if isinstance(temperature, torch.Tensor):
+        return _device_soft_ratios(temperature, dtype)
+    ratios: tuple[float, float] = _host_soft_ratios(float(temperature), dtype)
+    return ratios
+
+
+def soft_clip_thresholds(temperature: Bound, dtype: torch.dtype) -> tuple[Bound, Bound]:
+    """The log-ratio thresholds ``(t-(R_lo), t+(R_hi))`` of :func:`soft_clip_ratios`."""
+    low, high = soft_clip_ratios(temperature, dtype)
+    return lower_threshold(low, dtype), upper_threshold(high, dtype)
+
+
+_SOFT_CACHE: dict[tuple[float, torch.dtype], tuple[float, float]] = {}
+
+
+@constant_when_traced  # its inputs are Python numbers
+def _host_soft_ratios(temperature: float, dtype: torch.dtype) -> tuple[float, float]:
+    """:func:`soft_clip_ratios` of a Python number (cached per (temperature, dtype))."""
+    key = (temperature, dtype)
+    ratios = _SOFT_CACHE.get(key)
+    if ratios is None:
+        if len(_SOFT_CACHE) >= 256:
+            _SOFT_CACHE.clear()
+        ratios = _SOFT_CACHE[key] = _search_soft_ratios(temperature, dtype)
+    return ratios
+
+
+def _search_soft_ratios(temperature: float, dtype: torch.dtype) -> tuple[float, float]:
+    tau = torch.tensor(temperature, dtype=dtype)
+    half_peak = float(torch.tensor(SAPO_HALF_PEAK, dtype=dtype))
+
+    def scaled(ratio: float) -> float:  # tau (r - 1) in dtype, as the paths compute it
+        return float((torch.tensor(ratio, dtype=dtype) - 1.0) * tau)
+
+    def step(value: float, direction: float) -> float:
+        here = torch.tensor(value, dtype=dtype)
+        return float(torch.nextafter(here, torch.tensor(direction, dtype=dtype)))
+
+    high = float(torch.tensor(1.0 + SAPO_HALF_PEAK / temperature, dtype=dtype))
+    while scaled(high) > half_peak:
+        high = step(high, -math.inf)
+    while not math.isinf(step(high, math.inf)) and scaled(step(high, math.inf)) <= half_peak:
+        high = step(high, math.inf)
+    if scaled(0.0) >= -half_peak:  # tau (r - 1) >= -tau > -h: no ratio is soft-clipped below
+        return 0.0, high
+    low = float(torch.tensor(1.0 - SAPO_HALF_PEAK / temperature, dtype=dtype))
+    while scaled(low) < -half_peak:
+        low = step(low, math.inf)
+    while scaled(step(low, -math.inf)) >= -half_peak:
+        low = step(low, -math.inf)
+    return low, high
+
+
+def _device_soft_ratios(
+    temperature: torch.Tensor, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    tau = temperature.detach().to(dtype)
+    half_peak = torch.tensor(SAPO_HALF_PEAK, dtype=dtype, device=tau.device)
+    inf = torch.tensor(math.inf, dtype=dtype, device=tau.device)
+
+    def window(start: torch.Tensor) -> torch.Tensor:  # start and its 4 neighbours either side
+        up, down, values = start, start, [start]
+        for _ in range(4):
+            up, down = torch.nextafter(up, inf), torch.nextafter(down, -inf)
+            values += [up, down]
+        return torch.stack(values)
+
+    above = window(1.0 + half_peak / tau)
+    high = torch.where((above - 1.0) * tau <= half_peak, above, -inf).amax()
+    below = window(1.0 - half_peak / tau)
+    low = torch.where((below - 1.0) * tau >= -half_peak, below, inf).amin()
+    never = (0.0 - 1.0) * tau >= -half_peak  # tau <= h: no ratio is soft-clipped below
+    return torch.where(never, torch.zeros_like(low), low), high
 
 
 def _count(condition: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
