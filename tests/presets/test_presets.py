@@ -296,14 +296,22 @@ def test_verl_vanilla_golden() -> None:
 
 def test_verl_gspo_and_gpg_golden() -> None:
     old, log_prob, advantages, mask = _verl_batch()
-    # s = [0.75^(1/3), sqrt(3)] = [0.9085603, 1.7320508]; forced seq-mean-token-mean:
-    # (-0.9085603 + 1.7320508)/2 = 0.41174525
+    # s = [0.75^(1/3), sqrt(3)] = [0.9085603, 1.7320508]; row 1 inside [0.8, 1.2]: -A s;
+    # row 2 (A = -1): max(s, 1.2) = s. verl 0.9 honours loss_agg_mode for gspo: token-sum
+    # 3·(-0.9085603) + 2·1.7320508 = 0.7384207 (verl <= 0.8 forced seq-mean-token-mean:
+    # (-0.9085603 + 1.7320508)/2 = 0.41174525, below)
     loss, metrics = verl_policy_loss("gspo")(old, log_prob, advantages, mask, "token-sum")
-    assert_close(loss, 0.41174525)
+    assert_close(loss, 0.73842073, torch.float32)
     assert metrics["actor/pg_clipfrac"].item() == 0.0
     assert metrics["actor/pg_clipfrac_lower"].item() == 0.0
     loss.backward()
     assert log_prob.grad is not None
+    # the GSPO-token gradient of token t is -A_t s_i (token-sum: no divisor)
+    assert_close(log_prob.grad, [[-0.9085603] * 3, [1.7320508] * 2 + [0.0]], torch.float32)
+    log_prob.grad = None
+    loss, _ = verl_policy_loss("gspo")(old, log_prob, advantages, mask, "seq-mean-token-mean")
+    assert_close(loss, 0.41174525, torch.float32)
+    loss.backward()
     # row 1: -s1/(3·2); row 2: +s2/(2·2)
     assert_close(log_prob.grad, [[-0.1514267] * 3, [0.4330127] * 2 + [0.0]], torch.float32)
     log_prob.grad = None
@@ -313,6 +321,26 @@ def test_verl_gspo_and_gpg_golden() -> None:
     assert metrics == {}
     loss.backward()
     assert_close(log_prob.grad, [[-0.2] * 3, [0.2, 0.2, 0.0]])
+
+
+def test_verl_gspo_caps_the_sequence_log_ratio_from_above_only() -> None:
+    # verl: log s = min(mean_t Δ, 10), no lower bound. Row 1: Δ = [12, 12] -> s = e^10 (capped,
+    # no gradient), A = -1: loss max(e^10, 1.2) = 22026.4658 per token. Row 2: Δ = [-12, -12]
+    # -> s = e^-12 = 6.1442e-6 (not bounded), A = 1: max(-s, -0.8) = -s, gradient -s.
+    # token-mean: (2·22026.4658 - 2·6.1442e-6)/4 = 11013.2329
+    old = torch.tensor([[-12.0, -12.0], [0.0, 0.0]], dtype=torch.float64)
+    log_prob = torch.tensor([[0.0, 0.0], [-12.0, -12.0]], dtype=torch.float64, requires_grad=True)
+    advantages = torch.tensor([[-1.0, -1.0], [1.0, 1.0]], dtype=torch.float64)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    loss, metrics = verl_policy_loss("gspo")(old, log_prob, advantages, mask)
+    e10, e12 = math.exp(10.0), math.exp(-12.0)
+    assert_close(loss, (2 * e10 - 2 * e12) / 4)
+    loss.backward()
+    assert log_prob.grad is not None
+    assert_close(log_prob.grad, [[0.0, 0.0], [-e12 / 4, -e12 / 4]])
+    # pg_clipfrac counts pg2 > pg1: row 1 1.2 < e^10, row 2 -0.8 < -6.1e-6: neither row
+    assert metrics["actor/pg_clipfrac"].item() == 0.0
+    assert_close(metrics["actor/ppo_kl"], 0.0)  # mean of -Δ = (-24 + 24)/4
 
 
 AGG_GOLDEN = [
@@ -396,8 +424,7 @@ def test_verl_matches_reference(loss_mode: str, mode: str, info: dict[str, int])
         old, inputs[1], advantages, mask, loss_mode=loss_mode, clip_low=0.15, clip_high=0.28,
         clip_c=2.5,
     )  # fmt: skip
-    forced = "seq-mean-token-mean" if loss_mode == "gspo" else mode
-    expected = ref.verl_agg_loss(losses, mask, forced, **info)
+    expected = ref.verl_agg_loss(losses, mask, mode, **info)
     assert_close(loss, expected.detach())
     loss.backward()
     expected.backward()

@@ -46,6 +46,7 @@ from ._common import (
     preset_count,
     preset_number,
     promote,
+    reduce_terms,
     weighted_policy_loss,
 )
 
@@ -194,13 +195,46 @@ def _vanilla(call: _Call, args: ReductionArgs) -> VerlLossOutput:
     return VerlLossOutput(term.loss, _metrics(call, clipfrac, lower, 20.0))
 
 
+#: verl's gspo clamps the sequence log-ratio from above only, ``clamp(log s, max=10)``.
+GSPO_LOG_RATIO_CAP = 10.0
+
+
 def _gspo(call: _Call, args: ReductionArgs) -> VerlLossOutput:
-    """GSPO-token (the stop-gradient form, as verl), sequence log-ratio bounded by 10."""
+    r"""GSPO-token (verl's stop-gradient form), aggregated by ``loss_agg_mode`` (verl >= 0.9).
+
+    ``policy_loss(surrogate=Clip(low, high), ratio_level="sequence", log_ratio_bound=None,
+    reduction="none")``, reduced as ``loss_agg_mode``. verl bounds the sequence log-ratio
+    :math:`\log s_i` from above only (:math:`\min(\log s_i, 10)`, no gradient where it fires);
+    the library's bound is two-sided, so the rows with :math:`\log s_i > 10` take the loss of
+    the same call at the ratio :math:`e^{10}` instead (a constant: :math:`\max(-A e^{10},
+    -A\,\mathrm{clip}(e^{10}))\,w`), exactly verl's. The clip decisions, hence
+    ``actor/pg_clipfrac``, are the same at :math:`s_i` and at :math:`e^{10}` (both above the
+    band).
+    """
     low, high = _clip_band(call.config)
-    options = {"surrogate": Clip(low=low, high=high), "ratio_level": "sequence"}
-    options["log_ratio_bound"] = 10.0
-    term = _policy_term(call, args, options)
-    return VerlLossOutput(term.loss, _metrics(call, _pg_clipfrac(term.diagnostics), None, None))
+    clip = Clip(low=low, high=high)
+    dtype = _metric_dtype(call)  # per-token losses in float32 (float64) before the reduction
+    log_prob, old_log_prob = call.log_prob.to(dtype), call.old_log_prob.to(dtype)
+    options = {"surrogate": clip, "ratio_level": "sequence", "log_ratio_bound": None}
+    none = ReductionArgs("none")
+    term = weighted_policy_loss(
+        log_prob, old_log_prob, call.advantages, call.mask, options=options, args=none,
+        weights=call.weights,
+    )  # fmt: skip
+    sequence_log_ratio = mean_selected(log_prob.detach() - old_log_prob, call.mask, dim=-1)
+    capped = weighted_policy_loss(
+        torch.full_like(old_log_prob, GSPO_LOG_RATIO_CAP),
+        torch.zeros_like(old_log_prob),
+        call.advantages,
+        call.mask,
+        options={"surrogate": clip, "log_ratio_bound": None},
+        args=none,
+        weights=call.weights,
+    ).loss  # (B, T): the loss at the ratio e^10, a constant
+    above = (sequence_log_ratio > GSPO_LOG_RATIO_CAP).unsqueeze(-1)  # (B, 1)
+    per_token = torch.where(above, capped, term.loss)
+    loss = reduce_terms(per_token, call.mask, args)
+    return VerlLossOutput(loss, _metrics(call, _pg_clipfrac(term.diagnostics), None, None))
 
 
 def _cispo(call: _Call, args: ReductionArgs) -> VerlLossOutput:
@@ -310,7 +344,7 @@ _FORCED_AGGREGATIONS = {**VERL_AGGREGATIONS, "rows": _rows_mean}
 #: ``loss_agg_mode`` and ``global_batch_info`` say (as verl).
 VERL_LOSS_MODES: dict[str, _Mode] = {
     "vanilla": _Mode(_vanilla, None),
-    "gspo": _Mode(_gspo, "seq-mean-token-mean"),
+    "gspo": _Mode(_gspo, None),
     "cispo": _Mode(_cispo, None),
     "sapo": _Mode(_sapo, "seq-mean-token-mean"),
     "geo_mean": _Mode(_geo_mean, "rows"),
@@ -369,11 +403,11 @@ def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
       binding clips), ``actor/ppo_kl`` (mean of the clamped ``-Δ``),
       ``actor/pg_clipfrac_lower`` (the dual clip binds).
     - ``"gspo"``: ``policy_loss(surrogate=Clip(low=clip_ratio_low, high=clip_ratio_high),
-      ratio_level="sequence", log_ratio_bound=10)`` aggregated as
-      ``"seq-mean-token-mean"`` whatever ``loss_agg_mode`` says (as verl). verl clamps the
-      sequence log-ratio from above only; the library bound is symmetric, so the two differ
-      only for a sequence ratio below :math:`e^{-10}`. Equal to verl for per-token advantages
-      too (both use the GSPO-token form). ``actor/pg_clipfrac_lower`` is 0.
+      ratio_level="sequence", log_ratio_bound=None)`` aggregated by ``loss_agg_mode`` (verl
+      0.9; verl 0.7 and 0.8 forced ``"seq-mean-token-mean"``), the sequence log-ratio capped
+      from above at 10 as verl (the rows above the cap take the constant loss at the ratio
+      :math:`e^{10}`); the GSPO-token form, as verl, so per-token advantages are verl's too;
+      ``actor/pg_clipfrac_lower`` is 0 and ``actor/ppo_kl`` the unclamped mean of ``-Δ``.
     - ``"cispo"``: ``policy_loss(surrogate=CISPO(low=clip_ratio_low, high=clip_ratio_high),
       log_ratio_bound=20)`` (verl's two-sided band, any sign of
       :math:`A`); ``actor/pg_clipfrac`` = the ratio outside the band; ``_lower`` is 0.
