@@ -7,6 +7,7 @@ Python list-of-lists bool mask. Nothing here imports the library.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -1606,7 +1607,7 @@ def verl_geo_mean_loss(
     return sum(losses, zero) / len(losses)
 
 
-def openrlhf_policy_loss(
+def openrlhf_policy_forward(
     log_probs: Tensor,
     old_log_probs: Tensor,
     advantages: Tensor,
@@ -1617,28 +1618,42 @@ def openrlhf_policy_loss(
     dual_clip: float | None = None,
     token_level_loss: bool = True,
     policy_loss_type: str = "ppo",
+    is_correction_level: str = "off",
+    is_correction_mode: str = "mask",
+    is_correction_gating: str = "ratio",
+    is_correction_threshold: tuple[float, float] = (0.5, 5.0),
+    rollout_log_probs: Tensor | None = None,
     dp_size: int = 1,
     batch_num_tokens: float | None = None,
     global_batch_size: float | None = None,
-    rollout_log_probs: Tensor | None = None,
-    vllm_is_correction_type: str | None = None,
-    threshold: tuple[float, float] = (0.5, 5.0),
-) -> Tensor:
-    """OpenRLHF ``PolicyLoss.forward``'s loss (3c3be62), token by token.
+) -> dict[str, Any]:
+    """OpenRLHF 0.11.2 ``PolicyLoss.forward``, token by token: its five results by name.
 
-    ``vllm_is_correction_type`` (ppo, with ``rollout_log_probs``): the loss of each token times
-    ``tis`` ``clamp(ρ, low, high)``, ``icepop`` ``ρ·[low <= ρ <= high]`` or ``seq-mask-tis``
-    ``[low <= exp(mean_t log ρ) <= high]·ρ``, with ``ρ = exp(old - rollout)``.
+    ``loss`` is a float64 tensor (autograd through ``log_probs``; gspo differentiates the
+    sequence ratio itself); ``clip_ratio``, ``ppo_kl``, ``vllm_kl``, ``is_filter_ratio`` are
+    Python floats (the last two None unless ppo with ``is_correction_level != "off"``).
     """
     keep = _selected(mask)
     zero = torch.zeros((), dtype=torch.float64)
+    corrected = is_correction_level != "off"
+    behaviour = rollout_log_probs if policy_loss_type == "gspo" and corrected else old_log_probs
+    assert behaviour is not None
     row_losses: list[list[Tensor]] = []
+    clipped = selected = 0
+    row_filtered: list[bool] = []
+    token_filtered: list[bool] = []
     for i, row in enumerate(keep):
         tokens = [t for t in range(len(row)) if row[t]]
-        mean = sum((log_probs[i, t] - old_log_probs[i, t] for t in tokens), zero)
-        weights = _openrlhf_is_weights(
-            old_log_probs, rollout_log_probs, i, tokens, vllm_is_correction_type, threshold
-        )
+        mean = sum((log_probs[i, t] - behaviour[i, t] for t in tokens), zero)
+        coefficients: dict[int, float] = {}
+        if policy_loss_type == "ppo" and corrected:
+            assert rollout_log_probs is not None
+            gate = _openrlhf_gate(
+                old_log_probs, rollout_log_probs, i, tokens, is_correction_level,
+                is_correction_mode, is_correction_gating, is_correction_threshold,
+            )  # fmt: skip
+            coefficients = gate[0]
+            (row_filtered if is_correction_level == "seq" else token_filtered).extend(gate[1])
         losses = []
         for t in tokens:
             a = _advantage(advantages, i, t)
@@ -1646,44 +1661,98 @@ def openrlhf_policy_loss(
                 ratio = torch.exp(mean / max(len(tokens), 1))
             else:
                 ratio = torch.exp(torch.clamp(log_probs[i, t] - old_log_probs[i, t], -20.0, 20.0))
-            surrogate = torch.minimum(
-                ratio * a, torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * a
-            )
+            first = ratio * a
+            second = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * a
+            clipped += bool(second < first)
+            selected += 1
+            surrogate = torch.minimum(first, second)
             if dual_clip is not None and a < 0:
                 surrogate = torch.maximum(surrogate, dual_clip * a)
-            losses.append(-surrogate * weights.get(t, 1.0))
+            losses.append(-surrogate * coefficients.get(t, 1.0))
         row_losses.append(losses)
     if token_level_loss and policy_loss_type == "ppo":
         total = sum((v for r in row_losses for v in r), zero)
         count = sum(len(r) for r in row_losses)
-        return total / count if batch_num_tokens is None else total / batch_num_tokens * dp_size
-    means = [sum(r, zero) / (len(r) + 1e-8) for r in row_losses if r]
-    if global_batch_size is None:
-        return sum(means, zero) / len(means)
-    return sum(means, zero) / global_batch_size * dp_size
+        loss = total / count if batch_num_tokens is None else total / batch_num_tokens * dp_size
+    else:
+        means = [sum(r, zero) / (len(r) + 1e-8) for r in row_losses if r]
+        if global_batch_size is None:
+            loss = sum(means, zero) / len(means)
+        else:
+            loss = sum(means, zero) / global_batch_size * dp_size
+    pairs = [(i, t) for i, row in enumerate(keep) for t in range(len(row)) if row[t]]
+    count = max(len(pairs), 1)
+    out: dict[str, Any] = {
+        "loss": loss,
+        "clip_ratio": clipped / max(selected, 1),
+        "ppo_kl": sum(float(old_log_probs[i, t] - log_probs[i, t].detach()) for i, t in pairs)
+        / count,
+        "vllm_kl": None,
+        "is_filter_ratio": None,
+    }
+    if policy_loss_type == "ppo" and corrected:
+        assert rollout_log_probs is not None
+        out["vllm_kl"] = (
+            sum(float(rollout_log_probs[i, t] - old_log_probs[i, t]) for i, t in pairs) / count
+        )
+        filtered = row_filtered if is_correction_level == "seq" else token_filtered
+        units = len(keep) if is_correction_level == "seq" else count
+        out["is_filter_ratio"] = sum(filtered) / units
+    return out
 
 
-def _openrlhf_is_weights(
+def openrlhf_policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor,
+                         mask: Tensor, **options: Any) -> Tensor:  # fmt: skip
+    """The ``loss`` of :func:`openrlhf_policy_forward`."""
+    return openrlhf_policy_forward(log_probs, old_log_probs, advantages, mask, **options)["loss"]
+
+
+def _openrlhf_gate(
     old_log_probs: Tensor,
-    rollout_log_probs: Tensor | None,
+    rollout_log_probs: Tensor,
     i: int,
     tokens: list[int],
-    kind: str | None,
+    level: str,
+    mode: str,
+    gating: str,
     threshold: tuple[float, float],
-) -> dict[int, float]:
-    """OpenRLHF's vLLM IS weight of each selected token of row i ({} without the correction)."""
-    if kind is None or rollout_log_probs is None:
-        return {}
+) -> tuple[dict[int, float], list[bool]]:
+    """OpenRLHF's IS gate on row i: each selected token's coefficient, the filtered units.
+
+    The units are the tokens (``level="token"``) or the row (``"seq"``: one flag; an empty
+    row's statistic is NaN in OpenRLHF, out of every band: filtered).
+    """
     low, high = threshold
     log_rho = {t: float(old_log_probs[i, t]) - float(rollout_log_probs[i, t]) for t in tokens}
-    if kind == "tis":
-        return {t: min(max(math.exp(v), low), high) for t, v in log_rho.items()}
-    if kind == "icepop":
-        return {t: math.exp(v) * (low <= math.exp(v) <= high) for t, v in log_rho.items()}
-    assert kind == "seq-mask-tis"
-    geometric = math.exp(sum(log_rho.values()) / len(tokens)) if tokens else math.nan
-    inside = low <= geometric <= high
-    return {t: math.exp(v) * inside for t, v in log_rho.items()}
+
+    def divergence(t: int) -> float:
+        p = min(max(math.exp(float(rollout_log_probs[i, t])), 1e-6), 1 - 1e-6)
+        q = min(max(math.exp(float(old_log_probs[i, t])), 1e-6), 1 - 1e-6)
+        if gating == "binary_kl":
+            return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+        assert gating == "tv"
+        return abs(p - q)
+
+    if level == "token":
+        statistics = {
+            t: math.exp(log_rho[t]) if gating == "ratio" else divergence(t) for t in tokens
+        }
+        if mode == "clip":
+            return (
+                {t: min(max(v, low), high) for t, v in statistics.items()},
+                [not low <= v <= high for v in statistics.values()],
+            )
+        kept = {t: low <= v <= high for t, v in statistics.items()}
+        return {t: math.exp(log_rho[t]) * kept[t] for t in tokens}, [not k for k in kept.values()]
+    assert level == "seq" and mode == "mask"
+    if not tokens:
+        return {}, [True]
+    if gating == "ratio":
+        statistic = math.exp(sum(log_rho.values()) / len(tokens))
+    else:
+        statistic = sum(divergence(t) for t in tokens) / len(tokens)
+    inside = low <= statistic <= high
+    return {t: math.exp(log_rho[t]) * inside for t in tokens}, [not inside]
 
 
 # --- rollout correction and off-policy sequence masking (issue 12,

@@ -458,10 +458,12 @@ def test_openrlhf_golden() -> None:
     log_probs, old, advantages, mask = _openrlhf_batch()
     # token mode: [-1.2 (clipped), -0.7, -1.0, 1.6 (clipped), 6.0] -> 4.7/5
     out = openrlhf_policy_loss()(log_probs, old, advantages, mask)
+    assert len(out) == 5  # OpenRLHF 0.11's forward: (loss, clip_ratio, ppo_kl, vllm_kl,
+    # is_filter_ratio); the last two only with the IS correction
     assert_close(out.loss, 0.94)
     assert_close(out.clip_ratio, 0.4, torch.float32)
     assert_close(out.ppo_kl, -math.log(1.5 * 0.7 * 0.5 * 3.0) / 5)
-    assert out.vllm_kl is None
+    assert out.vllm_kl is None and out.is_filter_ratio is None
     out.loss.backward()
     assert log_probs.grad is not None
     assert_close(log_probs.grad, [[0, -0.14, -0.2], [0, 1.2, 0]])
@@ -489,6 +491,22 @@ def test_openrlhf_golden() -> None:
     assert_close(log_probs.grad, [[-0.1693994] * 3, [0.6123724] * 2 + [0.0]], torch.float32)
 
 
+def test_openrlhf_gspo_gradient_is_the_sequence_mean_for_per_token_advantages() -> None:
+    # OpenRLHF differentiates s_i = exp(mean_t Δ) itself: d/dℓ_u = Σ_t ∂L_t/∂log s_i / n_i, the
+    # same for every token of the row. Row 1: s = 1.05^(1/3) = 1.0163964 (inside the band),
+    # A = [1, 2, 3]: row mean -s·(1 + 2 + 3)/3 = -2s; row 2: s = sqrt(1.5) = 1.2247449 > 1.2 but
+    # A = [-1, -3] < 0, unclipped: row mean s·(1 + 3)/2 = 2s. Sample mode over the 2 rows:
+    # (-2.0327928 + 2.4494897)/2. Gradients: row 1 (1/2)·(-2)·s/3 = -0.3387988 on each token
+    # (the GSPO-token form would give -s·A_u/6), row 2 (1/2)·2·s/2 = 0.6123724 on each.
+    log_probs, old, _, mask = _openrlhf_batch()
+    advantages = torch.tensor([[1.0, 2.0, 3.0], [-1.0, -3.0, 0.0]], dtype=torch.float64)
+    out = openrlhf_policy_loss(policy_loss_type="gspo")(log_probs, old, advantages, mask)
+    assert_close(out.loss, (-2.0327928 + 2.4494897) / 2, torch.float32)
+    out.loss.backward()
+    assert log_probs.grad is not None
+    assert_close(log_probs.grad, [[-0.3387988] * 3, [0.6123724] * 2 + [0.0]], torch.float32)
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -496,49 +514,71 @@ def test_openrlhf_golden() -> None:
         {"clip_eps_low": 0.1, "clip_eps_high": 0.28, "dual_clip": 3.0},
         {"token_level_loss": False},
         {"policy_loss_type": "gspo", "dual_clip": 2.0},
+        {"policy_loss_type": "gspo", "clip_eps_low": 0.05, "clip_eps_high": 0.05},
     ],
 )
-def test_openrlhf_matches_reference(options: dict[str, object]) -> None:
+@pytest.mark.parametrize("token_advantages", [False, True])
+def test_openrlhf_matches_reference(options: dict[str, object], token_advantages: bool) -> None:
     log_probs, old, advantages, mask = _random_batch(7)
-    advantages = advantages[:, None].expand(5, 7)  # OpenRLHF's per-token advantages
+    advantages = advantages[:, None].expand(5, 7)  # OpenRLHF's (B, T) advantages
+    if token_advantages:  # GAE or KL-in-reward: they vary along the sequence
+        advantages = advantages + torch.randn(5, 7, dtype=torch.float64)
     inputs = [log_probs.clone().requires_grad_(True) for _ in range(2)]
     counts = {"dp_size": 2, "batch_num_tokens": 31, "global_batch_size": 8}
-    loss = openrlhf_policy_loss(**options)(  # type: ignore[arg-type]
+    out = openrlhf_policy_loss(**options)(  # type: ignore[arg-type]
         _with_nan_padding(inputs[0], mask), _with_nan_padding(old, mask), advantages, mask,
         **counts,
-    ).loss  # fmt: skip
-    expected = ref.openrlhf_policy_loss(inputs[1], old, advantages, mask, **options, **counts)  # type: ignore[arg-type]
-    assert_close(loss, expected.detach())
-    loss.backward()
-    expected.backward()
+    )  # fmt: skip
+    expected = ref.openrlhf_policy_forward(inputs[1], old, advantages, mask, **options, **counts)  # type: ignore[arg-type]
+    assert_close(out.loss, expected["loss"].detach())
+    assert_close(out.clip_ratio, expected["clip_ratio"])
+    assert_close(out.ppo_kl, expected["ppo_kl"])
+    out.loss.backward()
+    expected["loss"].backward()
     assert inputs[0].grad is not None and inputs[1].grad is not None
     assert_close(inputs[0].grad, inputs[1].grad)
 
 
 def test_openrlhf_errors() -> None:
-    for threshold in ([0.5], [2.0, 1.0], [-0.1, 1.0], [0.5, math.inf]):
-        with pytest.raises(ValueError, match="vllm_is_truncated_threshold must be"):
-            openrlhf_policy_loss(vllm_is_truncated_threshold=threshold)
+    for threshold in ([2.0, 1.0], [-0.1, 1.0], [0.5, math.inf], [0.0, 0.0], [1, 2, 3], "0.5"):
+        with pytest.raises(ValueError, match="is_correction_threshold must be"):
+            openrlhf_policy_loss(is_correction_threshold=threshold)  # type: ignore[arg-type]
+    assert openrlhf_policy_loss(is_correction_threshold=[2.0]).is_correction_threshold == (0, 2)
+    assert openrlhf_policy_loss(is_correction_threshold=0.1).is_correction_threshold == (0, 0.1)
     log_probs, old, advantages, mask = _openrlhf_batch()
-    with pytest.raises(ValueError, match="needs rollout_log_probs"):
-        openrlhf_policy_loss(enable_vllm_is_correction=True)(log_probs, old, advantages, mask)
-    with pytest.raises(ValueError, match="vllm_is_correction_type must be one of"):
-        openrlhf_policy_loss(vllm_is_correction_type="mis")
+    for level in ("token", "seq"):
+        with pytest.raises(ValueError, match=f"is_correction_level='{level}' needs rollout"):
+            openrlhf_policy_loss(is_correction_level=level)(log_probs, old, advantages, mask)
+    for name, value in (("is_correction_level", "on"), ("is_correction_mode", "truncate"),
+                        ("is_correction_gating", "kl"), ("policy_loss_type", "cispo")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"^{name} must be one of"):
+            openrlhf_policy_loss(**{name: value})  # type: ignore[arg-type]
+    # OpenRLHF's own rules: clip needs the token level and the ratio; a divergence an upper
+    # bound only
+    for level, gating in (("seq", "ratio"), ("token", "binary_kl"), ("off", "tv")):
+        with pytest.raises(ValueError, match="is_correction_mode='clip' requires"):
+            openrlhf_policy_loss(is_correction_mode="clip", is_correction_level=level,
+                                 is_correction_gating=gating)  # fmt: skip
+    with pytest.raises(ValueError, match="takes an upper bound only"):
+        openrlhf_policy_loss(is_correction_level="seq", is_correction_gating="binary_kl")
+    openrlhf_policy_loss(is_correction_gating="tv")  # level off: the band is not read
     with pytest.raises(ValueError, match="dual_clip must be > 1.0"):
         openrlhf_policy_loss(dual_clip=1.0)
-    with pytest.raises(ValueError, match="policy_loss_type must be one of"):
-        openrlhf_policy_loss(policy_loss_type="cispo")
+    with pytest.raises(TypeError, match="enable_vllm_is_correction"):  # the 0.10 API is gone
+        openrlhf_policy_loss(enable_vllm_is_correction=True)  # type: ignore[call-arg]
 
 
 def test_openrlhf_gspo_against_the_sampler() -> None:
-    # gspo with enable_vllm_is_correction: the sequence ratio is taken against rollout_log_probs
+    # gspo with any correction level: the sequence ratio is taken against rollout_log_probs,
+    # no weight, no vllm_kl / is_filter_ratio (as OpenRLHF)
     log_probs, old, advantages, mask = _openrlhf_batch()
     rollout = old.detach() - 0.1
-    loss_fn = openrlhf_policy_loss(policy_loss_type="gspo", enable_vllm_is_correction=True)
+    loss_fn = openrlhf_policy_loss(policy_loss_type="gspo", is_correction_level="token")
     out = loss_fn(log_probs, old, advantages, mask, rollout_log_probs=rollout)
     plain = openrlhf_policy_loss(policy_loss_type="gspo")(log_probs, rollout, advantages, mask)
     assert_close(out.loss, plain.loss.detach())
     assert_close(out.ppo_kl, -math.log(1.5 * 0.7 * 0.5 * 3.0) / 5)  # still against old
+    assert out.vllm_kl is None and out.is_filter_ratio is None
 
 
 def test_presets_import_no_peer() -> None:
@@ -645,12 +685,11 @@ def test_openrlhf_options_are_validated_at_construction(
 
 
 def test_openrlhf_flags_are_validated_at_construction() -> None:
-    for name in ("token_level_loss", "enable_vllm_is_correction"):
-        with pytest.raises(TypeError, match=rf"^{name} must be a bool"):
-            openrlhf_policy_loss(**{name: "yes"})  # type: ignore[arg-type]
-    for threshold in ([NAN, 2.0], [0.5, NAN]):
-        with pytest.raises(ValueError, match=r"^vllm_is_truncated_threshold must be"):
-            openrlhf_policy_loss(vllm_is_truncated_threshold=threshold)
+    with pytest.raises(TypeError, match=r"^token_level_loss must be a bool"):
+        openrlhf_policy_loss(token_level_loss="yes")  # type: ignore[arg-type]
+    for threshold in ([NAN, 2.0], [0.5, NAN], [True, 2.0]):
+        with pytest.raises(ValueError, match=r"^is_correction_threshold must be"):
+            openrlhf_policy_loss(is_correction_threshold=threshold)
     log_probs, old, advantages, mask = _openrlhf_batch()
     with pytest.raises(ValueError, match=r"^dp_size\b"):
         openrlhf_policy_loss()(log_probs, old, advantages, mask, dp_size=0)

@@ -377,66 +377,120 @@ def test_verl_family_matches_reference(mode: str, aggregation: str, info: dict[s
 
 
 # ---------------------------------------------------------------------------------------------
-# OpenRLHF vLLM IS correction: r = [[1.5, 0.7, 1], [0.5, 3, ·]], A = [[1]*3, [-2]*3]; per-token
-# losses [-1.2, -0.7, -1.0, 1.6, 6.0]; the sampler ratio ρ = exp(old - rollout) =
-# [[8, 4, 6], [2, 0.4, ·]], band [0.5, 5]
+# OpenRLHF 0.11.2's train/rollout IS correction: r = [[1.5, 0.7, 1], [0.5, 3, ·]],
+# A = [[1]*3, [-2]*3]; per-token losses [-1.2, -0.7, -1.0, 1.6, 6.0] (token mean over 5); the
+# sampler ratio ρ = exp(old - rollout) = [[8, 4, 6], [2, 0.4, ·]]. With q = e^-1 (old) and
+# p = q/ρ = [[.045985, .091970, .061313], [.183940, .919699]] (rollout):
+# binary KL p ln(p/q) + (1-p) ln((1-p)/(1-q)) = [[.297049, .201389, .261300], [.080931, .677026]]
+# (row means .253246, .378979); tv |p - q| = [[.321895, .275910, .306566], [.183940, .551819]]
+# (row means .301457, .367879).
 
 OPENRLHF_RHO = [[8.0, 4.0, 6.0], [2.0, 0.4, 100.0]]
+NO_GRAD_ROW = [0.0, 0.0, 0.0]
 
 OPENRLHF_IS_GOLDEN = [
-    # tis: w = clip(ρ, 0.5, 5) = [5, 4, 5, 2, 0.5]: (-6 - 2.8 - 5 + 3.2 + 3)/5
-    ("tis", -1.52, [[0, -0.56, -1.0], [0, 0.6, 0]]),
-    # icepop: ρ inside [0.5, 5] else 0: [0, 4, 0, 2, 0]: (-2.8 + 3.2)/5
-    ("icepop", 0.08, [[0, -0.56, 0], [0, 0, 0]]),
-    # seq-mask-tis: geometric means exp(mean ln ρ) = [5.7690, 0.8944]: row 1 out of the band;
-    # row 2 keeps its untruncated ρ = [2, 0.4]: (3.2 + 2.4)/5
-    ("seq-mask-tis", 1.12, [[0, 0, 0], [0, 0.48, 0]]),
+    # (level, mode, gating, [low, high], loss, gradient, is_filter_ratio)
+    # TIS: w = clip(ρ, 0.5, 5) = [5, 4, 5, 2, 0.5]: (-6 - 2.8 - 5 + 3.2 + 3)/5; 8, 6, 0.4 outside
+    ("token", "clip", "ratio", [0.5, 5.0], -1.52, [[0, -0.56, -1.0], [0, 0.6, 0]], 0.6),
+    # ICEPOP: ρ inside [0.5, 5] else 0: [0, 4, 0, 2, 0]: (-2.8 + 3.2)/5
+    ("token", "mask", "ratio", [0.5, 5.0], 0.08, [[0, -0.56, 0], NO_GRAD_ROW], 0.6),
+    # seq-mask-tis: geometric means [5.7690, 0.8944]: row 1 out; row 2 keeps ρ = [2, 0.4]:
+    # (3.2 + 2.4)/5; one row of two filtered
+    ("seq", "mask", "ratio", [0.5, 5.0], 1.12, [NO_GRAD_ROW, [0, 0.48, 0]], 0.5),
+    # binary KL <= 0.27 keeps t = (0,1), (0,2), (1,0) at ρ: (-2.8 - 6 + 3.2)/5; 2 of 5 dropped
+    ("token", "mask", "binary_kl", [0.0, 0.27], -1.12, [[0, -0.56, -1.2], NO_GRAD_ROW], 0.4),
+    # row means .2532 (kept) / .3790 (dropped) vs 0.3: (-9.6 - 2.8 - 6)/5
+    ("seq", "mask", "binary_kl", [0.0, 0.3], -3.68, [[0, -0.56, -1.2], NO_GRAD_ROW], 0.5),
+    # tv <= 0.31 keeps (0,1), (0,2), (1,0): as the binary KL row above
+    ("token", "mask", "tv", [0.0, 0.31], -1.12, [[0, -0.56, -1.2], NO_GRAD_ROW], 0.4),
+    # row means .3015, .3679 <= 0.4: every token at ρ: (-9.6 - 2.8 - 6 + 3.2 + 2.4)/5
+    ("seq", "mask", "tv", [0.0, 0.4], -2.56, [[0, -0.56, -1.2], [0, 0.48, 0]], 0.0),
 ]
 
 
-@pytest.mark.parametrize(("kind", "expected", "gradient"), OPENRLHF_IS_GOLDEN)
+@pytest.mark.parametrize(
+    ("level", "mode", "gating", "threshold", "expected", "gradient", "filtered"),
+    OPENRLHF_IS_GOLDEN,
+    ids=[f"{row[0]}-{row[1]}-{row[2]}" for row in OPENRLHF_IS_GOLDEN],
+)
 def test_openrlhf_is_correction_golden(
-    kind: str, expected: float, gradient: list[list[float]]
+    level: str,
+    mode: str,
+    gating: str,
+    threshold: list[float],
+    expected: float,
+    gradient: list[list[float]],
+    filtered: float,
 ) -> None:
     log_probs, old, advantages, mask = _openrlhf_batch()
     rollout = old - torch.tensor(OPENRLHF_RHO, dtype=torch.float64).log()
     loss_fn = openrlhf_policy_loss(
-        enable_vllm_is_correction=True, vllm_is_truncated_threshold=[0.5, 5.0],
-        vllm_is_correction_type=kind,
+        is_correction_level=level, is_correction_mode=mode, is_correction_gating=gating,
+        is_correction_threshold=threshold,
     )  # fmt: skip
     out = loss_fn(log_probs, old, advantages, mask, rollout_log_probs=rollout)
+    assert len(out) == 5  # ActorPPOTrainer.training_step unpacks five values
     assert_close(out.loss, expected)
     # vllm_kl = mean(rollout - old) = -(ln 8 + ln 4 + ln 6 + ln 2 + ln 0.4)/5
-    assert out.vllm_kl is not None
+    assert out.vllm_kl is not None and out.is_filter_ratio is not None
     assert_close(out.vllm_kl, -5.0343522 / 5, torch.float32)
+    assert_close(out.is_filter_ratio, filtered)
     assert_close(out.clip_ratio, 0.4, torch.float32)  # the weights do not change the clips
     out.loss.backward()
     assert log_probs.grad is not None
     assert_close(log_probs.grad, gradient)
 
 
-@pytest.mark.parametrize("kind", ["tis", "icepop", "seq-mask-tis"])
+def test_openrlhf_sequence_gate_counts_an_empty_row_as_filtered() -> None:
+    # OpenRLHF's per-row mean of an empty row is 0/0 = NaN, outside every band: of the 3 rows
+    # (the golden batch plus an empty one) the ratio gate [0.5, 5] drops row 1 and the empty row
+    log_probs, old, advantages, mask = _openrlhf_batch()
+    pad = torch.zeros(1, 3, dtype=torch.float64)
+    rho = torch.tensor([*OPENRLHF_RHO, [1.0, 1.0, 1.0]], dtype=torch.float64)
+    old3 = torch.cat([old, pad])
+    loss_fn = openrlhf_policy_loss(is_correction_level="seq")
+    out = loss_fn(torch.cat([log_probs.detach(), pad]), old3, torch.cat([advantages, pad]),
+                  torch.cat([mask, torch.zeros(1, 3, dtype=torch.bool)]),
+                  rollout_log_probs=old3 - rho.log())  # fmt: skip
+    assert out.is_filter_ratio is not None
+    assert_close(out.is_filter_ratio, 2 / 3)
+    assert_close(out.loss, 1.12)  # the empty row adds nothing (seq-mask-tis row above)
+
+
+OPENRLHF_GATES = [(level, mode, gating) for level, mode, gating, *_ in OPENRLHF_IS_GOLDEN]
+
+
+@pytest.mark.parametrize(("level", "mode", "gating"), OPENRLHF_GATES)
 @pytest.mark.parametrize("token_level", [True, False])
-def test_openrlhf_is_correction_matches_reference(kind: str, token_level: bool) -> None:
+def test_openrlhf_is_correction_matches_reference(
+    level: str, mode: str, gating: str, token_level: bool
+) -> None:
     log_probs, old, advantages, mask = _random_batch(15)
     advantages = advantages[:, None].expand(5, 7)
     generator = torch.Generator().manual_seed(16)
+    old = old - 1.5  # probabilities away from 1, so that the divergences spread out
+    log_probs = log_probs - 1.5
     rollout = old + 0.5 * torch.randn(5, 7, generator=generator, dtype=torch.float64)
     inputs = [log_probs.clone().requires_grad_(True) for _ in range(2)]
-    options = {"dual_clip": 3.0, "token_level_loss": token_level}
+    # bands through the middle of this batch's statistics (some units in, some out)
+    band = {"ratio": (0.7, 1.4), "binary_kl": (0.0, 0.003), "tv": (0.0, 0.015)}[gating]
+    options = {
+        "dual_clip": 3.0, "token_level_loss": token_level, "is_correction_level": level,
+        "is_correction_mode": mode, "is_correction_gating": gating,
+        "is_correction_threshold": band,
+    }  # fmt: skip
     counts = {"dp_size": 2, "batch_num_tokens": 31, "global_batch_size": 8}
-    loss = openrlhf_policy_loss(
-        enable_vllm_is_correction=True, vllm_is_truncated_threshold=(0.7, 1.4),
-        vllm_is_correction_type=kind, **options,  # type: ignore[arg-type]
-    )(
+    out = openrlhf_policy_loss(**options)(  # type: ignore[arg-type]
         _with_nan_padding(inputs[0], mask), _with_nan_padding(old, mask), advantages, mask,
         rollout_log_probs=_with_nan_padding(rollout, mask), **counts,
-    ).loss  # fmt: skip
-    expected = ref.openrlhf_policy_loss(
-        inputs[1], old, advantages, mask, rollout_log_probs=rollout,
-        vllm_is_correction_type=kind, threshold=(0.7, 1.4), **options, **counts,  # type: ignore[arg-type]
     )  # fmt: skip
-    assert_close(loss, expected.detach())
-    (loss + expected).backward()
+    expected = ref.openrlhf_policy_forward(
+        inputs[1], old, advantages, mask, rollout_log_probs=rollout, **options, **counts,  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert_close(out.loss, expected["loss"].detach())
+    for name in ("clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio"):
+        assert_close(getattr(out, name), expected[name])
+    assert 0.0 < expected["is_filter_ratio"] < 1.0  # the gate binds on this batch
+    (out.loss + expected["loss"]).backward()
     assert inputs[0].grad is not None and inputs[1].grad is not None
     assert_close(inputs[0].grad, inputs[1].grad)
