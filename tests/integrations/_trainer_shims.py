@@ -167,11 +167,14 @@ def register_cpu_platform() -> None:
     """Register a ``cpu`` platform with verl's ``PlatformRegistry`` and make it current.
 
     Must run before ``verl.workers.engine`` is imported. ``current_device()`` is ``"cpu"`` (verl
-    moves tensors with ``.to(get_device_id())``) and the collectives are gloo's.
+    moves tensors with ``.to(get_device_id())``) and the collectives are gloo's. Idempotent.
     """
     from verl.plugin.platform import platform_manager
     from verl.plugin.platform.platform_base import PlatformBase
 
+    current = platform_manager._current_platform
+    if current is not None and current.device_name == "cpu":
+        return  # registered by an earlier module
     device_module = _CPUDeviceModule()
 
     class PlatformCPU(PlatformBase):  # type: ignore[misc]

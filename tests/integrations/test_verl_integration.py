@@ -61,34 +61,60 @@ class Case(NamedTuple):
         return f"{self.mode}-{self.aggregation}-{'w' if self.weights else 'no_w'}"
 
 
-#: mode -> (aggregations, extra actor config, metrics that must be nonzero in verl's own run).
-#: vanilla: clip_ratio_c just above 1 + clip_ratio so that the dual clip binds.
-MODES: dict[str, tuple[tuple[str, ...], dict[str, Any], tuple[str, ...]]] = {
-    "vanilla": (
-        ("token-mean", "seq-mean-token-sum"),
-        {"clip_ratio_c": 1.15},
+class Mode(NamedTuple):
+    """A case's verl ``loss_mode``, aggregations, extra actor config and live metrics."""
+
+    loss_mode: str
+    aggregations: tuple[str, ...]
+    extra: dict[str, Any]
+    live: tuple[str, ...]  # metrics that must be nonzero in verl's own run
+
+
+ALL_AGGREGATIONS = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean",
+                    "seq-mean-token-sum-norm")  # fmt: skip
+#: label -> mode. vanilla: clip_ratio_c just above 1 + clip_ratio so that the dual clip binds;
+#: bypass_mode: rollout_correction as a dict (RolloutCorrectionConfig(**it) at run time).
+MODES: dict[str, Mode] = {
+    "vanilla": Mode(
+        "vanilla", ("token-mean", "seq-mean-token-sum"), {"clip_ratio_c": 1.15},
         ("actor/pg_clipfrac", "actor/pg_clipfrac_lower"),
     ),
-    "gspo": (
-        (
-            "token-mean",
-            "token-sum",
-            "seq-mean-token-sum",
-            "seq-mean-token-mean",
-            "seq-mean-token-sum-norm",
-        ),
-        {"clip_ratio_low": 0.05, "clip_ratio_high": 0.05},
+    "gspo": Mode(
+        "gspo", ALL_AGGREGATIONS, {"clip_ratio_low": 0.05, "clip_ratio_high": 0.05},
         ("actor/pg_clipfrac",),
-    ),  # fmt: skip
-    "cispo": (("token-mean", "seq-mean-token-sum-norm"), {}, ("actor/pg_clipfrac",)),
-    "sapo": (("token-mean", "token-sum"), {"tau_pos": 1.0, "tau_neg": 1.05}, ()),
-    "geo_mean": (("token-mean", "seq-mean-token-mean"), {}, ("actor/pg_clipfrac",)),
-    "gpg": (("token-mean", "seq-mean-token-mean"), {}, ()),
-}
+    ),
+    "cispo": Mode("cispo", ("token-mean", "seq-mean-token-sum-norm"), {}, ("actor/pg_clipfrac",)),
+    "sapo": Mode("sapo", ("token-mean", "token-sum"), {"tau_pos": 1.0, "tau_neg": 1.05}, ()),
+    "geo_mean": Mode(
+        "geo_mean", ("token-mean", "seq-mean-token-mean"), {}, ("actor/pg_clipfrac",)
+    ),
+    "gpg": Mode("gpg", ("token-mean", "seq-mean-token-mean"), {}, ()),
+    # PPO clip against the sampler, token IcePop weights (metrics only) and a sequence k3 gate
+    "bypass_ppo": Mode(
+        "bypass_mode", ("token-mean", "seq-mean-token-sum"),
+        {"policy_loss": {"rollout_correction": {
+            "rollout_is": "token", "rollout_is_threshold": "0.5_2.0", "rollout_rs": "seq_mean_k3",
+            "rollout_rs_threshold": 0.05, "bypass_mode": True, "loss_type": "ppo_clip"}}},
+        ("actor/pg_clipfrac", "rollout_corr/rollout_rs_masked_fraction",
+         "rollout_corr/rollout_is_oob_ratio"),
+    ),
+    # REINFORCE with sequence TIS weights normalised over the batch, a token k1 gate and a
+    # sequence k2 gate together
+    "bypass_reinforce": Mode(
+        "bypass_mode", ("token-mean", "seq-mean-token-mean"),
+        {"policy_loss": {"rollout_correction": {
+            "rollout_is": "sequence", "rollout_is_threshold": 2.0,
+            "rollout_rs": "token_k1,seq_max_k2", "rollout_rs_threshold": "0.7_1.4,0.08",
+            "rollout_is_batch_normalize": True, "bypass_mode": True, "loss_type": "reinforce"}}},
+        ("rollout_corr/rollout_rs_token_k1_masked_fraction",
+         "rollout_corr/rollout_rs_seq_max_k2_masked_fraction",
+         "rollout_corr/rollout_is_ratio_fraction_high"),
+    ),
+}  # fmt: skip
 CASES = [
-    Case(mode, aggregation, weights)
-    for mode, (aggregations, _, _) in MODES.items()
-    for aggregation in aggregations
+    Case(label, aggregation, weights)
+    for label, mode in MODES.items()
+    for aggregation in mode.aggregations
     for weights in (False, True)
 ]
 
@@ -145,7 +171,7 @@ def verl_step() -> Iterator[SimpleNamespace]:
         shims.register_cpu_platform()  # before verl.workers.engine is imported
         shims.disable_verl_trl_value_head_patch()
         from verl import DataProto
-        from verl.trainer.config import CheckpointConfig
+        from verl.trainer.config import CheckpointConfig, RolloutCorrectionConfig
         from verl.utils import tensordict_utils as tu
         from verl.workers.config import (
             FSDPActorConfig,
@@ -230,8 +256,12 @@ def verl_step() -> Iterator[SimpleNamespace]:
                     param.copy_(state["initial"][name])
             engine.optimizer.zero_grad(set_to_none=True)
             gradients.clear()
-            _, extra, _ = MODES[case.mode]
-            policy = PolicyLossConfig(loss_mode=loss_mode, **extra.get("policy_loss", {}))
+            extra = MODES[case.mode].extra
+            policy_options = dict(extra.get("policy_loss", {}))
+            if "rollout_correction" in policy_options:
+                correction = RolloutCorrectionConfig(**policy_options["rollout_correction"])
+                policy_options["rollout_correction"] = correction
+            policy = PolicyLossConfig(loss_mode=loss_mode, **policy_options)
             actor = FSDPActorConfig(
                 strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=MINI_BATCH,
                 ppo_micro_batch_size_per_gpu=MICRO_BATCH, use_torch_compile=False,
@@ -275,14 +305,15 @@ def _assert_same(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tens
 
 @pytest.mark.parametrize("case", CASES, ids=str)
 def test_registered_preset_trains_like_the_built_in_mode(verl_step: Any, case: Case) -> None:
-    reference = verl_step.train(case.mode, case)
-    preset = verl_step.train(f"rlo_{case.mode}", case)
+    loss_mode = MODES[case.mode].loss_mode
+    reference = verl_step.train(loss_mode, case)
+    preset = verl_step.train(f"rlo_{loss_mode}", case)
 
     # the reference run exercises the mode: two steps, the parameters moved, its branches bind
     assert len(reference["gradients"]) == 2
     moved = max((reference["parameters"][n] - p).abs().max() for n, p in verl_step.initial.items())
     assert moved > 1e-3
-    for key in MODES[case.mode][2]:
+    for key in MODES[case.mode].live:
         assert reference["metrics"][key].max() > 0, f"{key} is 0 in verl's own run: not exercised"
 
     for step in range(2):
@@ -297,7 +328,7 @@ def test_the_registered_functions_are_the_presets(verl_step: Any) -> None:
     from rlobjectives.integrations.verl import register_policy_losses
     from rlobjectives.presets import VerlPolicyLoss
 
-    for mode in MODES:
+    for mode in {mode.loss_mode for mode in MODES.values()}:
         registered = get_policy_loss_fn(f"rlo_{mode}")
         assert isinstance(registered, VerlPolicyLoss) and registered.loss_mode == mode
     assert get_policy_loss_fn("vanilla").__module__.startswith("verl.")  # verl's own untouched
@@ -311,3 +342,93 @@ def test_the_registered_functions_are_the_presets(verl_step: Any) -> None:
     with pytest.raises(ValueError, match="loss_mode"):
         register_policy_losses(modes=["no_such_mode"])
     assert os.environ.get("VERL_ENGINE_DEVICE") == "cuda"  # the module's set-up is in place
+
+
+# ---------------------------------------------------------------------------------------------
+# The same modes against verl's registered functions themselves (no trainer), float64, every
+# aggregation, with and without rollout_is_weights, with the engine's global_batch_info and the
+# local fallbacks, per-token advantages, an empty row: loss, gradient, metric keys and values.
+
+
+@pytest.fixture(scope="module")
+def core_algos() -> Any:
+    shims.register_cpu_platform()
+    from verl.trainer.ppo import core_algos
+
+    return core_algos
+
+
+def _actor_config(mode: Mode, aggregation: str, info: dict[str, Any]) -> Any:
+    from verl.trainer.config import RolloutCorrectionConfig
+    from verl.workers.config import FSDPActorConfig, PolicyLossConfig
+
+    policy_options = dict(mode.extra.get("policy_loss", {}))
+    if "rollout_correction" in policy_options:
+        policy_options["rollout_correction"] = RolloutCorrectionConfig(
+            **policy_options["rollout_correction"]
+        )
+    config = FSDPActorConfig(
+        strategy="fsdp2", rollout_n=1, ppo_mini_batch_size=MINI_BATCH,
+        ppo_micro_batch_size_per_gpu=MICRO_BATCH, use_torch_compile=False,
+        loss_agg_mode=aggregation,
+        policy_loss=PolicyLossConfig(loss_mode=mode.loss_mode, **policy_options),
+        **{k: v for k, v in mode.extra.items() if k != "policy_loss"},
+    )  # fmt: skip
+    config.global_batch_info.update(info)
+    return config
+
+
+def _function_batch() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(5)
+    rows, tokens = 6, 7
+    lengths = torch.tensor([7, 0, 3, 5, 1, 6])  # an empty row
+    mask = torch.arange(tokens) < lengths[:, None]
+    log_prob = -2.0 * torch.rand(rows, tokens, generator=generator, dtype=torch.float64)
+    old = log_prob + 0.3 * torch.randn(rows, tokens, generator=generator, dtype=torch.float64)
+    advantages = torch.randn(rows, tokens, generator=generator, dtype=torch.float64)
+    weights = 0.5 + 1.5 * torch.rand(rows, tokens, generator=generator, dtype=torch.float64)
+    zero = torch.zeros((), dtype=torch.float64)
+    return {
+        "old": torch.where(mask, old, zero), "log_prob": torch.where(mask, log_prob, zero),
+        "advantages": torch.where(mask, advantages, zero), "mask": mask,
+        "weights": torch.where(mask, weights, zero),
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("label", list(MODES))
+def test_preset_equals_verl_function(core_algos: Any, label: str) -> None:
+    from rlobjectives.presets import verl_policy_loss
+
+    mode = MODES[label]
+    theirs_fn = core_algos.get_policy_loss_fn(mode.loss_mode)
+    ours_fn = verl_policy_loss(mode.loss_mode)
+    batch = _function_batch()
+    engine = {"dp_size": 2, "batch_num_tokens": 40, "global_batch_size": 9,
+              "loss_scale_factor": None}  # fmt: skip
+    for aggregation in ALL_AGGREGATIONS:
+        for info in ({}, engine):
+            for weights in (None, batch["weights"]):
+                config = _actor_config(mode, aggregation, info)
+                inputs = [batch["log_prob"].clone().requires_grad_(True) for _ in range(2)]
+                ours = ours_fn(batch["old"], inputs[0], batch["advantages"], batch["mask"],
+                               aggregation, config, weights)  # fmt: skip
+                torch.manual_seed(7)  # clip_cov draws from the global generator
+                theirs = theirs_fn(batch["old"], inputs[1], batch["advantages"], batch["mask"],
+                                   aggregation, config, weights)  # fmt: skip
+                what = f"{label} {aggregation} info={bool(info)} weights={weights is not None}"
+                torch.testing.assert_close(
+                    ours[0], theirs[0].detach(), msg=lambda m, w=what: f"{w}: {m}"
+                )
+                ours[0].backward()
+                theirs[0].backward()
+                assert inputs[0].grad is not None and inputs[1].grad is not None
+                torch.testing.assert_close(
+                    inputs[0].grad, inputs[1].grad, msg=lambda m, w=what: f"{w}: {m}"
+                )
+                assert set(ours[1]) == set(theirs[1]), what
+                for key, value in theirs[1].items():
+                    torch.testing.assert_close(
+                        ours[1][key],
+                        torch.tensor(float(value), dtype=torch.float64),
+                        msg=lambda m, k=key, w=what: f"{w} {k}: {m}",
+                    )

@@ -49,6 +49,7 @@ from ._common import (
     reduce_terms,
     weighted_policy_loss,
 )
+from ._verl_rollout import bypass_correction, rollout_options
 
 __all__ = ["VERL_AGGREGATIONS", "VERL_LOSS_MODES", "VerlPolicyLoss"]
 __all__ += ["VerlLossOutput", "verl_policy_loss"]
@@ -72,6 +73,7 @@ class _Call(NamedTuple):
     mask: torch.Tensor  # bool
     config: object
     weights: torch.Tensor | None
+    aggregation: str = "token-mean"  # the loss_agg_mode in force
 
 
 def _global_info(config: object) -> dict[str, Any]:
@@ -307,6 +309,36 @@ def _gpg(call: _Call, args: ReductionArgs) -> VerlLossOutput:
     return VerlLossOutput(_policy_term(on_policy, args, options).loss, {})
 
 
+def _bypass_mode(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+    r"""Verl's bypass mode: rollout correction inside the loss, ``old_log_prob`` = the sampler's.
+
+    :func:`~rlobjectives.presets._verl_rollout.bypass_correction` forms the IS weights, the
+    rejection mask and the ``rollout_corr/*`` metrics from ``config.policy_loss.
+    rollout_correction`` (``rollout_is_weights`` is ignored, as verl); then ``loss_type``
+    ``"ppo_clip"`` is the vanilla loss on the surviving tokens without weights (the clip
+    handles the ratio) and ``"reinforce"`` is :math:`-A\,\ell\,w` on them; the local
+    aggregation counts the surviving tokens (the global counts stay the trainer's).
+    """
+    options = rollout_options(call.config)
+    correction = bypass_correction(call.log_prob, call.old_log_prob, call.mask, options)
+    info = _global_info(call.config)
+    surviving = call._replace(mask=correction.mask)
+    args = _FORCED_AGGREGATIONS[call.aggregation](correction.mask, info)
+    if options.loss_type == "ppo_clip":
+        out = _vanilla(surviving._replace(weights=None), args)
+    else:
+        out = _reinforce(surviving._replace(weights=correction.weights), args)
+    return VerlLossOutput(out.loss, {**out.metrics, **correction.metrics})
+
+
+def _reinforce(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+    """Verl's REINFORCE loss of bypass mode: ``-A·log_prob·w``; ``actor/ppo_kl`` unclamped."""
+    options = {"surrogate": CISPO(low=None), "log_ratio_bound": None}
+    on_policy = call._replace(old_log_prob=call.log_prob.detach())
+    loss = _policy_term(on_policy, args, options).loss
+    return VerlLossOutput(loss, {"actor/ppo_kl": _k1(call, None)})
+
+
 def _policy_term(call: _Call, args: ReductionArgs, options: dict[str, Any]) -> WeightedPolicyTerm:
     return weighted_policy_loss(
         call.log_prob,
@@ -349,6 +381,7 @@ VERL_LOSS_MODES: dict[str, _Mode] = {
     "sapo": _Mode(_sapo, "seq-mean-token-mean"),
     "geo_mean": _Mode(_geo_mean, "rows"),
     "gpg": _Mode(_gpg, None),
+    "bypass_mode": _Mode(_bypass_mode, None),
 }
 
 
@@ -382,7 +415,9 @@ class VerlPolicyLoss:
         rollout_is_weights = promote(rollout_is_weights, wide)
         mask = as_bool_mask(response_mask, log_prob)
         args = _FORCED_AGGREGATIONS[aggregation](mask, _global_info(config))
-        call = _Call(old_log_prob, log_prob, advantages, mask, config, rollout_is_weights)
+        call = _Call(
+            old_log_prob, log_prob, advantages, mask, config, rollout_is_weights, aggregation
+        )
         return mode.loss(call, args)
 
 
