@@ -1569,6 +1569,103 @@ def verl_policy_losses(
     return _matrix(entries, tuple(log_prob.shape)) if entries else out
 
 
+def verl_bypass_losses(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss_type: str = "ppo_clip",
+    rollout_is: str | None = None,
+    rollout_is_threshold: float | str = 2.0,
+    rollout_is_batch_normalize: bool = False,
+    rollout_rs: str | None = None,
+    rollout_rs_threshold: float | str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """verl 0.9.1 ``bypass_mode`` (``old_log_prob`` = the sampler's), token by token.
+
+    Returns the per-token losses ``(B, T)`` (0 at rejected and unselected tokens) and the
+    surviving mask, for :func:`verl_agg_loss`. vanilla (clip 0.2, c = 3) without weights for
+    ``"ppo_clip"``; ``-A·ℓ·w`` for ``"reinforce"``.
+    """
+    keep = _selected(mask)
+    rows, width = mask.shape
+    log_ratio = [[float(log_prob[i, t].detach()) - float(old_log_prob[i, t])
+                  for t in range(width)] for i in range(rows)]  # fmt: skip
+    bounded = [[min(max(v, -20.0), 20.0) for v in row] for row in log_ratio]
+    weights: dict[tuple[int, int], float] = {}
+    if rollout_is is not None:
+        if isinstance(rollout_is_threshold, str) and "_" in rollout_is_threshold:
+            low_text, high_text = rollout_is_threshold.split("_")
+            low: float | None = float(low_text)
+            high = float(high_text)
+        else:
+            low, high = None, float(rollout_is_threshold)
+        for i in range(rows):
+            tokens = [t for t in range(width) if keep[i][t]]
+            sequence = math.exp(min(max(sum(log_ratio[i][t] for t in tokens), -20.0), 20.0))
+            for t in tokens:
+                raw = math.exp(bounded[i][t]) if rollout_is == "token" else sequence
+                if low is None:
+                    weights[i, t] = min(raw, high)
+                else:
+                    weights[i, t] = raw if low <= raw <= high else 0.0
+        if rollout_is_batch_normalize:
+            if rollout_is == "token":
+                mean = sum(weights.values()) / max(len(weights), 1)
+            else:
+                row_means = [
+                    sum(weights[i, t] for t in range(width) if keep[i][t]) / sum(keep[i])
+                    for i in range(rows) if any(keep[i])
+                ]  # fmt: skip
+                mean = sum(row_means) / max(len(row_means), 1)
+            if mean > 1e-8:
+                weights = {k: v / mean for k, v in weights.items()}
+    kept = [list(row) for row in keep]
+    if rollout_rs is not None:
+        names = list(dict.fromkeys(n.strip() for n in rollout_rs.split(",") if n.strip()))
+        specs = str(rollout_rs_threshold).split(",")
+        specs = specs * len(names) if len(specs) == 1 else specs
+        estimators = {"k1": lambda v: -v, "k2": lambda v: 0.5 * v * v,
+                      "k3": lambda v: math.exp(v) - 1.0 - v}  # fmt: skip
+        for name, spec in zip(names, specs, strict=True):
+            scope, estimator = name.rsplit("_", 1)
+            if estimator == "k1":
+                low_t, high_t = spec.split("_") if "_" in spec else (None, spec)
+                upper = float(high_t)
+                lower = 1.0 / upper if low_t is None else float(low_t)
+                band = (math.log(lower), math.log(upper))
+            else:
+                band = (-math.inf, float(spec))
+            for i in range(rows):
+                tokens = [t for t in range(width) if keep[i][t]]
+                values = [estimators[estimator](bounded[i][t]) for t in tokens]
+                if scope == "token":
+                    for t, v in zip(tokens, values, strict=True):
+                        kept[i][t] = kept[i][t] and band[0] <= v <= band[1]
+                    continue
+                if scope == "seq_sum":
+                    statistic = sum(values)
+                elif scope == "seq_mean":
+                    statistic = sum(values) / len(values) if values else 0.0
+                else:
+                    statistic = max(values) if values else 0.0
+                if not band[0] <= statistic <= band[1]:
+                    kept[i] = [False] * width
+    survivors = torch.tensor(kept, dtype=torch.bool)
+    if loss_type == "ppo_clip":
+        return verl_policy_losses(old_log_prob, log_prob, advantages, survivors,
+                                  loss_mode="vanilla"), survivors  # fmt: skip
+    entries = {}
+    for i in range(rows):
+        for t in range(width):
+            if kept[i][t]:
+                entries[i, t] = (
+                    -_advantage(advantages, i, t) * log_prob[i, t] * weights.get((i, t), 1.0)
+                )
+    return _matrix(entries, (rows, width)), survivors
+
+
 def verl_geo_mean_loss(
     old_log_prob: Tensor,
     log_prob: Tensor,

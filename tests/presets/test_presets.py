@@ -432,6 +432,109 @@ def test_verl_matches_reference(loss_mode: str, mode: str, info: dict[str, int])
     assert_close(inputs[0].grad, inputs[1].grad)
 
 
+def _bypass_config(**correction: object) -> dict[str, object]:
+    return {"clip_ratio": 0.2, "clip_ratio_c": 3.0,
+            "policy_loss": {"rollout_correction": {"bypass_mode": True, **correction}}}  # fmt: skip
+
+
+def test_verl_bypass_mode_ppo_clip_golden() -> None:
+    # bypass mode: old_log_prob is the sampler's; the loss is vanilla's against it, the IS
+    # weights only feed the metrics. Ratios r = [[1.5, 0.5, 1], [4, 0.75, ·]] -> loss 0.22 (the
+    # vanilla golden). Token TIS at 2.5: w = [1.5, 0.5, 1, 2.5, 0.75] -> mean 6.25/5 = 1.25, max
+    # 2.5, min 0.5; raw above 2.5: one of 5; below 1/2.5: none. kl = mean(ℓ_rollout - ℓ) =
+    # -ln(1.5·0.5·4·0.75)/5 = -ln(2.25)/5; chi2_token = mean(r²) - 1 = 20.0625/5 - 1 = 3.0125.
+    old, log_prob, advantages, mask = _verl_batch()
+    config = _bypass_config(rollout_is="token", rollout_is_threshold=2.5, loss_type="ppo_clip")
+    loss, metrics = verl_policy_loss("bypass_mode")(old, log_prob, advantages, mask,
+                                                    "token-mean", config)  # fmt: skip
+    assert_close(loss, 0.22)
+    assert_close(metrics["actor/pg_clipfrac"], 0.4)
+    assert_close(metrics["rollout_corr/rollout_is_mean"], 1.25)
+    assert_close(metrics["rollout_corr/rollout_is_max"], 2.5)
+    assert_close(metrics["rollout_corr/rollout_is_min"], 0.5)
+    assert_close(metrics["rollout_corr/rollout_is_ratio_fraction_high"], 0.2)
+    assert_close(metrics["rollout_corr/rollout_is_ratio_fraction_low"], 0.0)
+    assert_close(metrics["rollout_corr/kl"], -math.log(2.25) / 5)
+    assert_close(metrics["rollout_corr/chi2_token"], 3.0125)
+    assert "rollout_corr/rollout_is_oob_ratio" not in metrics  # IcePop only
+    loss.backward()
+    assert log_prob.grad is not None
+    assert_close(log_prob.grad, [[0, -0.1, -0.2], [0, 0, 0]])  # vanilla's
+
+
+def test_verl_bypass_mode_reinforce_with_rejection_golden() -> None:
+    # rollout_rs token_k1 "0.6_1.6": keep -ln r in [ln 0.6, ln 1.6], i.e. r in [0.625, 1.667]:
+    # r = [1.5 ✓, 0.5 ✗, 1 ✓, 4 ✗, 0.75 ✓]; no IS weights (rollout_is=None). REINFORCE on the 3
+    # surviving tokens, token-mean over them: (-ln .6 - ln .5 + ln .6)/3 = ln 2 / 3; gradient
+    # -A/3 there. actor/ppo_kl = mean of ℓ_old - ℓ over them = -ln(1.5·0.75)/3. 2 of 5 tokens
+    # and both rows rejected something.
+    old, log_prob, advantages, mask = _verl_batch()
+    config = _bypass_config(rollout_is=None, rollout_rs="token_k1", rollout_rs_threshold="0.6_1.6",
+                            loss_type="reinforce")  # fmt: skip
+    loss, metrics = verl_policy_loss("bypass_mode")(old, log_prob, advantages, mask,
+                                                    "token-mean", config)  # fmt: skip
+    assert_close(loss, math.log(2.0) / 3)
+    assert_close(metrics["actor/ppo_kl"], -math.log(1.125) / 3)
+    assert {k for k in metrics if k.startswith("actor/")} == {"actor/ppo_kl"}
+    assert_close(metrics["rollout_corr/rollout_rs_masked_fraction"], 0.4)
+    assert_close(metrics["rollout_corr/rollout_rs_seq_masked_fraction"], 1.0)
+    assert_close(metrics["rollout_corr/rollout_rs_token_k1_mean"], -math.log(2.25) / 5)
+    assert not any(k.startswith("rollout_corr/rollout_is_") for k in metrics)
+    loss.backward()
+    assert log_prob.grad is not None
+    third = 1.0 / 3
+    assert_close(log_prob.grad, [[-third, 0, -third], [0, third, 0]])
+
+
+def test_verl_bypass_mode_matches_reference() -> None:
+    log_prob, old, _, mask = _random_batch(11)
+    advantages = torch.randn(5, 7, dtype=torch.float64)
+    cases = [
+        ({"rollout_is": "token", "rollout_is_threshold": "0.6_1.8", "loss_type": "reinforce"},
+         "seq-mean-token-sum"),
+        ({"rollout_is": "sequence", "rollout_is_threshold": 3.0, "rollout_rs": "seq_mean_k2",
+          "rollout_rs_threshold": 0.11, "rollout_is_batch_normalize": True,
+          "loss_type": "reinforce"}, "token-mean"),
+        ({"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "token_k3,seq_sum_k1",
+          "rollout_rs_threshold": "0.1,0.5_2.0", "loss_type": "ppo_clip"}, "seq-mean-token-mean"),
+    ]  # fmt: skip
+    for correction, aggregation in cases:
+        inputs = [log_prob.clone().requires_grad_(True) for _ in range(2)]
+        loss, _ = verl_policy_loss("bypass_mode")(
+            _with_nan_padding(old, mask), _with_nan_padding(inputs[0], mask), advantages, mask,
+            aggregation, _bypass_config(**correction),
+        )  # fmt: skip
+        losses, kept = ref.verl_bypass_losses(old, inputs[1], advantages, mask, **correction)  # type: ignore[arg-type]
+        expected = ref.verl_agg_loss(losses, kept, aggregation)
+        assert_close(loss, expected.detach())
+        loss.backward()
+        expected.backward()
+        assert inputs[0].grad is not None and inputs[1].grad is not None
+        assert_close(inputs[0].grad, inputs[1].grad)
+
+
+def test_verl_bypass_mode_errors() -> None:
+    old, log_prob, advantages, mask = _verl_batch()
+    loss_fn = verl_policy_loss("bypass_mode")
+    with pytest.raises(ValueError, match="rollout_correction"):
+        loss_fn(old, log_prob, advantages, mask, "token-mean", {"clip_ratio": 0.2})
+    bad = [
+        ({"loss_type": "ppo"}, ValueError, "loss_type must be one of"),
+        ({"rollout_is": "geometric", "rollout_is_threshold": 2.0}, ValueError, "rollout_is"),
+        ({"rollout_is": "token", "rollout_is_threshold": "2_1"}, ValueError, "lower bound"),
+        ({"rollout_is": "token", "rollout_is_threshold": -1.0}, ValueError, "upper bound"),
+        ({"rollout_is": "token", "rollout_is_threshold": True}, TypeError, "rollout_is_threshold"),
+        ({"rollout_rs": "seq_max_k1", "rollout_rs_threshold": 1.0}, ValueError, "rollout_rs"),
+        ({"rollout_rs": "token_k2"}, ValueError, "rollout_rs_threshold must be provided"),
+        ({"rollout_rs": "token_k2", "rollout_rs_threshold": "0.5_1"}, ValueError, "one upper"),
+        ({"rollout_rs": "token_k1,token_k2", "rollout_rs_threshold": "1,2,3"}, ValueError,
+         "one per rollout_rs option"),
+    ]  # fmt: skip
+    for correction, error, match in bad:
+        with pytest.raises(error, match=match):
+            loss_fn(old, log_prob, advantages, mask, "token-mean", _bypass_config(**correction))
+
+
 def test_verl_errors() -> None:
     with pytest.raises(ValueError, match="loss_mode must be one of"):
         verl_policy_loss("clip_cov")

@@ -152,13 +152,15 @@ def _rejections(options: object, spec: object) -> tuple[Rejection, ...]:
     specs = specs * len(names) if len(specs) == 1 else specs
     rejections = []
     for name, text in zip(names, specs, strict=True):
+        if not name.endswith("k1") and "_" in text:
+            raise ValueError(
+                f"rollout_rs_threshold for {name!r} takes one upper bound (no '_'), got {text!r}"
+            )
         try:
             if name.endswith("k1"):
                 low_text, high_text = text.split("_", 1) if "_" in text else (None, text)
                 upper = float(high_text)
                 lower = float(str(1.0 / upper)) if low_text is None else float(low_text)
-            elif "_" in text:
-                raise ValueError(f"rollout_rs_threshold for {name!r} takes one upper bound")
             else:
                 lower, upper = None, float(text)
         except (ValueError, ZeroDivisionError) as error:
