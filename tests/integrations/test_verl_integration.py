@@ -432,3 +432,31 @@ def test_preset_equals_verl_function(core_algos: Any, label: str) -> None:
                         torch.tensor(float(value), dtype=torch.float64),
                         msg=lambda m, k=key, w=what: f"{w} {k}: {m}",
                     )
+
+
+def test_the_migration_page_gmpo_equals_verl_geo_mean_on_one_micro_batch(core_algos: Any) -> None:
+    # docs/migration/verl.md registers a GMPO reduced by the mini-batch's global row count; on
+    # a mini-batch of one micro-batch (global_batch_size = B, dp_size = 1) that is verl's
+    # geo_mean (its torch.mean over the rows), value and gradient
+    import re
+    from pathlib import Path
+
+    page = Path(__file__).resolve().parents[2] / "docs" / "migration" / "verl.md"
+    (block,) = re.findall(r"```python\n(.*?)```", page.read_text(), flags=re.S)
+    exec(compile(block, str(page), "exec"), {})
+    batch = _function_batch()
+    mode = Mode("geo_mean", (), {}, ())
+    info = {"dp_size": 1, "batch_num_tokens": int(batch["mask"].sum()),
+            "global_batch_size": batch["mask"].shape[0], "loss_scale_factor": None}  # fmt: skip
+    config = _actor_config(mode, "token-mean", info)
+    inputs = [batch["log_prob"].clone().requires_grad_(True) for _ in range(2)]
+    tensors = (batch["advantages"], batch["mask"], "token-mean", config, batch["weights"])
+    ours, metrics = core_algos.get_policy_loss_fn("rlo_gmpo_global")(
+        batch["old"], inputs[0], *tensors
+    )
+    theirs, _ = core_algos.get_policy_loss_fn("geo_mean")(batch["old"], inputs[1], *tensors)
+    torch.testing.assert_close(ours, theirs.detach())
+    (ours + theirs).backward()
+    assert inputs[0].grad is not None and inputs[1].grad is not None
+    torch.testing.assert_close(inputs[0].grad, inputs[1].grad)
+    assert set(metrics) == {"actor/pg_clipfrac", "actor/ppo_kl"}

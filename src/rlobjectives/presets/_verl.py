@@ -1,4 +1,4 @@
-r"""verl's registered policy losses (``core_algos.py``, verl HEAD 1dda039) as library calls.
+r"""verl 0.9.1's registered policy losses (``verl/trainer/ppo/core_algos.py``) as library calls.
 
 :func:`verl_policy_loss` returns a function with verl's registered signature
 ``(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
@@ -459,15 +459,27 @@ def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
       where :math:`A > 0` / :math:`A < 0`.
     - ``"gpg"``: ``policy_loss(log_prob, log_prob.detach(), A, M,
       surrogate=CISPO(low=None))`` = ``-A·log_prob`` aggregated; no metrics.
+    - ``"bypass_mode"``: verl's rollout correction inside the loss (``old_log_prob`` is the
+      sampler's; ``rollout_is_weights`` is ignored, as verl), from
+      ``config.policy_loss.rollout_correction`` (``rollout_is``, ``rollout_is_threshold``,
+      ``rollout_is_batch_normalize``, ``rollout_rs``, ``rollout_rs_threshold``,
+      ``loss_type``): :func:`rlobjectives.rollout_correction` for the IS weights, verl's
+      eleven rejection gates, then ``"ppo_clip"`` (vanilla on the surviving tokens, no
+      weights) or ``"reinforce"`` (:math:`-A\,\ell\,w`); metrics: the mode's ``actor/*``
+      keys and every ``rollout_corr/*`` key of verl (see
+      :mod:`rlobjectives.presets._verl_rollout`).
 
     ``rollout_is_weights`` multiply the per-token loss before the aggregation (verl's
     placement; ``policy_loss(importance_weights=)``). The metric values are 0-d tensors in the
     computation dtype (float64 for float64 inputs, float32 otherwise). ``actor/ppo_kl`` is the
-    mean of ``-Δ``, clamped to ±20 where verl clamps (vanilla, cispo, sapo).
+    mean of ``-Δ``, clamped to ±20 where verl clamps (vanilla, cispo, sapo). Tested against
+    verl 0.9.1's own functions and inside its real training step
+    (``tests/integrations/test_verl_integration.py``).
 
     Args:
-        loss_mode: ``"vanilla"``, ``"gspo"``, ``"cispo"``, ``"sapo"``, ``"geo_mean"`` or
-            ``"gpg"``.
+        loss_mode: a verl 0.9.1 ``loss_mode``: ``"vanilla"``, ``"gspo"``, ``"cispo"``,
+            ``"sapo"``, ``"geo_mean"``, ``"gpg"``, ``"bypass_mode"`` (and the modes of
+            :data:`VERL_LOSS_MODES`).
 
     Returns:
         A :class:`VerlPolicyLoss`.
