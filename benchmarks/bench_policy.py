@@ -11,7 +11,9 @@ options (``Clip(low=0.2, dual=3.0)``),
 our fused path (``policy_loss`` and the seed ``grpo_clipped_surrogate``), our pure-autograd path
 (``_policy_loss_autograd``, what the fused path replaced) and our fused path compiled; the fused
 path with ``(B, T)`` importance weights (which must add at most one ``(B, T)`` pass) and with
-the CISPO and SAPO surrogates (plain-torch fused stages).
+the CISPO and SAPO surrogates (plain-torch fused stages). ``policy_loss-objectives``: issue 24's
+surrogates (DPPO, DRO: fused stages; M2PO, Clip-Cov, KL-Cov: the autograd specification with
+their batch-level selections) against the fused clip surrogate in the same run.
 Floor: one copy of the bytes a single pass must move: ``log_probs`` and ``old_log_probs`` (input
 dtype), the mask (1 byte) read, the gradient (input dtype) written.
 """
@@ -29,11 +31,15 @@ Inputs = harness.Inputs
 VERL_CLIP = rlobjectives.Clip(low=0.2, dual=3.0)  # verl's vanilla loss: the dual clip always on
 
 
-def _make(batch: int, tokens: int, dtype: torch.dtype):  # type: ignore[no-untyped-def]
+def _make(batch: int, tokens: int, dtype: torch.dtype, valid: bool = False):  # type: ignore[no-untyped-def]
+    """The inputs; ``valid``: log-probabilities at most 0 (probabilities, as DPPO reads them)."""
+
     def make_inputs(device: torch.device) -> Inputs:
         generator = torch.Generator().manual_seed(0)
         old_log_probs = -torch.rand(batch, tokens, generator=generator) * 3
         log_probs = old_log_probs + 0.3 * torch.randn(batch, tokens, generator=generator)
+        if valid:
+            log_probs = log_probs.clamp(max=0.0)
         lengths = torch.randint(int(0.4 * tokens), tokens + 1, (batch, 1), generator=generator)
         mask = torch.arange(tokens).unsqueeze(0) < lengths  # prefix masks, ~70% selected
         advantages = torch.randn(batch, 1, generator=generator)
@@ -82,10 +88,14 @@ def _ours_weighted(x: Inputs) -> torch.Tensor:
     ).loss
 
 
-def _ours_surrogate(surrogate: str):  # type: ignore[no-untyped-def]
+def _ours_surrogate(surrogate: object):  # type: ignore[no-untyped-def]
     def run(x: Inputs) -> torch.Tensor:
         return rlobjectives.policy_loss(
-            x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"], surrogate=surrogate
+            x["log_probs"],
+            x["old_log_probs"],
+            x["advantages"],
+            x["mask"],
+            surrogate=surrogate,  # type: ignore[arg-type]
         ).loss
 
     return run
@@ -101,6 +111,53 @@ def _ours_seed(x: Inputs) -> torch.Tensor:
     return rlobjectives.grpo_clipped_surrogate(
         x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"], 0.2
     )["loss"]
+
+
+# Issue 24: the new surrogates against the clip surrogate in the same run (the token-local ones
+# must stay within 1.2x of it on the fused path; the selection-based ones: their cost, stated).
+OBJECTIVES24 = (
+    ("DPPO(tv)", rlobjectives.DPPO("tv")),
+    ("DPPO(kl)", rlobjectives.DPPO("kl")),
+    ("DPPO(tv, ratio_cap=None)", rlobjectives.DPPO("tv", ratio_cap=None)),
+    ("DRO(beta=0.1)", rlobjectives.DRO(beta=0.1)),
+    ("M2PO(threshold=0.04)", rlobjectives.M2PO(threshold=0.04)),
+    ("KLCov(ratio=0.002)", rlobjectives.KLCov(ratio=0.002, coef=1.0)),
+    ("ClipCov(ratio=0.002)", rlobjectives.ClipCov(ratio=0.002)),
+)
+
+
+def _objective_cases(quick: bool) -> list[harness.Case]:
+    """``policy_loss-objectives``: the fused clip surrogate (the reference) and issue 24's."""
+    shapes = [(16, 1024)] if quick else [(64, 4096), (8, 16384)]
+    dtypes = [torch.float32] if quick else [torch.float32, torch.bfloat16]
+    result: list[harness.Case] = []
+    for batch, tokens in shapes:
+        for dtype in dtypes:
+            element = torch.finfo(dtype).bits // 8
+            forward_bytes = batch * tokens * (2 * element + 1)
+            variants = [
+                harness.Variant("ours Clip()", _ours, role="reference"),
+                # the path the selection-based objects take: their cost over it is the selection's
+                harness.Variant("ours Clip() autograd (unfused)", _ours_autograd),
+            ]
+            variants += [
+                harness.Variant(f"ours {name}", _ours_surrogate(surrogate))  # type: ignore[arg-type]
+                for name, surrogate in OBJECTIVES24
+            ]
+            result.append(
+                harness.Case(
+                    operation="policy_loss-objectives",
+                    shape=f"B={batch} T={tokens}",
+                    dtype=dtype,
+                    make_inputs=_make(batch, tokens, dtype, valid=True),
+                    grad_inputs=("log_probs",),
+                    variants=tuple(variants),
+                    floor=harness.CopyFloor(
+                        forward_bytes, forward_bytes + batch * tokens * element
+                    ),
+                )
+            )
+    return result
 
 
 def cases(*, quick: bool, device: str) -> list[harness.Case]:
@@ -137,4 +194,4 @@ def cases(*, quick: bool, device: str) -> list[harness.Case]:
                     ),
                 )
             )
-    return result
+    return result + _objective_cases(quick)

@@ -59,8 +59,9 @@ TRITON_EXAMPLES = 6
 FIXTURE_HEALTH = settings(suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
-# The surrogates the kernels compute; "gmpo" and "vespo" rows take the PyTorch path on both.
-KERNEL_SURROGATES = ("clip", "cispo", "sapo")
+# The surrogates the kernels compute; "gmpo", "vespo", "m2po", "clip_cov" and "kl_cov" rows
+# take the PyTorch path on both.
+KERNEL_SURROGATES = ("clip", "cispo", "sapo", "dppo", "dro")
 
 
 def on_kernels(options: dict[str, Any]) -> bool:

@@ -412,6 +412,113 @@ SURROGATE_CASES: tuple[Case, ...] = (
 )
 
 
+def _named(argument: str, message: str, label: str, value: Any, error: Any, **kw: Any) -> Wrong:
+    """A wrong value of a surrogate object's field whose message starts with ``message``."""
+    return Wrong(argument, "value" if error is ValueError else "type", label, lambda a: value,
+                 error, subject(message), **kw)  # fmt: skip
+
+
+#: Issue 24's objects: DPPO, DRO, M2PO, Clip-Cov, KL-Cov.
+OBJECTIVE_CASES: tuple[Case, ...] = (
+    Case(
+        "DPPO",
+        rlo.DPPO,
+        lambda: {"divergence": "kl", "low": 0.02, "high": 0.08, "ratio_cap": 3.0},
+        field_wrongs(rlo.DPPO, "low", below=-0.1)
+        + field_wrongs(rlo.DPPO, "high", below=-0.1)
+        + field_wrongs(rlo.DPPO, "ratio_cap", below=0.0)
+        + (
+            _named("divergence", "DPPO.divergence", "unknown", "js", ValueError),
+            _named("divergence", "DPPO.divergence", "int", 1, TypeError),
+            # a binary TV threshold above 1 (|p - p_old| <= 1)
+            _named(
+                "low",
+                "DPPO.low",
+                "tv-above-1",
+                1.5,
+                ValueError,
+                also=lambda a: {"divergence": "tv"},
+            ),
+            _named(
+                "high",
+                "DPPO.high",
+                "tv-above-1",
+                1.5,
+                ValueError,
+                also=lambda a: {"divergence": "tv"},
+            ),
+        ),  # fmt: skip
+    ),
+    Case("DRO", rlo.DRO, lambda: {"beta": 0.5}, field_wrongs(rlo.DRO, "beta", below=0.0)),
+    Case(
+        "M2PO",
+        rlo.M2PO,
+        lambda: {"threshold": 0.04, "low": 0.2, "high": 0.28},
+        field_wrongs(rlo.M2PO, "threshold", below=0.0)
+        + field_wrongs(rlo.M2PO, "low", below=-0.1, above=1.0)
+        + field_wrongs(rlo.M2PO, "high", below=-0.1),
+    ),
+    Case(
+        "ClipCov",
+        rlo.ClipCov,
+        lambda: {
+            "ratio": 0.1,
+            "low": 0.2,
+            "high": 0.28,
+            "cov_lb": 1.0,
+            "cov_ub": 5.0,
+            "generator": torch.Generator().manual_seed(0),
+        },  # fmt: skip
+        field_wrongs(rlo.ClipCov, "ratio", below=0.0, above=1.5)
+        + field_wrongs(rlo.ClipCov, "low", below=-0.1, above=1.0)
+        + field_wrongs(rlo.ClipCov, "high", below=-0.1)
+        + field_wrongs(rlo.ClipCov, "cov_lb", below=None)
+        + field_wrongs(rlo.ClipCov, "cov_ub", below=None)
+        + (
+            _named("cov_lb", "ClipCov.cov_lb", "above-cov_ub", 6.0, ValueError),
+            _named("generator", "ClipCov.generator", "int", 0, TypeError),
+            _named("selection", "ClipCov.selection", "float", torch.zeros(B, T), TypeError),
+        ),
+    ),
+    Case(
+        "KLCov",
+        rlo.KLCov,
+        lambda: {"ratio": 0.1, "coef": 1.0},
+        field_wrongs(rlo.KLCov, "ratio", below=0.0, above=1.5)
+        + field_wrongs(rlo.KLCov, "coef", below=-0.1)
+        + (_named("selection", "KLCov.selection", "list", [[True]], TypeError),),
+    ),
+)
+
+
+def _cov_arguments() -> Arguments:
+    return {
+        "log_probs": per_token(),
+        "old_log_probs": per_token(),
+        "advantages": torch.randn(B, dtype=torch.float64),
+        "mask": token_mask(),
+        "surrogate": rlo.KLCov(ratio=0.5),
+    }
+
+
+COV_SELECTION_WRONGS = (
+    per_token_wrongs("log_probs", reference=True)
+    + per_token_wrongs("old_log_probs")
+    + tensor_wrongs("advantages", shapes=PER_SEQUENCE_SHAPES)
+    + mask_wrongs()
+    + choice_wrongs("surrogate")
+    + (Wrong("surrogate", "type", "Clip", lambda a: rlo.Clip(), TypeError, subject("surrogate")),)
+    + hyper("log_ratio_bound", below=0.0)
+)
+M2PO_MASK_WRONGS = (
+    per_token_wrongs("log_ratio", reference=True)
+    + mask_wrongs()
+    + scalar_wrongs("threshold", below=0.0)
+)
+GROUP_WRONGS = (
+    Wrong("group", "type", "str", lambda a: "x", (TypeError, ValueError), subject("group")),
+)
+
 ENTROPY_MASK_WRONGS = (
     per_token_wrongs("entropy", reference=True)
     + mask_wrongs()
@@ -1213,6 +1320,32 @@ CASES: tuple[Case, ...] = (
             Wrong("group", "type", "str", lambda a: "x", (TypeError, ValueError), subject("group")),
         ),
     ),
+    Case(
+        "nll_loss",
+        rlo.nll_loss,
+        lambda: {"log_probs": per_token(), "mask": token_mask(), "reduction": "sequence_mean"},
+        per_token_wrongs("log_probs", reference=True)
+        + mask_wrongs()
+        + reduction_wrongs()
+        + cu_seqlens_wrongs(),
+    ),
+    Case(
+        "m2po_mask",
+        rlo.m2po_mask,
+        lambda: {"log_ratio": per_token(), "mask": token_mask(), "threshold": 0.04},
+        M2PO_MASK_WRONGS + cu_seqlens_wrongs(),
+    ),
+    Case(
+        "global_m2po_mask",
+        rlo.global_m2po_mask,
+        lambda: {"log_ratio": per_token(), "mask": token_mask(), "threshold": 0.04},
+        M2PO_MASK_WRONGS + GROUP_WRONGS,
+    ),
+    Case("cov_selection", rlo.cov_selection, _cov_arguments,
+         COV_SELECTION_WRONGS + cu_seqlens_wrongs()),
+    Case("global_cov_selection", rlo.global_cov_selection, _cov_arguments,
+         COV_SELECTION_WRONGS + GROUP_WRONGS),
     *PACKING_CASES,
     *SURROGATE_CASES,
-)
+    *OBJECTIVE_CASES,
+)  # fmt: skip

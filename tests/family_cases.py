@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 import reference
-from rlobjectives import CISPO, GMPO, SAPO, VESPO, Clip
+from rlobjectives import CISPO, DPPO, DRO, GMPO, M2PO, SAPO, VESPO, Clip, ClipCov, KLCov
 
 # TRL's delta, CISPO, SAPO, GMPO, VESPO.
 FAMILY_OPTION_SETS: list[dict[str, Any]] = [
@@ -33,11 +33,27 @@ FAMILY_OPTION_SETS: list[dict[str, Any]] = [
         "surrogate": VESPO(k_pos=1.0, lambda_pos=0.5, k_neg=0.0, lambda_neg=4.0),
         "log_ratio_bound": None,
     },
+    # Issue 24: DPPO (both divergences, verl's capped value form and prime-rl's r A), DRO,
+    # M2PO (unclipped and with AReaL's band), KL-Cov (top-k) and Clip-Cov (ratio 1: every
+    # candidate is detached, whatever the draw; the random draw has its own tests).
+    {"surrogate": DPPO()},
+    {"surrogate": "dppo"},
+    {"surrogate": DPPO("kl")},
+    {"surrogate": DPPO("tv", low=0.1, high=0.3, ratio_cap=1.3)},  # the cap binds often
+    {"surrogate": DPPO("kl", low=0.02, high=0.08, ratio_cap=None), "log_ratio_bound": 0.3},
+    {"surrogate": DRO(beta=0.5)},
+    {"surrogate": DRO(beta=2.0), "log_ratio_bound": None},
+    {"surrogate": M2PO(threshold=0.12)},
+    {"surrogate": M2PO(threshold=0.08, low=0.2, high=0.28)},
+    {"surrogate": KLCov(ratio=0.3, coef=1.0)},
+    {"surrogate": KLCov(ratio=0.05, coef=0.5), "log_ratio_bound": 0.3},
+    {"surrogate": ClipCov(ratio=1.0, cov_lb=0.0, cov_ub=1.0)},
 ]
 # The token-local ones (fused path and fused hidden-state path).
 TOKEN_LOCAL_FAMILY = [
     row
     for row in FAMILY_OPTION_SETS
-    if reference.surrogate_name(row.get("surrogate", "clip")) in ("clip", "cispo", "sapo")
+    if reference.surrogate_name(row.get("surrogate", "clip"))
+    in ("clip", "cispo", "sapo", "dppo", "dro")
     and row.get("ratio_level", "token") == "token"
 ]

@@ -125,7 +125,11 @@ def draw_policy_options(draw: Draw, t: Tokens) -> dict[str, Any]:
     """Every option of the policy loss: surrogate, clips, dual clip, delta, the CISPO cap, the
     SAPO temperatures, the VESPO shape, ratio level, bound, reductions."""
     options: dict[str, Any] = draw_reduction(draw, t)
-    surrogate = draw(st.sampled_from(("clip", "clip", "cispo", "sapo", "gmpo", "vespo")))
+    surrogate = draw(
+        st.sampled_from(
+            ("clip", "clip", "cispo", "sapo", "gmpo", "vespo", "dppo", "dro", "m2po", "cov")
+        )
+    )
     low = draw(st.sampled_from((None, 0.0, 0.2)))
     high = None if low is None else draw(st.sampled_from((None, 0.28)))
     if surrogate == "clip":
@@ -139,9 +143,22 @@ def draw_policy_options(draw: Draw, t: Tokens) -> dict[str, Any]:
         options["surrogate"] = rlo.SAPO(temperature_neg=draw(st.sampled_from((1.05, 6.0))))
     elif surrogate == "gmpo":
         options["surrogate"] = rlo.GMPO(low=low, high=high)
-    else:
+    elif surrogate == "vespo":
         options["surrogate"] = rlo.VESPO(k_neg=draw(st.sampled_from((3.0, 0.0))))
-    levels = ("token",) if surrogate in ("gmpo", "vespo") else ("token", "sequence")
+    elif surrogate == "dppo":
+        divergence = draw(st.sampled_from(("tv", "kl")))
+        cap = draw(st.sampled_from((None, 1.3, 20.0)))
+        options["surrogate"] = rlo.DPPO(divergence, ratio_cap=cap)
+    elif surrogate == "dro":
+        options["surrogate"] = rlo.DRO(beta=draw(st.sampled_from((0.1, 2.0))))
+    elif surrogate == "m2po":
+        options["surrogate"] = rlo.M2PO(threshold=draw(st.sampled_from((0.05, 0.5))), low=low)
+    else:  # the Cov selections (Clip-Cov with ratio 1: every candidate, whatever the draw)
+        options["surrogate"] = draw(
+            st.sampled_from((rlo.KLCov(ratio=0.3, coef=1.0), rlo.ClipCov(ratio=1.0, cov_lb=-1.0)))
+        )
+    token_only = ("gmpo", "vespo", "dppo", "dro", "m2po", "cov")
+    levels = ("token",) if surrogate in token_only else ("token", "sequence")
     options["ratio_level"] = draw(st.sampled_from(levels))
     options["log_ratio_bound"] = draw(st.sampled_from((None, 20.0, 0.5)))
     if draw(st.booleans()):
@@ -534,6 +551,44 @@ def _entropy_mask(draw: Draw) -> Batch:
     return Batch(arguments, {"entropy": t.unselected}, ())
 
 
+def _nll_loss(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    arguments = {"log_probs": t.log_probs(), "mask": t.mask, **draw_reduction(draw, t)}
+    return Batch(arguments, {"log_probs": t.unselected}, ("log_probs",))
+
+
+def _m2po_mask(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    arguments = {
+        "log_ratio": 0.5 * t.randn(*t.shape),
+        "mask": t.mask,
+        "threshold": draw(st.sampled_from((0.01, 0.1, 1.0))),
+    }
+    return Batch(arguments, {"log_ratio": t.unselected}, ())
+
+
+def _cov_selection(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    advantages, advantages_poison = draw_advantages(draw, t)
+    log_probs = t.log_probs()
+    arguments = {
+        "log_probs": log_probs,
+        "old_log_probs": log_probs + 0.3 * t.randn(*t.shape),
+        "advantages": advantages,
+        "mask": t.mask,
+        "surrogate": draw(
+            st.sampled_from((rlo.KLCov(ratio=0.3), rlo.ClipCov(ratio=1.0, cov_lb=-1.0)))
+        ),
+        "log_ratio_bound": draw(st.sampled_from((None, 20.0, 0.3))),
+    }
+    poison = {
+        "log_probs": t.unselected,
+        "old_log_probs": t.unselected,
+        "advantages": advantages_poison,
+    }
+    return Batch(arguments, poison, ())
+
+
 NAN_CASES: tuple[NanCase, ...] = (
     NanCase("aggregate", rlo.aggregate, _aggregate),
     NanCase("masked_sum", rlo.masked_sum, _masked_reduction, max_examples=8),
@@ -576,6 +631,11 @@ NAN_CASES: tuple[NanCase, ...] = (
     NanCase("top_entropy_mask", rlo.top_entropy_mask, _entropy_mask),
     NanCase("global_top_entropy_mask", rlo.global_top_entropy_mask, _entropy_mask),
     NanCase("pack", rlo.pack, _pack, max_examples=8),
+    NanCase("nll_loss", rlo.nll_loss, _nll_loss, max_examples=8),
+    NanCase("m2po_mask", rlo.m2po_mask, _m2po_mask, max_examples=8),
+    NanCase("global_m2po_mask", rlo.global_m2po_mask, _m2po_mask, max_examples=4),
+    NanCase("cov_selection", rlo.cov_selection, _cov_selection, max_examples=8),
+    NanCase("global_cov_selection", rlo.global_cov_selection, _cov_selection, max_examples=4),
 )
 
 EXEMPT: tuple[Exempt, ...] = (

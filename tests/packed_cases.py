@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import rlobjectives as rlo
-from rlobjectives import CISPO, Clip
+from rlobjectives import CISPO, DPPO, DRO, M2PO, Clip, ClipCov, KLCov
 from rlobjectives.policy.loss import _policy_loss_autograd
 from rlobjectives.policy.seeds import _grpo_clipped_surrogate_autograd
 
@@ -375,6 +375,47 @@ def _off_policy(advantages: str = "advantages") -> Callable[[View], Outputs]:
     return run
 
 
+def _clip_cov_drawn(**options: Any) -> Callable[[View], Outputs]:
+    """Clip-Cov with a random draw: a fresh generator of one seed for every call (the draw is
+    keyed by each token's ordinal among the selected tokens, the same in both layouts)."""
+
+    def run(v: View) -> Outputs:
+        surrogate = ClipCov(
+            ratio=0.2, cov_lb=-1.0, cov_ub=2.0, generator=torch.Generator().manual_seed(7)
+        )
+        return _policy(surrogate=surrogate, **options)(v)
+
+    return run
+
+
+def _nll(reduction: str) -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        out = rlo.nll_loss(
+            v["log_probs"], v["mask"], reduction=reduction, max_response_length=9, **v.layout
+        )
+        return {"loss": v.tokens(out) if out.ndim else out}
+
+    return run
+
+
+def _m2po_mask(v: View) -> Outputs:
+    log_ratio = v["log_probs"] - v["old_log_probs"]
+    out = rlo.m2po_mask(log_ratio, v["mask"], threshold=0.05, **v.layout)
+    return {"mask": v.tokens(out.double())}
+
+
+def _cov_selection(surrogate: Any) -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        objective = surrogate() if callable(surrogate) else surrogate
+        out = rlo.cov_selection(
+            v["log_probs"], v["old_log_probs"], v.row("advantages"), v["mask"],
+            surrogate=objective, **v.layout,
+        )  # fmt: skip
+        return {name: v.tokens(getattr(out, name).double()) for name in ("selected", "candidates")}
+
+    return run
+
+
 HIDDEN_LEAVES = ("hidden_leaf", "weight")
 DR_GRPO = {"reduction": "sequence_sum_normalized", "max_response_length": 9}
 
@@ -562,6 +603,46 @@ CASES: list[Case] = [
         heavy=True,
     ),
     *SEQUENCE_ARGUMENT_CASES,
+    # Issue 24: DPPO, DRO (token-local, on the kernels too), M2PO and the Cov selections (the
+    # batch-level selections: the same tokens in both layouts), nll_loss and the selections.
+    Case("policy_loss-dppo-tv", _policy(surrogate=DPPO(ratio_cap=1.5), reduction="sequence_mean")),
+    Case(
+        "policy_loss-dppo-kl-weights",
+        _policy(surrogate=DPPO("kl", ratio_cap=None), importance_weights="sequence_weights"),
+    ),
+    Case("policy_loss-dro", _policy(surrogate=DRO(beta=0.5), importance_weights="token_weights")),
+    Case("policy_loss-m2po", _policy(surrogate=M2PO(threshold=0.05), reduction="sequence_mean")),
+    Case("policy_loss-m2po-clip", _policy(surrogate=M2PO(threshold=0.1, low=0.2), **DR_GRPO)),
+    Case("policy_loss-kl_cov", _policy(surrogate=KLCov(ratio=0.3, coef=1.0), reduction="none")),
+    Case("policy_loss-clip_cov-drawn", _clip_cov_drawn(reduction="sequence_mean")),
+    Case(
+        "policy_loss-clip_cov-entropy",
+        _policy(surrogate=ClipCov(ratio=1.0, cov_lb=-1.0), entropy="entropy", entropy_coef=0.01),
+        ("log_probs_leaf", "values_leaf"),
+    ),
+    *(Case(f"nll_loss-{r}", _nll(r)) for r in rlo.Reduction.__args__),  # type: ignore[attr-defined]
+    Case("m2po_mask", _m2po_mask, ()),
+    Case("cov_selection-kl_cov", _cov_selection(KLCov(ratio=0.3)), ()),
+    Case(
+        "cov_selection-clip_cov",
+        _cov_selection(
+            lambda: ClipCov(ratio=0.2, cov_lb=-1.0, generator=torch.Generator().manual_seed(3))
+        ),
+        (),
+    ),
+    Case(
+        "fused_policy_loss_from_hidden-dppo",
+        _fused_hidden(surrogate=DPPO("kl"), reduction="sequence_mean", entropy_coef=0.01),
+        HIDDEN_LEAVES,
+        heavy=True,
+    ),
+    Case(
+        "fused_policy_loss_from_hidden-m2po",
+        _fused_hidden(surrogate=M2PO(threshold=0.1), entropy_coef=0.01),
+        HIDDEN_LEAVES,
+        heavy=True,
+        kernels=False,
+    ),
     Case("global_normalizers", _normalizers, ()),
     Case("rollout_correction-token-truncate", _rollout("token", "truncate"), ()),
     Case("rollout_correction-sequence-mask", _rollout("sequence", "mask"), ()),

@@ -66,6 +66,17 @@ FAMILY_DEFAULTS: dict[str, object] = {
     "vespo_lambda_pos": 3.0,
     "vespo_k_neg": 3.0,
     "vespo_lambda_neg": 2.0,
+    "dppo_divergence": "tv",  # DPPO(): TV, the thresholds 0.2, the cap 20
+    "dppo_low": 0.2,
+    "dppo_high": 0.2,
+    "dppo_ratio_cap": 20.0,
+    "m2po_threshold": 0.04,
+    "cov_ratio": 0.0002,  # verl's clip_cov_ratio / kl_cov_ratio
+    "cov_lb": 1.0,
+    "cov_ub": 5.0,
+    "kl_cov_coef": 0.1,
+    "cov_generator": None,
+    "cov_selection": None,
 }
 VESPO_LOG_LOW, VESPO_LOG_HIGH = math.log(1e-8), 20.0
 SAPO_HALF_PEAK = 2.0 * math.log(1.0 + math.sqrt(2.0))  # 4 sigma (1 - sigma) = 1/2
@@ -86,7 +97,27 @@ _FLAT_NAMES: dict[str, dict[str, str]] = {
         "k_neg": "vespo_k_neg",
         "lambda_neg": "vespo_lambda_neg",
     },
+    "dppo": {
+        "divergence": "dppo_divergence",
+        "low": "dppo_low",
+        "high": "dppo_high",
+        "ratio_cap": "dppo_ratio_cap",
+    },
+    "dro": {"beta": "dro_beta"},
+    "m2po": {"threshold": "m2po_threshold", "low": "clip_low", "high": "clip_high"},
+    "clip_cov": {
+        "ratio": "cov_ratio",
+        "low": "clip_low",
+        "high": "clip_high",
+        "cov_lb": "cov_lb",
+        "cov_ub": "cov_ub",
+        "generator": "cov_generator",
+        "selection": "cov_selection",
+    },
+    "kl_cov": {"ratio": "cov_ratio", "coef": "kl_cov_coef", "selection": "cov_selection"},
 }
+#: The batch-level surrogates: their token sets need the whole call (see ``batch_selection``).
+BATCH_LEVEL = ("m2po", "clip_cov", "kl_cov")
 
 
 def surrogate_options(surrogate: object = "clip") -> dict[str, object]:
@@ -224,6 +255,8 @@ def per_token_surrogates(
     surrogate = options["surrogate"]
     m = _as_list_mask(mask)
     out: dict[tuple[int, int], Tensor] = {}
+    if surrogate in BATCH_LEVEL:
+        return batch_level_surrogates(log_probs, old_log_probs, advantages, mask, options)
     for i, row in enumerate(m):
         selected = [t for t, keep in enumerate(row) if keep]
         if not selected:
@@ -272,6 +305,20 @@ def per_token_surrogates(
                 positive = float(a) > 0
                 tau = options["sapo_temperature_pos" if positive else "sapo_temperature_neg"]
                 out[(i, t)] = torch.sigmoid(tau * (ratio - 1)) * 4 / tau * a  # type: ignore[operator]
+            elif surrogate == "dppo":
+                kept = dppo_kept(float(lp.detach()), float(old_log_probs[i, t]), float(a), options)
+                cap = options["dppo_ratio_cap"]
+                if not kept:  # value 0, gradient 0 (the token stays in the denominator)
+                    out[(i, t)] = 0.0 * log_probs[i, t]
+                elif cap is None:  # prime-rl / SkyRL: r A
+                    out[(i, t)] = ratio * a
+                else:  # verl: sg(min(r, c)) A log pi
+                    weight = min(float(ratio.detach()), float(cap))  # type: ignore[arg-type]
+                    out[(i, t)] = weight * a * log_probs[i, t]
+            elif surrogate == "dro":  # l A - beta (l - l_old)^2 / 2, the raw log-ratio
+                beta = float(options["dro_beta"])  # type: ignore[arg-type]
+                delta = log_probs[i, t] - old_log_probs[i, t]
+                out[(i, t)] = log_probs[i, t] * a - 0.5 * beta * delta * delta
             else:
                 raise ValueError(surrogate)
     return out
@@ -357,6 +404,18 @@ def policy_loss(
         (i, t): -value * (1.0 if folds else _weight(weights, i, t))
         for (i, t), value in surrogates.items()
     }
+    reduce = {
+        "reduction": reduction,
+        "normalizer": normalizer,
+        "max_response_length": max_response_length,
+    }
+    if surrogate_name(options.get("surrogate", "clip")) == "m2po":
+        # M2PO: the surrogate over its kept tokens (the dict's keys), the bonus over the mask's
+        loss = reduce_losses(losses, tuple(mask.shape), **reduce)  # type: ignore[arg-type]
+        if entropy is not None and entropy_coef != 0:
+            bonus = {k: -entropy_coef * entropy[k] for k in _selected_tokens(mask)}
+            loss = loss + reduce_losses(bonus, tuple(mask.shape), **reduce)  # type: ignore[arg-type]
+        return loss
     if entropy is not None and entropy_coef != 0:
         losses = {(i, t): v - entropy_coef * entropy[i, t] for (i, t), v in losses.items()}
     return reduce_losses(
@@ -494,9 +553,13 @@ def policy_loss_diagnostics(
     names = (
         "clipped_fraction", "clip_fraction_low", "clip_fraction_high", "dual_clip_fraction",
         "log_ratio_bound_fraction", "ratio_mean", "approx_kl_k1", "approx_kl_k3", "weight_mean",
+        "selected_fraction",
     )  # fmt: skip
     totals = dict.fromkeys(names, 0.0)
     count = 0
+    chosen: set[tuple[int, int]] = set()  # M2PO's masked, Clip-Cov's detached, KL-Cov's tokens
+    if surrogate in BATCH_LEVEL:
+        chosen = batch_selection(log_probs.detach(), old_log_probs, advantages, mask, options)
     for i, row in enumerate(m):
         selected = [t for t, keep in enumerate(row) if keep]
         if not selected:
@@ -544,8 +607,30 @@ def policy_loss_diagnostics(
                     below, above = ratio_delta < -clip_low, ratio_delta > high
                     flags = (below or above, below and a < 0, above and a > 0, False)
                 w = rho
-            else:  # vespo: no clipping
+            elif surrogate == "vespo":  # no clipping
                 w = _vespo_phi(log_w, a, options)
+            elif surrogate == "dppo":
+                kept = dppo_kept(lp[i][t], old[i][t], a, options)
+                cap = options["dppo_ratio_cap"]
+                capped = kept and cap is not None and r > cap  # type: ignore[operator]
+                flags = (not kept, not kept and a < 0, not kept and a > 0, capped)
+                w = 0.0 if not kept else (r if cap is None else min(r, cap))  # type: ignore[call-overload]
+            elif surrogate == "dro":  # no ratio in the loss, no clipping; w = 1
+                w = 1.0
+            elif surrogate == "kl_cov":  # no clipping; w = r
+                w = r
+            else:  # m2po, clip_cov: the band of Clip(low, high) (M2PO: at the kept tokens)
+                band_options = dict(options, dual_clip=None, delta=None)
+                if options["clip_low"] is not None:
+                    *flag_list, w = _clip_sets(r, a, band_options)
+                    flags = tuple(flag_list)  # type: ignore[assignment]
+                else:
+                    w = r
+                if surrogate == "m2po" and (i, t) in chosen:
+                    flags, w = (False, False, False, False), 0.0
+                elif surrogate == "clip_cov" and (i, t) in chosen:
+                    w = 0.0
+            totals["selected_fraction"] += (i, t) in chosen
             for name, flag in zip(names[:4], flags, strict=True):
                 totals[name] += flag
             totals["weight_mean"] += w
@@ -2022,3 +2107,217 @@ def unpack(
             out[s, first + k] = values[cu_seqlens[s] + k]
             mask[s, first + k] = True
     return out, mask
+
+
+# === Issue 24: DPPO, DRO, M2PO, Clip-Cov / KL-Cov, nll_loss ==================================
+
+BINARY_KL_EPSILON = 1e-8  # verl / SkyRL
+
+
+def _log(x: float) -> float:
+    """``math.log`` with NaN for a negative argument and -inf at 0 (as torch.log)."""
+    if x != x or x < 0:
+        return math.nan
+    return -math.inf if x == 0 else math.log(x)
+
+
+def binary_kl(log_prob: float, old_log_prob: float) -> float:
+    """DPPO's binary KL: p_old log(p_old / p) + (1 - p_old) log((1 - p_old + e) / (1 - p + e))."""
+    p, p_old = math.exp(log_prob), math.exp(old_log_prob)
+    first = 0.0 if p_old == 0 else p_old * (old_log_prob - log_prob)
+    logs = _log(1 - p_old + BINARY_KL_EPSILON) - _log(1 - p + BINARY_KL_EPSILON)
+    return first + (1 - p_old) * logs
+
+
+def dppo_kept(
+    log_prob: float, old_log_prob: float, advantage: float, options: dict[str, object]
+) -> bool:
+    """Whether a token stays in DPPO's trust region (A <= 0 takes the low rule)."""
+    low, high = float(options["dppo_low"]), float(options["dppo_high"])  # type: ignore[arg-type]
+    if options["dppo_divergence"] == "tv":
+        moved = math.exp(log_prob) - math.exp(old_log_prob)
+        return moved <= high if advantage > 0 else moved >= -low
+    divergence = binary_kl(log_prob, old_log_prob)
+    if advantage > 0:
+        return divergence <= high or log_prob <= old_log_prob
+    return divergence <= low or log_prob >= old_log_prob
+
+
+def _selected_tokens(mask: Tensor) -> list[tuple[int, int]]:
+    return [
+        (i, t) for i, row in enumerate(_as_list_mask(mask)) for t, keep in enumerate(row) if keep
+    ]
+
+
+def m2po_masked(log_ratios: list[float], threshold: float) -> list[int]:
+    """Indices (into ``log_ratios``) M2PO masks: the fewest largest squares, rest's mean < tau.
+
+    Sorted descending with ties by position (the earlier masked first); the suffix sums are
+    accumulated from the smallest value up; at least one value is kept.
+    """
+    n = len(log_ratios)
+    if n == 0:
+        return []
+    order = sorted(range(n), key=lambda j: (-(log_ratios[j] ** 2), j))
+    squares = [log_ratios[j] ** 2 for j in order]
+    suffix = [0.0] * n
+    total = 0.0
+    for position in range(n - 1, -1, -1):
+        total += squares[position]
+        suffix[position] = total
+    first = n - 1
+    for position in range(n):
+        if suffix[position] / (n - position) < threshold:
+            first = position
+            break
+    return order[:first]
+
+
+def m2po_mask(log_ratio: Tensor, mask: Tensor, threshold: float) -> list[list[bool]]:
+    """Reference of rlobjectives.m2po_mask: the kept tokens of the whole batch."""
+    tokens = _selected_tokens(mask)
+    values = [float(log_ratio[i, t]) for i, t in tokens]
+    masked = {tokens[j] for j in m2po_masked(values, threshold)}
+    return [[keep and (i, t) not in masked for t, keep in enumerate(row)]
+            for i, row in enumerate(_as_list_mask(mask))]  # fmt: skip
+
+
+def covariances(
+    log_probs: Tensor, advantages: Tensor, mask: Tensor
+) -> dict[tuple[int, int], float]:
+    """(A - mean A)(l - mean l) over the selected tokens, exact means (plain sums)."""
+    tokens = _selected_tokens(mask)
+    if not tokens:
+        return {}
+    a = {k: float(_advantage(advantages, *k)) for k in tokens}
+    lp = {k: float(log_probs[k]) for k in tokens}
+    mean_a = sum(a.values()) / len(tokens)
+    mean_lp = sum(lp.values()) / len(tokens)
+    return {k: (a[k] - mean_a) * (lp[k] - mean_lp) for k in tokens}
+
+
+def selection_count(ratio: float, count: int) -> int:
+    """verl's max(int(ratio * N), 1)."""
+    return max(int(ratio * count), 1)
+
+
+_M64 = 1 << 64
+
+
+def splitmix64(value: int) -> int:
+    """SplitMix64 of a Python int (mod 2**64), as a signed 64-bit int."""
+    z = (value + 0x9E3779B97F4A7C15) % _M64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) % _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) % _M64
+    z ^= z >> 31
+    return z - _M64 if z >= 1 << 63 else z
+
+
+def random_subset(
+    candidates: list[tuple[int, int]], ordinals: dict[tuple[int, int], int], k: int, seed: int
+) -> set[tuple[int, int]]:
+    """The k candidates of smallest splitmix64(seed + ordinal) (ties by ordinal)."""
+    keyed = sorted(candidates, key=lambda c: (splitmix64(seed + ordinals[c]), ordinals[c]))
+    return set(keyed[:k])
+
+
+def clip_cov_candidates(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
+    options: dict[str, object],
+) -> list[tuple[int, int]]:  # fmt: skip
+    """Selected tokens the band [1 - low, 1 + high] does not clip, cov_lb < cov < cov_ub."""
+    low = float(options["clip_low"])  # type: ignore[arg-type]
+    high = low if options["clip_high"] is None else float(options["clip_high"])  # type: ignore[arg-type]
+    bound = options["log_ratio_bound"]
+    cov = covariances(log_probs, advantages, mask)
+    out = []
+    for i, t in _selected_tokens(mask):
+        delta = float(log_probs[i, t] - old_log_probs[i, t])
+        if bound is not None:
+            delta = min(max(delta, -float(bound)), float(bound))  # type: ignore[arg-type]
+        r, a = math.exp(delta), float(_advantage(advantages, i, t))
+        clipped = (a > 0 and r > 1 + high) or (a < 0 and r < 1 - low)
+        if not clipped and float(options["cov_lb"]) < cov[(i, t)] < float(options["cov_ub"]):  # type: ignore[arg-type]
+            out.append((i, t))
+    return out
+
+
+def batch_selection(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
+    options: dict[str, object],
+) -> set[tuple[int, int]]:  # fmt: skip
+    """M2PO's masked tokens, Clip-Cov's detached tokens or KL-Cov's penalised tokens.
+
+    A precomputed ``cov_selection`` is used as given (and the mask). Clip-Cov draws with
+    ``cov_seed`` (the int64 seed of the call) when it has more candidates than ``k``; with at
+    most ``k`` candidates every candidate is detached, whatever the draw.
+    """
+    surrogate = options["surrogate"]
+    tokens = _selected_tokens(mask)
+    if surrogate == "m2po":
+        values = [float(log_probs[k] - old_log_probs[k]) for k in tokens]
+        return {tokens[j] for j in m2po_masked(values, float(options["m2po_threshold"]))}  # type: ignore[arg-type]
+    given = options.get("cov_selection")
+    if given is not None:
+        chosen = given.reshape(mask.shape)  # type: ignore[attr-defined]
+        return {k for k in tokens if bool(chosen[k])}
+    k = selection_count(float(options["cov_ratio"]), len(tokens))  # type: ignore[arg-type]
+    if surrogate == "kl_cov":
+        cov = covariances(log_probs, advantages, mask)
+        ranked = sorted(range(len(tokens)), key=lambda j: (-cov[tokens[j]], j))
+        return {tokens[j] for j in ranked[:k]}
+    candidates = clip_cov_candidates(log_probs, old_log_probs, advantages, mask, options)
+    if len(candidates) <= k:
+        return set(candidates)
+    seed = options.get("cov_seed")
+    if seed is None:
+        raise ValueError(
+            "the reference needs cov_seed for a Clip-Cov draw with more than k candidates"
+        )
+    ordinals = {token: j for j, token in enumerate(tokens)}
+    return random_subset(candidates, ordinals, k, int(seed))  # type: ignore[call-overload]
+
+
+def batch_level_surrogates(
+    log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor, mask: Tensor,
+    options: dict[str, object],
+) -> dict[tuple[int, int], Tensor]:  # fmt: skip
+    """{(i, t): s_it} of M2PO (kept tokens only: the loss's selection), Clip-Cov, KL-Cov."""
+    surrogate, bound = options["surrogate"], options["log_ratio_bound"]
+    chosen = batch_selection(log_probs.detach(), old_log_probs, advantages, mask, options)
+    out: dict[tuple[int, int], Tensor] = {}
+    for i, t in _selected_tokens(mask):
+        a = _advantage(advantages, i, t)
+        lp, old = log_probs[i, t], old_log_probs[i, t]
+        ratio = torch.exp(_bounded(lp - old, bound))  # type: ignore[arg-type]
+        if surrogate == "kl_cov":
+            penalty = float(options["kl_cov_coef"]) * torch.abs(_bounded(lp - old, bound))  # type: ignore[arg-type]
+            out[(i, t)] = ratio * a - (penalty if (i, t) in chosen else 0.0)
+            continue
+        if surrogate == "m2po" and (i, t) in chosen:
+            continue  # masked: out of the loss's selection (AReaL's denominator)
+        if options["clip_low"] is None:
+            s = ratio * a
+        else:
+            s = surrogate_token(
+                lp, old, a, clip_low=options["clip_low"], clip_high=options["clip_high"],  # type: ignore[arg-type]
+                dual_clip=None, log_ratio_bound=bound,  # type: ignore[arg-type]
+            )  # fmt: skip
+        out[(i, t)] = 0.0 * lp if (i, t) in chosen else s  # Clip-Cov: detached, in the denominator
+    return out
+
+
+def nll_loss(
+    log_probs: Tensor,
+    mask: Tensor,
+    *,
+    reduction: str = "token_mean",
+    normalizer: float | None = None,
+    max_response_length: int | None = None,
+) -> Tensor:
+    """Reference of rlobjectives.nll_loss: reduce(-log_probs) over the selected tokens."""
+    losses = {(i, t): -log_probs[i, t] for i, t in _selected_tokens(mask)}
+    return reduce_losses(
+        losses, tuple(mask.shape), reduction=reduction, normalizer=normalizer,  # type: ignore[arg-type]
+        max_response_length=max_response_length,
+    )  # fmt: skip

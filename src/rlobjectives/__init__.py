@@ -21,6 +21,8 @@ from .advantages.whitening import masked_whiten
 from .distributed import (
     Normalizers,
     data_parallel_loss_scale,
+    global_cov_selection,
+    global_m2po_mask,
     global_masked_whiten,
     global_normalizers,
     global_top_entropy_mask,
@@ -43,8 +45,22 @@ from .logprobs.logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, t
 from .policy.entropy import top_entropy_mask
 from .policy.inputs import PolicyLossDiagnostics, PolicyLossOutput
 from .policy.loss import policy_loss
+from .policy.nll import nll_loss
 from .policy.seeds import grpo_clipped_surrogate, kl_penalized_rewards
-from .policy.surrogates import CISPO, GMPO, SAPO, VESPO, Clip, SurrogateObjective
+from .policy.selection import CovSelection, cov_selection, m2po_mask
+from .policy.surrogates import (
+    CISPO,
+    DPPO,
+    DRO,
+    GMPO,
+    M2PO,
+    SAPO,
+    VESPO,
+    Clip,
+    ClipCov,
+    KLCov,
+    SurrogateObjective,
+)
 from .rollout.correction import RolloutCorrection, rollout_correction
 from .rollout.metrics import RolloutCorrectionMetrics
 from .rollout.off_policy import off_policy_sequence_mask
@@ -57,11 +73,17 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
 
 __all__ = [
     "CISPO",
+    "DPPO",
+    "DRO",
     "GMPO",
+    "M2PO",
     "SAPO",
     "VESPO",
     "AdaptiveKLController",
     "Clip",
+    "ClipCov",
+    "CovSelection",
+    "KLCov",
     "BiasedGradientWarning",
     "FixedKLController",
     "FusedPolicyLossOutput",
@@ -82,11 +104,14 @@ __all__ = [
     "ValueLossOutput",
     "__version__",
     "aggregate",
+    "cov_selection",
     "data_parallel_loss_scale",
     "full_vocab_kl",
     "full_vocab_kl_loss",
     "fused_policy_loss_from_hidden",
     "gae",
+    "global_cov_selection",
+    "global_m2po_mask",
     "global_masked_whiten",
     "global_normalizers",
     "global_top_entropy_mask",
@@ -98,7 +123,9 @@ __all__ = [
     "kl_penalized_token_rewards",
     "masked_mean",
     "masked_sum",
+    "m2po_mask",
     "masked_whiten",
+    "nll_loss",
     "normalizer_for_reduction",
     "off_policy_sequence_mask",
     "opo_advantages",

@@ -157,19 +157,24 @@ def test_data_parallel_loss_scale_without_process_group() -> None:
 
 
 def test_sum_diagnostics_sums_fields_and_keeps_type() -> None:
+    fields = len(PolicyLossDiagnostics._fields)  # 10 (selected_fraction, issue 24)
+
     def diagnostics(value: float) -> PolicyLossDiagnostics:
-        return PolicyLossDiagnostics(*(torch.tensor(value * (k + 1)) for k in range(9)))
+        return PolicyLossDiagnostics(*(torch.tensor(value * (k + 1)) for k in range(fields)))
 
     summed = sum_diagnostics([diagnostics(0.25), diagnostics(0.5)])
     assert isinstance(summed, PolicyLossDiagnostics)
     # field k: 0.25 (k + 1) + 0.5 (k + 1) = 0.75 (k + 1)
-    assert [float(v) for v in summed] == [0.75 * (k + 1) for k in range(9)]
+    assert [float(v) for v in summed] == [0.75 * (k + 1) for k in range(fields)]
     assert all(v.dtype == torch.float32 for v in summed)
     single = sum_diagnostics(diagnostics(1.0))
-    assert [float(v) for v in single] == [float(k + 1) for k in range(9)]
-    # the eight fields of version 0.1 still construct it (weight_mean defaults to 0)
+    assert [float(v) for v in single] == [float(k + 1) for k in range(fields)]
+    # the eight fields of version 0.1 still construct it (weight_mean defaults to 0), and the
+    # nine of 0.2 (selected_fraction defaults to 0)
     eight = PolicyLossDiagnostics(*(torch.tensor(1.0) for _ in range(8)))
     assert float(sum_diagnostics([eight, eight]).weight_mean) == 0.0
+    nine = PolicyLossDiagnostics(*(torch.tensor(1.0) for _ in range(9)))
+    assert float(sum_diagnostics([nine, nine]).selected_fraction) == 0.0
 
 
 # --------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ pytestmark = requires_triton
 FLOATS = (
     "low", "high", "upper_positive", "upper_negative", "dual_clip", "tau_positive",
     "tau_negative", "half_peak", "bound", "diagnostic_bound", "kl_coef", "entropy_coef", "beta",
-    "inv_temperature",
+    "inv_temperature", "ratio_cap",
 )  # fmt: skip
 
 
@@ -78,15 +78,17 @@ TOKEN_POINTERS = {
 }  # fmt: skip
 TOKEN_FLAGS = {
     "HAS_LOW": True, "HAS_HIGH": True, "HAS_UPPER_POSITIVE": True, "HAS_UPPER_NEGATIVE": True,
-    "HAS_DUAL": True, "HAS_BOUND": True, "HAS_WEIGHTS": True, "HAS_SEQUENCE": True,
+    "HAS_DUAL": True, "HAS_CAP": True, "HAS_BOUND": True, "HAS_WEIGHTS": True, "HAS_SEQUENCE": True,
     "HAS_IMPORTANCE": True, "HAS_KL": True, "KL_ESTIMATOR": 3, "KL_STRAIGHT_THROUGH": False,
     "KL_IMPORTANCE": False, "HAS_ENTROPY": True, "STORE_LOSS": True, "COLUMNS": 17, "BLOCK": 1024,
 }  # fmt: skip
 
 
-@pytest.mark.parametrize("surrogate", [0, 1, 2, 3])
+@pytest.mark.parametrize("surrogate", [0, 1, 2, 3, 4, 5, 6])  # ... 4, 5 DPPO (TV, KL), 6 DRO
 def test_token_loss_kernel_compiles(kernels: Any, surrogate: int) -> None:
     flags = dict(TOKEN_FLAGS, SURROGATE=surrogate)
+    if surrogate == 5:  # DPPO without a cap: prime-rl's value form
+        flags.update(HAS_CAP=False)
     if surrogate == 3:
         flags.update(KL_ESTIMATOR=4, KL_STRAIGHT_THROUGH=True, KL_IMPORTANCE=True)
     if surrogate == 1:  # absent optional inputs are passed as None (constexpr None)

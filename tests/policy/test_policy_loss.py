@@ -21,7 +21,20 @@ from hypothesis import strategies as st
 import reference
 from backends import FIXTURE_HEALTH, dtype_for, on_kernels, triton_param
 from family_cases import FAMILY_OPTION_SETS
-from rlobjectives import CISPO, GMPO, SAPO, VESPO, Clip, grpo_clipped_surrogate, policy_loss
+from rlobjectives import (
+    CISPO,
+    DPPO,
+    DRO,
+    GMPO,
+    M2PO,
+    SAPO,
+    VESPO,
+    Clip,
+    ClipCov,
+    KLCov,
+    grpo_clipped_surrogate,
+    policy_loss,
+)
 from rlobjectives.policy.loss import _policy_loss_autograd
 from tolerances import assert_close
 
@@ -945,6 +958,11 @@ DTYPE_OPTIONS: list[dict[str, Any]] = [
     {"surrogate": "sapo"},
     {"surrogate": "gmpo"},
     {"surrogate": "vespo"},
+    {"surrogate": DPPO("kl", ratio_cap=3.0)},
+    {"surrogate": DRO(beta=0.5)},
+    {"surrogate": M2PO(threshold=0.12, low=0.2)},
+    {"surrogate": KLCov(ratio=0.3, coef=1.0)},
+    {"surrogate": ClipCov(ratio=1.0, cov_lb=0.0, cov_ub=1.0)},
 ]
 DTYPE_REDUCTIONS = ("token_mean", "sequence_mean", "none")
 
@@ -1141,6 +1159,9 @@ MICRO_OPTIONS: list[dict[str, Any]] = [
     {"surrogate": "sapo"},
     {"surrogate": "gmpo"},
     {"surrogate": "vespo"},
+    {"surrogate": DPPO()},  # token-local: the trust region and the cap are per token
+    {"surrogate": DPPO("kl", ratio_cap=None)},
+    {"surrogate": DRO(beta=0.5)},
 ]
 
 

@@ -16,12 +16,33 @@ import pytest
 import torch
 
 import rlobjectives as rlo
-from rlobjectives import CISPO, GMPO, SAPO, VESPO, Clip, SurrogateObjective
+from rlobjectives import (
+    CISPO,
+    DPPO,
+    DRO,
+    GMPO,
+    M2PO,
+    SAPO,
+    VESPO,
+    Clip,
+    ClipCov,
+    KLCov,
+    SurrogateObjective,
+)
 from rlobjectives.presets import trl_grpo_loss
 from tolerances import assert_close
 
-CLASSES: tuple[type[SurrogateObjective], ...] = (Clip, CISPO, SAPO, GMPO, VESPO)
-NAMES = {"clip": Clip, "cispo": CISPO, "sapo": SAPO, "gmpo": GMPO, "vespo": VESPO}
+CLASSES: tuple[type[SurrogateObjective], ...] = (
+    Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov,
+)  # fmt: skip
+NAMES = {
+    "clip": Clip, "cispo": CISPO, "sapo": SAPO, "gmpo": GMPO, "vespo": VESPO, "dppo": DPPO,
+    "m2po": M2PO, "clip_cov": ClipCov, "kl_cov": KLCov,
+}  # fmt: skip
+# The fields without a default (DRO's beta: verl's dro_beta has none).
+REQUIRED: dict[type, dict[str, Any]] = {DRO: {"beta": 0.5}}
+# The objects that take GSPO's sequence ratio (the others: ratio_level="token" only).
+SEQUENCE_RATIO = (Clip, CISPO, SAPO)
 # The flat keywords of 0.2 that moved into the objects (issue 21).
 FLAT_KEYWORDS = (
     "clip_low", "clip_high", "dual_clip", "delta", "cispo_cap", "sapo_temperature_pos",
@@ -30,6 +51,8 @@ FLAT_KEYWORDS = (
 VALUES = {  # a valid value of each field (for the field's own class)
     "low": 0.1, "high": 0.3, "dual": 3.0, "delta": 1.5, "cap": 5.0, "temperature_pos": 2.0,
     "temperature_neg": 2.0, "k_pos": 1.0, "lambda_pos": 1.0, "k_neg": 1.0, "lambda_neg": 1.0,
+    "divergence": "kl", "ratio_cap": 3.0, "beta": 0.5, "threshold": 0.04, "ratio": 0.1,
+    "cov_lb": 1.0, "cov_ub": 5.0, "generator": None, "selection": None, "coef": 1.0,
 }  # fmt: skip
 
 
@@ -62,7 +85,7 @@ def test_objects_are_exported_frozen_and_documented() -> None:
         assert cls.__name__ in rlo.__all__ and getattr(rlo, cls.__name__) is cls
         assert issubclass(cls, SurrogateObjective)
         assert dataclasses.is_dataclass(cls)
-        instance = cls()
+        instance = cls(**REQUIRED.get(cls, {}))
         with pytest.raises(dataclasses.FrozenInstanceError):
             instance.__setattr__(_fields(cls)[0], 0.1)
         doc = inspect.getdoc(cls) or ""
@@ -83,6 +106,27 @@ def test_signatures() -> None:
     assert [f.name for f in dataclasses.fields(SAPO)] == ["temperature_pos", "temperature_neg"]
     assert [f.name for f in dataclasses.fields(GMPO)] == ["low", "high"]
     assert _fields(VESPO) == ["k_pos", "lambda_pos", "k_neg", "lambda_neg"]
+    assert _fields(DPPO) == ["divergence", "low", "high", "ratio_cap"]
+    assert _fields(DRO) == ["beta"]
+    assert _fields(M2PO) == ["threshold", "low", "high"]
+    assert _fields(ClipCov) == [
+        "ratio",
+        "low",
+        "high",
+        "cov_lb",
+        "cov_ub",
+        "generator",
+        "selection",
+    ]
+    assert _fields(KLCov) == ["ratio", "coef", "selection"]
+    # the defaults: DPPO's per divergence (SkyRL's 0.2 for TV, 0.05 for KL; the paper's cap 20),
+    # M2PO's the paper's threshold, the Cov objects' verl's config values
+    assert DPPO() == DPPO(divergence="tv", low=0.2, high=0.2, ratio_cap=20.0)
+    assert DPPO("kl") == DPPO(divergence="kl", low=0.05, high=0.05, ratio_cap=20.0)
+    assert DPPO(low=0.1).high == 0.1 and DPPO(low=0.1, high=0.3).high == 0.3
+    assert M2PO() == M2PO(threshold=0.04, low=None, high=None)
+    assert ClipCov() == ClipCov(ratio=0.0002, low=0.2, high=None, cov_lb=1.0, cov_ub=5.0)
+    assert KLCov() == KLCov(ratio=0.0002, coef=0.1)
     assert Clip() == Clip(low=0.2, high=None, dual=None, delta=None)
     assert CISPO() == CISPO(cap=None, low=0.2, high=None)
     assert SAPO() == SAPO(temperature_pos=1.0, temperature_neg=1.05)
@@ -97,7 +141,7 @@ def test_a_field_of_another_surrogate_cannot_be_written(owner: type) -> None:
     assert foreign
     for name in sorted(foreign):
         with pytest.raises(TypeError, match=rf"\b{name}\b"):
-            owner(**{name: VALUES[name]})
+            owner(**{**REQUIRED.get(owner, {}), name: VALUES[name]})
 
 
 @pytest.mark.parametrize("keyword", FLAT_KEYWORDS)
@@ -112,10 +156,13 @@ def test_the_flat_keywords_left_the_signatures(keyword: str) -> None:
         rlo.policy_loss(log_probs, old, advantages, mask, **{keyword: None})
 
 
-@pytest.mark.parametrize("cls", [GMPO, VESPO], ids=lambda c: c.__name__)
-def test_sequence_level_surrogates_take_token_ratios_only(cls: type) -> None:
+@pytest.mark.parametrize(
+    "cls", [c for c in CLASSES if c not in SEQUENCE_RATIO], ids=lambda c: c.__name__
+)
+def test_surrogates_without_a_sequence_ratio_take_token_ratios_only(cls: type) -> None:
     log_probs, old, advantages, mask = _batch()
-    for surrogate in (cls(), cls.name):  # type: ignore[attr-defined]
+    names = () if cls in REQUIRED else (cls.name,)  # type: ignore[attr-defined]
+    for surrogate in (cls(**REQUIRED.get(cls, {})), *names):
         with pytest.raises(ValueError, match=r"ratio_level must be 'token'"):
             rlo.policy_loss(
                 log_probs, old, advantages, mask, surrogate=surrogate, ratio_level="sequence"
@@ -126,7 +173,7 @@ def test_sequence_level_surrogates_take_token_ratios_only(cls: type) -> None:
             )
 
 
-@pytest.mark.parametrize("cls", [Clip, CISPO, SAPO], ids=lambda c: c.__name__)
+@pytest.mark.parametrize("cls", SEQUENCE_RATIO, ids=lambda c: c.__name__)
 def test_token_local_surrogates_take_sequence_ratios(cls: type) -> None:
     log_probs, old, advantages, mask = _batch()
     out = rlo.policy_loss(log_probs, old, advantages, mask, surrogate=cls(), ratio_level="sequence")
@@ -140,6 +187,11 @@ WRONG_COMBINATIONS: list[tuple[type, dict[str, Any], str]] = [
     (CISPO, {"low": None, "high": 0.28}, r"^CISPO.high requires CISPO.low"),
     (Clip, {"low": None, "high": 0.28}, r"^Clip.high requires Clip.low"),
     (GMPO, {"low": None, "high": 0.28}, r"^GMPO.high requires GMPO.low"),
+    (M2PO, {"low": None, "high": 0.28}, r"^M2PO.high requires M2PO.low"),
+    (DPPO, {"divergence": "tv", "low": 1.5}, r"^DPPO.low must be <= 1 for divergence='tv'"),
+    (DPPO, {"high": 1.2}, r"^DPPO.high must be <= 1 for divergence='tv'"),
+    (ClipCov, {"cov_lb": 5.0, "cov_ub": 1.0}, r"^ClipCov.cov_lb must be < ClipCov.cov_ub"),
+    (ClipCov, {"cov_lb": 5.0}, r"^ClipCov.cov_lb must be < ClipCov.cov_ub"),  # default ub 5
 ]
 
 
@@ -162,14 +214,27 @@ def test_cispo_cap_has_no_band() -> None:
 @pytest.mark.parametrize("name", sorted(NAMES))
 def test_a_name_means_the_object_with_its_defaults(name: str) -> None:
     log_probs, old, advantages, mask = _batch()
+    torch.manual_seed(0)  # Clip-Cov draws from the default generator: the same draw for both
     by_name = rlo.policy_loss(log_probs, old, advantages, mask, surrogate=name)
+    torch.manual_seed(0)
     by_object = rlo.policy_loss(log_probs, old, advantages, mask, surrogate=NAMES[name]())
     assert_close(by_name.loss, by_object.loss)
     for a, b in zip(by_name.diagnostics, by_object.diagnostics, strict=True):
         assert_close(a, b)
+    torch.manual_seed(0)
     hidden_name = rlo.fused_policy_loss_from_hidden(**_hidden_batch(), surrogate=name)
+    torch.manual_seed(0)
     hidden_object = rlo.fused_policy_loss_from_hidden(**_hidden_batch(), surrogate=NAMES[name]())
     assert_close(hidden_name.loss, hidden_object.loss)
+
+
+def test_dro_has_no_defaults() -> None:
+    """verl's dro_beta has no default (it raises): the name asks for the object."""
+    log_probs, old, advantages, mask = _batch()
+    with pytest.raises(ValueError, match=r"^surrogate='dro' has no defaults: pass the object, DRO"):
+        rlo.policy_loss(log_probs, old, advantages, mask, surrogate="dro")
+    with pytest.raises(TypeError, match=r"\bbeta\b"):
+        DRO()  # type: ignore[call-arg]
 
 
 def test_surrogate_is_a_name_or_an_object() -> None:

@@ -51,6 +51,8 @@ from .._core.validation import (
     checks_environment,
     validate_choice,
 )
+from ..policy.selection import cov_selection, m2po_mask
+from ..policy.surrogates.cov import ClipCov, CovSelection, KLCov
 from .collectives import (
     count_over_ranks,
     process_group_active,
@@ -58,10 +60,13 @@ from .collectives import (
     whiten_over_ranks,
 )
 from .entropy import top_entropy_mask_over_ranks
+from .selection import cov_selection_over_ranks, m2po_mask_over_ranks
 
 __all__ = [
     "Normalizers",
     "data_parallel_loss_scale",
+    "global_cov_selection",
+    "global_m2po_mask",
     "global_masked_whiten",
     "global_normalizers",
     "global_top_entropy_mask",
@@ -434,3 +439,127 @@ def global_top_entropy_mask(
     """
     active = process_group_active(group)
     return top_entropy_mask_over_ranks(entropy, mask, quantile=quantile, group=group, active=active)
+
+
+@checks_environment
+def global_m2po_mask(
+    log_ratio: ArrayLike,
+    mask: ArrayLike,
+    *,
+    threshold: Scalar = 0.04,
+    group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
+    r""":func:`rlobjectives.m2po_mask` over the selected tokens of every rank.
+
+    M2PO's kept tokens of the global batch (the ranks' batches concatenated in rank order): the
+    fewest largest :math:`\Delta^2` of all ranks are masked so that the second moment of the
+    kept ones is below ``threshold``, and each rank gets the mask of its own tokens; ties are
+    broken by the rank, then the row-major position. One ``all_gather`` of the per-rank counts
+    (read on the host to size the next one) and one of the squared log-ratios (in float32,
+    float64 for float64 input: the dtype must be the same on every rank); every rank then runs
+    the same sort. Without an initialised process group it is :func:`rlobjectives.m2po_mask`.
+    It is a collective: every rank must call it (a rank with nothing selected too). AReaL
+    computes M2PO per micro-batch and rank; this makes it independent of the split. Pass the
+    result as the ``mask`` of :func:`rlobjectives.policy_loss` with the surrogate on the kept
+    tokens (``Clip(low=None)`` for the paper's :math:`rA`, ``Clip(low=eps_clip)`` for AReaL's),
+    with the global kept count as the ``normalizer`` (:func:`global_normalizers` of the masks).
+
+    Args:
+        log_ratio: ``(B, T)`` (or ``(N,)``) this rank's log-ratios (shapes may differ between
+            ranks).
+        mask: the shape of ``log_ratio``, bool/numeric; nonzero selects the token.
+        threshold: :math:`\tau > 0` (AReaL ``m2_threshold``; the paper's 0.04).
+        group: the data-parallel process group (None: the default group).
+
+    Returns:
+        bool mask of this rank's kept tokens, the shape of ``log_ratio``; no gradient.
+
+    Raises:
+        ValueError: as :func:`rlobjectives.m2po_mask`, or ``group`` given without an initialised
+            process group.
+        TypeError: on non-numeric inputs.
+
+    References:
+        Zheng et al. 2025, M2PO, arXiv:2510.01161; AReaL ``_get_m2po_loss_mask``.
+
+    Examples:
+        >>> import torch
+        >>> # suffix means of the sorted squares 1, .25, .09, .01: .3375, .1167, .05, .01 < .04
+        >>> global_m2po_mask(torch.tensor([[0.1, -0.5, 0.3, 1.0]]), torch.ones(1, 4))
+        tensor([[ True, False, False, False]])
+
+    .. versionadded:: 0.3.0
+    """
+    if not process_group_active(group):
+        return m2po_mask(log_ratio, mask, threshold=threshold)
+    return m2po_mask_over_ranks(log_ratio, mask, threshold=threshold, group=group)
+
+
+@checks_environment
+def global_cov_selection(
+    log_probs: ArrayLike,
+    old_log_probs: ArrayLike,
+    advantages: ArrayLike,
+    mask: ArrayLike,
+    *,
+    surrogate: ClipCov | KLCov,
+    log_ratio_bound: Scalar | None = 20.0,
+    group: dist.ProcessGroup | None = None,
+) -> CovSelection:
+    r""":func:`rlobjectives.cov_selection` over the selected tokens of every rank.
+
+    The tokens a :class:`~rlobjectives.ClipCov` / :class:`~rlobjectives.KLCov` acts on in the
+    global batch (the ranks' batches concatenated in rank order): the covariance
+    :math:`(A_t - \bar A)(\ell_t - \bar\ell)` with the global means, :math:`k =
+    \max(\lfloor\rho N\rfloor, 1)` of the global count :math:`N`, KL-Cov's global top-k
+    (ties by rank, then position), Clip-Cov's :math:`\min(k, n)` of the global candidates drawn
+    with one seed from rank 0's ``surrogate.generator`` (or its default generator), keyed by
+    each token's global ordinal: the single-process selection of the concatenated batch with
+    that seed. One ``all_reduce`` of :math:`(\sum A, \sum\ell, N)`, ``all_gather`` of counts
+    and of the padded scores (Clip-Cov also one ``broadcast`` of the seed). Without an
+    initialised process group it is :func:`rlobjectives.cov_selection`. It is a collective:
+    every rank must call it. verl and SkyRL select per micro-batch and rank; this makes the
+    selection independent of the split. Hand it to the object:
+    ``policy_loss(..., surrogate=dataclasses.replace(surrogate, selection=result.selected))``.
+
+    Args:
+        log_probs: ``(B, T)`` this rank's current log-probabilities (detached here).
+        old_log_probs: ``(B, T)`` behaviour log-probabilities.
+        advantages: ``(B,)``, ``(B, 1)`` or ``(B, T)``.
+        mask: ``(B, T)`` bool/numeric; nonzero selects the token.
+        surrogate: a :class:`~rlobjectives.ClipCov` or :class:`~rlobjectives.KLCov` without a
+            ``selection``.
+        log_ratio_bound: as :func:`rlobjectives.policy_loss`.
+        group: the data-parallel process group (None: the default group).
+
+    Returns:
+        :class:`~rlobjectives.CovSelection` of this rank's tokens (``count`` is the global
+        :math:`k`); no gradient.
+
+    Raises:
+        ValueError / TypeError: as :func:`rlobjectives.cov_selection`, a surrogate with a
+            ``selection``, or ``group`` given without an initialised process group.
+
+    References:
+        Cui et al. 2025, arXiv:2505.22617 (Clip-Cov, KL-Cov).
+
+    .. versionadded:: 0.3.0
+    """
+    if not process_group_active(group):
+        return cov_selection(
+            log_probs,
+            old_log_probs,
+            advantages,
+            mask,
+            surrogate=surrogate,
+            log_ratio_bound=log_ratio_bound,
+        )
+    return cov_selection_over_ranks(
+        log_probs,
+        old_log_probs,
+        advantages,
+        mask,
+        surrogate=surrogate,
+        log_ratio_bound=log_ratio_bound,
+        group=group,
+    )

@@ -21,6 +21,10 @@ values, gradients and diagnostics up to float32 rounding):
   :func:`rlobjectives.policy.surrogates.cispo.cispo_bounds` (TRL's cap or verl's band).
 - ``"sapo"``: :math:`(4/\tau) \sigma(\tau (r - 1)) A`, :math:`\tau = \tau_+` if :math:`A > 0`
   else :math:`\tau_-`.
+- ``"dppo_tv"``, ``"dppo_kl"``: :math:`\mathrm{sg}(\min(r, c)) A \ell` inside the binary trust
+  region of :func:`rlobjectives.policy.surrogates.dppo.dppo_trust_region` (without a cap
+  :math:`rA`), 0 outside.
+- ``"dro"``: :math:`\ell A - \frac{1}{2}\beta(\ell - \ell^{old})^2` (the raw log-ratio).
 - ``"none"``: 0 (only the KL term: ``kl_loss``).
 
 The importance weights :math:`\rho` enter the products as :math:`\tilde A = \rho A`; sign
@@ -73,7 +77,8 @@ class TokenLossOptions(NamedTuple):
 
     Attributes:
         surrogate: a token-local surrogate object (:class:`~rlobjectives.Clip`,
-            :class:`~rlobjectives.CISPO`, :class:`~rlobjectives.SAPO`; its
+            :class:`~rlobjectives.CISPO`, :class:`~rlobjectives.SAPO`, :class:`~rlobjectives.DPPO`,
+            :class:`~rlobjectives.DRO`; its
             :meth:`~rlobjectives.policy.surrogates.base.SurrogateObjective.kernel_flags` set the
             kernel up), or None for no policy term (only the KL term: ``kl_loss``).
         log_ratio_bound: :math:`b > 0` or None (then no bound; KL log-ratio unbounded too).
@@ -161,6 +166,8 @@ _SURROGATE_PLACEHOLDERS: dict[str, Any] = {
     "tau_positive": 1.0,
     "tau_negative": 1.0,
     "half_peak": SAPO_HALF_PEAK,
+    "ratio_cap": None,
+    "beta": 1.0,
 }
 
 
@@ -170,7 +177,8 @@ def _surrogate_flags(surrogate: SurrogateObjective | None) -> tuple[str, dict[st
         return "none", dict(_SURROGATE_PLACEHOLDERS)
     if not isinstance(surrogate, SurrogateObjective) or not surrogate.token_local:
         raise ValueError(
-            f"the token-loss kernel computes the token-local surrogates (Clip, CISPO, SAPO), "
+            f"the token-loss kernel computes the token-local surrogates (Clip, CISPO, SAPO, "
+            f"DPPO, DRO), "
             f"got surrogate={surrogate!r}"
         )
     setup = surrogate.kernel_flags()
@@ -207,6 +215,7 @@ def _flags(options: TokenLossOptions, kernel_module: Any) -> dict[str, Any]:
         HAS_UPPER_POSITIVE=setup["upper_positive"] is not None,
         HAS_UPPER_NEGATIVE=setup["upper_negative"] is not None,
         HAS_DUAL=setup["dual_clip"] is not None,
+        HAS_CAP=setup["ratio_cap"] is not None,
         HAS_BOUND=bound is not None,
         KL_ESTIMATOR=estimator,
         KL_STRAIGHT_THROUGH=bool(options.kl_straight_through),

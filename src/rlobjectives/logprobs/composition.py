@@ -122,21 +122,22 @@ def loss_value(
     out = path(policy_call, return_per_token=False)
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
     loss, kl_loss, entropy_loss = out.loss, zero, zero
+    mask = inputs.mask
     if kl is not None:
         terms = kl_terms(
             log_probs,
             kl.ref_log_probs,
-            inputs.mask,
+            mask,
             estimator=kl.estimator,
             straight_through=kl.straight_through,
             log_ratio_bound=call.options.log_ratio_bound,
             dtype=inputs.dtype,
         )
-        kl_loss = reduce(terms.to(log_probs.dtype), inputs.mask, call.reduction, call.layout)
+        kl_loss = reduce(terms.to(log_probs.dtype), mask, call.reduction, call.layout)
         loss = loss + kl.coef * kl_loss if kl.coef > 0 else loss
     if entropy is not None:
-        selected = masked_fill_zero(entropy.to(log_probs.dtype), inputs.mask)
-        entropy_loss = reduce(selected, inputs.mask, call.reduction, call.layout)
+        selected = masked_fill_zero(entropy.to(log_probs.dtype), mask)
+        entropy_loss = reduce(selected, mask, call.reduction, call.layout)
         loss = loss - call.entropy_coef * entropy_loss
     return LossValues(
         loss, out.loss.detach(), kl_loss.detach(), entropy_loss.detach(), out.diagnostics

@@ -97,7 +97,7 @@ def fused_policy_loss_from_hidden(
 
     with the same ``reduction``/``normalizer`` for the three terms, :math:`\beta` = ``kl_coef``,
     :math:`\gamma` = ``entropy_coef`` and :math:`H = -\sum_v p_v \log p_v` the entropy of the
-    same softmax. For a token-local surrogate (``"clip"``, ``"cispo"``, ``"sapo"``) the
+    same softmax. For a token-local surrogate (Clip, CISPO, SAPO, DPPO, DRO) the
     per-token derivatives :math:`c_{it} = \partial\mathcal{L}/\partial\ell_{it}` and
     :math:`g_{it} = \partial\mathcal{L}/\partial H_{it} = -\gamma/(d_i D)` depend only on
     token :math:`(i, t)` and on the batch normaliser, which is computed from the mask before the
@@ -105,8 +105,9 @@ def fused_policy_loss_from_hidden(
     - p) - g\, p \odot (\log p + H))/\tau` and its products with ``weight`` and ``hidden``
     right away; the full logits are never formed and nothing is recomputed in backward.
 
-    ``reduction="none"``, ``ratio_level="sequence"`` (GSPO) and the sequence-level surrogates
-    ``"gmpo"`` and ``"vespo"`` (whose per-token derivative needs the whole sequence) are
+    ``reduction="none"``, ``ratio_level="sequence"`` (GSPO), the sequence-level surrogates
+    ``"gmpo"`` and ``"vespo"`` (whose per-token derivative needs the whole sequence) and the
+    batch-level ``M2PO``, ``ClipCov``, ``KLCov`` (their selections need the whole call) are
     supported by composition instead: :func:`token_log_probs_from_hidden` (chunked, with
     recompute, entropies included) followed by :func:`policy_loss` (for ``"none"`` the returned
     ``loss`` is ``(B, T)``).
@@ -129,7 +130,10 @@ def fused_policy_loss_from_hidden(
         chunk_size: rows per chunk; None uses :func:`default_chunk_size`.
         surrogate: as :func:`policy_loss`: a surrogate object (:class:`~rlobjectives.Clip`,
             :class:`~rlobjectives.CISPO`, :class:`~rlobjectives.SAPO`,
-            :class:`~rlobjectives.GMPO`, :class:`~rlobjectives.VESPO`) or its name.
+            :class:`~rlobjectives.GMPO`, :class:`~rlobjectives.VESPO`,
+            :class:`~rlobjectives.DPPO`, :class:`~rlobjectives.DRO`: fused;
+            :class:`~rlobjectives.M2PO`, :class:`~rlobjectives.ClipCov`,
+            :class:`~rlobjectives.KLCov`: by composition) or its name.
         ratio_level: as :func:`policy_loss` (``"sequence"`` runs unfused, see above).
         log_ratio_bound: as :func:`policy_loss`; also bounds the KL estimator's log-ratio.
         importance_weights: as :func:`policy_loss`: ``(B,)``, ``(B, 1)`` or ``(B, T)``

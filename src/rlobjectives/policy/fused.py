@@ -1,7 +1,7 @@
 r"""Fused forward/backward of the token-local policy surrogates, as named stages.
 
 :class:`ClippedSurrogateFunction` computes, in one forward pass over the ``(B, T)`` inputs and
-without an autograd graph, the surrogate :math:`s`, its reduction, the nine diagnostics and the
+without an autograd graph, the surrogate :math:`s`, its reduction, the ten diagnostics and the
 gradient coefficient :math:`c_{it} = \partial (w s_{it}) / \partial \ell_{it}`; the backward is
 one multiplication, :math:`\partial \mathcal{L} / \partial \ell_{it} = c_{it} \cdot
 \partial \mathcal{L} / \partial s_{it}` (the reduction's per-token weight). It saves one float
@@ -24,7 +24,7 @@ The stages of :func:`fused_forward`, each the formula it names:
 4. :func:`_reduce_stage`: the loss through :mod:`rlobjectives._core.reduction` (``row_weights``,
    the same per-row weights every path uses); a packed row computes per-sequence counts and
    segment sums only where the loss needs them (GSPO and ``sequence_mean``);
-5. :func:`_diagnostics`: the nine sums over the selected-token count (or the caller's
+5. :func:`_diagnostics`: the ten sums over the selected-token count (or the caller's
    ``diagnostics_normalizer``).
 
 The math is that of the objects' formulas (the readable autograd specification of
@@ -220,7 +220,7 @@ class FusedForward(NamedTuple):
 
     loss: torch.Tensor  # () or (B, T) for reduction "none", computation dtype
     row_sums: torch.Tensor  # (S,) sum_t w_it s_it over each sequence's selected tokens
-    diagnostics: torch.Tensor  # (9,) see PolicyLossDiagnostics (field order)
+    diagnostics: torch.Tensor  # (10,) see PolicyLossDiagnostics (field order)
     coefficient: torch.Tensor  # (B, T) d (w s_it) / d log_probs_it, zero at unselected tokens
     row_weights: torch.Tensor  # (B, 1) or (1, N): d loss / d s_it
 
@@ -254,10 +254,14 @@ def fused_forward(
         weighted = advantages * importance_weights.to(dtype)
     log_ratios = _log_ratio_stage(log_probs, old_log_probs, mask, counts, spec)
     kl_sums = (log_ratios.approx_kl_k1, log_ratios.approx_kl_k3)
+    surrogate = spec.options.surrogate
+    # the raw selected log-ratio for the stages that read it (DPPO, DRO): a copy, since the
+    # ratio stage spends the buffer
+    raw = log_ratios.log_ratio.clone() if surrogate.needs_log_ratio else None
     ratios = _ratio_stage(log_ratios, spec)
     del log_ratios  # the log-ratio buffers are spent
     selected = torch.where(mask, weighted, _zero(weighted))  # (B, T) A~, 0 at unselected tokens
-    stage = spec.options.surrogate.stage(
+    stage = surrogate.stage(
         StageInputs(
             ratio=ratios.ratio,
             advantages=advantages,
@@ -267,6 +271,9 @@ def fused_forward(
             log_probs=log_probs,
             selected_count=count,
             dtype=dtype,
+            old_log_probs=old_log_probs,
+            importance_weights=importance_weights,
+            log_ratio=raw,
         )
     )
     values = stage.values
@@ -298,11 +305,12 @@ def _per_row_sums_needed(spec: FusedSpec) -> bool:
 def _diagnostics(
     counts: list[torch.Tensor], sums: list[torch.Tensor], selected: torch.Tensor, spec: FusedSpec
 ) -> torch.Tensor:
-    """The nine diagnostics as one ``(9,)`` tensor (PolicyLossDiagnostics field order).
+    """The ten diagnostics as one ``(10,)`` tensor (PolicyLossDiagnostics field order).
 
     ``counts`` are the five token counts (out of band, low, high, dual, bound fired) and
     ``sums`` the sums of ``r``, ``-Delta``, ``expm1(Delta) - Delta`` and the advantage factor
-    over the selected tokens.
+    over the selected tokens; ``selected_fraction`` is 0 (the token-local surrogates select
+    no tokens of the batch).
     """
     dtype = spec.dtype
     if spec.diagnostics_normalizer is None:
@@ -310,7 +318,10 @@ def _diagnostics(
     else:  # an explicit normaliser is honoured exactly
         denominator = _as_tensor(spec.diagnostics_normalizer, sums[0])
     # One stack: the counts convert to the sums' float dtype on the way (exactly as .to).
-    return torch.stack([count.to(dtype) for count in counts] + sums) / denominator
+    selected_fraction = torch.zeros((), dtype=dtype, device=selected.device)
+    return torch.stack([count.to(dtype) for count in counts] + sums + [selected_fraction]) / (
+        denominator
+    )
 
 
 class ClippedSurrogateFunction(torch.autograd.Function):

@@ -62,7 +62,9 @@ __all__ = [
 
 RatioLevel = Literal["token", "sequence"]
 RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
-SurrogateName = Literal["clip", "cispo", "sapo", "gmpo", "vespo"]
+SurrogateName = Literal[
+    "clip", "cispo", "sapo", "gmpo", "vespo", "dppo", "dro", "m2po", "clip_cov", "kl_cov"
+]
 SURROGATE_NAMES: tuple[str, ...] = get_args(SurrogateName)
 #: ``policy_loss(surrogate=...)``: a surrogate object, or its name (the object's defaults).
 Surrogate = SurrogateObjective | SurrogateName
@@ -101,6 +103,16 @@ class PolicyLossDiagnostics(NamedTuple):
       band ``[e^{-low}, e^{high}]``) per token; low: below with ``A < 0``; high: above with
       ``A > 0``; dual: 0 (only one edge binds per sign).
     - :class:`~rlobjectives.VESPO`: no clipping (the clip fields are 0).
+    - :class:`~rlobjectives.DPPO`: the trust region replaces the band: ``clipped_fraction``
+      counts the tokens outside it (any sign of ``A``; an ``A = 0`` token is judged by the
+      ``A <= 0`` rule: verl's ``pg_clipfrac``), low those with ``A < 0``, high those with
+      ``A > 0`` (prime-rl's ``is_masked_low`` / ``is_masked_high``), dual the kept tokens whose
+      ratio the cap changes, ``r > ratio_cap``, of **either** sign (verl's ``pg_clipfrac_lower``
+      for DPPO).
+    - :class:`~rlobjectives.DRO`, :class:`~rlobjectives.KLCov`: no clipping (0).
+    - :class:`~rlobjectives.ClipCov`: the band of its clip (as ``Clip(low, high)``).
+    - :class:`~rlobjectives.M2PO`: none without ``low``; with it the band of
+      ``Clip(low, high)`` at the kept tokens.
 
     Attributes:
         clipped_fraction: ratio strictly outside the band, any sign of the advantage (the seed's
@@ -122,7 +134,13 @@ class PolicyLossDiagnostics(NamedTuple):
             ``s = w A`` (``"clip"``: the clipped ratio of the selected branch; ``"sapo"``: the
             gate ``4 sigma / tau``; ``"gmpo"``: the sequence's clipped geometric-mean ratio) or
             ``s = sg(w) A log_probs`` (``"cispo"``: the capped ratio; ``"vespo"``: the
-            sequence's gamma weight ``phi``, TRL's ``vespo/phi_seq_mean`` per token).
+            sequence's gamma weight ``phi``, TRL's ``vespo/phi_seq_mean`` per token);
+            ``"dppo"``: ``1[kept] min(r, cap)`` (the ratio without a cap); ``"dro"``: 1 (the
+            advantage's factor in the gradient); ``"m2po"``, ``"clip_cov"``: that of their
+            surrogate, 0 at the masked / detached tokens; ``"kl_cov"``: ``r``.
+        selected_fraction: the tokens a batch-level objective acts on: M2PO's masked tokens,
+            Clip-Cov's detached ones (verl's ``pg_clipfrac`` for ``clip_cov``), KL-Cov's
+            penalised ones; 0 for the other surrogates.
     """
 
     clipped_fraction: torch.Tensor
@@ -134,6 +152,7 @@ class PolicyLossDiagnostics(NamedTuple):
     approx_kl_k1: torch.Tensor
     approx_kl_k3: torch.Tensor
     weight_mean: torch.Tensor = _ZERO  # a default keeps 8-field constructions working
+    selected_fraction: torch.Tensor = _ZERO  # a default keeps 9-field constructions working
 
 
 class PolicyLossOutput(NamedTuple):
@@ -315,8 +334,12 @@ def validate_entropy_coef(
     return coef
 
 
+#: The surrogates whose name cannot mean their defaults (a field without one), and why.
+_NO_DEFAULTS: dict[str, str] = {"dro": "DRO(beta=...): verl's dro_beta has no default"}
 #: Each name's object with its defaults, built once (the objects are immutable).
-_DEFAULTS: dict[str, SurrogateObjective] = {name: cls() for name, cls in SURROGATES.items()}
+_DEFAULTS: dict[str, SurrogateObjective] = {
+    name: cls() for name, cls in SURROGATES.items() if name not in _NO_DEFAULTS
+}
 
 
 def as_surrogate(surrogate: object) -> SurrogateObjective:
@@ -330,10 +353,16 @@ def as_surrogate(surrogate: object) -> SurrogateObjective:
         return surrogate
     if isinstance(surrogate, str):
         validate_choice(surrogate, "surrogate", SURROGATE_NAMES)
+        if surrogate in _NO_DEFAULTS:
+            raise ValueError(
+                f"surrogate={surrogate!r} has no defaults: pass the object, "
+                f"{_NO_DEFAULTS[surrogate]}"
+            )
         return _DEFAULTS[surrogate]
     raise TypeError(
         f"surrogate must be one of {list(SURROGATE_NAMES)} or a surrogate object (Clip, CISPO, "
-        f"SAPO, GMPO, VESPO), got {type(surrogate).__name__} ({surrogate!r})"
+        f"SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov), got {type(surrogate).__name__} "
+        f"({surrogate!r})"
     )
 
 
@@ -350,9 +379,9 @@ def validate_surrogate_options(
     """
     objective = as_surrogate(surrogate)
     validate_choice(ratio_level, "ratio_level", RATIO_LEVELS)
-    if ratio_level != "token" and not objective.token_local:
+    if ratio_level != "token" and not objective.takes_sequence_ratio:
         raise ValueError(
-            f"surrogate={objective!r} forms its own sequence ratio: ratio_level must be "
+            f"surrogate={objective!r} {objective.token_ratio_reason}: ratio_level must be "
             f"'token', got ratio_level={ratio_level!r}"
         )
     bound = None

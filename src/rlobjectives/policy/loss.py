@@ -18,9 +18,9 @@ import torch
 
 from .._core.backend import kernel_backend
 from .._core.layout import token_ndim, token_output
-from .._core.reduction import Reduction
+from .._core.reduction import Reduction, reduce
 from .._core.validation import ArrayLike, Scalar, checks_environment, validate_bool
-from .fused import _finish, run_fused
+from .fused import _finish, entropy_term, run_fused
 from .inputs import (
     PolicyCall,
     PolicyLossOutput,
@@ -82,7 +82,14 @@ def policy_loss(
       sequence's ratios clipped in log space (GSPO's token form);
     - :class:`~rlobjectives.VESPO`: :math:`s = \mathrm{sg}(\phi_i) A \ell`, the gamma weight of the
       sequence ratio, which takes in the importance weights (a weight given per sequence,
-      ``(B,)`` or packed ``(S,)``, enters once).
+      ``(B,)`` or packed ``(S,)``, enters once);
+    - :class:`~rlobjectives.DPPO`: :math:`s = \mathrm{sg}(\min(r, c)) A \ell` inside a binary-TV
+      or binary-KL trust region on :math:`p = e^{\ell}` and :math:`p^{old}`, 0 outside;
+    - :class:`~rlobjectives.DRO`: :math:`s = \ell A - \frac{1}{2}\beta(\ell - \ell^{old})^2`;
+    - :class:`~rlobjectives.M2PO`: :math:`s = rA` (or the clip) on the tokens its second-moment
+      mask keeps, reduced over them;
+    - :class:`~rlobjectives.ClipCov`, :class:`~rlobjectives.KLCov`: the clip with a random few
+      high-covariance tokens detached; :math:`rA` with the top-k covariance tokens penalised.
 
     The per-token loss is :math:`L_{it} = -w_{it} s_{it} - \beta H_{it}` with the importance
     weights :math:`w` (``importance_weights``; VESPO takes them inside its sequence ratio
@@ -106,11 +113,13 @@ def policy_loss(
     ``docs/conventions.md``.
 
     ``old_log_probs``, ``advantages`` and ``importance_weights`` are constants: no gradient
-    flows into them. The token-local surrogates run through a fused ``torch.autograd.Function``
+    flows into them. The token-local surrogates (``Clip``, ``CISPO``, ``SAPO``, ``DPPO``,
+    ``DRO``) run through a fused ``torch.autograd.Function``
     (:mod:`rlobjectives.policy.fused`, with the object's fused stage): one forward pass computes
     the loss, the diagnostics and the gradient coefficient, and backward keeps one float
     ``(B, T)`` tensor plus the mask. It supports first-order gradients only; a surrogate field
-    given as a tensor that requires grad, and ``GMPO``/``VESPO``, use the plain-autograd
+    given as a tensor that requires grad, ``GMPO``/``VESPO`` (sequence-level) and ``M2PO``,
+    ``ClipCov``, ``KLCov`` (batch-level selections: per call) use the plain-autograd
     specification (:mod:`rlobjectives.policy.specification`) instead.
 
     Args:
@@ -120,10 +129,12 @@ def policy_loss(
         mask: ``(B, T)``, bool or numeric; nonzero selects the token.
         surrogate: a surrogate object (:class:`~rlobjectives.Clip`,
             :class:`~rlobjectives.CISPO`, :class:`~rlobjectives.SAPO`,
-            :class:`~rlobjectives.GMPO`, :class:`~rlobjectives.VESPO`) holding its options, or
-            its name (``"clip"``, ``"cispo"``, ``"sapo"``, ``"gmpo"``, ``"vespo"``: the object
-            with its defaults).
-        ratio_level: ``"token"`` or ``"sequence"`` (GSPO; token-local surrogates only).
+            :class:`~rlobjectives.GMPO`, :class:`~rlobjectives.VESPO`,
+            :class:`~rlobjectives.DPPO`, :class:`~rlobjectives.DRO`, :class:`~rlobjectives.M2PO`,
+            :class:`~rlobjectives.ClipCov`, :class:`~rlobjectives.KLCov`) holding its options, or
+            its name (``"clip"``, ``"cispo"``, ``"sapo"``, ``"gmpo"``, ``"vespo"``, ``"dppo"``,
+            ``"m2po"``, ``"clip_cov"``, ``"kl_cov"``: the object with its defaults).
+        ratio_level: ``"token"`` or ``"sequence"`` (GSPO; ``Clip``, ``CISPO``, ``SAPO`` only).
         log_ratio_bound: :math:`b > 0` bound on the log-ratio before ``exp`` (the gradient through
             the ratio is zero where it fires), or None.
         importance_weights: ``(B,)``, ``(B, 1)`` or ``(B, T)`` constant weights (e.g. from
@@ -161,7 +172,8 @@ def policy_loss(
 
     Raises:
         ValueError: on mismatched shapes, wrong ranks, different devices,
-            ``ratio_level="sequence"`` with ``GMPO``/``VESPO``, a non-positive
+            ``ratio_level="sequence"`` with a surrogate other than ``Clip``, ``CISPO``,
+            ``SAPO``, ``surrogate="dro"`` (DRO has no default ``beta``), a non-positive
             ``log_ratio_bound``, ``entropy_coef != 0`` without ``entropy``, a non-positive
             normaliser, a fractional ``max_response_length``, an unknown ``surrogate`` name,
             ``reduction`` or ``ratio_level``, or a malformed ``cu_seqlens`` (not an integer 1-D
@@ -263,8 +275,18 @@ def run_autograd(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutpu
     """:func:`policy_loss` through the autograd specification (:mod:`.specification`)."""
     inputs = call.inputs
     terms = policy_terms(inputs, call.options, call.diagnostics_normalizer, call.layout)
-    output = _finish(call, terms.per_token_loss, terms.per_token_loss, terms.diagnostics)
-    return output if return_per_token else output._replace(per_token_loss=None)
+    per_token = terms.per_token_loss
+    if terms.loss_mask is None:
+        output = _finish(call, per_token, per_token, terms.diagnostics)
+        return output if return_per_token else output._replace(per_token_loss=None)
+    # M2PO: the surrogate is reduced over its kept tokens, the entropy bonus over the call's.
+    surrogate = reduce(per_token, terms.loss_mask, call.reduction, call.layout)
+    output = _finish(call, surrogate, None, terms.diagnostics)
+    if not return_per_token:
+        return output
+    bonus = entropy_term(call)
+    per_token = per_token if bonus is None else per_token + bonus
+    return output._replace(per_token_loss=per_token.to(inputs.output_dtype))
 
 
 def _policy_loss_autograd(*args: ArrayLike, **kwargs: Any) -> PolicyLossOutput:

@@ -8,7 +8,8 @@ Each step is one function, in plain ``torch`` with autograd doing the derivative
 2. the surrogate object's formula (``Clip.formula``, ``CISPO.formula``, ... in
    :mod:`rlobjectives.policy.surrogates`); the per-token loss is :math:`-w s` with the
    importance weights :math:`w` (VESPO folds them into its formula instead);
-3. :func:`surrogate_diagnostics`: the named, detached diagnostics.
+3. :func:`surrogate_diagnostics`: the named, detached diagnostics (over the call's selected
+   tokens, also when the surrogate narrows the loss's selection: M2PO).
 
 :mod:`rlobjectives.policy.fused` computes the same values and gradients of the token-local
 surrogates in one pass without autograd and is tested against this module; the hidden-state
@@ -48,6 +49,7 @@ class LogRatios(NamedTuple):
     advantages: torch.Tensor  # A, 0 at unselected tokens
     bounded_log_ratio: torch.Tensor  # log of ``ratio`` (with gradient), 0 at unselected tokens
     log_probs: torch.Tensor  # l on selected tokens, 0 elsewhere (with gradient)
+    old_log_probs: torch.Tensor  # l_old on selected tokens, 0 elsewhere (constant)
 
 
 def token_log_ratios(inputs: PolicyInputs, options: SurrogateOptions, layout: Layout) -> LogRatios:
@@ -79,7 +81,9 @@ def token_log_ratios(inputs: PolicyInputs, options: SurrogateOptions, layout: La
     else:
         bounded = clamp(token_log_ratio, -bound, bound)  # (B, T)
         bound_fired = mask & (token_log_ratio.detach().abs() > bound)  # (B, T)
-    return LogRatios(log_ratio, torch.exp(bounded), bound_fired, advantages, bounded, log_probs)
+    return LogRatios(
+        log_ratio, torch.exp(bounded), bound_fired, advantages, bounded, log_probs, old_log_probs
+    )
 
 
 @torch.no_grad()
@@ -117,14 +121,24 @@ def surrogate_diagnostics(
         approx_kl_k1=mean(-ratios.log_ratio.detach()),
         approx_kl_k3=mean(torch.expm1(kl_log_ratio) - kl_log_ratio),
         weight_mean=mean(surrogate.weight),
+        selected_fraction=(
+            torch.zeros((), dtype=dtype, device=mask.device)
+            if surrogate.selected is None
+            else fraction(surrogate.selected)
+        ),
     )
 
 
 class PolicyTerms(NamedTuple):
-    """Per-token loss ``-w s`` ``(B, T)`` (zeros at unselected tokens) and diagnostics."""
+    """Per-token loss ``-w s`` ``(B, T)`` (zeros at unselected tokens) and diagnostics.
+
+    ``loss_mask``: the tokens the surrogate is reduced over when it narrows the call's
+    selection (M2PO's kept tokens; the per-token loss is 0 at the others), else None.
+    """
 
     per_token_loss: torch.Tensor
     diagnostics: PolicyLossDiagnostics
+    loss_mask: torch.Tensor | None = None
 
 
 def policy_terms(
@@ -153,6 +167,7 @@ def policy_terms(
             importance_weights=weights,
             layout=layout,
             sequence_weights=inputs.sequence_weights,
+            old_log_probs=ratios.old_log_probs,
         )
     )
     per_token_loss = -surrogate.values  # (B, T)
@@ -160,4 +175,4 @@ def policy_terms(
         per_token_loss = per_token_loss * masked_fill_zero(weights, mask)  # NaN-proof weights
     per_token_loss = masked_fill_zero(per_token_loss, mask)  # (B, T)
     diagnostics = surrogate_diagnostics(ratios, surrogate, mask, options, diagnostics_normalizer)
-    return PolicyTerms(per_token_loss, diagnostics)
+    return PolicyTerms(per_token_loss, diagnostics, surrogate.loss_mask)

@@ -17,7 +17,7 @@ the kernels. This module maps the validated call onto the flat launcher of
 - GSPO's sequence log-ratio (the mean selected log-ratio of each sequence) is formed through
   the layout and read per row (padded) or per token (packed);
 - the entropy bonus is a term of the kernel's per-token loss (gradient :math:`-c_H w`);
-- the nine diagnostics are the kernel's last nine sums over the selected-token count (or
+- the diagnostics are the kernel's last nine sums over the selected-token count (or
   ``diagnostics_normalizer``).
 
 :func:`kernel_options` returns None when a hyperparameter cannot be handed to the kernel (a
@@ -90,7 +90,9 @@ def kernel_options(
     surrogate = options.surrogate
     if not surrogate.token_local:
         return None
-    fields = [host_number(value) for value in vars(surrogate).values()]
+    fields = [  # the numeric fields (DPPO's divergence is a name)
+        host_number(value) for value in vars(surrogate).values() if not isinstance(value, str)
+    ]
     bound = host_number(options.log_ratio_bound)
     coef = host_number(entropy_coef)
     if any(value is _NOT_READABLE for value in (*fields, bound, coef)):
@@ -192,12 +194,17 @@ def _launch(
 def diagnostics_of(
     totals: torch.Tensor, normalizer: float | torch.Tensor | None
 ) -> PolicyLossDiagnostics:
-    """The nine diagnostics from the kernel's sums (the last nine over the selected count)."""
+    """The diagnostics from the kernel's sums (the last nine over the selected count).
+
+    ``selected_fraction`` is 0: the kernels compute the token-local surrogates, which select no
+    tokens of the batch.
+    """
     if normalizer is None:
         denominator = totals[7].clamp(min=1)
     else:  # an explicit normaliser is honoured exactly
         denominator = torch.as_tensor(normalizer, dtype=totals.dtype, device=totals.device)
-    return PolicyLossDiagnostics(*(totals[8:17] / denominator).unbind())
+    fractions = totals[8:17] / denominator
+    return PolicyLossDiagnostics(*torch.cat([fractions, torch.zeros_like(fractions[:1])]).unbind())
 
 
 def run_kernels(

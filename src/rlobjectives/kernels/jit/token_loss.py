@@ -14,13 +14,14 @@ arithmetic (``tl.where``, never a product): NaN/inf there reaches nothing.
 
 The surrogate ``s`` is chosen by the compile-time constant ``SURROGATE`` (one function per
 formula): 0 clip/vanilla (:func:`clip_surrogate`), 1 CISPO (:func:`cispo_surrogate`), 2 SAPO
-(:func:`sapo_surrogate`), 3 none (``kl_loss``: only the KL term).
+(:func:`sapo_surrogate`), 3 none (``kl_loss``: only the KL term), 4 and 5 DPPO with the binary
+TV and KL trust regions (:func:`dppo_surrogate`), 6 DRO (:func:`dro_surrogate`).
 """
 
 import triton
 import triton.language as tl
 
-from .math import clamp_symmetric, expm1_minus_x, kl_estimate, load_indexed
+from .math import clamp_symmetric, expm1, expm1_minus_x, kl_estimate, load_indexed
 
 # Columns of the (programs, SUMS) partial-sum tensor (the order of TokenLossSums); the last nine
 # are the numerators of PolicyLossDiagnostics, in its field order.
@@ -44,7 +45,11 @@ SUM_NAMES = (
     "weight_sum",  # sum of the factor w of s = w A (or sg(w) A l): weight_mean
 )
 SUMS = len(SUM_NAMES)
-SURROGATES = {"clip": 0, "cispo": 1, "sapo": 2, "none": 3}
+SURROGATES = {"clip": 0, "cispo": 1, "sapo": 2, "none": 3, "dppo_tv": 4, "dppo_kl": 5, "dro": 6}
+BINARY_KL_EPSILON = tl.constexpr(1e-8)
+LOWEST_FLOAT32 = tl.constexpr(
+    -3.4028234663852886e38
+)  # torch.finfo(torch.float32).min  # verl's (rlobjectives.policy.surrogates.dppo)
 ESTIMATORS = {"k1": 1, "k2": 2, "k3": 3, "abs": 4}
 
 
@@ -147,13 +152,81 @@ def sapo_surrogate(ratio, passes, advantages, weighted, tau_positive, tau_negati
 
 
 @triton.jit
+def dppo_surrogate(
+    log_probs, old, ratio, passes, advantages, weighted, low, high, ratio_cap,
+    KL: tl.constexpr, HAS_CAP: tl.constexpr,
+):  # fmt: skip
+    r"""DPPO: ``w s = sg(w) A~ l`` with ``w = 1[kept] min(r, c)`` (``w A~`` without a cap).
+
+    The trust region of ``rlobjectives.policy.surrogates.dppo.dppo_trust_region`` in float32:
+    TV ``p - p_old <= high`` (A > 0) / ``>= -low`` (A <= 0); KL ``D <= high or l <= l_old``
+    (A > 0) / ``D <= low or l >= l_old`` (A <= 0), ``D`` the binary KL with ``1 - p =
+    -expm1(l)`` and the log of the complements' quotient (the ``binary_kl`` of the PyTorch
+    path). The slope ``w A~`` (without a cap times
+    the bound's ``passes``). Sets: outside (any sign), outside with ``A < 0`` / ``A > 0``, kept
+    with ``r > c`` (any sign). Returns as :func:`clip_surrogate`.
+    """
+    positive = advantages > 0.0
+    log_ratio = log_probs - old  # Delta and l - Delta: the numbers the PyTorch paths decide on
+    old = log_probs - log_ratio
+    if KL:
+        gap = old - log_probs
+        gap = tl.where(gap < LOWEST_FLOAT32, LOWEST_FLOAT32, gap)  # keeps NaN; 0 * gap at p_old = 0
+        first = tl.exp(old) * gap
+        old_complement = -expm1(old)
+        complement = BINARY_KL_EPSILON - expm1(log_probs)
+        divergence = first + old_complement * tl.log(
+            (old_complement + BINARY_KL_EPSILON) / complement
+        )
+        kept = tl.where(
+            positive, (divergence <= high) | (log_ratio <= 0.0),
+            (divergence <= low) | (log_ratio >= 0.0),
+        )  # fmt: skip
+    else:
+        moved = tl.exp(log_probs) - tl.exp(old)
+        kept = tl.where(positive, moved <= high, moved >= -low)
+    outside = ~kept
+    capped = ratio < float("-inf")  # all False
+    if HAS_CAP:
+        capped = kept & (ratio > ratio_cap)
+        factor = tl.where(kept, tl.where(ratio > ratio_cap, ratio_cap, ratio), 0.0)
+        slope = factor * weighted
+        value = log_probs * slope
+    else:
+        factor = tl.where(kept, ratio, 0.0)
+        value = factor * weighted
+        slope = tl.where(passes, value, 0.0)
+    return (
+        value, slope, factor, outside, outside & (advantages < 0.0), outside & positive, capped,
+    )  # fmt: skip
+
+
+@triton.jit
+def dro_surrogate(log_probs, old, weighted, importance, beta, HAS_IMPORTANCE: tl.constexpr):
+    r"""DRO: ``w s = rho (l A - beta Delta^2 / 2)``, slope ``rho (A - beta Delta)``, raw ``Delta``.
+
+    No ratio and no clip: the sets are empty, the factor is 1.
+    """
+    log_ratio = log_probs - old
+    penalty = beta * log_ratio
+    if HAS_IMPORTANCE:
+        penalty = penalty * importance
+    none = log_probs < float("-inf")  # all False
+    return (
+        log_probs * weighted - 0.5 * penalty * log_ratio, weighted - penalty,
+        tl.full(log_probs.shape, 1.0, tl.float32), none, none, none, none,
+    )  # fmt: skip
+
+
+@triton.jit
 def policy_terms(
     log_probs, old, advantages, sequence, importance, selected,
     low, high, upper_positive, upper_negative, dual_clip, tau_positive, tau_negative, half_peak,
-    bound, diagnostic_bound,
+    ratio_cap, beta, bound, diagnostic_bound,
     SURROGATE: tl.constexpr, HAS_LOW: tl.constexpr, HAS_HIGH: tl.constexpr,
     HAS_UPPER_POSITIVE: tl.constexpr, HAS_UPPER_NEGATIVE: tl.constexpr, HAS_DUAL: tl.constexpr,
-    HAS_BOUND: tl.constexpr, HAS_SEQUENCE: tl.constexpr, HAS_IMPORTANCE: tl.constexpr,
+    HAS_CAP: tl.constexpr, HAS_BOUND: tl.constexpr, HAS_SEQUENCE: tl.constexpr,
+    HAS_IMPORTANCE: tl.constexpr,
 ):  # fmt: skip
     """The policy part of one block: ``-w s``, its slope, and the nine diagnostic numerators.
 
@@ -185,10 +258,19 @@ def policy_terms(
         value, slope, factor, band, low_set, high_set, dual_set = cispo_surrogate(
             log_probs, ratio, advantages, weighted, low, high, HAS_LOW, HAS_HIGH
         )
-    else:
+    elif SURROGATE == 2:
         value, slope, factor, band, low_set, high_set, dual_set = sapo_surrogate(
             ratio, passes, advantages, weighted, tau_positive, tau_negative, half_peak
         )
+    elif SURROGATE == 6:
+        value, slope, factor, band, low_set, high_set, dual_set = dro_surrogate(
+            log_probs, old, weighted, importance, beta, HAS_IMPORTANCE
+        )
+    else:  # 4, 5: DPPO (TV, KL)
+        value, slope, factor, band, low_set, high_set, dual_set = dppo_surrogate(
+            log_probs, old, ratio, passes, advantages, weighted, low, high, ratio_cap,
+            SURROGATE == 5, HAS_CAP,
+        )  # fmt: skip
     kl_log_ratio = clamp_symmetric(token_log_ratio, diagnostic_bound)
     return (
         tl.where(selected, -value, 0.0), tl.where(selected, -slope, 0.0),
@@ -232,11 +314,12 @@ def token_loss_kernel(
     n, advantages_divisor, advantages_stride, weights_divisor, weights_stride,
     sequence_divisor, sequence_stride, importance_divisor, importance_stride,
     low, high, upper_positive, upper_negative, dual_clip, tau_positive, tau_negative,
-    half_peak, bound, diagnostic_bound, kl_coef, entropy_coef,
+    half_peak, ratio_cap, beta, bound, diagnostic_bound, kl_coef, entropy_coef,
     SURROGATE: tl.constexpr, HAS_LOW: tl.constexpr, HAS_HIGH: tl.constexpr,
     HAS_UPPER_POSITIVE: tl.constexpr, HAS_UPPER_NEGATIVE: tl.constexpr, HAS_DUAL: tl.constexpr,
-    HAS_BOUND: tl.constexpr, HAS_WEIGHTS: tl.constexpr, HAS_SEQUENCE: tl.constexpr,
-    HAS_IMPORTANCE: tl.constexpr, HAS_KL: tl.constexpr, KL_ESTIMATOR: tl.constexpr,
+    HAS_CAP: tl.constexpr, HAS_BOUND: tl.constexpr, HAS_WEIGHTS: tl.constexpr,
+    HAS_SEQUENCE: tl.constexpr, HAS_IMPORTANCE: tl.constexpr, HAS_KL: tl.constexpr,
+    KL_ESTIMATOR: tl.constexpr,
     KL_STRAIGHT_THROUGH: tl.constexpr, KL_IMPORTANCE: tl.constexpr, HAS_ENTROPY: tl.constexpr,
     STORE_LOSS: tl.constexpr, COLUMNS: tl.constexpr, BLOCK: tl.constexpr,
 ):  # fmt: skip
@@ -288,9 +371,9 @@ def token_loss_kernel(
             log_probs, tl.where(selected, old, 0.0), tl.where(selected, advantages, 0.0),
             tl.where(selected, sequence, 0.0), importance, selected,
             low, high, upper_positive, upper_negative, dual_clip, tau_positive, tau_negative,
-            half_peak, bound, diagnostic_bound,
+            half_peak, ratio_cap, beta, bound, diagnostic_bound,
             SURROGATE, HAS_LOW, HAS_HIGH, HAS_UPPER_POSITIVE, HAS_UPPER_NEGATIVE, HAS_DUAL,
-            HAS_BOUND, HAS_SEQUENCE, HAS_IMPORTANCE,
+            HAS_CAP, HAS_BOUND, HAS_SEQUENCE, HAS_IMPORTANCE,
         )  # fmt: skip
         policy, total_slope, band, low_set, high_set, dual_set, fired, ratio, k1, k3, factor = terms
         total = policy

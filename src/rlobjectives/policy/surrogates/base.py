@@ -17,10 +17,13 @@ of :func:`rlobjectives.policy_loss` need from it:
   Triton token-loss kernel (its surrogate id, edges and scalars, :mod:`rlobjectives.kernels`).
 
 Class attributes: ``name`` (the string that means the object with its defaults), ``token_local``
-(value and derivative per token: a fused stage, a kernel, and ``ratio_level="sequence"``
-allowed; the sequence-level GMPO and VESPO form their own sequence ratio) and
-``folds_importance_weights`` (the importance weights enter the formula instead of scaling the
-per-token loss: VESPO).
+(value and derivative per token: a fused stage, a kernel, the hidden-state chunk loop; the
+sequence-level GMPO and VESPO form their own sequence ratio, and the batch-level M2PO, ClipCov
+and KLCov select tokens from the whole call), ``takes_sequence_ratio`` (``ratio_level="sequence"``
+allowed: GSPO's sequence ratio in place of the token ratio; ``token_ratio_reason`` says why not
+in the error), ``folds_importance_weights`` (the importance weights enter the formula instead
+of scaling the per-token loss: VESPO) and ``needs_log_ratio`` (the fused stage reads the raw
+selected log-ratio, :attr:`StageInputs.log_ratio`: DPPO, DRO).
 
 Fields are Python numbers or 0-d tensors; a tensor that requires grad (a learnable
 hyperparameter) routes the call to the autograd path.
@@ -62,6 +65,7 @@ class SurrogateInputs(NamedTuple):
     importance_weights: torch.Tensor | None  # (B, 1) or (B, T), constant, NOT selected
     layout: Layout
     sequence_weights: bool = False  # the weights are one per sequence (packed: broadcast)
+    old_log_probs: torch.Tensor | None = None  # l_old (B, T), constant, zeros at unselected
 
 
 class FormulaTerms(NamedTuple):
@@ -73,6 +77,11 @@ class FormulaTerms(NamedTuple):
     below: torch.Tensor  # bool (B, T): clip_fraction_low
     above: torch.Tensor  # bool (B, T): clip_fraction_high
     dual: torch.Tensor  # bool (B, T): dual_clip_fraction
+    # bool (B, T): selected_fraction (tokens the objective masks, detaches or penalises), or None
+    selected: torch.Tensor | None = None
+    # bool (B, T): the tokens the surrogate is reduced over when the objective narrows the
+    # call's selection (M2PO's kept tokens), or None (the call's mask)
+    loss_mask: torch.Tensor | None = None
 
 
 class StageInputs(NamedTuple):
@@ -87,6 +96,11 @@ class StageInputs(NamedTuple):
     log_probs: torch.Tensor  # (B, T) the log-probabilities, not selected, any float dtype
     selected_count: torch.Tensor  # () selected tokens
     dtype: torch.dtype
+    old_log_probs: torch.Tensor | None = None  # (B, T) l_old, not selected, any float dtype
+    importance_weights: torch.Tensor | None = None  # (B, 1) or (B, T) rho, not selected
+    # (B, T) the raw token log-ratio Delta at selected tokens, 0 elsewhere (a fresh buffer),
+    # for the surrogates with ``needs_log_ratio`` (None otherwise)
+    log_ratio: torch.Tensor | None = None
 
 
 class ClipCounts(NamedTuple):
@@ -117,7 +131,10 @@ class SurrogateObjective:
 
     name: ClassVar[str]
     token_local: ClassVar[bool] = True
+    takes_sequence_ratio: ClassVar[bool] = True
+    token_ratio_reason: ClassVar[str] = "forms its own sequence ratio"
     folds_importance_weights: ClassVar[bool] = False
+    needs_log_ratio: ClassVar[bool] = False  # the fused stage reads StageInputs.log_ratio
 
     def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
         """The readable autograd specification of the surrogate (see the subclass)."""

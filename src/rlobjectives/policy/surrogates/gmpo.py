@@ -65,6 +65,7 @@ class GMPO(SurrogateObjective):
 
     name: ClassVar[str] = "gmpo"
     token_local: ClassVar[bool] = False
+    takes_sequence_ratio: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         if self.low is None and self.high is not None:

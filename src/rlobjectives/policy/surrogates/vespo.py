@@ -76,6 +76,7 @@ class VESPO(SurrogateObjective):
 
     name: ClassVar[str] = "vespo"
     token_local: ClassVar[bool] = False
+    takes_sequence_ratio: ClassVar[bool] = False
     folds_importance_weights: ClassVar[bool] = True
 
     def __post_init__(self) -> None:

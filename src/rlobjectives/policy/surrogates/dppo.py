@@ -1,0 +1,305 @@
+r"""DPPO (divergence proximal policy optimisation): a trust region on the token probabilities.
+
+With :math:`p = e^{\ell}` and :math:`p^{old} = e^{\ell^{old}}` the probabilities of the sampled
+token under the current and the behaviour policy, :math:`r` the ratio after the log-ratio bound
+and :math:`A` the advantage, DPPO keeps the tokens inside a trust region on a *binary*
+divergence between :math:`p` and :math:`p^{old}` (not a band on the ratio), one-sided per sign
+of the advantage (:math:`A \le 0` takes the low rule, as verl and prime-rl):
+
+.. math::
+
+    \text{TV:}\quad & \text{kept} \iff p - p^{old} \le \delta_{high}\ (A > 0), \quad
+        p - p^{old} \ge -\delta_{low}\ (A \le 0); \\
+    \text{KL:}\quad & \text{kept} \iff D \le \delta_{high} \lor p \le p^{old}\ (A > 0), \quad
+        D \le \delta_{low} \lor p \ge p^{old}\ (A \le 0), \\
+    & D = p^{old} \log\frac{p^{old}}{p} + (1 - p^{old}) \log\frac{1 - p^{old} + \varepsilon}
+        {1 - p + \varepsilon}, \quad \varepsilon = 10^{-8},
+
+and the surviving tokens get :math:`s = \mathrm{sg}(\min(r, c))\, A\, \ell` (verl's value form,
+:math:`c` = ``ratio_cap``); without a cap, :math:`s = rA` (prime-rl's and SkyRL's value form,
+the same gradient :math:`rA`). A masked token has value and gradient 0 and stays in the
+reduction's denominator. The decision is one function, :func:`dppo_trust_region`, of the selected
+log-probabilities and log-ratios, shared by the formula (:meth:`DPPO.formula`), the fused stage
+(:meth:`DPPO.stage`) and, in the same arithmetic, the Triton kernel (``dppo_tv`` / ``dppo_kl`` of
+:mod:`rlobjectives.kernels.jit.token_loss`).
+
+Numerics: :math:`1 - p` is :math:`-\mathrm{expm1}(\ell)` (verl's ``1 - exp(l)`` loses every digit
+in float32 for :math:`\ell > -6 \cdot 10^{-8}`, the near-certain tokens; :func:`binary_kl`),
+:math:`p^{old} \log(p^{old}/p) = p^{old}(\ell^{old} - \ell)` is 0 at
+:math:`p^{old} = 0` (its limit; verl computes NaN there and masks the token), and the direction
+clause compares :math:`\ell` with :math:`\ell^{old}` (exact). The TV difference is
+:math:`e^{\ell} - e^{\ell^{old}}` in the computation dtype, as every peer: against an absolute
+threshold its absolute error (2 ulp of 1) is harmless.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from ..._core.validation import Scalar, validate_scalar
+from .base import (
+    ClipCounts,
+    FormulaTerms,
+    StageInputs,
+    StageOutputs,
+    SurrogateInputs,
+    SurrogateObjective,
+)
+
+__all__ = ["BINARY_KL_EPSILON", "DIVERGENCES", "DPPO", "binary_kl", "dppo_trust_region"]
+
+#: verl's and SkyRL's epsilon in the binary KL's complement term.
+BINARY_KL_EPSILON = 1e-8
+#: The divergences of DPPO, with the default threshold of each (SkyRL's documented values; the
+#: TV one is prime-rl's ``dppo_mask_low`` / ``dppo_mask_high``).
+DIVERGENCES: dict[str, float] = {"tv": 0.2, "kl": 0.05}
+
+
+@dataclass(frozen=True)
+class DPPO(SurrogateObjective):
+    r"""DPPO: :math:`s = \mathrm{sg}(\min(r, c)) A \ell` on the tokens inside a binary trust region.
+
+    The trust region is the binary total-variation (``"tv"``) or binary KL (``"kl"``) divergence
+    between :math:`p = e^{\ell}` and :math:`p^{old}`, one-sided per sign of :math:`A` (see the
+    module docstring for the conditions; :func:`dppo_trust_region` decides them). A token
+    outside it has value and gradient 0 and stays in the reduction's denominator; a token
+    inside has :math:`\partial s / \partial \ell = \min(r, c) A` (the capped ratio is a
+    constant weight, as CISPO's), or, with ``ratio_cap=None``, :math:`s = rA` with the same
+    gradient :math:`rA`. Its fused stage is :meth:`DPPO.stage`, its Triton kernel the ``dppo_tv``
+    / ``dppo_kl`` surrogates of :mod:`rlobjectives.kernels.jit.token_loss`. The divergence is
+    decided per token: ``ratio_level`` must be ``"token"``.
+
+    Attributes:
+        divergence: ``"tv"`` (Binary-TV, arXiv:2602.04879 Eq. 13) or ``"kl"`` (Binary-KL, Eq. 14).
+        low: :math:`\delta_{low} \ge 0`, the threshold for :math:`A \le 0` tokens (verl's
+            ``clip_ratio_low``); None: the divergence's default, 0.2 for ``"tv"`` (prime-rl's
+            ``dppo_mask_low``, SkyRL) and 0.05 for ``"kl"`` (SkyRL's recommendation). For
+            ``"tv"`` at most 1 (``|p - p_old| <= 1``).
+        high: :math:`\delta_{high} \ge 0`, the threshold for :math:`A > 0` tokens (verl's
+            ``clip_ratio_high``); None means ``low``.
+        ratio_cap: :math:`c > 0`, the cap of the ratio weight (verl's ``clip_ratio_c``; the
+            paper recommends a large value, Sec. 5.4: 20.0). None: no cap, and the value form
+            :math:`rA` of prime-rl and SkyRL (same gradient where :math:`r \le c`).
+
+    Raises:
+        ValueError: an unknown ``divergence``, a negative threshold, a ``"tv"`` threshold above
+            1, ``ratio_cap <= 0`` or a non-finite value (the message names the field).
+        TypeError: a field that is not a real number or a 0-d real tensor (``divergence``: not
+            a string).
+
+    References:
+        DPPO, arXiv:2602.04879 Eq. 13 (Binary-TV) and Eq. 14 (Binary-KL), Sec. 5.4 (the cap).
+
+    Peer options: verl ``policy_loss.loss_mode="dppo_tv"`` / ``"dppo_kl"`` =
+    ``DPPO(divergence, low=clip_ratio_low, high=clip_ratio_high, ratio_cap=clip_ratio_c)``
+    (verl's ``ActorConfig.clip_ratio_c`` is 3.0 unless set); prime-rl ``default_loss_fn`` =
+    ``DPPO("tv", low=dppo_mask_low, high=dppo_mask_high, ratio_cap=None)`` with
+    ``log_ratio_bound=None`` (plus its ``kl_tau`` term); SkyRL ``dppo_policy_loss`` =
+    ``DPPO("tv" | "kl", low=delta_low, high=delta_high, ratio_cap=None)``.
+
+    Examples:
+        >>> DPPO()
+        DPPO(divergence='tv', low=0.2, high=0.2, ratio_cap=20.0)
+        >>> DPPO("kl", ratio_cap=3.0)
+        DPPO(divergence='kl', low=0.05, high=0.05, ratio_cap=3.0)
+
+    .. versionadded:: 0.3.0
+    """
+
+    divergence: str = "tv"
+    low: Scalar | None = None
+    high: Scalar | None = None
+    ratio_cap: Scalar | None = 20.0
+
+    name: ClassVar[str] = "dppo"
+    needs_log_ratio: ClassVar[bool] = True
+    takes_sequence_ratio: ClassVar[bool] = False
+    token_ratio_reason: ClassVar[str] = "decides its trust region per token"
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.divergence, str):
+            raise TypeError(
+                f"DPPO.divergence must be a string, one of {sorted(DIVERGENCES)}, got "
+                f"{type(self.divergence).__name__} ({self.divergence!r})"
+            )
+        if self.divergence not in DIVERGENCES:
+            raise ValueError(
+                f"DPPO.divergence must be one of {sorted(DIVERGENCES)}, got {self.divergence!r}"
+            )
+        low = DIVERGENCES[self.divergence] if self.low is None else self.low
+        low = self._threshold(low, "low")
+        high = low if self.high is None else self._threshold(self.high, "high")
+        object.__setattr__(self, "low", low)
+        object.__setattr__(self, "high", high)
+        if self.ratio_cap is not None:
+            cap = validate_scalar(self.ratio_cap, "DPPO.ratio_cap", minimum=0.0, strict=True)
+            object.__setattr__(self, "ratio_cap", cap)
+
+    def _threshold(self, value: Scalar, field: str) -> float | torch.Tensor:
+        checked = validate_scalar(value, f"DPPO.{field}", minimum=0.0)
+        number = float(checked) if not isinstance(checked, torch.Tensor) else None
+        if self.divergence == "tv" and number is not None and number > 1.0:
+            raise ValueError(
+                f"DPPO.{field} must be <= 1 for divergence='tv' (|p - p_old| <= 1), got {number}"
+            )
+        return checked
+
+    def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
+        r""":math:`\mathrm{sg}(\min(r, c)) A \ell` (or :math:`rA`) in the trust region, else 0."""
+        old = inputs.old_log_probs
+        assert old is not None  # the specification passes the (selected) old log-probs
+        advantages, mask = inputs.advantages, inputs.mask
+        log_probs = inputs.log_probs.detach()
+        kept = dppo_trust_region(log_probs, log_probs - old, advantages, self) & mask
+        ratio = inputs.ratio
+        zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
+        if self.ratio_cap is None:
+            weight = torch.where(kept, ratio.detach(), zero)
+            values = torch.where(kept, ratio, zero) * advantages  # r A: gradient r A
+            capped = torch.zeros_like(kept)
+        else:
+            cap = torch.as_tensor(self.ratio_cap, dtype=ratio.dtype, device=ratio.device)
+            weight = torch.where(kept, torch.minimum(ratio.detach(), cap), zero)
+            values = weight * advantages * inputs.log_probs  # sg(min(r, c)) A l
+            capped = kept & (ratio.detach() > cap)
+        outside = mask & ~kept
+        return FormulaTerms(
+            values,
+            weight,
+            out_of_band=outside,
+            below=outside & (advantages < 0),
+            above=outside & (advantages > 0),
+            dual=capped,
+        )
+
+    def stage(self, inputs: StageInputs) -> StageOutputs:
+        r"""The fused stage: the trust region, then CISPO's weight :math:`\min(r, c)` on it.
+
+        Values :math:`w \tilde A \ell` (or :math:`w \tilde A` without a cap) and the
+        coefficient :math:`w \tilde A` with :math:`w = 1[\text{kept}] \min(r, c)` (without a cap
+        times the log-ratio bound's indicator, as :math:`\partial r / \partial \ell`); the clip
+        counts are the tokens outside the region (all, ``A < 0``, ``A > 0``) and ``dual`` the
+        capped ones. The decisions are float indicators (1.0: kept), summed and multiplied in
+        vectorised float loops; an unselected token (zeros: :math:`p = p^{old} = 1`) is inside.
+        """
+        ratio, mask, dtype = inputs.ratio, inputs.mask, inputs.dtype
+        log_ratio = inputs.log_ratio  # raw Delta at selected tokens, 0 elsewhere
+        assert log_ratio is not None  # needs_log_ratio: the fused path passes it
+        zero = torch.zeros((), dtype=dtype, device=ratio.device)
+        log_probs = torch.where(mask, inputs.log_probs.to(dtype), zero)  # (B, T)
+        advantages = inputs.advantages
+        kept = dppo_trust_region(log_probs, log_ratio, advantages, self, dtype=dtype)  # 1.0: in
+        outside = torch.rsub(kept, 1.0)  # 1 - kept: 0.0 at unselected tokens
+        rows = outside.sum(-1, keepdim=True) if advantages.shape[-1] == 1 else outside
+        negative, positive = (advantages < 0).to(dtype), (advantages > 0).to(dtype)
+        clip = ClipCounts(rows.sum(), (rows * negative).sum(), (rows * positive).sum())
+        if self.ratio_cap is None:
+            weight = kept.mul_(ratio)  # (B, T)
+            dual = torch.zeros((), dtype=dtype, device=ratio.device)
+            values = weight * inputs.weighted  # r A~
+            coefficient = values if inputs.passes is None else values * inputs.passes
+        else:
+            cap = torch.as_tensor(self.ratio_cap, dtype=dtype, device=ratio.device)
+            dual = torch.gt(ratio, cap, out=outside).mul_(kept).sum()  # kept and capped
+            weight = torch.minimum(ratio, cap, out=outside).mul_(kept)  # (B, T)
+            coefficient = weight * inputs.weighted  # (B, T), 0 at unselected tokens
+            values = log_probs.mul_(coefficient)  # w A~ l
+        unselected = ratio.numel() - inputs.selected_count  # r = w = 1 at unselected tokens
+        ratio_sum = ratio.sum() - unselected
+        weight_sum = weight.sum() - unselected
+        return StageOutputs(coefficient, values, clip, dual, ratio_sum, weight_sum)
+
+    def kernel_flags(self) -> dict[str, Any]:
+        """The kernel's ``"dppo_tv"`` / ``"dppo_kl"`` setup: the thresholds and the cap."""
+        assert self.low is not None and self.high is not None  # resolved at construction
+        return {
+            "surrogate": f"dppo_{self.divergence}",
+            "low": float(self.low),
+            "high": float(self.high),
+            "ratio_cap": None if self.ratio_cap is None else float(self.ratio_cap),
+        }
+
+
+def binary_kl(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Tensor:
+    r"""DPPO's binary KL :math:`D(p^{old} \| p)` with verl's :math:`\varepsilon`, no NaN at 0, 1.
+
+    .. math::
+
+        D = p^{old} (\ell^{old} - \ell) + (1 - p^{old}) \log\frac{1 - p^{old} + \varepsilon}
+            {1 - p + \varepsilon}, \qquad 1 - p = -\mathrm{expm1}(\ell),
+
+    which is :math:`p^{old}\log(p^{old}/p) + (1 - p^{old})\log\frac{1 - p^{old} + \varepsilon}
+    {1 - p + \varepsilon}` with the complements computed without cancellation (verl's
+    ``1 - exp(l)`` is 0 in float32 for :math:`\ell > -6 \cdot 10^{-8}`, which moves
+    :math:`\log(1 - p + \varepsilon)` by up to 2 there). The logarithm of the quotient is exact
+    to an ulp of itself, an absolute error of :math:`10^{-7}` in :math:`D` (float32): harmless
+    against the thresholds. :math:`\ell^{old} - \ell` is raised to the dtype's lowest finite
+    value, so that the first term is 0 (its limit) at :math:`p^{old} = 0` (:math:`\ell^{old} =
+    -\infty`: verl computes NaN there and masks the token).
+    """
+    return _binary_kl(log_probs, old_log_probs, old_log_probs - log_probs)
+
+
+def _binary_kl(
+    log_probs: torch.Tensor, old_log_probs: torch.Tensor, gap: torch.Tensor
+) -> torch.Tensor:
+    r""":func:`binary_kl` given ``gap`` = :math:`\ell^{old} - \ell` (a buffer it spends)."""
+    lowest = torch.finfo(log_probs.dtype).min
+    first = gap.clamp_(min=lowest).mul_(torch.exp(old_log_probs))  # p_old (l_old - l)
+    # p_old - 1 = expm1(l_old) kept negated (a sign flip is exact: eps - expm1(l) is
+    # 1 - p + eps bit for bit), two passes fewer than negating each complement
+    old_shortfall = torch.expm1(old_log_probs)  # p_old - 1
+    complement = torch.rsub(torch.expm1(log_probs), BINARY_KL_EPSILON)  # 1 - p + eps
+    quotient = torch.rsub(old_shortfall, BINARY_KL_EPSILON).div_(complement).log_()
+    return first.addcmul_(old_shortfall, quotient, value=-1.0)  # + (1 - p_old) log(...)
+
+
+def dppo_trust_region(
+    log_probs: torch.Tensor,
+    log_ratio: torch.Tensor,
+    advantages: torch.Tensor,
+    dppo: DPPO,
+    *,
+    dtype: torch.dtype = torch.bool,
+) -> torch.Tensor:
+    r"""Where a token stays inside DPPO's trust region (the broadcast shape of the inputs).
+
+    The one decision rule of DPPO (module docstring): ``"tv"``: :math:`p - p^{old} \le
+    \delta_{high}` for :math:`A > 0`, :math:`p - p^{old} \ge -\delta_{low}` for :math:`A \le 0`;
+    ``"kl"``: :math:`D \le \delta_{high} \lor \ell \le \ell^{old}` for :math:`A > 0`,
+    :math:`D \le \delta_{low} \lor \ell \ge \ell^{old}` for :math:`A \le 0`
+    (:func:`binary_kl`). The thresholds are compared in the dtype of the inputs (the
+    computation dtype); a NaN divergence is outside.
+
+    It reads what every path has, the selected log-probabilities ``log_probs`` and raw
+    log-ratios ``log_ratio`` :math:`\Delta = \ell - \ell^{old}` (zeros elsewhere: inside;
+    detached), with :math:`\ell^{old} = \ell - \Delta` (exact when :math:`\ell` and
+    :math:`\ell^{old}` are within a factor 2 of each other, else within an ulp of :math:`\ell`):
+    the autograd specification, the fused stage and the kernel decide on the same numbers.
+    ``dtype``: ``torch.bool`` (the formula's sets) or the float dtype of 1.0 / 0.0 indicators
+    (the fused stage's, which sum and multiply in vectorised loops).
+
+    Per sign :math:`\sigma = \pm 1` of :math:`A` (:math:`A \le 0`: :math:`-1`) and its threshold
+    :math:`\delta_\sigma`, the TV rule is :math:`\sigma (p - p^{old}) \le \delta_\sigma` (a sign
+    flip is exact) and the KL rule :math:`D \le \delta_\sigma` or :math:`\sigma \Delta \le 0`.
+    """
+    compute, device = log_probs.dtype, log_probs.device
+    positive = (advantages > 0).to(compute)  # shape of A
+    low = torch.as_tensor(dppo.low, dtype=compute, device=device)
+    high = torch.as_tensor(dppo.high, dtype=compute, device=device)
+    threshold = torch.lerp(low, high, positive)  # high where A > 0, else low (exact at 0, 1)
+    sign = positive.mul(2.0).sub_(1.0)  # +1 where A > 0, else -1
+    old_log_probs = log_probs - log_ratio
+    if dppo.divergence == "tv":
+        moved = torch.exp(log_probs).sub_(torch.exp(old_log_probs)).mul_(sign)  # sign (p - p_old)
+        kept = torch.le(moved, threshold, out=moved)
+    else:
+        along = log_ratio * sign
+        along = torch.le(along, 0.0, out=along)  # sign Delta <= 0: moved along A's sign
+        divergence = _binary_kl(log_probs, old_log_probs, log_ratio.neg())
+        kept = torch.le(divergence, threshold, out=divergence)
+        kept = torch.maximum(kept, along, out=kept)
+    return kept if dtype != torch.bool else kept > 0.5
