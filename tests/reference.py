@@ -1619,10 +1619,15 @@ def verl_policy_losses(
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
     weights: Tensor | None = None,
+    dro_beta: float = 0.0,
+    kl_coef: float = 1.0,
+    selected: set[tuple[int, int]] | None = None,
 ) -> Tensor:
     """verl's per-token ``pg_losses`` (times ``rollout_is_weights``), ``(B, T)``, 0 unselected.
 
-    vanilla / gspo / cispo / sapo / gpg (``geo_mean`` is per row: :func:`verl_geo_mean_loss`).
+    vanilla / gspo / cispo / sapo / gpg / dppo_tv / dppo_kl / dro / clip_cov / kl_cov
+    (``geo_mean`` is per row: :func:`verl_geo_mean_loss`); ``selected``: Clip-Cov's detached
+    or KL-Cov's penalised tokens (the caller draws them as verl does).
     """
     keep = _selected(mask)
     out = torch.zeros_like(log_prob)
@@ -1631,6 +1636,14 @@ def verl_policy_losses(
         tokens = [t for t in range(len(row)) if row[t]]
         for t in tokens:
             a = _advantage(advantages, i, t)
+            if loss_mode in _VERL_SELECTING_MODES:
+                loss = _verl_issue24_loss(
+                    loss_mode, old_log_prob[i, t], log_prob[i, t], a, (i, t) in (selected or set()),
+                    clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, dro_beta=dro_beta,
+                    kl_coef=kl_coef,
+                )  # fmt: skip
+                entries[(i, t)] = loss if weights is None else loss * weights[i, t]
+                continue
             if loss_mode == "gspo":
                 mean = sum((log_prob[i, u] - old_log_prob[i, u] for u in tokens), out[0, 0] * 0)
                 log_ratio = log_prob[i, t] - log_prob[i, t].detach() + (mean / len(tokens)).detach()
@@ -1652,6 +1665,42 @@ def verl_policy_losses(
                     loss = torch.minimum(-a * clip_c, loss)
             entries[(i, t)] = loss if weights is None else loss * weights[i, t]
     return _matrix(entries, tuple(log_prob.shape)) if entries else out
+
+
+_VERL_SELECTING_MODES = ("dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov")
+
+
+def _verl_issue24_loss(
+    loss_mode: str,
+    old: Tensor,
+    new: Tensor,
+    a: Tensor,
+    selected: bool,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float,
+    dro_beta: float,
+    kl_coef: float,
+) -> Tensor:
+    """One token's verl 0.9.1 loss of dppo_tv / dppo_kl (ratio from the ±20-clamped log-ratio),
+    dro, clip_cov and kl_cov (unclamped ratio); ``selected``: Clip-Cov detaches the token,
+    KL-Cov penalises it."""
+    delta = new - old
+    if loss_mode in ("dppo_tv", "dppo_kl"):
+        ratio = torch.exp(torch.clamp(delta, -20.0, 20.0))
+        options = {"dppo_divergence": loss_mode[-2:], "dppo_low": clip_low,
+                   "dppo_high": clip_high}  # fmt: skip
+        kept = dppo_kept(float(new.detach()), float(old), float(a), options)
+        return -a * torch.clamp(ratio, max=clip_c).detach() * new * float(kept)
+    if loss_mode == "dro":
+        return -(new * a - 0.5 * dro_beta * delta**2)
+    ratio = torch.exp(delta)
+    if loss_mode == "clip_cov":
+        clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+        return torch.maximum(-a * ratio, -a * clipped) * (0.0 if selected else 1.0)
+    assert loss_mode == "kl_cov"
+    return -a * ratio + (kl_coef * torch.abs(delta) if selected else 0.0)
 
 
 def verl_bypass_losses(

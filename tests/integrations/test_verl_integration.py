@@ -89,6 +89,31 @@ MODES: dict[str, Mode] = {
         "geo_mean", ("token-mean", "seq-mean-token-mean"), {}, ("actor/pg_clipfrac",)
     ),
     "gpg": Mode("gpg", ("token-mean", "seq-mean-token-mean"), {}, ()),
+    # DPPO: thresholds on the probabilities of a tiny model's tokens (p ~ 1/32: small moves),
+    # clip_ratio_c just above 1 so that the ratio cap binds (verl's pg_clipfrac_lower)
+    "dppo_tv": Mode(
+        "dppo_tv", ("token-mean", "seq-mean-token-sum"),
+        {"clip_ratio_low": 0.01, "clip_ratio_high": 0.006, "clip_ratio_c": 1.2},
+        ("actor/pg_clipfrac", "actor/pg_clipfrac_lower"),
+    ),
+    "dppo_kl": Mode(
+        "dppo_kl", ("token-mean", "seq-mean-token-mean"),
+        {"clip_ratio_low": 1e-3, "clip_ratio_high": 5e-4, "clip_ratio_c": 1.2},
+        ("actor/pg_clipfrac", "actor/pg_clipfrac_lower"),
+    ),
+    # Clip-Cov: a fifth of the tokens, every positive covariance a candidate (verl's randperm
+    # draw from the global generator, seeded alike for both runs)
+    "clip_cov": Mode(
+        "clip_cov", ("token-mean", "seq-mean-token-sum-norm"),
+        {"policy_loss": {"clip_cov_ratio": 0.2, "clip_cov_lb": 0.0, "clip_cov_ub": 5.0}},
+        ("actor/pg_clipfrac",),
+    ),
+    "kl_cov": Mode(
+        "kl_cov", ("token-mean", "token-sum"),
+        {"policy_loss": {"kl_cov_ratio": 0.2, "ppo_kl_coef": 0.5}}, ("actor/ppo_kl",),
+    ),
+    "dro": Mode("dro", ("token-mean", "seq-mean-token-mean"), {"policy_loss": {"dro_beta": 0.5}},
+                ()),
     # PPO clip against the sampler, token IcePop weights (metrics only) and a sequence k3 gate
     "bypass_ppo": Mode(
         "bypass_mode", ("token-mean", "seq-mean-token-sum"),
@@ -405,14 +430,19 @@ def test_preset_equals_verl_function(core_algos: Any, label: str) -> None:
     batch = _function_batch()
     engine = {"dp_size": 2, "batch_num_tokens": 40, "global_batch_size": 9,
               "loss_scale_factor": None}  # fmt: skip
+    # the mode's branches bind in verl's own calls (the actor/ keys: the bypass gates are
+    # exercised by the trainer's batch)
+    expected_live = {key for key in mode.live if key.startswith("actor/")}
+    live: set[str] = set()
     for aggregation in ALL_AGGREGATIONS:
         for info in ({}, engine):
             for weights in (None, batch["weights"]):
                 config = _actor_config(mode, aggregation, info)
                 inputs = [batch["log_prob"].clone().requires_grad_(True) for _ in range(2)]
+                torch.manual_seed(7)  # clip_cov draws from the global generator: the same draw
                 ours = ours_fn(batch["old"], inputs[0], batch["advantages"], batch["mask"],
                                aggregation, config, weights)  # fmt: skip
-                torch.manual_seed(7)  # clip_cov draws from the global generator
+                torch.manual_seed(7)
                 theirs = theirs_fn(batch["old"], inputs[1], batch["advantages"], batch["mask"],
                                    aggregation, config, weights)  # fmt: skip
                 what = f"{label} {aggregation} info={bool(info)} weights={weights is not None}"
@@ -426,12 +456,14 @@ def test_preset_equals_verl_function(core_algos: Any, label: str) -> None:
                     inputs[0].grad, inputs[1].grad, msg=lambda m, w=what: f"{w}: {m}"
                 )
                 assert set(ours[1]) == set(theirs[1]), what
+                live.update(k for k in expected_live if float(theirs[1][k]) > 0)
                 for key, value in theirs[1].items():
                     torch.testing.assert_close(
                         ours[1][key],
                         torch.tensor(float(value), dtype=torch.float64),
                         msg=lambda m, k=key, w=what: f"{w} {k}: {m}",
                     )
+    assert live == expected_live, f"{label}: {expected_live - live} never nonzero in verl's calls"
 
 
 def test_the_migration_page_gmpo_equals_verl_geo_mean_on_one_micro_batch(core_algos: Any) -> None:

@@ -537,8 +537,25 @@ def test_verl_bypass_mode_errors() -> None:
 
 def test_verl_errors() -> None:
     with pytest.raises(ValueError, match="loss_mode must be one of"):
-        verl_policy_loss("clip_cov")
+        verl_policy_loss("no_such_mode")
     old, log_prob, advantages, mask = _verl_batch()
+    # the options of the new modes, under verl's names (dro_beta has no default: verl raises)
+    for mode, policy, message in (
+        ("dro", {}, "policy_loss.dro_beta must be a positive value"),
+        ("dro", {"dro_beta": 0.0}, "policy_loss.dro_beta"),
+        ("clip_cov", {"clip_cov_ratio": 0.0}, "policy_loss.clip_cov_ratio"),
+        ("clip_cov", {"clip_cov_ratio": 1.5}, "policy_loss.clip_cov_ratio must be <= 1"),
+        ("clip_cov", {"clip_cov_lb": 2.0, "clip_cov_ub": 1.0}, "clip_cov_lb must be <"),
+        ("clip_cov", {"clip_cov_ub": math.inf}, "policy_loss.clip_cov_ub"),
+        ("kl_cov", {"kl_cov_ratio": -0.1}, "policy_loss.kl_cov_ratio"),
+        ("kl_cov", {"ppo_kl_coef": -1.0}, "policy_loss.ppo_kl_coef"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            verl_policy_loss(mode)(old, log_prob, advantages, mask, "token-mean",
+                                   {"policy_loss": policy})  # fmt: skip
+    with pytest.raises(TypeError, match="policy_loss.dro_beta"):
+        verl_policy_loss("dro")(old, log_prob, advantages, mask, "token-mean",
+                                {"policy_loss": {"dro_beta": "0.1"}})  # fmt: skip
     with pytest.raises(ValueError, match="loss_agg_mode must be one of"):
         verl_policy_loss()(old, log_prob, advantages, mask, "token_mean")
     with pytest.raises(ValueError, match="batch_num_tokens"):

@@ -26,6 +26,7 @@ here, NaN in verl.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -35,7 +36,8 @@ import torch
 from .._core.reduction import clamp, masked_fill_zero, masked_mean, mean_selected
 from .._core.validation import checks_environment, compute_dtype, validate_choice, validate_scalar
 from ..policy.inputs import PolicyLossDiagnostics
-from ..policy.surrogates import CISPO, GMPO, SAPO, Clip
+from ..policy.selection import cov_selection
+from ..policy.surrogates import CISPO, DPPO, DRO, GMPO, SAPO, Clip, ClipCov, KLCov
 from ._common import (
     ReductionArgs,
     WeightedPolicyTerm,
@@ -309,6 +311,148 @@ def _gpg(call: _Call, args: ReductionArgs) -> VerlLossOutput:
     return VerlLossOutput(_policy_term(on_policy, args, options).loss, {})
 
 
+def _dppo(divergence: str) -> Callable[[_Call, ReductionArgs], VerlLossOutput]:
+    """The verl ``dppo_tv`` / ``dppo_kl`` loss: :class:`~rlobjectives.DPPO`, verl's thresholds."""
+
+    def loss(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+        r"""DPPO-Binary-TV / KL: ``DPPO(divergence, low, high, ratio_cap=clip_ratio_c)``.
+
+        ``log_ratio_bound=20`` (verl clamps the log-ratio before the ratio and its cap);
+        verl reads ``config.get("clip_ratio_c", 20.0)``: the ``ActorConfig`` field (3.0 unless
+        set), 20 only for a config without it. ``actor/pg_clipfrac``: the tokens outside the
+        trust region; ``actor/pg_clipfrac_lower``: the kept tokens whose ratio the cap changes
+        (either sign of :math:`A`); ``actor/ppo_kl``: the clamped ``-Δ``.
+        """
+        low, high = _clip_band(call.config)
+        cap = option(call.config, "clip_ratio_c", 20.0)
+        dppo = DPPO(divergence, low=low, high=high, ratio_cap=cap)
+        term = _policy_term(call, args, {"surrogate": dppo, "log_ratio_bound": 20.0})
+        diagnostics = term.diagnostics
+        metrics = _metrics(call, diagnostics.clipped_fraction, diagnostics.dual_clip_fraction, 20.0)
+        return VerlLossOutput(term.loss, metrics)
+
+    loss.__name__ = f"_dppo_{divergence}"
+    return loss
+
+
+def _policy_options(config: object) -> object:
+    """``config.policy_loss`` (verl's ``PolicyLossConfig``, or a mapping), or None."""
+    return option(config, "policy_loss", None)
+
+
+def _selection_ratio(policy: object, name: str) -> float:
+    """``policy_loss.<name>`` (verl's default 0.0002), a fraction in ``(0, 1]``."""
+    value = preset_number(option(policy, name, 0.0002), f"policy_loss.{name}", strict=True)
+    if value > 1.0:
+        raise ValueError(f"policy_loss.{name} must be <= 1 (a fraction of the tokens), got {value}")
+    return value
+
+
+@torch.no_grad()
+def _verl_clip_cov_draw(candidates: torch.Tensor, mask: torch.Tensor, ratio: float) -> torch.Tensor:
+    r"""The Clip-Cov draw of verl: ``torch.randperm`` of the candidates, global CPU generator.
+
+    verl 0.9.1 (``compute_policy_loss_clip_cov``) takes ``clip_num = max(int(ratio ·
+    ΣM), 1)`` (a host number), the candidates' ``nonzero`` indices in row-major order, and,
+    only when there is at least one, ``torch.randperm(n)`` with no generator and no device
+    (the process-global CPU generator, one draw of length ``n``), keeping the first
+    ``min(clip_num, n)``. This repeats that draw bit for bit, so a run seeded as verl's draws
+    the same tokens; it is host-side (``.item()``, ``nonzero``), as verl's, and lives in the
+    preset only (:class:`~rlobjectives.ClipCov`'s own draw is device-side and reproducible
+    from its ``generator``, but another sequence).
+
+    Args:
+        candidates: ``(B, T)`` bool, the tokens verl may detach (``ClipCov``'s candidates:
+            unclipped, ``clip_cov_lb < cov < clip_cov_ub``).
+        mask: ``(B, T)`` bool, the response mask of the call.
+        ratio: verl's ``policy_loss.clip_cov_ratio``.
+
+    Returns:
+        ``(B, T)`` bool, the detached tokens, on ``mask``'s device.
+    """
+    count = max(int(ratio * mask.sum().item()), 1)
+    index = torch.nonzero(candidates)
+    selected = torch.zeros_like(mask)
+    if len(index) > 0:
+        index = index[torch.randperm(len(index))[: min(count, len(index))].to(index.device)]
+        selected[index[:, 0], index[:, 1]] = True
+    return selected
+
+
+def _clip_cov(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+    r"""Clip-Cov: ``ClipCov(ratio, low, high, cov_lb, cov_ub)`` with verl's own random draw.
+
+    :func:`rlobjectives.cov_selection` gives the candidates (its own draw, from a private
+    generator, is discarded: the global generator is left to verl's draw alone), then
+    :func:`_verl_clip_cov_draw` picks the detached tokens exactly as verl and hands them to the
+    object (``selection=``); ``log_ratio_bound=None`` (verl's ratio is unbounded).
+    ``actor/pg_clipfrac``: the detached fraction; ``actor/ppo_kl``: the unclamped ``-Δ``.
+    """
+    low, high = _clip_band(call.config)
+    policy = _policy_options(call.config)
+    ratio = _selection_ratio(policy, "clip_cov_ratio")
+    lower = preset_number(
+        option(policy, "clip_cov_lb", 1.0), "policy_loss.clip_cov_lb", minimum=None
+    )
+    upper = preset_number(
+        option(policy, "clip_cov_ub", 5.0), "policy_loss.clip_cov_ub", minimum=None
+    )
+    if lower >= upper:
+        raise ValueError(
+            f"policy_loss.clip_cov_lb must be < policy_loss.clip_cov_ub, got {lower} and {upper}"
+        )
+    clip_cov = ClipCov(
+        ratio=ratio,
+        low=low,
+        high=high,
+        cov_lb=lower,
+        cov_ub=upper,
+        generator=torch.Generator(device=call.log_prob.device),
+    )
+    found = cov_selection(
+        call.log_prob.detach(), call.old_log_prob, call.advantages, call.mask,
+        surrogate=clip_cov, log_ratio_bound=None,
+    )  # fmt: skip
+    selected = _verl_clip_cov_draw(found.candidates, call.mask, ratio)
+    surrogate = dataclasses.replace(clip_cov, generator=None, selection=selected)
+    term = _policy_term(call, args, {"surrogate": surrogate, "log_ratio_bound": None})
+    metrics = _metrics(call, term.diagnostics.selected_fraction, None, None)
+    del metrics["actor/pg_clipfrac_lower"]  # verl's clip_cov has no such key
+    return VerlLossOutput(term.loss, metrics)
+
+
+def _kl_cov(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+    r"""KL-Cov: ``KLCov(ratio=kl_cov_ratio, coef=ppo_kl_coef)``, ``log_ratio_bound=None``.
+
+    verl's defaults when the config lacks them: 0.0002 and 1.0 (its code's; verl's
+    ``PolicyLossConfig`` sets ``ppo_kl_coef=0.1``). The only metric, ``actor/ppo_kl``, is the
+    mean of :math:`|\Delta|` (verl's, under the usual key).
+    """
+    policy = _policy_options(call.config)
+    coef = preset_number(option(policy, "ppo_kl_coef", 1.0), "policy_loss.ppo_kl_coef")
+    kl_cov = KLCov(ratio=_selection_ratio(policy, "kl_cov_ratio"), coef=coef)
+    term = _policy_term(call, args, {"surrogate": kl_cov, "log_ratio_bound": None})
+    dtype = _metric_dtype(call)
+    log_ratio = call.log_prob.detach().to(dtype) - call.old_log_prob.to(dtype)
+    absolute = masked_mean(torch.abs(masked_fill_zero(log_ratio, call.mask)), call.mask)
+    return VerlLossOutput(term.loss, {"actor/ppo_kl": absolute})
+
+
+def _dro(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+    r"""DRO: ``DRO(beta=policy_loss.dro_beta)``, :math:`-(\ell A - \frac12\beta\Delta^2)`.
+
+    ``log_ratio_bound=None`` (verl's :math:`\Delta` is unclamped); ``actor/ppo_kl`` (the only
+    metric) the unclamped ``-Δ``. ``dro_beta`` has no default: missing, or not positive, is
+    verl's ``ValueError``.
+    """
+    beta = option(_policy_options(call.config), "dro_beta", None)
+    if beta is None:
+        raise ValueError("policy_loss.dro_beta must be a positive value when using DRO, got None")
+    beta = preset_number(beta, "policy_loss.dro_beta", strict=True)
+    term = _policy_term(call, args, {"surrogate": DRO(beta=beta), "log_ratio_bound": None})
+    return VerlLossOutput(term.loss, {"actor/ppo_kl": _k1(call, None)})
+
+
 def _bypass_mode(call: _Call, args: ReductionArgs) -> VerlLossOutput:
     r"""Verl's bypass mode: rollout correction inside the loss, ``old_log_prob`` = the sampler's.
 
@@ -381,6 +525,11 @@ VERL_LOSS_MODES: dict[str, _Mode] = {
     "sapo": _Mode(_sapo, "seq-mean-token-mean"),
     "geo_mean": _Mode(_geo_mean, "rows"),
     "gpg": _Mode(_gpg, None),
+    "dppo_tv": _Mode(_dppo("tv"), None),
+    "dppo_kl": _Mode(_dppo("kl"), None),
+    "clip_cov": _Mode(_clip_cov, None),
+    "kl_cov": _Mode(_kl_cov, None),
+    "dro": _Mode(_dro, None),
     "bypass_mode": _Mode(_bypass_mode, None),
 }
 
@@ -429,9 +578,12 @@ def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
     response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None) ->
     (loss, metrics)`` and can be registered with ``register_policy_loss``. ``config`` is any
     object (or mapping) with verl's names: ``clip_ratio``, ``clip_ratio_low``,
-    ``clip_ratio_high``, ``clip_ratio_c``, ``tau_pos``, ``tau_neg`` and ``global_batch_info``
-    (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``); missing
-    values take verl's defaults (0.2, 0.2, 0.2, 3.0, 1.0, 1.05, local counts).
+    ``clip_ratio_high``, ``clip_ratio_c``, ``tau_pos``, ``tau_neg``, ``global_batch_info``
+    (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``) and
+    ``policy_loss`` (``clip_cov_ratio``, ``clip_cov_lb``, ``clip_cov_ub``, ``kl_cov_ratio``,
+    ``ppo_kl_coef``, ``dro_beta``, ``rollout_correction``); missing values take the defaults
+    of verl's code (0.2, 0.2, 0.2, 3.0, 1.0, 1.05, local counts; 0.0002, 1.0, 5.0, 0.0002,
+    1.0, none).
 
     - ``"vanilla"``: ``policy_loss(surrogate=Clip(low=clip_ratio_low, high=clip_ratio_high,
       dual=clip_ratio_c), log_ratio_bound=20)``; metrics ``actor/pg_clipfrac`` (the
@@ -459,6 +611,22 @@ def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
       where :math:`A > 0` / :math:`A < 0`.
     - ``"gpg"``: ``policy_loss(log_prob, log_prob.detach(), A, M,
       surrogate=CISPO(low=None))`` = ``-A·log_prob`` aggregated; no metrics.
+    - ``"dppo_tv"`` / ``"dppo_kl"``: ``policy_loss(surrogate=DPPO("tv" / "kl",
+      low=clip_ratio_low, high=clip_ratio_high, ratio_cap=clip_ratio_c), log_ratio_bound=20)``
+      (the ``ActorConfig`` field ``clip_ratio_c``, 3.0 unless set; 20 for a config without
+      it, as verl's ``config.get``); ``actor/pg_clipfrac`` = outside the trust region,
+      ``_lower`` = kept tokens whose ratio the cap changes, ``actor/ppo_kl`` clamped.
+    - ``"clip_cov"``: ``policy_loss(surrogate=ClipCov(ratio=clip_cov_ratio, low, high,
+      cov_lb=clip_cov_lb, cov_ub=clip_cov_ub, selection=...), log_ratio_bound=None)`` with
+      verl's own draw (``torch.randperm`` over the row-major candidates of
+      :func:`rlobjectives.cov_selection`, on the global CPU generator, host-side: a run
+      seeded as verl's detaches the same tokens); ``actor/pg_clipfrac`` = the detached
+      fraction, ``actor/ppo_kl`` unclamped (no ``_lower`` key, as verl).
+    - ``"kl_cov"``: ``policy_loss(surrogate=KLCov(ratio=kl_cov_ratio, coef=ppo_kl_coef),
+      log_ratio_bound=None)`` (the top-k covariance tokens penalised by ``coef·|Δ|``); the
+      only metric ``actor/ppo_kl`` is the mean of ``|Δ|``, as verl.
+    - ``"dro"``: ``policy_loss(surrogate=DRO(beta=policy_loss.dro_beta),
+      log_ratio_bound=None)``; the only metric ``actor/ppo_kl`` (unclamped).
     - ``"bypass_mode"``: verl's rollout correction inside the loss (``old_log_prob`` is the
       sampler's; ``rollout_is_weights`` is ignored, as verl), from
       ``config.policy_loss.rollout_correction`` (``rollout_is``, ``rollout_is_threshold``,
@@ -478,8 +646,9 @@ def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
 
     Args:
         loss_mode: a verl 0.9.1 ``loss_mode``: ``"vanilla"``, ``"gspo"``, ``"cispo"``,
-            ``"sapo"``, ``"geo_mean"``, ``"gpg"``, ``"bypass_mode"`` (and the modes of
-            :data:`VERL_LOSS_MODES`).
+            ``"sapo"``, ``"geo_mean"``, ``"gpg"``, ``"dppo_tv"``, ``"dppo_kl"``,
+            ``"clip_cov"``, ``"kl_cov"``, ``"dro"``, ``"bypass_mode"`` (every mode verl
+            registers; :data:`VERL_LOSS_MODES`).
 
     Returns:
         A :class:`VerlPolicyLoss`.
@@ -490,7 +659,8 @@ def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
             mode needs (as verl), or a ``config`` value that is non-finite or out of range,
             named as verl names it (``clip_ratio_low`` outside ``[0, 1)``, ``clip_ratio_c <=
             1``, ``tau_pos <= 0``, ``global_batch_info['dp_size']`` not a positive whole
-            number...).
+            number, ``policy_loss.dro_beta`` missing or not positive, ``clip_cov_ratio`` /
+            ``kl_cov_ratio`` outside ``(0, 1]``, ``clip_cov_lb >= clip_cov_ub``...).
         TypeError: at call time, a ``config`` value that is not a number.
 
     Examples:
