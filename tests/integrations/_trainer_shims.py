@@ -23,6 +23,8 @@ OpenRLHF 0.11.2 / DeepSpeed 0.19.6
     * :func:`cuda_device_queries_on_cpu`: ``ActorPPOTrainer.__init__`` (its replay buffer, its
       final barrier) calls ``torch.cuda.current_device()`` / ``torch.cuda.synchronize()``.
 
+Offline: importing this module sets ``HF_HUB_OFFLINE`` and its siblings (:data:`OFFLINE_ENV`).
+
 Process set-up shared by both: :func:`single_process_group` (a gloo group of one process on a
 file store: no port to collide with another test run), :func:`one_thread`.
 """
@@ -48,6 +50,13 @@ import torch
 import torch.distributed as dist
 
 PROCESS_ENV = {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1", "LOCAL_WORLD_SIZE": "1"}
+#: The trainer tests build their models from configs: no hub, dataset or telemetry request may
+#: leave the machine (CI has no network beyond the package index; a request would hang on its
+#: timeout, not fail). Set when this module is imported, before any peer is.
+OFFLINE_ENV = {"HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+               "HF_HUB_DISABLE_TELEMETRY": "1", "RAY_USAGE_STATS_ENABLED": "0"}  # fmt: skip
+for _name, _value in OFFLINE_ENV.items():
+    os.environ.setdefault(_name, _value)
 
 
 @contextmanager

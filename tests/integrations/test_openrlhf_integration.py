@@ -28,6 +28,7 @@ from collections.abc import Iterator
 from types import SimpleNamespace
 from typing import Any
 
+import _trainer_shims as shims  # before the peers: it sets the offline environment
 import pytest
 import torch
 
@@ -36,7 +37,6 @@ pytest.importorskip("deepspeed")
 pytest.importorskip("ray")
 transformers = pytest.importorskip("transformers")
 
-import _trainer_shims as shims  # noqa: E402
 
 pytestmark = pytest.mark.filterwarnings(
     "ignore::DeprecationWarning",
