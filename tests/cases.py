@@ -746,6 +746,26 @@ def _packed(length: int, rows: int = B) -> Callable[[Arguments], Arguments]:
     return also
 
 
+def context_group_wrongs() -> tuple[Wrong, ...]:
+    """``context_group=`` given something that is not a process group (TypeError naming it).
+
+    A real group needs initialised processes: its value errors (this rank outside the group,
+    a data-parallel group that overlaps it) are tested with real ranks in
+    ``tests/distributed/test_context_parallel.py``.
+    """
+    return tuple(
+        Wrong(
+            "context_group",
+            "type",
+            label,
+            lambda a, v=value: v,
+            TypeError,
+            subject("context_group"),
+        )
+        for label, value in (("str", "cp"), ("int", 0), ("ranks", [0, 1]))
+    )
+
+
 def cu_seqlens_wrongs(length: int = T, *, rows: int = B, listed: bool = False) -> tuple[Wrong, ...]:
     """Malformed ``cu_seqlens`` for valid packed ``(B L,)`` arguments: each a named ValueError.
 
@@ -822,6 +842,222 @@ PACKING_CASES: tuple[Case, ...] = (
 )  # fmt: skip
 
 
+# --- issue 25: distillation losses and the 2026 advantages ------------------------------------
+
+K = 2  # teacher top-k slots
+
+
+def _teacher_slots() -> Arguments:
+    return {
+        "teacher_log_probs": torch.log_softmax(torch.randn(B, T, K, dtype=torch.float64), -1) - 0.5,
+        "teacher_ids": torch.randint(0, V, (B, T, K)),
+    }
+
+
+def _head_arguments() -> Arguments:
+    """A student head on the 1/8 grid (its float32 product is exact: the mixed-dtype rows)."""
+    return {
+        "hidden": torch.round(torch.randn(B, T, H, dtype=torch.float64) * 8) / 8,
+        "weight": torch.round(torch.randn(V, H, dtype=torch.float64) * 8) / 8,
+        "bias": torch.round(torch.randn(V, dtype=torch.float64) * 8) / 8,
+    }
+
+
+def _no_vocabulary(a: Arguments) -> Arguments:
+    return {"bias": torch.zeros(0, dtype=torch.float64)}
+
+
+#: The LM head's wrong inputs for the functions that read no sampled token (no ``tokens``).
+HEAD_WRONGS = (
+    tensor_wrongs("hidden", shapes=((B, T), (B, T, H + 1)), reference=True)
+    + tensor_wrongs("weight", shapes=((V, H + 1), (V,)))
+    + tensor_wrongs("bias", shapes=((V + 1,), (V, 1)))
+    + TEMPERATURE
+    + CHUNK
+    + (
+        Wrong("weight", "shape", "V=0", lambda a: torch.zeros(0, H, dtype=torch.float64),
+              ValueError, subject("weight"), also=_no_vocabulary),
+        Wrong("hidden", "shape", "H=0", lambda a: torch.zeros(B, T, 0, dtype=torch.float64),
+              ValueError, subject("hidden"), also=_zero_hidden),
+    )
+)  # fmt: skip
+
+SLOT_WRONGS = tensor_wrongs(
+    "teacher_log_probs", shapes=((B, T), (B, T + 1, K), (B, T, 0))
+) + tensor_wrongs("teacher_ids", shapes=((B, T), (B, T, K + 1)), dtype=torch.int64)
+
+TOPK_OPTIONS = flag_wrongs("tail") + flag_wrongs("renormalize") + reduction_wrongs()
+
+
+def _reverse_arguments() -> Arguments:
+    return {
+        "tokens": token_ids(),
+        "teacher_log_probs": -per_token().abs(),
+        "mask": token_mask(),
+        "estimator": "k2",
+        "reduction": "sequence_sum_normalized",
+    }
+
+
+REVERSE_WRONGS = (
+    tensor_wrongs("tokens", shapes=MATRIX_SHAPES, dtype=torch.int64)
+    + per_token_wrongs("teacher_log_probs")
+    + mask_wrongs()
+    + choice_wrongs("estimator")
+    + flag_wrongs("straight_through")
+    + hyper("log_ratio_bound", below=0.0)
+    + reduction_wrongs()
+    + cu_seqlens_wrongs()
+)
+
+BETA = scalar_wrongs("beta", below=-0.1, above=1.5, tensors=False)
+
+
+def _teacher_head() -> Arguments:
+    return {
+        "teacher_hidden": torch.round(torch.randn(B, T, 2, dtype=torch.float64) * 8) / 8,
+        "teacher_weight": torch.round(torch.randn(V, 2, dtype=torch.float64) * 8) / 8,
+        "teacher_bias": torch.round(torch.randn(V, dtype=torch.float64) * 8) / 8,
+    }
+
+
+def lambda_wrongs(argument: str) -> tuple[Wrong, ...]:
+    """A GAE lambda: a number in [0, 1], or a floating tensor of one value per sequence."""
+    values: list[tuple[str, str, Any, Any]] = [
+        ("value", "nan", float("nan"), ValueError),
+        ("value", "inf", float("inf"), ValueError),
+        ("value", "huge-int", 10**400, ValueError),
+        ("value", "below(-0.1)", -0.1, ValueError),
+        ("value", "above(1.5)", 1.5, ValueError),
+        ("type", "str", "0.5", TypeError),
+        ("type", "bool", True, TypeError),
+        ("shape", "list-of-one", [0.5], ValueError),
+        ("shape", "tensor-0d", torch.tensor(0.5, dtype=torch.float64), ValueError),
+        ("shape", "per-token", torch.full((B, T), 0.5, dtype=torch.float64), ValueError),
+        ("dtype", "tensor-int", torch.ones(B, dtype=torch.int64), TypeError),
+        ("dtype", "tensor-bool", torch.tensor(True), TypeError),
+        ("dtype", "tensor-complex", torch.full((B,), 0.5 + 0j), TypeError),
+        ("device", "tensor-meta", torch.full((B,), 0.5, device="meta"), ValueError),
+    ]
+    return tuple(
+        Wrong(argument, kind, label, lambda a, v=value: v, error, subject(argument))
+        for kind, label, value, error in values
+    )
+
+
+def length_wrongs() -> tuple[Wrong, ...]:
+    return tensor_wrongs("lengths", shapes=((B, T), ()), kinds="shape dtype type") + (
+        Wrong("lengths", "dtype", "bool", lambda a: torch.ones(B, dtype=torch.bool), TypeError,
+              subject("lengths")),
+    )  # fmt: skip
+
+
+ISSUE25_CASES: tuple[Case, ...] = (
+    Case(
+        "topk_forward_kl",
+        rlo.topk_forward_kl,
+        lambda: {"logits": logits(), **_teacher_slots(), "mask": token_mask(),
+                 "reduction": "sequence_sum_normalized"},
+        tensor_wrongs("logits", shapes=((B, T), (B, T, V, 1)), reference=True)
+        + SLOT_WRONGS + mask_wrongs() + TOPK_OPTIONS + TEMPERATURE + CHUNK + cu_seqlens_wrongs(),
+    ),
+    Case(
+        "topk_forward_kl_from_hidden",
+        rlo.topk_forward_kl_from_hidden,
+        lambda: {**_head_arguments(), **_teacher_slots(), "mask": token_mask(),
+                 "reduction": "sequence_sum_normalized"},
+        HEAD_WRONGS + SLOT_WRONGS + mask_wrongs() + TOPK_OPTIONS + cu_seqlens_wrongs(),
+    ),
+    Case(
+        "reverse_kl_loss",
+        rlo.reverse_kl_loss,
+        lambda: {"logits": logits(), **_reverse_arguments()},
+        tensor_wrongs("logits", shapes=((B, T), (B, T, V, 1)), reference=True)
+        + REVERSE_WRONGS + TEMPERATURE + CHUNK,
+    ),
+    Case(
+        "reverse_kl_loss_from_hidden",
+        rlo.reverse_kl_loss_from_hidden,
+        lambda: {**_head_arguments(), **_reverse_arguments()},
+        HIDDEN_WRONGS + REVERSE_WRONGS[len(tensor_wrongs("tokens", shapes=MATRIX_SHAPES,
+                                                          dtype=torch.int64)):],
+    ),
+    Case(
+        "reverse_kl_rewards",
+        rlo.reverse_kl_rewards,
+        lambda: {"log_probs": -per_token().abs(), "teacher_log_probs": -per_token().abs(),
+                 "mask": token_mask(), "coef": 0.5},
+        per_token_wrongs("log_probs", reference=True)
+        + per_token_wrongs("teacher_log_probs")
+        + mask_wrongs()
+        + hyper("coef", below=-0.1)
+        + choice_wrongs("estimator")
+        + hyper("log_ratio_bound", below=0.0)
+        + cu_seqlens_wrongs(),
+    ),
+    Case(
+        "generalized_jsd_loss",
+        rlo.generalized_jsd_loss,
+        lambda: {"logits": logits(), "teacher_logits": logits(), "mask": token_mask(),
+                 "beta": 0.3, "reduction": "sequence_sum_normalized"},
+        tensor_wrongs("logits", shapes=((B, T), (B, T, V, 1)), reference=True)
+        + tensor_wrongs("teacher_logits", shapes=((B, T, V + 1), (B, T + 1, V), (B, T)))
+        + mask_wrongs() + BETA + TEMPERATURE + reduction_wrongs() + CHUNK + cu_seqlens_wrongs(),
+    ),
+    Case(
+        "generalized_jsd_loss_from_hidden",
+        rlo.generalized_jsd_loss_from_hidden,
+        lambda: {**_head_arguments(), **_teacher_head(), "mask": token_mask(), "beta": 0.3,
+                 "reduction": "sequence_sum_normalized"},
+        HEAD_WRONGS
+        + tensor_wrongs("teacher_hidden", shapes=((B, T), (B, T + 1, 2)))
+        + tensor_wrongs("teacher_weight", shapes=((V, 3), (V,), (V + 1, 2)))
+        + tensor_wrongs("teacher_bias", shapes=((V + 1,), (V, 1)))
+        + mask_wrongs() + BETA + reduction_wrongs() + cu_seqlens_wrongs(),
+    ),
+    Case(
+        "gdpo_advantages",
+        rlo.gdpo_advantages,
+        lambda: {"rewards": torch.randn(B * G, 2, dtype=torch.float64), "group_size": G,
+                 "weights": torch.tensor([1.0, 0.5], dtype=torch.float64)},
+        tensor_wrongs("rewards", shapes=((B * G, 2, 1), (B * G, 0)), reference=True,
+                      kinds="shape dtype type")
+        + int_wrongs("group_size", minimum=1)
+        + group_ids_wrongs()
+        + tensor_wrongs("weights", shapes=((3,), (2, 1)))
+        + hyper("eps", below=-0.1)
+        + flag_wrongs("whiten"),
+    ),
+    Case(
+        "maxrl_advantages",
+        rlo.maxrl_advantages,
+        lambda: {"rewards": torch.rand(B * G, dtype=torch.float64), "group_size": G, "eps": 1e-6},
+        tensor_wrongs("rewards", shapes=((B * G, 1, 1),), reference=True, kinds="shape dtype type")
+        + int_wrongs("group_size", minimum=1)
+        + group_ids_wrongs()
+        + hyper("eps", below=-0.1),
+    ),
+    Case(
+        "length_adaptive_lambda",
+        rlo.length_adaptive_lambda,
+        lambda: {"lengths": torch.tensor([0, 10, 100]), "alpha": 0.05},
+        length_wrongs() + scalar_wrongs("alpha", below=0.0, tensors=False),
+    ),
+    Case(
+        "overlong_penalty",
+        rlo.overlong_penalty,
+        lambda: {"lengths": torch.tensor([10.0, 17.0, 22.0], dtype=torch.float64),
+                 "max_length": 20, "cache_length": 4, "factor": 0.5},
+        length_wrongs()
+        + int_wrongs("max_length", minimum=1)
+        + int_wrongs("cache_length", minimum=0)
+        + (Wrong("cache_length", "value", "above-max_length", lambda a: 21, ValueError,
+                 subject("cache_length")),)
+        + scalar_wrongs("factor", below=-0.1, tensors=False),
+    ),
+)  # fmt: skip
+
+
 def _diagnostics() -> Any:
     return rlo.policy_loss(torch.zeros(B, T), torch.zeros(B, T), torch.ones(B), token_mask())[2]
 
@@ -838,7 +1074,8 @@ CASES: tuple[Case, ...] = (
         per_token_wrongs("values", reference=True)
         + mask_wrongs()
         + reduction_wrongs()
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     Case(
         "data_parallel_loss_scale",
@@ -887,7 +1124,8 @@ CASES: tuple[Case, ...] = (
         + scalar_wrongs("kl_coef", below=-0.1)  # a Python number: 0-d tensors are rejected
         + choice_wrongs("kl_estimator")
         + flag_wrongs("kl_straight_through")
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     Case(
         "gae",
@@ -898,15 +1136,18 @@ CASES: tuple[Case, ...] = (
             "mask": token_mask(),
             "gamma": 0.9,
             "lam": 0.8,
+            "value_lam": torch.tensor([1.0, 0.5], dtype=torch.float64),
         },
         per_token_wrongs("rewards", reference=True)
         + per_token_wrongs("values")
         + mask_wrongs()
         + scalar_wrongs("gamma", below=-0.1, above=1.5, xfail=None)
-        + scalar_wrongs("lam", below=-0.1, above=1.5, xfail=None)
+        + lambda_wrongs("lam")
+        + lambda_wrongs("value_lam")
         + flag_wrongs("whiten")
         + choice_wrongs("holes")
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     Case(
         "global_normalizers",
@@ -933,7 +1174,8 @@ CASES: tuple[Case, ...] = (
                 subject("device"),
             ),
         )
-        + cu_seqlens_wrongs(listed=True),
+        + cu_seqlens_wrongs(listed=True)
+        + context_group_wrongs(),
     ),
     Case(
         "group_relative_advantages",
@@ -992,7 +1234,8 @@ CASES: tuple[Case, ...] = (
         + hyper("log_ratio_bound", below=0.0)
         + reduction_wrongs()
         + cu_seqlens_wrongs()
-        + tensor_wrongs("importance_weights", shapes=PER_SEQUENCE_SHAPES),
+        + tensor_wrongs("importance_weights", shapes=PER_SEQUENCE_SHAPES)
+        + context_group_wrongs(),
     ),
     Case(
         "rollout_correction",
@@ -1012,7 +1255,8 @@ CASES: tuple[Case, ...] = (
         + hyper("upper", below=0.0)
         + hyper("lower", below=-0.1, above=5.0)  # above upper = 2
         + hyper("veto", below=0.0)
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     Case(
         "off_policy_sequence_mask",
@@ -1029,7 +1273,8 @@ CASES: tuple[Case, ...] = (
         + tensor_wrongs("advantages", shapes=PER_SEQUENCE_SHAPES)
         + mask_wrongs()
         + hyper("threshold", below=None)
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     Case(
         "kl_penalized_rewards",
@@ -1046,7 +1291,8 @@ CASES: tuple[Case, ...] = (
         + tensor_wrongs("rewards", shapes=PER_SEQUENCE_SHAPES)
         + mask_wrongs("response_mask")
         + hyper("beta", below=-0.1)
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     Case(
         "kl_penalized_token_rewards",
@@ -1065,7 +1311,8 @@ CASES: tuple[Case, ...] = (
         + hyper("kl_coef", below=-0.1)
         + choice_wrongs("estimator")
         + hyper("log_ratio_bound", below=0.0)
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     *(
         Case(
@@ -1124,7 +1371,8 @@ CASES: tuple[Case, ...] = (
         + per_token_wrongs("entropy")
         + hyper("entropy_coef", below=None)
         + flag_wrongs("return_per_token")
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     Case(
         "reinforce_plus_plus_advantages",
@@ -1148,7 +1396,8 @@ CASES: tuple[Case, ...] = (
         + flag_wrongs("unbiased")
         + hyper("eps", below=-0.1)
         + choice_wrongs("holes")
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     Case(
         "response_alignment",
@@ -1236,7 +1485,8 @@ CASES: tuple[Case, ...] = (
         + mask_wrongs()
         + hyper("clip", below=-0.1)
         + reduction_wrongs()
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     *(
         Case(
@@ -1309,7 +1559,7 @@ CASES: tuple[Case, ...] = (
         "top_entropy_mask",
         rlo.top_entropy_mask,
         lambda: {"entropy": per_token(), "mask": token_mask(), "quantile": 0.5},
-        ENTROPY_MASK_WRONGS,
+        ENTROPY_MASK_WRONGS + context_group_wrongs(),
     ),
     Case(
         "global_top_entropy_mask",
@@ -1346,6 +1596,7 @@ CASES: tuple[Case, ...] = (
     Case("global_cov_selection", rlo.global_cov_selection, _cov_arguments,
          COV_SELECTION_WRONGS + GROUP_WRONGS),
     *PACKING_CASES,
+    *ISSUE25_CASES,
     *SURROGATE_CASES,
     *OBJECTIVE_CASES,
 )  # fmt: skip

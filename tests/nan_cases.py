@@ -589,6 +589,93 @@ def _cov_selection(draw: Draw) -> Batch:
     return Batch(arguments, poison, ())
 
 
+# --- issue 25: distillation losses ----------------------------------------------------------
+
+
+def _teacher_slots(draw: Draw, t: Tokens, vocabulary: int) -> dict[str, torch.Tensor]:
+    """The teacher's top-k log-probabilities (some slots padded with -inf) and ids."""
+    slots = draw(st.integers(1, min(4, vocabulary)))
+    teacher = torch.log_softmax(t.randn(*t.shape, vocabulary), -1)
+    log_probs, ids = teacher.topk(slots, -1)
+    padded = torch.rand(*t.shape, slots, generator=t.generator) < 0.2
+    return {
+        "teacher_log_probs": torch.where(padded, -torch.inf, log_probs),
+        "teacher_ids": torch.where(padded, 0, ids),
+    }
+
+
+def _distillation(kind: str, hidden: bool) -> Callable[[Draw], Batch]:
+    """topk_forward_kl, reverse_kl_loss, generalized_jsd_loss (and from hidden): poisoned rows
+    of the student (logits or hidden states) and of the teacher at unselected tokens."""
+
+    def draw_batch(draw: Draw) -> Batch:
+        t = draw_tokens(draw)
+        vocabulary = draw(st.integers(2, 6))
+        arguments: dict[str, Any] = {"mask": t.mask, **draw_reduction(draw, t),
+                                     **draw_logits_options(draw)}  # fmt: skip
+        poison: dict[str, torch.Tensor] = {}
+        if hidden:
+            width = draw(st.integers(1, 3))
+            arguments.update(hidden=t.randn(*t.shape, width), weight=t.randn(vocabulary, width),
+                             bias=t.randn(vocabulary) if draw(st.booleans()) else None)  # fmt: skip
+            poison["hidden"] = t.unselected_rows(width)
+            differentiate: tuple[str, ...] = ("hidden", "weight")
+            if arguments["bias"] is not None:
+                differentiate += ("bias",)
+        else:
+            arguments["logits"] = t.randn(*t.shape, vocabulary) * 3
+            poison["logits"] = t.unselected_rows(vocabulary)
+            differentiate = ("logits",)
+        if kind == "topk":
+            arguments.update(_teacher_slots(draw, t, vocabulary))
+            arguments["tail"] = draw(st.booleans())
+            arguments["renormalize"] = draw(st.booleans())
+            poison["teacher_log_probs"] = t.unselected_rows(arguments["teacher_ids"].shape[-1])
+        elif kind == "reverse":
+            arguments.update(tokens=torch.randint(0, vocabulary, t.shape, generator=t.generator),
+                             teacher_log_probs=t.log_probs(), **draw_kl_options(draw))  # fmt: skip
+            poison["teacher_log_probs"] = t.unselected
+        elif hidden:  # the teacher's own head
+            arguments.update(teacher_hidden=t.randn(*t.shape, 2),
+                             teacher_weight=t.randn(vocabulary, 2),
+                             beta=draw(st.sampled_from((0.0, 0.4, 1.0))))  # fmt: skip
+            poison["teacher_hidden"] = t.unselected_rows(2)
+        else:
+            arguments.update(teacher_logits=t.randn(*t.shape, vocabulary) * 3,
+                             beta=draw(st.sampled_from((0.0, 0.4, 1.0))))  # fmt: skip
+            poison["teacher_logits"] = t.unselected_rows(vocabulary)
+        return Batch(arguments, poison, differentiate)
+
+    return draw_batch
+
+
+def _reverse_kl_rewards(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    arguments = {
+        "log_probs": t.log_probs(),
+        "teacher_log_probs": t.log_probs(),
+        "mask": t.mask,
+        "coef": draw(st.sampled_from((0.0, 0.5, 2.0))),
+        "estimator": draw(st.sampled_from(("k1", "k2", "k3", "abs"))),
+        "log_ratio_bound": draw(st.sampled_from((None, 5.0))),
+    }
+    return Batch(arguments, {"log_probs": t.unselected, "teacher_log_probs": t.unselected}, ())
+
+
+ISSUE25_NAN_CASES: tuple[NanCase, ...] = (
+    NanCase("topk_forward_kl", rlo.topk_forward_kl, _distillation("topk", False), 16),
+    NanCase("topk_forward_kl_from_hidden", rlo.topk_forward_kl_from_hidden,
+            _distillation("topk", True), 16),
+    NanCase("reverse_kl_loss", rlo.reverse_kl_loss, _distillation("reverse", False), 12),
+    NanCase("reverse_kl_loss_from_hidden", rlo.reverse_kl_loss_from_hidden,
+            _distillation("reverse", True), 12),
+    NanCase("generalized_jsd_loss", rlo.generalized_jsd_loss, _distillation("jsd", False), 12),
+    NanCase("generalized_jsd_loss_from_hidden", rlo.generalized_jsd_loss_from_hidden,
+            _distillation("jsd", True), 12),
+    NanCase("reverse_kl_rewards", rlo.reverse_kl_rewards, _reverse_kl_rewards, 8),
+)  # fmt: skip
+
+
 NAN_CASES: tuple[NanCase, ...] = (
     NanCase("aggregate", rlo.aggregate, _aggregate),
     NanCase("masked_sum", rlo.masked_sum, _masked_reduction, max_examples=8),
@@ -636,6 +723,7 @@ NAN_CASES: tuple[NanCase, ...] = (
     NanCase("global_m2po_mask", rlo.global_m2po_mask, _m2po_mask, max_examples=4),
     NanCase("cov_selection", rlo.cov_selection, _cov_selection, max_examples=8),
     NanCase("global_cov_selection", rlo.global_cov_selection, _cov_selection, max_examples=4),
+    *ISSUE25_NAN_CASES,
 )
 
 EXEMPT: tuple[Exempt, ...] = (

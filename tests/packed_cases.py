@@ -108,6 +108,16 @@ def make_tensors(
     tensors["token_weights"] = token(randn(sequences, width).abs())
     tensors["entropy"] = token(tensors["values_leaf"].abs())  # differentiable (values_leaf)
     tensors["rewards"] = randn(sequences)
+    # issue 25: the teacher's top-k (a padded slot, garbage ids where unselected), its head
+    teacher = torch.log_softmax(logits.detach() + randn(*logits.shape), -1)
+    top, ids = teacher.topk(3, -1)
+    top[..., -1] = torch.where(tensors["advantages"][:, None] > 0, top[..., -1], -float("inf"))
+    tensors["teacher_top"] = torch.where(bad.unsqueeze(-1), float("nan"), top)
+    tensors["teacher_ids"] = torch.where(bad.unsqueeze(-1), 10**6, ids)
+    tensors["teacher_hidden"] = torch.where(
+        bad.unsqueeze(-1), float("nan"), randn(sequences, width, 2)
+    )
+    tensors["teacher_weight"] = randn(VOCAB, 2)
     # The (S, 1) spellings of the per-sequence inputs (the padded layout's (B, 1)).
     tensors["advantages_column"] = tensors["advantages"][:, None]
     tensors["sequence_weights_column"] = tensors["sequence_weights"][:, None]
@@ -125,7 +135,7 @@ class View:
 
     def __getitem__(self, name: str) -> torch.Tensor:
         value = self.batch.mask if name == "mask" else self.tensors[name]
-        if not self.packed or name in SEQUENCE_INPUTS or name == "weight":
+        if not self.packed or name in SEQUENCE_INPUTS or name in ("weight", "teacher_weight"):
             return value
         return self.batch.pack(value)
 
@@ -297,7 +307,11 @@ def _full_vocab_kl(reduction: str) -> Callable[[View], Outputs]:
 
 def _gae(**options: Any) -> Callable[[View], Outputs]:
     def run(v: View) -> Outputs:
-        out = rlo.gae(v["token_rewards"], v["values"], v["mask"], **options, **v.layout)
+        arguments = dict(options)
+        if isinstance(arguments.get("lam"), str):  # a per-sequence lambda from an (S,) input
+            weights = v[arguments["lam"]]
+            arguments["lam"] = weights / (1 + weights)  # in [0, 1)
+        out = rlo.gae(v["token_rewards"], v["values"], v["mask"], **arguments, **v.layout)
         return {"advantages": v.tokens(out.advantages), "returns": v.tokens(out.returns)}
 
     return run
@@ -398,6 +412,30 @@ def _nll(reduction: str) -> Callable[[View], Outputs]:
     return run
 
 
+def _distillation(kind: str, hidden: bool, **options: Any) -> Callable[[View], Outputs]:
+    """The issue-25 losses in both layouts (from logits or the LM head)."""
+
+    def run(v: View) -> Outputs:
+        student = (v["hidden"], v["weight"]) if hidden else (v["logits"],)
+        common = {"max_response_length": 9, **options, **v.layout}
+        if kind == "topk":
+            fn = rlo.topk_forward_kl_from_hidden if hidden else rlo.topk_forward_kl
+            out = fn(*student, v["teacher_top"], v["teacher_ids"], v["mask"], **common)
+        elif kind == "reverse":
+            fn = rlo.reverse_kl_loss_from_hidden if hidden else rlo.reverse_kl_loss
+            out = fn(*student, v["tokens"], v["ref_log_probs"], v["mask"], estimator="k2",
+                     **common)  # fmt: skip
+        elif hidden:
+            out = rlo.generalized_jsd_loss_from_hidden(
+                *student, v["teacher_hidden"], v["teacher_weight"], v["mask"], **common
+            )
+        else:
+            out = rlo.generalized_jsd_loss(v["logits"], v["ref_logits"], v["mask"], **common)
+        return {"loss": v.tokens(out) if out.ndim else out}
+
+    return run
+
+
 def _m2po_mask(v: View) -> Outputs:
     log_ratio = v["log_probs"] - v["old_log_probs"]
     out = rlo.m2po_mask(log_ratio, v["mask"], threshold=0.05, **v.layout)
@@ -414,6 +452,13 @@ def _cov_selection(surrogate: Any) -> Callable[[View], Outputs]:
         return {name: v.tokens(getattr(out, name).double()) for name in ("selected", "candidates")}
 
     return run
+
+
+def _reverse_rewards(v: View) -> Outputs:
+    out = rlo.reverse_kl_rewards(
+        v["log_probs"], v["ref_log_probs"], v["mask"], coef=0.5, **v.layout
+    )
+    return {"rewards": v.tokens(out)}
 
 
 HIDDEN_LEAVES = ("hidden_leaf", "weight")
@@ -541,6 +586,32 @@ SEQUENCE_ARGUMENT_CASES: list[Case] = [
         heavy=True,
     ),
 ]
+
+ISSUE25_CASES: list[Case] = [
+    Case("topk_forward_kl-sequence_mean", _distillation("topk", False, reduction="sequence_mean"),
+         ("logits_leaf",), heavy=True),
+    Case("topk_forward_kl-none-renormalize",
+         _distillation("topk", False, reduction="none", renormalize=True), ("logits_leaf",),
+         heavy=True),
+    Case("topk_forward_kl_from_hidden-dr_grpo",
+         _distillation("topk", True, reduction="sequence_sum_normalized"), HIDDEN_LEAVES,
+         heavy=True),
+    Case("topk_forward_kl_from_hidden-none-head", _distillation("topk", True, reduction="none",
+                                                                tail=False),
+         HIDDEN_LEAVES, heavy=True),
+    Case("reverse_kl_loss-sequence_mean",
+         _distillation("reverse", False, reduction="sequence_mean"), ("logits_leaf",), heavy=True),
+    Case("reverse_kl_loss_from_hidden", _distillation("reverse", True), HIDDEN_LEAVES, heavy=True),
+    Case("generalized_jsd_loss-length_weighted",
+         _distillation("jsd", False, reduction="length_weighted"), ("logits_leaf",), heavy=True),
+    Case("generalized_jsd_loss_from_hidden-sequence_mean",
+         _distillation("jsd", True, reduction="sequence_mean", beta=0.0), HIDDEN_LEAVES,
+         heavy=True),
+    Case("reverse_kl_rewards", _reverse_rewards, ()),
+    Case("gae-per-sequence-lambda",
+         _gae(gamma=0.9, lam="sequence_weights", value_lam=1.0),
+         ("values_leaf", "token_rewards_leaf")),
+]  # fmt: skip
 
 CASES: list[Case] = [
     *(Case(f"aggregate-{r}", _aggregate(r)) for r in rlo.Reduction.__args__),  # type: ignore[attr-defined]
@@ -672,4 +743,5 @@ CASES: list[Case] = [
         _reinforce_plus_plus(baseline=True),
         ("token_rewards_leaf",),
     ),
+    *ISSUE25_CASES,
 ]

@@ -943,23 +943,39 @@ def reinforce_plus_plus_advantages(
 
 
 def gae(
-    rewards: Tensor, values: Tensor, mask: Tensor, *, gamma: float, lam: float
+    rewards: Tensor,
+    values: Tensor,
+    mask: Tensor,
+    *,
+    gamma: float,
+    lam: float | list[float],
+    value_lam: float | list[float] | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """Reference of rlobjectives.gae: (advantages, returns) over each row's selected tokens."""
+    """Reference of rlobjectives.gae: (advantages, returns) over each row's selected tokens.
+
+    ``lam`` / ``value_lam``: one number, or one per row (VAPO); the returns are the advantages
+    of ``value_lam`` (default ``lam``) plus the values.
+    """
     m = _as_list_mask(mask)
     zero = torch.zeros((), dtype=torch.float64)
-    advantages: dict[tuple[int, int], Tensor] = {}
-    returns: dict[tuple[int, int], Tensor] = {}
-    for i, row in enumerate(m):
-        selected = [t for t, keep in enumerate(row) if keep]
-        next_advantage = zero
-        for k in reversed(range(len(selected))):
-            t = selected[k]
-            next_value = values[i, selected[k + 1]] if k + 1 < len(selected) else zero
-            delta = rewards[i, t] + gamma * next_value - values[i, t]
-            next_advantage = delta + gamma * lam * next_advantage
-            advantages[(i, t)] = next_advantage
-            returns[(i, t)] = next_advantage + values[i, t]
+
+    def run(trace: float | list[float]) -> dict[tuple[int, int], Tensor]:
+        out: dict[tuple[int, int], Tensor] = {}
+        for i, row in enumerate(m):
+            row_lam = trace[i] if isinstance(trace, list) else trace
+            selected = [t for t, keep in enumerate(row) if keep]
+            next_advantage = zero
+            for k in reversed(range(len(selected))):
+                t = selected[k]
+                next_value = values[i, selected[k + 1]] if k + 1 < len(selected) else zero
+                delta = rewards[i, t] + gamma * next_value - values[i, t]
+                next_advantage = delta + gamma * row_lam * next_advantage
+                out[(i, t)] = next_advantage
+        return out
+
+    advantages = run(lam)
+    critic = advantages if value_lam is None else run(value_lam)
+    returns = {(i, t): a + values[i, t] for (i, t), a in critic.items()}
     shape = tuple(mask.shape)
     return _matrix(advantages, shape), _matrix(returns, shape)  # type: ignore[arg-type]
 
@@ -2370,3 +2386,388 @@ def nll_loss(
         losses, tuple(mask.shape), reduction=reduction, normalizer=normalizer,  # type: ignore[arg-type]
         max_response_length=max_response_length,
     )  # fmt: skip
+
+
+# --- on-policy distillation and the 2026 advantages (issue 25) ---------------------------------
+
+
+def _token_rows(values: Tensor) -> Tensor:
+    """(B, T, X) -> (B * T, X)."""
+    return values.reshape(-1, values.shape[-1])
+
+
+def topk_forward_kl(
+    logits: Tensor,
+    teacher_log_probs: Tensor,
+    teacher_ids: Tensor,
+    mask: Tensor,
+    *,
+    tail: bool = True,
+    renormalize: bool = False,
+    temperature: float = 1.0,
+) -> Tensor:
+    """Reference of rlobjectives.topk_forward_kl(reduction="none"): (B, T), 0 where unselected.
+
+    Per selected token: x = logits / tau in float64, log q = log_softmax(x); the teacher's slots
+    with a log-probability above -inf; head = sum_k p_k (l^T_k - log q[id_k]); tail: the
+    teacher's tail 1 - sum_k p_k (0 when <= 0: no bucket) against the student's, the sum of q
+    over the tokens outside the set (0 bucket when the set covers the vocabulary);
+    renormalize: both renormalised over the slots.
+    """
+    shape = tuple(mask.shape)
+    rows, teacher, ids = (
+        _token_rows(logits),
+        _token_rows(teacher_log_probs),
+        _token_rows(teacher_ids),
+    )
+    keep = [bool(v) for v in mask.reshape(-1).tolist()]
+    zero = torch.zeros((), dtype=torch.float64)
+    out = []
+    for n, selected in enumerate(keep):
+        if not selected:
+            out.append(zero)
+            continue
+        log_q = torch.log_softmax(rows[n].double() / temperature, -1)
+        slots = [k for k in range(teacher.shape[1]) if float(teacher[n, k]) != -math.inf]
+        lt = [teacher[n, k].double().detach() for k in slots]
+        ls = [log_q[int(ids[n, k])] for k in slots]
+        if not slots:
+            out.append(zero)
+            continue
+        if renormalize:
+            lt_sum, ls_sum = (
+                torch.logsumexp(torch.stack(lt), 0),
+                torch.logsumexp(torch.stack(ls), 0),
+            )
+            value = sum(
+                (
+                    torch.exp(a - lt_sum) * ((a - lt_sum) - (b - ls_sum))
+                    for a, b in zip(lt, ls, strict=True)
+                ),
+                zero,
+            )
+            out.append(value)
+            continue
+        value = sum((torch.exp(a) * (a - b) for a, b in zip(lt, ls, strict=True)), zero)
+        if tail:
+            teacher_tail = 1.0 - sum((torch.exp(a) for a in lt), zero)
+            members = {int(ids[n, k]) for k in slots}
+            rest = [log_q[v].exp() for v in range(log_q.shape[0]) if v not in members]
+            if float(teacher_tail) > 0 and rest:
+                student_tail = sum(rest, zero)
+                value = value + teacher_tail * torch.log(teacher_tail / student_tail)
+        out.append(value)
+    return torch.stack(out).reshape(shape) if out else torch.zeros(shape, dtype=torch.float64)
+
+
+def generalized_jsd(
+    logits: Tensor, teacher_logits: Tensor, mask: Tensor, *, beta: float, temperature: float = 1.0
+) -> Tensor:
+    """Reference of rlobjectives.generalized_jsd_loss(reduction="none"): (B, T).
+
+    q = softmax(student / tau), p = softmax(teacher / tau) (detached); beta = 0: KL(p || q),
+    beta = 1: KL(q || p), else beta KL(p || m) + (1 - beta) KL(q || m), m = beta p + (1-beta) q;
+    terms with zero probability are 0.
+    """
+    shape = tuple(mask.shape)
+    rows, teacher = _token_rows(logits), _token_rows(teacher_logits)
+    keep = [bool(v) for v in mask.reshape(-1).tolist()]
+    zero = torch.zeros((), dtype=torch.float64)
+
+    def kl(a: Tensor, b: Tensor) -> Tensor:
+        return torch.where(a > 0, a * (torch.log(torch.where(a > 0, a, 1.0)) - torch.log(b)),
+                           zero).sum()  # fmt: skip
+
+    out = []
+    for n, selected in enumerate(keep):
+        if not selected:
+            out.append(zero)
+            continue
+        q = torch.softmax(rows[n].double() / temperature, -1)
+        p = torch.softmax(teacher[n].double().detach() / temperature, -1)
+        if beta == 0.0:
+            out.append(kl(p, q))
+        elif beta == 1.0:
+            out.append(kl(q, p))
+        else:
+            m = beta * p + (1 - beta) * q
+            out.append(beta * kl(p, m) + (1 - beta) * kl(q, m))
+    return torch.stack(out).reshape(shape) if out else torch.zeros(shape, dtype=torch.float64)
+
+
+def reverse_kl_rewards(
+    log_probs: Tensor,
+    teacher_log_probs: Tensor,
+    mask: Tensor,
+    *,
+    coef: float = 1.0,
+    estimator: str = "k1",
+    log_ratio_bound: float | None = None,
+) -> Tensor:
+    """Reference of rlobjectives.reverse_kl_rewards: -coef * k(l^S - l^T) at selected tokens."""
+    estimates = kl_estimate(log_probs, teacher_log_probs, mask, estimator=estimator,
+                            log_ratio_bound=log_ratio_bound)  # fmt: skip
+    return (-coef * estimates).detach() + 0.0
+
+
+def gdpo_advantages(
+    rewards: Tensor,
+    labels: list[object],
+    *,
+    weights: list[float] | None = None,
+    eps: float = 1e-6,
+    whiten: bool = True,
+) -> Tensor:
+    """Reference of rlobjectives.gdpo_advantages: loops over components and groups (float64).
+
+    Per component: (r - mean_g) / (std_g + eps), unbiased std, 0 for a group of one (and where
+    std + eps is 0); the weighted sum; then (S - mean) / (std + eps) over the batch (0 for one
+    sequence, or where std + eps is 0).
+    """
+    zero = torch.zeros((), dtype=torch.float64)
+    batch, components = rewards.shape
+    weight = [1.0] * components if weights is None else list(weights)
+    total: list[Tensor] = [zero] * batch
+    for k in range(components):
+        column = [rewards[b, k].double() for b in range(batch)]
+        for members in _members(labels).values():
+            group = [column[b] for b in members]
+            mean = sum(group, zero) / len(group)
+            std = _std(group)
+            for b in members:
+                centered = column[b] - mean
+                if len(members) > 1 and float(std.detach()) + eps > 0:
+                    total[b] = total[b] + weight[k] * centered / (std + eps)
+    if not whiten:
+        return torch.stack(total) if total else torch.zeros(0, dtype=torch.float64)
+    mean = sum(total, zero) / max(batch, 1)
+    std = _std(total)
+    spread = float(std.detach()) + eps
+    out = [(x - mean) / (std + eps) if batch > 1 and spread > 0 else zero for x in total]
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def maxrl_advantages(rewards: Tensor, labels: list[object], *, eps: float = 0.0) -> Tensor:
+    """Reference of rlobjectives.maxrl_advantages: (r - mu) / (mu + eps) for groups of >= 2
+    with mu > 0, else 0."""
+    zero = torch.zeros((), dtype=torch.float64)
+    items = [rewards[k].double() for k in range(rewards.shape[0])]
+    out: list[Tensor] = [zero] * len(items)
+    for members in _members(labels).values():
+        group = [items[k] for k in members]
+        mean = sum(group, zero) / len(group)
+        if len(group) < 2 or float(mean.detach()) <= 0:
+            continue
+        for k in members:
+            out[k] = (items[k] - mean) / (mean + eps)
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def length_adaptive_lambda(lengths: list[float], *, alpha: float) -> list[float]:
+    """Reference of rlobjectives.length_adaptive_lambda: max(0, 1 - 1/(alpha l)), 0 at l <= 0."""
+    return [max(0.0, 1.0 - 1.0 / (alpha * length)) if length > 0 else 0.0 for length in lengths]
+
+
+def overlong_penalty(
+    lengths: list[float], max_length: int, cache_length: int, *, factor: float = 1.0
+) -> list[float]:
+    """Reference of rlobjectives.overlong_penalty: DAPO Eq. 13 times factor (by cases)."""
+    out = []
+    for length in lengths:
+        if length <= max_length - cache_length:
+            out.append(0.0)
+        elif length <= max_length:
+            out.append(factor * ((max_length - cache_length) - length) / cache_length)
+        else:
+            out.append(-factor)
+    return out
+
+
+# --- the peers' formulas (restated from their code; issue 25) ------------------------------------
+
+
+def verl_forward_kl_topk(
+    logits: Tensor,
+    teacher_log_probs: Tensor,
+    teacher_ids: Tensor,
+    *,
+    log_prob_min_clamp: float | None = None,
+    temperature: float = 1.0,
+) -> dict[str, Tensor]:
+    """verl 0.9.1 ``compute_forward_kl_topk`` (fsdp): per-token head KL and the top-k masses.
+
+    ``log_softmax(logits)`` gathered at the teacher's ids; the masses before the clamp; both
+    log-probabilities clamped from below at ``log_prob_min_clamp``; ``sum_k e^{l^T}(l^T - l^S)``
+    (no padding support in verl).
+    """
+    student = torch.log_softmax(logits.double() / temperature, -1).gather(-1, teacher_ids)
+    teacher = teacher_log_probs.double()
+    student_mass, teacher_mass = student.exp().sum(-1), teacher.exp().sum(-1)
+    if log_prob_min_clamp is not None:
+        student = student.clamp_min(log_prob_min_clamp)
+        teacher = teacher.clamp_min(log_prob_min_clamp)
+    losses = (teacher.exp() * (teacher - student)).sum(-1)
+    return {"losses": losses, "student_mass": student_mass, "teacher_mass": teacher_mass}
+
+
+def verl_kl_penalty(log_prob: Tensor, ref_log_prob: Tensor, mode: str) -> Tensor:
+    """verl ``kl_penalty(logprob, ref_logprob, kl_penalty)``: k1/kl, abs, k2/mse, k3/low_var_kl
+    (``ref - log`` clamped to +-20, the value to +-10), and the ``+`` straight-through forms."""
+    base = mode[:-1] if mode.endswith("+") else mode
+    d = log_prob - ref_log_prob
+    if base in ("kl", "k1"):
+        forward = d
+    elif base == "abs":
+        forward = d.abs()
+    elif base in ("mse", "k2"):
+        forward = 0.5 * d.square()
+    else:
+        kl = torch.clamp(ref_log_prob - log_prob, min=-20, max=20)
+        forward = torch.clamp(torch.exp(kl) - kl - 1, min=-10, max=10)
+    if not mode.endswith("+") or base in ("mse", "k2"):
+        return forward
+    backward = 0.5 * d.square()
+    return backward - backward.detach() + forward.detach()
+
+
+def trl_server_forward_kl(
+    student_log_probs: Tensor,
+    teacher_log_probs: Tensor,
+    teacher_ids: Tensor,
+    labels: Tensor,
+    *,
+    loss_add_tail: bool,
+) -> Tensor:
+    """TRL 1.16 ``_compute_server_forward_kl_loss`` (beta = 0): ``-inf`` slots are padding; the
+    tail bucket ``log(1 - exp(min(logsumexp, -1e-7)))`` on both sides, or both renormalised;
+    ``sum p_T (log p_T - log p_S)`` over the support; batchmean over ``labels != -100``."""
+    valid = teacher_log_probs > -math.inf
+    neg_inf = torch.tensor(-math.inf, dtype=torch.float64)
+    student = torch.where(valid, student_log_probs.gather(-1, teacher_ids), neg_inf)
+    teacher = torch.where(valid, teacher_log_probs.double(), neg_inf)
+
+    def bucket(log_probs: Tensor) -> Tensor:
+        log_sum = torch.clamp(torch.logsumexp(log_probs, -1, keepdim=True), max=-1e-7)
+        return torch.cat([log_probs, torch.log(-torch.expm1(log_sum))], -1)
+
+    if loss_add_tail:
+        student, teacher = bucket(student), bucket(teacher)
+        support = torch.cat([valid, torch.ones_like(valid[..., :1])], -1)
+    else:
+        student = student - torch.logsumexp(student, -1, keepdim=True)
+        teacher = teacher - torch.logsumexp(teacher, -1, keepdim=True)
+        support = valid
+    terms = torch.where(support, teacher.exp() * (teacher - student), 0.0).sum(-1)
+    mask = labels != -100
+    return terms[mask].sum() / mask.sum().clamp_min(1)
+
+
+def trl_generalized_jsd_loss(
+    student_logits: Tensor,
+    teacher_logits: Tensor,
+    labels: Tensor | None = None,
+    beta: float = 0.5,
+    temperature: float = 1.0,
+    reduction: str = "batchmean",
+    num_items_in_batch: float | None = None,
+) -> Tensor:
+    """TRL 1.16 ``GKDTrainer.generalized_jsd_loss``: ``F.kl_div`` terms (beta 0: KL(p_T || p_S),
+    1: KL(p_S || p_T), else the mixture via logsumexp), masked by labels, then TRL's reduction."""
+    student = torch.log_softmax(student_logits / temperature, -1)
+    teacher = torch.log_softmax(teacher_logits / temperature, -1)
+    kl = torch.nn.functional.kl_div
+    if beta == 0:
+        jsd = kl(student, teacher, reduction="none", log_target=True)
+    elif beta == 1:
+        jsd = kl(teacher, student, reduction="none", log_target=True)
+    else:
+        b = torch.tensor(beta, dtype=student.dtype)
+        mixture = torch.logsumexp(
+            torch.stack([student + torch.log1p(-b), teacher + torch.log(b)]), 0
+        )
+        jsd = beta * kl(mixture, teacher, reduction="none", log_target=True) + (1 - beta) * kl(
+            mixture, student, reduction="none", log_target=True
+        )
+    mask = None if labels is None else labels != -100
+    if mask is not None:
+        jsd = jsd[mask]
+    if num_items_in_batch is not None:
+        return jsd.sum() / num_items_in_batch
+    if reduction == "batchmean":
+        denominator = mask.sum().clamp_min(1) if mask is not None else max(jsd.size(0), 1)
+        return jsd.sum() / denominator
+    return jsd.sum() if reduction == "sum" else jsd.mean()
+
+
+def verl_gdpo(
+    scores: Tensor,
+    response_mask: Tensor,
+    index: list[object],
+    *,
+    weights: list[float] | None = None,
+    epsilon: float = 1e-6,
+    norm_adv_by_std_in_grpo: bool = True,
+) -> Tensor:
+    """verl 0.9.1 ``compute_gdpo_outcome_advantage``: per key verl's grpo (a group of one: mu = 0,
+    sigma = 1; torch.std), the weighted sum broadcast to the tokens, ``masked_whiten`` over
+    them (unbiased, rsqrt(var + 1e-8)), times the mask."""
+    zero = torch.zeros((), dtype=torch.float64)
+    batch, components = scores.shape
+    weight = [1.0] * components if weights is None else list(weights)
+    total = [zero] * batch
+    for k in range(components):
+        column = [scores[b, k].double() for b in range(batch)]
+        for members in _members(index).values():
+            group = [column[b] for b in members]
+            mean = sum(group, zero) / len(group) if len(group) > 1 else zero
+            std = torch.std(torch.stack(group)) if len(group) > 1 else zero + 1.0
+            for b in members:
+                value = column[b] - mean
+                if norm_adv_by_std_in_grpo:
+                    value = value / (std + epsilon)
+                total[b] = total[b] + weight[k] * value
+    per_token = torch.stack(total)[:, None].expand(response_mask.shape)
+    return masked_whiten(per_token, response_mask, eps=1e-8)
+
+
+def trl_multi_objective_advantages(
+    rewards: Tensor,
+    num_generations: int,
+    *,
+    weights: list[float] | None = None,
+    aggregation: str = "sum_then_normalize",
+    scale_rewards: str = "group",
+) -> Tensor:
+    """TRL 1.16 GRPO advantages (no NaN rewards): ``sum_then_normalize`` (weighted sum, group
+    mean, the group's / the batch's unbiased std + 1e-4, or none) or ``normalize_then_sum``
+    (each function z-scored in its group with std + 1e-4, weighted sum, then the batch's)."""
+    batch, components = rewards.shape
+    w = (
+        torch.ones(components, dtype=torch.float64)
+        if weights is None
+        else torch.tensor(weights, dtype=torch.float64)
+    )
+    grouped = rewards.double().view(-1, num_generations, components)
+
+    def std(x: Tensor, dim: int | None = None) -> Tensor:
+        return x.std(dim=dim, keepdim=dim is not None) if x.numel() > 1 else torch.zeros(())
+
+    if aggregation == "normalize_then_sum":
+        mean_k = grouped.mean(1, keepdim=True)
+        std_k = grouped.std(1, keepdim=True) if num_generations > 1 else torch.zeros_like(mean_k)
+        summed = (((grouped - mean_k) / (std_k + 1e-4)).reshape(batch, components) * w).sum(1)
+        return (summed - summed.mean()) / (std(summed) + 1e-4)
+    summed = (rewards.double() * w).sum(1)
+    mean_g = summed.view(-1, num_generations).mean(1).repeat_interleave(num_generations)
+    if scale_rewards == "none":
+        return summed - mean_g
+    if scale_rewards == "group":
+        group_std = summed.view(-1, num_generations).std(1) if num_generations > 1 else None
+        spread = (
+            torch.zeros_like(summed)
+            if group_std is None
+            else group_std.repeat_interleave(num_generations)
+        )
+    else:
+        spread = std(summed).expand_as(summed)
+    return (summed - mean_g) / (spread + 1e-4)

@@ -23,6 +23,8 @@ POSITIONAL_GROUPING = {
     ("rloo_advantages", "group_size"),
     ("passk_advantages", "group_size"),
     ("opo_advantages", "group_size"),
+    ("gdpo_advantages", "group_size"),
+    ("maxrl_advantages", "group_size"),
 }
 
 

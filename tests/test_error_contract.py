@@ -96,6 +96,12 @@ def test_wrong_input_raises_a_named_error(case: Case, wrong: Wrong) -> None:
 DTYPE_GROUPS: dict[str, tuple[tuple[str, ...], ...]] = {
     "token_log_probs_from_hidden": (("hidden", "weight", "bias"),),
     "fused_policy_loss_from_hidden": (("hidden", "weight", "bias"),),
+    "topk_forward_kl_from_hidden": (("hidden", "weight", "bias"),),
+    "reverse_kl_loss_from_hidden": (("hidden", "weight", "bias"),),
+    "generalized_jsd_loss_from_hidden": (
+        ("hidden", "weight", "bias"),
+        ("teacher_hidden", "teacher_weight", "teacher_bias"),
+    ),
 }
 # The product of a float32 head runs in float32 (as the model's own matmul would): the tests give
 # the head values on a grid of 1/8 (a few bits), whose float32 product is exact, so that the mixed

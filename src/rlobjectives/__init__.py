@@ -10,6 +10,9 @@ from importlib.metadata import PackageNotFoundError, version
 from ._core.packing import PackedTokens, UnpackedTokens, pack, unpack
 from ._core.reduction import Reduction, aggregate, masked_mean, masked_sum
 from .advantages.gae import GAEOutput, gae, reinforce_plus_plus_advantages
+from .advantages.gdpo import gdpo_advantages
+from .advantages.length import length_adaptive_lambda, overlong_penalty
+from .advantages.maxrl import maxrl_advantages
 from .advantages.outcome import (
     group_relative_advantages,
     opo_advantages,
@@ -18,6 +21,15 @@ from .advantages.outcome import (
     rloo_advantages,
 )
 from .advantages.whitening import masked_whiten
+from .distillation import (
+    generalized_jsd_loss,
+    generalized_jsd_loss_from_hidden,
+    reverse_kl_loss,
+    reverse_kl_loss_from_hidden,
+    reverse_kl_rewards,
+    topk_forward_kl,
+    topk_forward_kl_from_hidden,
+)
 from .distributed import (
     Normalizers,
     data_parallel_loss_scale,
@@ -110,6 +122,9 @@ __all__ = [
     "full_vocab_kl_loss",
     "fused_policy_loss_from_hidden",
     "gae",
+    "gdpo_advantages",
+    "generalized_jsd_loss",
+    "generalized_jsd_loss_from_hidden",
     "global_cov_selection",
     "global_m2po_mask",
     "global_masked_whiten",
@@ -121,14 +136,17 @@ __all__ = [
     "kl_loss",
     "kl_penalized_rewards",
     "kl_penalized_token_rewards",
+    "length_adaptive_lambda",
     "masked_mean",
     "masked_sum",
     "m2po_mask",
     "masked_whiten",
+    "maxrl_advantages",
     "nll_loss",
     "normalizer_for_reduction",
     "off_policy_sequence_mask",
     "opo_advantages",
+    "overlong_penalty",
     "passk_advantages",
     "pack",
     "policy_loss",
@@ -136,6 +154,9 @@ __all__ = [
     "remax_advantages",
     "response_alignment",
     "response_log_probs",
+    "reverse_kl_loss",
+    "reverse_kl_loss_from_hidden",
+    "reverse_kl_rewards",
     "rloo_advantages",
     "rollout_correction",
     "sum_diagnostics",
@@ -143,6 +164,8 @@ __all__ = [
     "token_log_probs",
     "token_log_probs_from_hidden",
     "top_entropy_mask",
+    "topk_forward_kl",
+    "topk_forward_kl_from_hidden",
     "unpack",
     "value_loss",
 ]

@@ -225,3 +225,28 @@ def test_two_gloo_ranks_equal_whitening_of_the_concatenation(
     assert_close(two_ranks[1]["empty_rank"], [(-4 / 3) / root, (-1 / 3) / root, (5 / 3) / root])
     for rank in range(2):
         assert_close(two_ranks[rank]["explicit_group"], two_ranks[rank]["1.0/0"])
+
+
+def test_stacked_moments_equal_each_tensor_alone() -> None:
+    # masked_moments of (K, *mask.shape): K statistics (each its own power-of-two scale) in
+    # one pass, as value_loss's explained variance takes Var(R - V) and Var(R) together.
+    from rlobjectives.advantages.whitening import masked_moments
+
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    first = torch.tensor([[1.0, 2.0, float("nan")], [6.0, float("inf"), 0.0]])
+    second = torch.tensor([[3e20, -1e20, 0.0], [1e20, 0.0, float("-inf")]])
+    stacked = masked_moments(torch.stack([first, second]), mask, unbiased=True)
+    # first: selected 1, 2, 6 -> scale 4 (2^floor(log2 6)), mean 9/3/4 = 0.75,
+    # variance of (0.25, 0.5, 1.5): ((0.5)^2 + (0.25)^2 + (0.75)^2) / 2 = 0.4375
+    assert stacked.scale[0] == 4.0
+    assert stacked.mean[0] == 0.75
+    assert stacked.variance[0] == pytest.approx(0.4375, rel=1e-6)
+    assert stacked.selected == 3
+    for k, values in enumerate((first, second)):
+        alone = masked_moments(values, mask, unbiased=True)
+        assert torch.equal(stacked.scale[k], alone.scale)
+        assert torch.equal(stacked.mean[k], alone.mean)
+        assert torch.equal(stacked.variance[k], alone.variance)
+        assert torch.equal(stacked.centered[k], alone.centered)
+    empty = masked_moments(torch.zeros(2, 0), torch.zeros(0, dtype=torch.bool), unbiased=True)
+    assert empty.scale.tolist() == [1.0, 1.0] and empty.variance.tolist() == [0.0, 0.0]

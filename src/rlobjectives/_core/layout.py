@@ -31,9 +31,11 @@ from typing import NamedTuple
 
 import torch
 
+from .context import ContextGroup, context_max, context_sum
 from .validation import ArrayLike, as_batch_matrix, as_tensor
 
 __all__ = [
+    "ContextGroup",
     "Layout",
     "last_selected",
     "layout_from_cu_seqlens",
@@ -55,19 +57,51 @@ __all__ = [
 class Layout(NamedTuple):
     """The sequences of a ``(rows, tokens)`` per-token tensor.
 
+    Under context parallelism (``context`` set) the tensors hold this rank's tokens of the
+    ``S`` sequences (every rank the same sequences in the same order): :meth:`row_sums`,
+    :meth:`row_counts`, :meth:`total` and :meth:`last_selected` are those of the whole
+    sequences (one all-reduce each, :mod:`rlobjectives._core.context`); the ``local_*`` methods
+    and :meth:`combine` let a caller batch several sums into one all-reduce.
+
     Attributes:
         num_sequences: S (a static Python int).
         sequence_ids: None for the padded layout (row ``i`` is sequence ``i``), else ``(N,)``
             int64 sequence index of every token of the packed ``(1, N)`` row.
         cu_seqlens: None, or the packed row's ``(S + 1,)`` int64 boundaries (validated).
+        context: None, or the context-parallel group whose ranks hold the other tokens.
     """
 
     num_sequences: int
     sequence_ids: torch.Tensor | None = None
     cu_seqlens: torch.Tensor | None = None
+    context: ContextGroup | None = None
+
+    def combine(self, *tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Per-rank partial sums summed over the context group (one all-reduce); else as given.
+
+        Identity backward: the results are replicated on every rank of the group.
+        """
+        if self.context is None:
+            return tensors
+        return context_sum(self.context, *tensors)
 
     def row_sums(self, values: torch.Tensor) -> torch.Tensor:
-        """Per-sequence sums ``(S,)`` of per-token ``values`` (already masked)."""
+        """Per-sequence sums ``(S,)`` of per-token ``values`` (already masked), whole sequences."""
+        local = self.local_row_sums(values)
+        return local if self.context is None else self.combine(local)[0]
+
+    def row_counts(self, mask: torch.Tensor) -> torch.Tensor:
+        """Selected tokens per sequence ``(S,)`` (int64) of a bool ``mask``, whole sequences."""
+        local = self.local_row_counts(mask)
+        return local if self.context is None else self.combine(local)[0]
+
+    def total(self, values: torch.Tensor) -> torch.Tensor:
+        """The sum ``()`` of every entry of ``values`` (already masked), over the group."""
+        local = values.sum()
+        return local if self.context is None else self.combine(local)[0]
+
+    def local_row_sums(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-sequence sums ``(S,)`` of this rank's tokens (no communication)."""
         if self.sequence_ids is None:
             return values.sum(dim=-1)
         flat = values.reshape(-1)  # (N,)
@@ -76,12 +110,12 @@ class Layout(NamedTuple):
         sums = torch.zeros(self.num_sequences, dtype=values.dtype, device=values.device)
         return sums.index_add(0, self.sequence_ids, flat)
 
-    def row_counts(self, mask: torch.Tensor) -> torch.Tensor:
-        """Selected tokens per sequence ``(S,)`` (int64) of a bool ``mask``."""
+    def local_row_counts(self, mask: torch.Tensor) -> torch.Tensor:
+        """Selected tokens per sequence ``(S,)`` (int64) of this rank (no communication)."""
         if self.sequence_ids is None:
             return mask.sum(dim=-1)
         if self.cu_seqlens is None:
-            return self.row_sums(mask.to(torch.int64))
+            return self.local_row_sums(mask.to(torch.int64))
         flat = mask.reshape(-1)  # (N,)
         running = torch.empty(flat.shape[0] + 1, dtype=torch.int64, device=flat.device)
         running[0] = 0  # (N + 1,) selected tokens before each position, no padded copy
@@ -98,8 +132,52 @@ class Layout(NamedTuple):
         """Bool, the shape of ``mask``: True at the last selected token of each sequence.
 
         Packed: the largest selected position of each sequence (``scatter_reduce`` amax over the
-        sequence ids, no host sync); a sequence with no selected token has none.
+        sequence ids, no host sync); a sequence with no selected token has none. Under context
+        parallelism the last selected token of a sequence lies on the last rank (in group order,
+        the order of the chunks) holding a selected token of it: one ``all_reduce(MAX)`` of
+        ``(S,)`` rank indices.
         """
+        local = self.local_last_selected(mask)
+        if self.context is None:
+            return local
+        holds = self.local_row_counts(mask) > 0  # (S,)
+        rank = self.context.rank
+        owner = context_max(self.context, torch.where(holds, rank, -1))  # (S,) last holder
+        return local & self.expand(owner == rank)
+
+    def first_selected(self, mask: torch.Tensor) -> torch.Tensor:
+        """Bool, the shape of ``mask``: True at the first selected token of each sequence here.
+
+        This rank's tokens only (no communication): the first element of its chunk.
+        """
+        if self.sequence_ids is None:
+            return last_selected(mask.flip(-1)).flip(-1)
+        flat = mask.reshape(-1)  # (N,)
+        tokens = flat.shape[0]
+        positions = torch.arange(tokens, device=flat.device)  # (N,)
+        scored = torch.where(flat, positions, tokens)  # (N,)
+        first = torch.full((self.num_sequences,), tokens, dtype=positions.dtype, device=flat.device)
+        first = first.scatter_reduce(0, self.sequence_ids, scored, "amin")  # (S,)
+        return ((positions == first[self.sequence_ids]) & flat).reshape(mask.shape)
+
+    def local_selected_after(self, mask: torch.Tensor) -> torch.Tensor:
+        """Int64, the shape of ``mask``: this rank's selected tokens after ``t`` in its sequence.
+
+        A difference of integer cumulative sums (exact): the row's (packed: the sequence's)
+        total minus the running count up to ``t`` included.
+        """
+        if self.sequence_ids is None:
+            running = mask.to(torch.int64).cumsum(-1)  # (B, T)
+            total = running[:, -1:] if mask.shape[-1] else running
+            return total - running
+        flat = mask.reshape(-1).to(torch.int64)  # (N,)
+        running = torch.cat([flat.new_zeros(1), flat.cumsum(0)])  # (N + 1,) before each position
+        positions = torch.arange(flat.shape[0], device=flat.device)
+        ends = _sequence_end(self, positions)  # (N,) one past the end of t's sequence
+        return (running.index_select(0, ends) - running[1:]).reshape(mask.shape)
+
+    def local_last_selected(self, mask: torch.Tensor) -> torch.Tensor:
+        """Bool: True at the last selected token of each sequence among this rank's tokens."""
         if self.sequence_ids is None:
             return last_selected(mask)
         flat = mask.reshape(-1)  # (N,)
@@ -135,12 +213,18 @@ def _sequence_ids(layout: Layout) -> torch.Tensor:
 
 
 def segment_discounted_sum(
-    values: torch.Tensor, chain: torch.Tensor, layout: Layout, discount: float
+    values: torch.Tensor,
+    chain: torch.Tensor,
+    layout: Layout,
+    discount: float | torch.Tensor,
 ) -> torch.Tensor:
     """Reverse discounted sum over the chain tokens of each packed sequence, ``(1, N)``.
 
     ``values`` and ``chain`` (bool) are ``(1, N)``; the result is 0 off the chain. Equal to
     the padded scan of :mod:`rlobjectives.advantages.gae` applied to each sequence separately.
+    ``discount`` is a number, or a ``(1, N)`` tensor of per-token discounts (a per-sequence
+    discount broadcast to its tokens, GAE with a per-sequence lambda). A log-depth doubling
+    scan: it multiplies factors in ``[0, 1]`` only, so no discount under- or overflows.
     """
     ids = _sequence_ids(layout)  # (N,)
     tokens = ids.shape[0]
@@ -148,7 +232,10 @@ def segment_discounted_sum(
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
     total = torch.where(selected, values.reshape(-1), zero)  # (N,) B
     one = torch.ones((), dtype=values.dtype, device=values.device)
-    factor = torch.where(selected, one * discount, one)  # (N,) A
+    if isinstance(discount, torch.Tensor):
+        factor = torch.where(selected, discount.reshape(-1).to(values.dtype), one)  # (N,) A
+    else:
+        factor = torch.where(selected, one * discount, one)  # (N,) A
     offset = 1
     while offset < tokens:
         same = ids[offset:] == ids[:-offset]  # (N - d,) t + d in the sequence of t
@@ -357,26 +444,43 @@ def packed_layout(
     return layout_from_cu_seqlens(cu, num_tokens)
 
 
-def sequence_layout(cu_seqlens: ArrayLike | None, tokens: torch.Tensor) -> Layout:
-    """The layout of validated per-token matrix ``tokens``: padded rows, or packed segments."""
+def sequence_layout(
+    cu_seqlens: ArrayLike | None, tokens: torch.Tensor, context: ContextGroup | None = None
+) -> Layout:
+    """The layout of validated per-token matrix ``tokens``: padded rows, or packed segments.
+
+    ``context``: the validated context-parallel group whose ranks hold the sequences' other
+    tokens (None: whole sequences here).
+    """
     if cu_seqlens is None:
-        return padded(tokens.shape[0])
-    return packed_layout(cu_seqlens, tokens.shape[-1], device=tokens.device)
+        layout = padded(tokens.shape[0])
+    else:
+        layout = packed_layout(cu_seqlens, tokens.shape[-1], device=tokens.device)
+    if context is None:
+        return layout
+    return layout._replace(context=context._replace(device=tokens.device))
 
 
 def longest_sequence(layout: Layout, tokens: int) -> int | torch.Tensor:
     """The padded width ``T`` of the layout's sequences: the longest packed sequence (0-d int64).
 
     The default Dr. GRPO constant: on a packed row it is the length :func:`unpack` pads to, so
-    the packed loss equals the padded one.
+    the packed loss equals the padded one. Under context parallelism: the width of the whole
+    sequences, the sum of the ranks' padded widths ``T_r`` (each rank's rows a contiguous slice
+    of the padded rows, Megatron CP's split) or the longest whole packed sequence (the sum of
+    its local lengths); one all-reduce.
     """
     if layout.sequence_ids is None:
-        return tokens
+        if layout.context is None:
+            return tokens
+        device = layout.context.device
+        return layout.combine(torch.tensor(tokens, dtype=torch.int64, device=device))[0]
     if layout.cu_seqlens is not None:
         lengths = layout.cu_seqlens.diff()  # (S,)
     else:
         ones = torch.ones(1, tokens, dtype=torch.int64, device=layout.sequence_ids.device)
-        lengths = layout.row_sums(ones)  # (S,)
+        lengths = layout.local_row_sums(ones)  # (S,)
+    lengths = layout.combine(lengths)[0]  # whole sequences under context parallelism
     return torch.cat([lengths, lengths.new_zeros(1)]).amax()
 
 

@@ -41,6 +41,7 @@ from .validation import (
     check_shape,
     checks_environment,
     validate_choice,
+    validate_context_group,
     validate_length,
     validate_scalar,
 )
@@ -58,6 +59,7 @@ __all__ = [
     "mean_selected",
     "reduce",
     "reduce_rows",
+    "reduction_counts",
     "row_weights",
     "safe_divide",
     "sum_selected",
@@ -128,13 +130,14 @@ def validate_layout_reduction(
     """:func:`validate_reduction` for a layout; ``tokens`` = the width of the per-token rows.
 
     The default Dr. GRPO constant is the padded width ``T``: for a packed ``(1, N)`` row, the
-    longest sequence (the width :func:`rlobjectives.unpack` pads to), not ``N``.
+    longest sequence (the width :func:`rlobjectives.unpack` pads to), not ``N``; under context
+    parallelism that of the whole sequences (:func:`~rlobjectives._core.layout.longest_sequence`).
     """
     spec = validate_reduction(
         reduction, normalizer=normalizer, max_response_length=max_response_length, tokens=tokens
     )
-    packed = layout.sequence_ids is not None
-    if packed and max_response_length is None and spec.reduction == "sequence_sum_normalized":
+    split = layout.sequence_ids is not None or layout.context is not None
+    if split and max_response_length is None and spec.reduction == "sequence_sum_normalized":
         spec = spec._replace(constant=longest_sequence(layout, tokens))
     return spec
 
@@ -175,6 +178,20 @@ def row_weights(
     return RowWeights(None, normalizer)
 
 
+def reduction_counts(mask: torch.Tensor, spec: ReductionSpec, layout: Layout) -> torch.Tensor:
+    """The selected-token counts :func:`row_weights` reads for ``spec``, of whole sequences.
+
+    ``(S,)`` per sequence; under context parallelism only what the reduction reads crosses the
+    ranks: the ``(S,)`` counts for ``sequence_mean``, the total count as ``(1,)`` for
+    ``token_mean`` without a normaliser, nothing otherwise (zeros, unread).
+    """
+    if layout.context is None or spec.reduction == "sequence_mean":
+        return layout.row_counts(mask)
+    if spec.reduction == "token_mean" and spec.normalizer is None:
+        return layout.total(mask.to(torch.int64)).reshape(1)
+    return torch.zeros(1, dtype=torch.int64, device=mask.device)
+
+
 def token_gradient_weights(weights: RowWeights, layout: Layout, dtype: torch.dtype) -> torch.Tensor:
     """Derivative of the reduced loss w.r.t. each per-token value, broadcastable to the tokens.
 
@@ -208,11 +225,37 @@ def reduce(
     selected = masked_fill_zero(values, mask)  # (B, T)
     if spec.reduction == "none":
         return selected
+    if layout.context is not None:
+        return _reduce_over_context(selected, mask, spec, layout)
     counts = layout.row_counts(mask)  # (S,)
     weights = row_weights(counts, spec, dtype=values.dtype, batch=layout.num_sequences)
     if weights.divisor is None:
         return selected.sum() / weights.denominator
     return reduce_rows(layout.row_sums(selected), weights)
+
+
+def _reduce_over_context(
+    selected: torch.Tensor, mask: torch.Tensor, spec: ReductionSpec, layout: Layout
+) -> torch.Tensor:
+    """:func:`reduce` of this rank's tokens of sequences split over a context group.
+
+    One all-reduce of what the reduction reads: the ``(S,)`` row sums and counts for
+    ``sequence_mean``; the total (and the selected-token count when no ``normalizer`` is
+    given) for the others, whose per-token weight is the same for every token.
+    """
+    rows, dtype = layout.num_sequences, selected.dtype
+    if spec.reduction == "sequence_mean":
+        sums, counts = layout.combine(
+            layout.local_row_sums(selected), layout.local_row_counts(mask)
+        )
+        return reduce_rows(sums, row_weights(counts, spec, dtype=dtype, batch=rows))
+    if spec.reduction == "token_mean" and spec.normalizer is None:
+        total, count = layout.combine(selected.sum(), mask.sum())
+        counts = count.reshape(1)
+    else:  # the denominator is the normaliser, or B C / B: no count needed
+        (total,) = layout.combine(selected.sum())
+        counts = mask.new_zeros(1, dtype=torch.int64)
+    return total / row_weights(counts, spec, dtype=dtype, batch=rows).denominator
 
 
 @checks_environment
@@ -224,6 +267,7 @@ def aggregate(
     normalizer: Scalar | None = None,
     max_response_length: Scalar | None = None,
     cu_seqlens: ArrayLike | None = None,
+    context_group: object = None,
 ) -> torch.Tensor:
     r"""Reduce per-token values ``(B, T)`` to the loss under one of the named reductions.
 
@@ -252,6 +296,12 @@ def aggregate(
     of the micro-batches of an optimizer step gives the full-batch loss. The normaliser is used
     exactly as given; counted denominators are raised to 1 (an empty selection gives 0).
 
+    Context parallelism (``context_group`` given, ``docs/distributed/context-parallel.md``):
+    each rank of the group holds some tokens of the same sequences (padded ``(B, T_r)`` with
+    its mask, or packed with local ``cu_seqlens`` listing every sequence); every rank returns
+    the loss of the whole sequences (one all-reduce: ``(S,)`` row sums and counts for
+    ``sequence_mean``, two scalars otherwise) and its gradient flows into the local tokens only.
+
     Args:
         values: per-token values, ``(B, T)``.
         mask: bool ``(B, T)``; True selects the token.
@@ -262,6 +312,8 @@ def aggregate(
             tensor); ``None`` uses ``T`` (packed: the longest sequence).
         cu_seqlens: optional ``(S + 1,)`` integer sequence boundaries of a packed row (0 first,
             non-decreasing, ``N`` last); see ``docs/conventions.md``.
+        context_group: the ``torch.distributed`` process group of the ranks holding the other
+            tokens of the same sequences (context parallelism), or None.
 
     Returns:
         A scalar tensor, or ``(B, T)`` for ``"none"`` (packed: the shape of ``values``), with the
@@ -270,8 +322,9 @@ def aggregate(
     Raises:
         ValueError: if ``values`` is not ``(B, T)`` (packed: ``(N,)`` or ``(1, N)``), ``mask`` has
             another shape or device, ``reduction`` is unknown, ``normalizer`` is not positive,
-            ``max_response_length`` is not a positive integer, or ``cu_seqlens`` is malformed.
-        TypeError: on non-numeric inputs.
+            ``max_response_length`` is not a positive integer, ``cu_seqlens`` is malformed, or
+            ``context_group`` is given without an initialised process group.
+        TypeError: on non-numeric inputs, or a ``context_group`` that is not a process group.
     """
     packed = cu_seqlens is not None
     values_t = as_float_tensor(values, "values")
@@ -280,7 +333,7 @@ def aggregate(
     mask_t = token_matrix(as_mask(mask, "mask", values_t.device), "mask", packed)
     check_same_device({"values": values_t, "mask": mask_t})
     check_shape(mask_t, "mask", tuple(values_t.shape), "values")
-    layout = sequence_layout(cu_seqlens, values_t)
+    layout = sequence_layout(cu_seqlens, values_t, validate_context_group(context_group))
     spec = validate_layout_reduction(
         reduction,
         normalizer=normalizer,

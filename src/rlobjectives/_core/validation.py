@@ -14,8 +14,10 @@ from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from .backend import requested_backend
+from .context import ContextGroup
 
 __all__ = [
     "ArrayLike",
@@ -40,6 +42,7 @@ __all__ = [
     "expand_per_sequence",
     "validate_bool",
     "validate_choice",
+    "validate_context_group",
     "validate_length",
     "validate_scalar",
 ]
@@ -458,3 +461,44 @@ def check_estimator_spelling(
         raise ValueError(
             f"{prefix}estimator={estimator!r} is verl's spelling; did you mean {hint}?"
         )
+
+
+def validate_context_group(context_group: object) -> ContextGroup | None:
+    """The :class:`ContextGroup` of a public ``context_group=`` argument (None: no group).
+
+    A group of one rank is returned as None (nothing to combine).
+
+    Raises:
+        TypeError: ``context_group`` is neither None nor a ``torch.distributed.ProcessGroup``.
+        ValueError: no process group is initialised, or this rank is not in ``context_group``
+            (including ``GroupMember.NON_GROUP_MEMBER``, what ``new_group`` returns to the ranks
+            outside the new group).
+    """
+    if context_group is None:
+        return None
+    outside = dist.GroupMember.NON_GROUP_MEMBER  # what new_group returns to the other ranks
+    if type(context_group) is type(outside) and context_group == outside:
+        raise ValueError(
+            f"context_group must contain this rank, got torch.distributed.GroupMember."
+            f"NON_GROUP_MEMBER ({outside!r}: new_group's value on a rank outside the group); "
+            "call with the group of the ranks that hold this rank's sequences"
+        )
+    if not isinstance(context_group, dist.ProcessGroup):
+        raise TypeError(
+            "context_group must be a torch.distributed.ProcessGroup (the ranks that hold parts of "
+            f"the same sequences) or None, got {type(context_group).__name__} ({context_group!r})"
+        )
+    if not (dist.is_available() and dist.is_initialized()):
+        raise ValueError(
+            "context_group was given but no torch.distributed process group is initialised; "
+            "call torch.distributed.init_process_group first, or pass context_group=None for "
+            "whole sequences on one process"
+        )
+    rank = dist.get_rank(context_group)
+    if rank < 0:
+        raise ValueError(
+            f"context_group must contain this rank (global rank {dist.get_rank()}), got a group "
+            f"of ranks {dist.get_process_group_ranks(context_group)}"
+        )
+    size = dist.get_world_size(context_group)
+    return None if size == 1 else ContextGroup(context_group, rank, size)

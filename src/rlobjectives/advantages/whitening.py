@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from .._core.context import ContextGroup, context_max, context_sum
 from .._core.reduction import masked_fill_zero, safe_divide
 from .._core.validation import (
     ArrayLike,
@@ -36,6 +37,7 @@ __all__ = [
     "power_of_two_scale",
     "safe_sqrt",
     "validate_flag",
+    "whiten_selected",
 ]
 
 
@@ -55,13 +57,13 @@ def power_of_two_scale(magnitude: torch.Tensor) -> torch.Tensor:
 class MaskedMoments(NamedTuple):
     """Mean and variance of the selected values of a tensor, in units of ``scale``.
 
-    Attributes:
+    Attributes (``(K,)`` instead of 0-d for ``K`` stacked tensors, see :func:`masked_moments`):
         scale: 0-d power of two; the true statistics are ``scale * mean`` and
             ``scale**2 * variance``.
         mean: 0-d mean of ``values / scale`` over the selected entries (0 if none).
         centered: ``(values / scale - mean)`` at selected entries, exact 0 elsewhere.
         variance: 0-d variance of ``values / scale`` (divisor ``N - 1`` or ``N``, at least 1).
-        selected: 0-d number of selected entries (int64).
+        selected: 0-d number of selected entries (int64), shared by the stacked tensors.
     """
 
     scale: torch.Tensor
@@ -71,26 +73,50 @@ class MaskedMoments(NamedTuple):
     selected: torch.Tensor
 
 
-def masked_moments(values: torch.Tensor, mask: torch.Tensor, *, unbiased: bool) -> MaskedMoments:
+def masked_moments(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    unbiased: bool,
+    context: ContextGroup | None = None,
+) -> MaskedMoments:
     """Two-pass mean and variance over the selected entries, scaled so that nothing overflows.
 
     ``values`` (any shape, floating) and the bool ``mask`` of the same shape are validated by the
     caller. NaN/inf at unselected entries reaches nothing. With ``N <= 1`` selected entries the
     variance is 0 (the divisor ``N - 1`` is raised to 1 and the centered values are 0).
+
+    ``values`` of shape ``(K, *mask.shape)``: the statistics of ``K`` tensors under the same
+    mask at once (``scale``, ``mean``, ``variance`` are then ``(K,)``, each with its own
+    scale), so that under a context group their collectives are shared.
+
+    ``context``: the statistics of the selected entries of every rank of a context group (this
+    rank's ``values`` are its shard): the largest magnitudes by one ``all_reduce(MAX)``, the
+    count and sums by one ``all_reduce``, the squared deviations by one more (three collectives
+    for any ``K``); the backward of the sums is the adjoint (every rank's centered values depend
+    on every rank's values).
     """
+    stacked = values.ndim == mask.ndim + 1
+    dims = tuple(range(int(stacked), values.ndim))  # the entries (all but the stack)
     selected = masked_fill_zero(values, mask)
-    if selected.numel() == 0:
-        zero = selected.new_zeros(())
-        return MaskedMoments(selected.new_ones(()), zero, selected, zero, mask.sum())
-    scale = power_of_two_scale(selected.abs().amax())  # ()
-    scaled = selected / scale
-    count = mask.sum()  # ()
-    mean = safe_divide(scaled.sum(), count)  # ()
+    if selected.numel() == 0 and context is None:
+        zero = selected.new_zeros(values.shape[:1] if stacked else ())
+        return MaskedMoments(torch.ones_like(zero), zero, selected, zero, mask.sum())
+    if selected.numel():
+        magnitude = selected.abs().amax(dim=dims)
+    else:
+        magnitude = selected.new_zeros(values.shape[:1] if stacked else ())
+    scale = power_of_two_scale(context_max(context, magnitude))  # () or (K,)
+    trailing = scale.reshape(scale.shape + (1,) * mask.ndim)  # broadcasts over the entries
+    scaled = selected / trailing
+    total, count = context_sum(context, scaled.sum(dim=dims), mask.sum(), adjoint=True)
+    mean = safe_divide(total, count)  # () or (K,)
     # With one selected entry the centered value is identically 0: select it (gradient exactly
     # 0) instead of differencing x and mean(x), whose gradients cancel to rounding only.
-    centered = masked_fill_zero(scaled - mean, mask & (count > 1))
+    centered = masked_fill_zero(scaled - mean.reshape(trailing.shape), mask & (count > 1))
     divisor = (count - 1).clamp(min=1) if unbiased else count.clamp(min=1)
-    variance = centered.square().sum() / divisor.to(scaled.dtype)  # ()
+    (squares,) = context_sum(context, centered.square().sum(dim=dims), adjoint=True)
+    variance = squares / divisor.to(scaled.dtype)  # () or (K,)
     return MaskedMoments(scale, mean, centered, variance, count)
 
 
@@ -187,16 +213,36 @@ def masked_whiten(
     validate_flag(shift_mean, "shift_mean")
     validate_flag(unbiased, "unbiased")
     epsilon = validate_scalar(eps, "eps", minimum=0.0)
-    moments = masked_moments(
-        values_t.to(compute_dtype(values_t)), mask_t, unbiased=unbiased
-    )  # statistics of values / scale
+    return whiten_selected(
+        values_t.to(compute_dtype(values_t)),
+        mask_t,
+        shift_mean=shift_mean,
+        unbiased=unbiased,
+        epsilon=epsilon,
+    )
+
+
+def whiten_selected(
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    shift_mean: bool,
+    unbiased: bool,
+    epsilon: float | torch.Tensor,
+    context: ContextGroup | None = None,
+) -> torch.Tensor:
+    """The body of :func:`masked_whiten` on validated tensors in the computation dtype.
+
+    ``context``: the statistics of every rank of a context group (:func:`masked_moments`).
+    """
+    moments = masked_moments(values, mask, unbiased=unbiased, context=context)
     # (x - mu) rsqrt(var + eps) = c' / hypot(sqrt(var'), sqrt(eps) / s), with c' = (x - mu)/s
     # and var' = var/s^2: hypot neither overflows nor underflows (eps / s^2 would, for s ~ 1e-20).
     root = torch.as_tensor(epsilon, dtype=moments.scale.dtype, device=moments.scale.device).sqrt()
     spread = torch.hypot(safe_sqrt(moments.variance), root / moments.scale)  # ()
     whitened = divide_or_zero(moments.centered, spread)
     if not shift_mean:
-        whitened = masked_fill_zero(whitened + moments.mean * moments.scale, mask_t)
+        whitened = masked_fill_zero(whitened + moments.mean * moments.scale, mask)
     return whitened
 
 

@@ -40,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
             "policy_loss, global_normalizers). A short supervised warm start makes the "
             "reference policy; GRPO then raises its held-out exact-match accuracy. Writes "
             "metrics.jsonl (one line per step), metrics.png and summary.json to --out. "
-            "Data-parallel: torchrun --nproc_per_node=2 -m rlobjectives.demo [options]."
+            "Data-parallel: torchrun --nproc_per_node=2 -m rlobjectives.demo [options] "
+            "(add --fsdp for FSDP2's fully_shard)."
         ),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
@@ -124,6 +125,16 @@ def _add_model_and_evaluation_options(add: _Add, defaults: DemoConfig) -> None:
         help="torch CPU threads per process (the model is too small to gain from more)",
     )
     add("--no-progress", action="store_true", help="no progress bars")
+    add(
+        "--fsdp",
+        action="store_true",
+        help=(
+            "shard the policy with FSDP2 (torch.distributed.fsdp.fully_shard) instead of "
+            "DistributedDataParallel; samples and minibatches are drawn for the whole step from "
+            "one stream, so any number of ranks trains on the same data as one process; writes "
+            "the final parameters to parameters.pt (GRPO only)"
+        ),
+    )
 
 
 def _validate(parser: argparse.ArgumentParser, values: argparse.Namespace) -> None:
@@ -141,6 +152,8 @@ def _validate(parser: argparse.ArgumentParser, values: argparse.Namespace) -> No
         parser.error("--beta, --clip-low and --clip-high must be >= 0")
     if not (values.sampler_temperature > 0 and values.rollout_upper > 0):
         parser.error("--sampler-temperature and --rollout-upper must be > 0")
+    if values.fsdp and values.algorithm != "grpo":
+        parser.error(f"--fsdp supports --algorithm grpo, got --algorithm {values.algorithm}")
 
 
 def _config(values: argparse.Namespace) -> DemoConfig:
@@ -170,6 +183,7 @@ def _config(values: argparse.Namespace) -> DemoConfig:
         eval_size=values.eval_size,
         progress=not values.no_progress,
         threads=values.threads,
+        fsdp=values.fsdp,
     )
 
 

@@ -61,6 +61,10 @@ class DemoConfig:
     eval_size: int = 500
     progress: bool = True
     threads: int = 1
+    # FSDP2 (fully_shard) instead of DistributedDataParallel; the samples and the minibatches
+    # are then drawn for the whole step from one stream, so any number of ranks trains on the
+    # same data as one process (and parameters.pt holds the final parameters)
+    fsdp: bool = False
 
 
 @dataclasses.dataclass

@@ -136,6 +136,8 @@ def _rollout_stage(
         pad=task.pad,
         generator=generator,
         forward=engine,
+        # --fsdp: the random numbers of the whole step's rows, one stream on every rank
+        rows=_step_rows(prompts.shape[0]) if config.fsdp else None,
     )  # (B, R), (B, R)
     scores = task.rewards(digits, responses)
     with torch.no_grad():
@@ -180,8 +182,7 @@ def _update_stage(
     scale = data_parallel_loss_scale()  # W: DDP averages the gradients over the ranks
     diagnostics, losses = [], []
     for _ in range(config.epochs):
-        order = torch.randperm(batch.samples.prompts.shape[0], generator=generator)
-        for rows in order.chunk(config.minibatches):
+        for rows in _minibatches(batch.samples.prompts.shape[0], config, generator):
             output = _minibatch_loss(model, task, config, batch, rows, forward=forward)
             optimizer.zero_grad(set_to_none=True)
             (output.loss * scale).backward()  # type: ignore[no-untyped-call]
@@ -190,6 +191,26 @@ def _update_stage(
             diagnostics.append(output.diagnostics)
             losses.append(output.loss.detach())
     return _Updates(diagnostics, losses)
+
+
+def _step_rows(local_rows: int) -> tuple[int, int]:
+    """``(offset, total)``: where this rank's rows sit in the whole step's batch."""
+    rank, world_size = rank_and_world_size()
+    return rank * local_rows, local_rows * world_size
+
+
+def _minibatches(rows: int, config: DemoConfig, generator: torch.Generator) -> list[torch.Tensor]:
+    """This rank's rows of each minibatch of one epoch.
+
+    A random order of this rank's rows (its own stream), cut into ``minibatches``; with
+    ``--fsdp`` the order of the whole step's rows (one stream on every rank, as one process
+    draws it), each rank keeping its rows of every minibatch.
+    """
+    if not config.fsdp:
+        return list(torch.randperm(rows, generator=generator).chunk(config.minibatches))
+    offset, total = _step_rows(rows)
+    minibatches = torch.randperm(total, generator=generator).chunk(config.minibatches)
+    return [chunk[(chunk >= offset) & (chunk < offset + rows)] - offset for chunk in minibatches]
 
 
 def _minibatch_loss(

@@ -35,8 +35,15 @@ def sample_responses(
     generator: torch.Generator | None = None,
     greedy: bool = False,
     forward: Forward = default_forward,
+    rows: tuple[int, int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Sample (or greedily decode) one response per prompt, stopping at the end token.
+
+    ``rows = (offset, total)``: the prompts are the rows ``offset .. offset + B`` of a batch of
+    ``total`` rows split over ranks. Each step then draws ``total`` uniforms from ``generator``
+    (the same stream on every rank) and samples each row by the inverse CDF of its own
+    uniform, so a row's response does not depend on how the batch is split (``--fsdp``: one
+    process and two ranks train on the same samples).
 
     Args:
         model: the policy.
@@ -47,6 +54,7 @@ def sample_responses(
         generator: random generator of the sampling.
         greedy: take the most likely token instead of sampling.
         forward: ``(model, tokens, attention_mask) -> logits``.
+        rows: ``(offset, total)`` of a batch split over ranks (see above), or None.
 
     Returns:
         ``responses`` ``(B, R)`` token ids and ``mask`` ``(B, R)`` bool: True up to and including
@@ -60,9 +68,14 @@ def sample_responses(
         logits = forward(model, tokens, attention_mask)[:, -1].float()  # (B, V)
         if greedy:
             next_token = logits.argmax(-1)  # (B,)
-        else:
+        elif rows is None:
             probs = torch.softmax(logits, dim=-1)  # (B, V)
             next_token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)  # (B,)
+        else:
+            offset, total = rows
+            uniforms = torch.rand(total, generator=generator, dtype=torch.float64)  # every row
+            mine = uniforms[offset : offset + logits.shape[0]]  # (B,) this call's rows
+            next_token = _inverse_cdf(torch.softmax(logits, dim=-1), mine)
         next_token = torch.where(finished, pad, next_token)
         mask_columns.append(~finished)
         columns.append(next_token)
@@ -70,6 +83,16 @@ def sample_responses(
         tokens = torch.cat([tokens, next_token.unsqueeze(-1)], dim=1)  # (B, P + step)
         attention_mask = torch.cat([attention_mask, ~finished.unsqueeze(-1)], dim=1)
     return torch.stack(columns, dim=1), torch.stack(mask_columns, dim=1)
+
+
+def _inverse_cdf(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """The token of each row whose CDF interval holds its uniform: ``(B, V), (B,) -> (B,)``.
+
+    Row by row (the count of CDF values below the uniform), so no row depends on the others.
+    """
+    cdf = probs.double().cumsum(-1)  # (B, V)
+    below = (cdf < (uniforms * cdf[:, -1]).unsqueeze(-1)).sum(-1)  # (B,)
+    return below.clamp(max=probs.shape[-1] - 1)
 
 
 def response_log_probs(
@@ -95,6 +118,7 @@ def response_log_probs(
         mask: ``(B, R)`` bool response mask (True up to and including the end token).
         prompt_mask: ``(B, P)`` bool, False at left padding (default: all True).
         forward: ``(model, tokens, attention_mask) -> logits``.
+        rows: ``(offset, total)`` of a batch split over ranks (see above), or None.
 
     Returns:
         ``(B, R)`` log-probabilities, float32 (float64 for a float64 model), 0 where ``mask`` is

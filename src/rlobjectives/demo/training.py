@@ -8,8 +8,9 @@ iteration, a held-out evaluation every ``eval_every`` steps, one line of ``metri
 step. **Finish**: the figure, ``summary.json`` and a summary line by rank 0, and the teardown of
 the process group. Ctrl-C (SIGINT, SIGTERM) stops the loop and keeps what was measured.
 
-Under ``torchrun`` the model is wrapped in ``DistributedDataParallel`` (gloo on CPU), every rank
-draws the same prompts and keeps its share, and rank 0 writes the outputs.
+Under ``torchrun`` the model is wrapped in ``DistributedDataParallel`` (gloo on CPU), or sharded
+with FSDP2's ``fully_shard`` (``--fsdp``), every rank draws the same prompts and keeps its share,
+and rank 0 writes the outputs.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import math
 import signal
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from types import FrameType
@@ -138,7 +140,7 @@ def train(
         ValueError: ``prompts_per_step`` is not divisible by the number of ranks.
     """
     progress_bar, pyplot = require_extras()
-    created_group = _process_group.setup()
+    created_group = _process_group.setup(fsdp=config.fsdp)
     rank, world_size = _rank_and_world_size()
     if config.prompts_per_step % world_size:
         raise ValueError(
@@ -170,11 +172,16 @@ def train(
         torch.set_num_threads(previous_threads)
         log.close()
     result = _result(run, interrupted=interrupt.fired)
+    if config.fsdp and session is not None and not interrupt.fired:
+        parameters = full_parameters(session.policy)  # every rank: the gather is a collective
+
+        if run.writer:
+            torch.save(parameters, out / "parameters.pt")
     if run.writer:
         write_outputs(pyplot, config, result, out, stream)
     if is_distributed() and not interrupt.fired:
         # After an interruption a peer may be gone: no more collectives then.
-        session = None  # the DistributedDataParallel wrappers reference the process group
+        session = None  # the DDP wrappers / FSDP2 modules reference the process group
         _process_group.shutdown(created=created_group)
     return result
 
@@ -198,15 +205,21 @@ def _set_up(run: _Run, model: nn.Module | None, custom_step: Step | None, rank: 
     )
     with run.bar(config.warmup_steps, "warm start (SFT)") as bar:
         warm_start(model, task, config, data_generator, forward=forward, progress=bar.update)
-    if run.world_size > 1:
+    reference = copy.deepcopy(model).eval().requires_grad_(False)  # the warm-started policy
+    if run.world_size > 1 and config.fsdp:
+        model = _fully_shard(model)  # every rank holds the same weights: sharded in place
+    elif run.world_size > 1:
         model = nn.parallel.DistributedDataParallel(model)  # broadcasts rank 0's weights
     policy = unwrap(model)
-    reference = copy.deepcopy(policy).eval().requires_grad_(False)
-    run.reference_accuracy = evaluate(policy, task, eval_digits, forward=forward)
+    # Before any forward: a forward without grad leaves FSDP2's root module unsharded, and an
+    # optimizer built then would hold the unsharded tensors instead of the sharded parameters.
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr)
-    # Prompts: same stream on every rank; sampling: one stream per rank.
+    run.reference_accuracy = evaluate(policy, task, eval_digits, forward=forward)
+    # Prompts: same stream on every rank; sampling: one stream per rank (--fsdp: one stream
+    # for the whole step on every rank, whose draws each rank reads at its rows).
     prompt_generator = torch.Generator().manual_seed(config.seed + 1)
-    sample_generator = torch.Generator().manual_seed(config.seed * 1000 + 7 + rank)
+    stream = 0 if config.fsdp else rank
+    sample_generator = torch.Generator().manual_seed(config.seed * 1000 + 7 + stream)
     step_function = _step_function(config, policy, custom_step, run.world_size)
     return _Session(
         task,
@@ -219,6 +232,39 @@ def _set_up(run: _Run, model: nn.Module | None, custom_step: Step | None, rank: 
         sample_generator,
         step_function,
     )
+
+
+def _fully_shard(model: nn.Module) -> nn.Module:
+    """FSDP2: each transformer block, then the whole model, sharded over all ranks (gloo, CPU).
+
+    Parameters, gradients and the reduction in float32 (the default policy): the gradients
+    are averaged over the ranks, which ``data_parallel_loss_scale`` undoes, as with DDP.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    _, world_size = _rank_and_world_size()
+    # The root returns the head's logits, a view of its 2-D matrix product; FSDP2 warns at every
+    # forward that an in-place op on a view would skip its pre-backward hook. The demo only
+    # reads the logits (log-softmax, gathers), never writes them in place.
+    warnings.filterwarnings(
+        "ignore", message=r"FSDP2-wrapped module .* returned a view tensor", category=UserWarning
+    )
+    mesh = init_device_mesh("cpu", (world_size,), mesh_dim_names=("dp",))
+    for block in getattr(model, "blocks", []):
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return model
+
+
+def full_parameters(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The model's parameters, whole (FSDP2's shards gathered: a collective on every rank)."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        name: (value.full_tensor() if isinstance(value, DTensor) else value).detach().clone()
+        for name, value in model.state_dict().items()
+    }
 
 
 def _step_function(

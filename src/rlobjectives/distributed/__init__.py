@@ -17,7 +17,8 @@ sum over micro-batches and ranks is the full-batch loss.
 Data-parallel wrappers (``DistributedDataParallel``, FSDP with its default settings) *average*
 gradients over the ``W`` ranks, so each rank must multiply its loss by ``W``
 (:func:`data_parallel_loss_scale`) to obtain the gradient of the sum. The full recipe, with
-the reasoning and the bugs it avoids, is in ``docs/distributed.md``.
+the reasoning and the bugs it avoids, is in ``docs/distributed/data-parallel.md``; context
+parallelism (``context_group=``) in ``docs/distributed/context-parallel.md``.
 
 Example (one optimizer step on one rank)::
 
@@ -106,6 +107,7 @@ def global_normalizers(
     group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
     cu_seqlens: Sequence[ArrayLike | None] | torch.Tensor | None = None,
+    context_group: dist.ProcessGroup | None = None,
 ) -> Normalizers:
     r"""Count selected tokens and sequences over all micro-batches of a step and all ranks.
 
@@ -129,6 +131,16 @@ def global_normalizers(
     log-probabilities), so NaN/inf in padded values cannot reach the counts. Packed
     micro-batches (``cu_seqlens``) count their :math:`S` sequences instead of rows.
 
+    Data x context parallelism (``context_group``, ``docs/distributed/context-parallel.md``):
+    the ranks of ``context_group`` hold parts of the same sequences (each rank its own tokens,
+    the same ``S`` sequences per micro-batch), ``group`` is the data-parallel group (one rank of
+    each context group). Each sequence's count is summed over ``context_group`` first (one
+    all-reduce of the concatenated ``(S,)`` counts of the micro-batches), so a sequence split
+    across ranks counts once in :math:`S` and :math:`B`, and its tokens once in :math:`N`;
+    then the three totals over ``group``. Every rank of both groups gets the counts of the
+    whole step; pass them as the ``normalizer`` of calls made with the same
+    ``context_group``.
+
     Args:
         masks: one ``(B, T)`` mask (bool or numeric, nonzero selects the token) per micro-batch
             of this rank for the step, as a list/tuple; or a single ``(B, T)`` mask (one
@@ -141,6 +153,9 @@ def global_normalizers(
         cu_seqlens: for packed micro-batches, the ``(S + 1,)`` boundaries of each mask (a
             list parallel to ``masks``, None for a padded one; for a single mask tensor, its
             boundaries); their masks are ``(N,)`` or ``(1, N)``.
+        context_group: the context-parallel group of this rank (the ranks holding the other
+            tokens of its sequences), or None. With it, ``group`` must be the data-parallel
+            group: it shares exactly this rank with ``context_group``.
 
     Returns:
         :class:`Normalizers` ``(tokens, sequences_nonempty, sequences)``: 0-d ``int64``
@@ -149,8 +164,11 @@ def global_normalizers(
     Raises:
         TypeError: if ``masks`` is neither a tensor nor a list/tuple, or holds non-numeric data.
         ValueError: if a mask is not 2-D (packed: ``(N,)`` / ``(1, N)``), masks are on
-            different devices, ``cu_seqlens`` does not match ``masks`` or is malformed, or
-            ``group`` is given without an initialised process group.
+            different devices, ``cu_seqlens`` does not match ``masks`` or is malformed,
+            ``group`` or ``context_group`` is given without an initialised process group, or
+            ``group`` shares ranks other than this one with ``context_group``.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         Global token normalisation over the optimizer-step window: Yu et al. 2025, DAPO,
@@ -167,7 +185,7 @@ def global_normalizers(
     .. versionadded:: 0.1.0
     """
     tokens, nonempty, sequences = count_over_ranks(
-        masks, group=group, device=device, cu_seqlens=cu_seqlens
+        masks, group=group, device=device, cu_seqlens=cu_seqlens, context_group=context_group
     )
     return Normalizers(tokens=tokens, sequences_nonempty=nonempty, sequences=sequences)
 

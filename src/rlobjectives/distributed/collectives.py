@@ -12,6 +12,7 @@ from typing import TypeVar, cast
 import torch
 import torch.distributed as dist
 
+from .._core.context import ContextGroup, context_sum
 from .._core.layout import sequence_layout, token_matrix
 from .._core.reduction import masked_fill_zero
 from .._core.validation import (
@@ -22,12 +23,14 @@ from .._core.validation import (
     check_same_device,
     check_shape,
     compute_dtype,
+    validate_context_group,
     validate_scalar,
 )
 from ..advantages.whitening import combine_moments, local_moments, validate_flag
 from ..rollout.metrics import combine_extremes, extremum_rules, place_extremes
 
 __all__ = [
+    "check_context_pairing",
     "count_over_ranks",
     "process_group_active",
     "sum_over_ranks",
@@ -96,18 +99,46 @@ def _as_boundaries(
     return list(cu_seqlens)
 
 
+def check_context_pairing(group: dist.ProcessGroup | None, context: ContextGroup) -> None:
+    """``group`` (the data-parallel group) must share exactly this rank with ``context``.
+
+    The data-parallel group holds one rank of each context group (different sequences); a group
+    that contains other ranks of this rank's context group would count their (already summed)
+    sequences again.
+    """
+    data_ranks = set(dist.get_process_group_ranks(group or dist.group.WORLD))  # type: ignore[arg-type]
+    context_ranks = set(dist.get_process_group_ranks(context.group))
+    if data_ranks & context_ranks != {dist.get_rank()}:
+        raise ValueError(
+            "group must be the data-parallel group when context_group is given: it must share "
+            f"only this rank (global rank {dist.get_rank()}) with context_group, got group "
+            f"ranks {sorted(data_ranks)} and context_group ranks {sorted(context_ranks)} (with "
+            "context parallelism alone, the data-parallel group of each rank is that rank: "
+            "torch.distributed.new_group([rank]) or a device mesh's data-parallel dimension)"
+        )
+
+
 def count_over_ranks(
     masks: Sequence[ArrayLike] | torch.Tensor,
     *,
     group: dist.ProcessGroup | None,
     device: torch.device | str | None,
     cu_seqlens: Sequence[ArrayLike | None] | torch.Tensor | None,
+    context_group: object = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(tokens, sequences_nonempty, sequences)`` of every mask, summed over the ranks."""
+    """``(tokens, sequences_nonempty, sequences)`` of every mask, summed over the ranks.
+
+    With a context group, each sequence's counts are first summed over the context group (one
+    all-reduce of every micro-batch's ``(S,)`` counts, concatenated), then the three totals over
+    the data-parallel ``group``.
+    """
     boundaries = _as_boundaries(cu_seqlens, masks)
     tensors = _as_mask_list(masks, [cu is not None for cu in boundaries])
     boundaries = boundaries or [None] * len(tensors)
     active = process_group_active(group)
+    context = validate_context_group(context_group)
+    if context is not None:
+        check_context_pairing(group, context)
     if device is not None:
         try:
             target = torch.device(device)
@@ -120,18 +151,20 @@ def count_over_ranks(
     else:
         target = torch.device("cpu")
     with torch.no_grad():
-        counts = torch.zeros(3, dtype=torch.int64, device=target)  # (3,)
-        for mask, cu in zip(tensors, boundaries, strict=True):
-            layout = sequence_layout(cu, mask)
-            tokens_per_sequence = layout.row_counts(mask).to(target)  # (B,) or (S,)
-            local = torch.stack(
-                [
-                    tokens_per_sequence.sum(),
-                    (tokens_per_sequence > 0).sum(),
-                    torch.tensor(layout.num_sequences, dtype=torch.int64, device=target),
-                ]
-            )  # (3,)
-            counts = counts + local
+        per_sequence = [
+            sequence_layout(cu, mask).local_row_counts(mask).to(target)  # (B,) or (S,)
+            for mask, cu in zip(tensors, boundaries, strict=True)
+        ]
+        every = torch.cat([torch.zeros(0, dtype=torch.int64, device=target), *per_sequence])
+        if context is not None:  # whole sequences: one all-reduce over the context group
+            (every,) = context_sum(context, every)
+        counts = torch.stack(
+            [
+                every.sum(),
+                (every > 0).sum(),
+                torch.tensor(every.numel(), dtype=torch.int64, device=target),
+            ]
+        )  # (3,)
         if active:
             dist.all_reduce(counts, op=dist.ReduceOp.SUM, group=group)
     return counts[0], counts[1], counts[2]

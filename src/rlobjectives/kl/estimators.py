@@ -62,6 +62,7 @@ from .._core.validation import (
     compute_dtype,
     validate_bool,
     validate_choice,
+    validate_context_group,
     validate_scalar,
 )
 
@@ -217,7 +218,8 @@ class KLInputs:
     """Validated ``(log_probs, ref_log_probs, mask)`` (coerced, same device, same shape).
 
     With ``cu_seqlens`` (packed sequences) the tensors are ``(N,)`` or ``(1, N)``, kept as
-    ``(1, N)``; ``layout`` maps tokens to sequences and ``flat`` records ``(N,)`` inputs.
+    ``(1, N)``; ``layout`` maps tokens to sequences (and holds the validated
+    ``context_group``) and ``flat`` records ``(N,)`` inputs.
     """
 
     def __init__(
@@ -226,7 +228,9 @@ class KLInputs:
         ref_log_probs: ArrayLike,
         mask: ArrayLike,
         cu_seqlens: ArrayLike | None = None,
+        context_group: object = None,
     ) -> None:
+        context = validate_context_group(context_group)
         packed = cu_seqlens is not None
         self.flat = packed and token_ndim(log_probs) == 1
         self.log_probs = token_matrix(as_float_tensor(log_probs, "log_probs"), "log_probs", packed)
@@ -240,7 +244,7 @@ class KLInputs:
         )
         check_shape(self.ref_log_probs, "ref_log_probs", self.log_probs.shape, "log_probs")
         check_shape(self.mask, "mask", self.log_probs.shape, "log_probs")
-        self.layout = sequence_layout(cu_seqlens, self.log_probs)
+        self.layout = sequence_layout(cu_seqlens, self.log_probs, context)
 
     def terms(
         self,

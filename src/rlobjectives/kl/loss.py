@@ -8,6 +8,7 @@ public arguments once and dispatches (PyTorch, or the Triton kernels on a GPU).
 from __future__ import annotations
 
 import torch
+from torch.distributed import ProcessGroup
 
 from .._core.backend import kernel_backend
 from .._core.layout import token_output, tokens_from_sequences
@@ -112,6 +113,7 @@ def kl_loss(
     log_ratio_bound: Scalar | None = 20.0,
     importance_weights: ArrayLike | None = None,
     cu_seqlens: ArrayLike | None = None,
+    context_group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     r"""KL(pi || ref) as a loss term: :func:`kl_estimate` reduced with ``reduction``.
 
@@ -128,7 +130,10 @@ def kl_loss(
     ``normalizer`` (the global selected-token count, sequence count...) the losses of
     micro-batches sum to the full-batch loss. Packed sequences (``cu_seqlens`` given): the
     tensors are ``(N,)`` or ``(1, N)`` and the per-sequence reductions run over the runs
-    ``cu_seqlens[i]:cu_seqlens[i + 1]``, as :func:`rlobjectives.aggregate` does.
+    ``cu_seqlens[i]:cu_seqlens[i + 1]``, as :func:`rlobjectives.aggregate` does. Context
+    parallelism (``context_group``): each rank holds some tokens of the same sequences and
+    every rank returns the loss of the whole sequences, as :func:`rlobjectives.aggregate`
+    (gradient into the local tokens).
 
     Gradient (on-policy samples; see the module docstring):
 
@@ -173,6 +178,8 @@ def kl_loss(
             per-token estimate (see above), or None. NaN/inf at unselected tokens is ignored.
         cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
             non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
+        context_group: the process group of the ranks holding the other tokens of the same
+            sequences (context parallelism), or None; see :func:`rlobjectives.policy_loss`.
 
     Returns:
         A scalar (``(B, T)`` for ``reduction="none"``, packed: the shape of ``log_probs``) with
@@ -184,6 +191,8 @@ def kl_loss(
             non-positive ``normalizer``/``max_response_length``/``log_ratio_bound``, or a
             malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs or a non-bool ``straight_through``.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     Warns:
         BiasedGradientWarning: for ``"k1"`` or ``"k3"`` without ``straight_through``; with
@@ -205,7 +214,7 @@ def kl_loss(
 
     .. versionadded:: 0.1.0
     """
-    inputs = KLInputs(log_probs, ref_log_probs, mask, cu_seqlens)
+    inputs = KLInputs(log_probs, ref_log_probs, mask, cu_seqlens, context_group)
     bound = validate_kl_options(estimator, straight_through, log_ratio_bound)
     spec = validate_layout_reduction(
         reduction,

@@ -8,6 +8,7 @@ sequence score at the last selected token.
 from __future__ import annotations
 
 import torch
+from torch.distributed import ProcessGroup
 
 from .._core.layout import per_sequence, token_output
 from .._core.reduction import masked_fill_zero
@@ -36,6 +37,7 @@ def kl_penalized_token_rewards(
     estimator: Estimator = "k1",
     log_ratio_bound: Scalar | None = None,
     cu_seqlens: ArrayLike | None = None,
+    context_group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     r"""Per-token rewards: a KL penalty on every selected token, the score on the last one.
 
@@ -52,7 +54,11 @@ def kl_penalized_token_rewards(
     is the seed :func:`rlobjectives.kl_penalized_rewards`'s penalized reward
     :math:`r_i - \beta D_i`. Packed sequences (``cu_seqlens`` given): the per-token tensors are
     ``(N,)`` or ``(1, N)``, ``scores`` ``(S,)``, and each score lands on the last selected token
-    of its run ``cu_seqlens[i]:cu_seqlens[i + 1]``.
+    of its run ``cu_seqlens[i]:cu_seqlens[i + 1]``. Context parallelism (``context_group``):
+    each rank holds some tokens of the same sequences (and every sequence's score); the score
+    lands on the last selected token of the whole sequence, i.e. on the last rank of the group
+    holding a selected token of it (one ``all_reduce(MAX)`` of ``(S,)`` rank indices), and the
+    penalty is per token, so the result is this rank's tokens of the unsplit call's.
 
     The rewards are meant to be used as constants (pass the behaviour-policy ``old_log_probs``
     or detach): the KL gradient then arrives through the policy-gradient score function, which is
@@ -69,6 +75,8 @@ def kl_penalized_token_rewards(
         log_ratio_bound: optional clamp :math:`b > 0` on the log-ratio (default None).
         cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
             non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
+        context_group: the process group of the ranks holding the other tokens of the same
+            sequences (context parallelism, chunks in group-rank order), or None.
 
     Returns:
         ``(B, T)`` rewards (packed: the shape of ``log_probs``), zeros at unselected tokens, on
@@ -80,6 +88,8 @@ def kl_penalized_token_rewards(
             unknown ``estimator``, a negative/non-finite ``kl_coef``, a non-positive
             ``log_ratio_bound``, or a malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     Warns:
         BiasedGradientWarning: for ``"k2"``/``"k3"``, or ``"k1"`` with a ``log_ratio_bound``.
@@ -97,7 +107,7 @@ def kl_penalized_token_rewards(
 
     .. versionadded:: 0.1.0
     """
-    inputs = KLInputs(log_probs, ref_log_probs, mask, cu_seqlens)
+    inputs = KLInputs(log_probs, ref_log_probs, mask, cu_seqlens, context_group)
     scores_t = as_float_tensor(scores, "scores", inputs.log_probs.device)
     check_same_device({"log_probs": inputs.log_probs, "scores": scores_t})
     scores_t = per_sequence(scores_t, "scores", inputs.layout, "log_probs")

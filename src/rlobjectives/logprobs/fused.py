@@ -17,6 +17,7 @@ from functools import partial
 from typing import NamedTuple
 
 import torch
+from torch.distributed import ProcessGroup
 
 from .._core.backend import kernel_backend
 from .._core.chunking import Block
@@ -25,6 +26,7 @@ from .._core.reduction import (
     Reduction,
     ReductionSpec,
     masked_fill_zero,
+    reduction_counts,
     row_weights,
     token_gradient_weights,
 )
@@ -83,6 +85,7 @@ def fused_policy_loss_from_hidden(
     kl_estimator: Estimator = "k3",
     kl_straight_through: bool = False,
     cu_seqlens: ArrayLike | None = None,
+    context_group: ProcessGroup | None = None,
 ) -> FusedPolicyLossOutput:
     r"""Policy loss (+ optional KL penalty and entropy bonus) from hidden states, chunk by chunk.
 
@@ -116,6 +119,14 @@ def fused_policy_loss_from_hidden(
     per-token tensors ``(N,)`` or ``(1, N)`` and ``advantages`` ``(S,)`` (or per token); the
     reductions and the sequence-level surrogates run per sequence, exactly as
     :func:`policy_loss` with ``cu_seqlens``.
+
+    Context parallelism (``context_group``): ``hidden`` and the per-token tensors are this
+    rank's tokens of the same ``S`` sequences, as :func:`policy_loss` takes them; the
+    reduction's weights (the whole sequences' counts, one all-reduce before the chunk loop),
+    the sequence-level parts (GSPO, GMPO, VESPO, ``"sequence_mean"``) and the diagnostics are
+    those of the unsplit call, every rank returns the whole loss, and the gradients of
+    ``hidden``, ``weight`` and ``bias`` are this rank's tokens' part of the unsplit gradient
+    (sum ``weight``'s over the group, as the trainer's gradient all-reduce does).
 
     Args:
         hidden: ``(B, T, H)`` hidden states at the response positions.
@@ -152,6 +163,8 @@ def fused_policy_loss_from_hidden(
             ``k3+``), as :func:`rlobjectives.kl_estimate`.
         cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
             non-decreasing, ``N`` last); see :func:`policy_loss`.
+        context_group: the process group of the ranks holding the other tokens of the same
+            sequences (context parallelism), or None; see above.
 
     Returns:
         :class:`FusedPolicyLossOutput` ``(loss, policy_loss, kl_loss, log_probs, diagnostics,
@@ -164,6 +177,8 @@ def fused_policy_loss_from_hidden(
             ``ref_log_probs``.
         TypeError: on non-numeric inputs (a tensor ``entropy_coef`` or ``kl_coef`` included).
         RuntimeError: on a second backward through the same result.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     Warns:
         BiasedGradientWarning: with the KL term on, for ``"k1"`` or ``"k3"`` without
@@ -208,6 +223,7 @@ def fused_policy_loss_from_hidden(
         diagnostics_normalizer=diagnostics_normalizer,
         importance_weights=importance_weights,
         cu_seqlens=cu_seqlens,
+        context_group=context_group,
     )
     coef = validate_entropy_coef(entropy_coef, has_entropy=True, allow_tensor=False)
     kl = validate_kl_term(
@@ -333,7 +349,7 @@ def _fused_loss(
 ) -> FusedPolicyLossOutput:
     """Gradients formed in the forward chunk loop; the value from the composition."""
     inputs, dtype, layout = call.inputs, call.inputs.dtype, call.layout
-    counts = layout.row_counts(inputs.mask)  # (S,)
+    counts = reduction_counts(inputs.mask, call.reduction, layout)  # (S,), whole sequences
     weights = row_weights(counts, call.reduction, dtype=dtype, batch=layout.num_sequences)
     token_weights = token_gradient_weights(weights, layout, dtype).expand(batch_shape)
     mask = inputs.mask.reshape(-1)

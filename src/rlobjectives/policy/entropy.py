@@ -14,7 +14,9 @@ The entropy bonus itself (``entropy=``, ``entropy_coef=``) is a term of
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
+from .._core.context import gather_padded
 from .._core.validation import (
     ArrayLike,
     Scalar,
@@ -24,10 +26,16 @@ from .._core.validation import (
     check_same_device,
     check_shape,
     checks_environment,
+    validate_context_group,
     validate_scalar,
 )
 
-__all__ = ["entropy_threshold", "prepare_entropy_mask_args", "top_entropy_mask"]
+__all__ = [
+    "entropy_mask_over_group",
+    "entropy_threshold",
+    "prepare_entropy_mask_args",
+    "top_entropy_mask",
+]
 
 
 def prepare_entropy_mask_args(
@@ -74,8 +82,43 @@ def entropy_threshold(
     return torch.where(has_nan, torch.full_like(threshold, float("nan")), threshold)
 
 
+def entropy_mask_over_group(
+    entropy: torch.Tensor,
+    mask: torch.Tensor,
+    level: float,
+    group: dist.ProcessGroup | None,
+    active: bool,
+) -> torch.Tensor:
+    """The mask with the threshold over the selected entropies of every rank of ``group``.
+
+    ``entropy`` and ``mask`` are validated ``(B, T)`` tensors (detached). ``active``: a process
+    group is initialised (else the threshold is this rank's, :func:`top_entropy_mask`). One
+    ``all_gather`` of the per-rank counts (read on the host to size the next one), one of the
+    entropies padded with ``+inf``, one ``all_reduce`` of the count.
+    """
+    dtype = torch.promote_types(entropy.dtype, torch.float32)
+    values = entropy.to(dtype)
+    with torch.no_grad():
+        selected = values[mask]  # (n,) this rank's selected entropies (a host sync)
+        count = torch.tensor(selected.numel(), dtype=torch.int64, device=values.device)
+        if active:
+            gathered = gather_padded(selected, group, float("inf"))
+            dist.all_reduce(count, op=dist.ReduceOp.SUM, group=group)
+        else:
+            gathered = selected
+        # NaN only comes from a selected entropy: the padding is +inf
+        threshold = entropy_threshold(gathered, count, level, torch.isnan(gathered).any())
+    return (values >= threshold) & mask
+
+
 @checks_environment
-def top_entropy_mask(entropy: ArrayLike, mask: ArrayLike, *, quantile: float) -> torch.Tensor:
+def top_entropy_mask(
+    entropy: ArrayLike,
+    mask: ArrayLike,
+    *,
+    quantile: float,
+    context_group: dist.ProcessGroup | None = None,
+) -> torch.Tensor:
     r"""The selected tokens whose entropy is at or above the ``quantile`` of the selected ones.
 
     .. math::
@@ -92,13 +135,19 @@ def top_entropy_mask(entropy: ArrayLike, mask: ArrayLike, *, quantile: float) ->
     process with ``threshold = quantile``; TRL's config ``top_entropy_quantile=ρ`` calls it with
     ``threshold = 1 - ρ``, so ``top_entropy_quantile=ρ`` is ``quantile=1 - ρ`` here. With
     several data-parallel ranks TRL takes the quantile over every rank's tokens: use
-    :func:`rlobjectives.distributed.global_top_entropy_mask` for that.
+    :func:`rlobjectives.distributed.global_top_entropy_mask` for that. Context parallelism
+    (``context_group``): the quantile of the selected tokens of the whole sequences, i.e. of
+    every rank of the group (one gather of the selected entropies); each rank gets the mask of
+    its own tokens. (Data x context parallelism with TRL's all-rank quantile:
+    ``global_top_entropy_mask`` over the group of all those ranks, each token counted once.)
 
     Args:
         entropy: ``(B, T)`` per-token entropies (any float dtype; not differentiated).
         mask: ``(B, T)`` bool/numeric; nonzero selects the token. Unselected entries (NaN/inf
             included) never enter the quantile and are never kept.
         quantile: the quantile level :math:`q`, ``0 <= q <= 1`` (a Python number).
+        context_group: the process group of the ranks holding the other tokens of the same
+            sequences (context parallelism), or None.
 
     Returns:
         ``(B, T)`` bool mask, a subset of ``mask``; all False when nothing is selected. The
@@ -109,6 +158,8 @@ def top_entropy_mask(entropy: ArrayLike, mask: ArrayLike, *, quantile: float) ->
     Raises:
         ValueError: on shapes or devices that differ, or ``quantile`` outside ``[0, 1]``.
         TypeError: on non-numeric inputs or a tensor ``quantile``.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         Wang et al. 2025, "Beyond the 80/20 Rule: High-Entropy Minority Tokens Drive Effective
@@ -125,6 +176,9 @@ def top_entropy_mask(entropy: ArrayLike, mask: ArrayLike, *, quantile: float) ->
     .. versionadded:: 0.2.0
     """
     entropy_t, mask_t, level = prepare_entropy_mask_args(entropy, mask, quantile)
+    context = validate_context_group(context_group)
+    if context is not None:
+        return entropy_mask_over_group(entropy_t, mask_t, level, context.group, True)
     dtype = torch.promote_types(entropy_t.dtype, torch.float32)
     values = entropy_t.to(dtype)
     filler = torch.full((), float("inf"), dtype=dtype, device=values.device)

@@ -128,8 +128,14 @@ def _log_ratio_stage(
     mask: torch.Tensor,
     counts: torch.Tensor,
     spec: FusedSpec,
-) -> _LogRatios:
-    r""":math:`\Delta = \ell - \ell^{old}` at selected tokens (0 elsewhere), GSPO, k1 and k3."""
+) -> tuple[_LogRatios, torch.Tensor]:
+    r""":math:`\Delta = \ell - \ell^{old}` at selected tokens (0 elsewhere), GSPO, k1 and k3.
+
+    ``counts`` are this rank's ``(S,)`` selected tokens per sequence; returned are the
+    log-ratios and the counts of the whole sequences where GSPO needed them (under context
+    parallelism summed over the group in the same all-reduce as the log-ratio sums), else
+    ``counts`` unchanged.
+    """
     dtype, options = spec.dtype, spec.options
     delta = _difference(log_probs, old_log_probs, dtype)  # (B, T), a fresh buffer
     zero = _zero(delta)
@@ -143,14 +149,15 @@ def _log_ratio_stage(
     if options.ratio_level == "token":
         # With a log-ratio bound, the ratio's clamp is this one: computed once.
         clamped = None if bound is None else kl_log_ratio
-        return _LogRatios(log_ratio, clamped, approx_kl_k1, approx_kl_k3)
+        return _LogRatios(log_ratio, clamped, approx_kl_k1, approx_kl_k3), counts
     # GSPO: value log s_i (the mean selected log-ratio of the sequence) at every selected token,
     # gradient 1 w.r.t. log_probs (the stop-gradient form); (l - l) keeps NaN/inf of l.
-    per_row = counts.clamp(min=1).to(dtype)  # (S,)
-    sequence_log_ratio = spec.layout.expand(spec.layout.row_sums(log_ratio) / per_row)  # (B, 1)
+    layout = spec.layout
+    sums, counts = layout.combine(layout.local_row_sums(log_ratio), counts)  # whole sequences
+    sequence_log_ratio = layout.expand(sums / counts.clamp(min=1).to(dtype))  # (B, 1)
     value = torch.sub(log_probs, log_probs, out=kl_log_ratio).add_(sequence_log_ratio)
     token_log_ratio = torch.where(mask, value, zero, out=value)  # (B, T)
-    return _LogRatios(token_log_ratio, None, approx_kl_k1, approx_kl_k3)
+    return _LogRatios(token_log_ratio, None, approx_kl_k1, approx_kl_k3), counts
 
 
 class _Ratios(NamedTuple):
@@ -239,11 +246,13 @@ def fused_forward(
     surrogate: :math:`\tilde A = wA`, selected once (exact zeros at unselected tokens, whatever
     the advantages or weights hold there); the clip decisions use the signs of :math:`A`.
     """
-    dtype = spec.dtype
+    dtype, layout = spec.dtype, spec.layout
     per_row = _per_row_sums_needed(spec)
-    # (S,) selected tokens per sequence; their total as (1,) where no per-row count is needed
+    # (S,) this rank's selected tokens per sequence; their total as (1,) where no per-row count
+    # is needed (the stage reads this rank's count; the reduction and the diagnostics the
+    # counts of the whole sequences, summed over a context group below)
     if per_row:
-        counts = spec.layout.row_counts(mask)
+        counts = layout.local_row_counts(mask)
         count = counts.sum()
     else:
         count = mask.sum()
@@ -252,7 +261,7 @@ def fused_forward(
     weighted = advantages
     if importance_weights is not None:
         weighted = advantages * importance_weights.to(dtype)
-    log_ratios = _log_ratio_stage(log_probs, old_log_probs, mask, counts, spec)
+    log_ratios, whole_counts = _log_ratio_stage(log_probs, old_log_probs, mask, counts, spec)
     kl_sums = (log_ratios.approx_kl_k1, log_ratios.approx_kl_k3)
     surrogate = spec.options.surrogate
     # the raw selected log-ratio for the stages that read it (DPPO, DRO): a copy, since the
@@ -277,15 +286,28 @@ def fused_forward(
         )
     )
     values = stage.values
-    if per_row or spec.row_sums:
-        row_sums = spec.layout.row_sums(values)  # (S,)
-        reduced = _reduce_stage(values, row_sums, counts, mask, spec)
-    else:  # the loss needs the total only (a 0-d sum); the unused row sums output is zeros
-        reduced = _reduce_stage(values, values.sum(), counts, mask, spec)
-        row_sums = values.new_zeros(spec.layout.num_sequences)
     counted = [*stage.clip, stage.dual, ratios.bound_fired]
     sums = [stage.ratio_sum, *kl_sums, stage.weight_sum]
-    diagnostics = _diagnostics(counted, sums, count, spec)
+    # (10,) the diagnostics' sums: the counts convert to the sums' float dtype (exactly as .to);
+    # the last, selected_fraction's, is 0 (the token-local surrogates select no tokens)
+    sums.append(_zero(stage.ratio_sum))
+    diagnostic_sums = torch.stack([value.to(dtype) for value in counted] + sums)
+    rows = per_row or spec.row_sums
+    # (S,) row sums, or the 0-d total where the loss needs the total only
+    totals = layout.local_row_sums(values) if rows else values.sum()
+    if layout.context is not None:  # one all-reduce of everything the rest reads
+        if whole_counts is counts and per_row:
+            totals, diagnostic_sums, counts, count = layout.combine(
+                totals, diagnostic_sums, counts, count
+            )
+        else:  # only the total count is needed, or GSPO summed the counts already
+            totals, diagnostic_sums, count = layout.combine(totals, diagnostic_sums, count)
+            counts = count.reshape(1) if whole_counts is counts else whole_counts
+    elif whole_counts is not counts:
+        counts = whole_counts
+    reduced = _reduce_stage(values, totals, counts, mask, spec)
+    row_sums = totals if rows else values.new_zeros(layout.num_sequences)
+    diagnostics = _diagnostics(diagnostic_sums, count, spec)
     return FusedForward(reduced.loss, row_sums, diagnostics, stage.coefficient, reduced.row_weights)
 
 
@@ -293,35 +315,31 @@ def _per_row_sums_needed(spec: FusedSpec) -> bool:
     """Whether the math needs per-sequence counts and sums (always cheap when padded).
 
     A packed layout computes segment sums only for GSPO (the sequence log-ratio) and
-    ``sequence_mean`` (the per-sequence divisors); the other reductions need totals.
+    ``sequence_mean`` (the per-sequence divisors); the other reductions need totals. Under
+    context parallelism neither does a padded one: the token-local reductions then send only
+    scalars (the total and the count) to the other ranks, never ``(S,)`` sums.
     """
+    layout = spec.layout
     return (
-        spec.layout.sequence_ids is None
+        (layout.sequence_ids is None and layout.context is None)
         or spec.options.ratio_level == "sequence"
         or spec.reduction.reduction == "sequence_mean"
     )
 
 
-def _diagnostics(
-    counts: list[torch.Tensor], sums: list[torch.Tensor], selected: torch.Tensor, spec: FusedSpec
-) -> torch.Tensor:
+def _diagnostics(sums: torch.Tensor, selected: torch.Tensor, spec: FusedSpec) -> torch.Tensor:
     """The ten diagnostics as one ``(10,)`` tensor (PolicyLossDiagnostics field order).
 
-    ``counts`` are the five token counts (out of band, low, high, dual, bound fired) and
-    ``sums`` the sums of ``r``, ``-Delta``, ``expm1(Delta) - Delta`` and the advantage factor
-    over the selected tokens; ``selected_fraction`` is 0 (the token-local surrogates select
-    no tokens of the batch).
+    ``sums`` holds the five token counts (out of band, low, high, dual, bound fired), the
+    sums of ``r``, ``-Delta``, ``expm1(Delta) - Delta`` and the advantage factor over the
+    selected tokens, and 0 for ``selected_fraction`` (the token-local surrogates select no
+    tokens of the batch); ``selected`` is the selected-token count (the default denominator).
     """
-    dtype = spec.dtype
     if spec.diagnostics_normalizer is None:
-        denominator = selected.to(dtype).clamp(min=1)
+        denominator = selected.to(spec.dtype).clamp(min=1)
     else:  # an explicit normaliser is honoured exactly
-        denominator = _as_tensor(spec.diagnostics_normalizer, sums[0])
-    # One stack: the counts convert to the sums' float dtype on the way (exactly as .to).
-    selected_fraction = torch.zeros((), dtype=dtype, device=selected.device)
-    return torch.stack([count.to(dtype) for count in counts] + sums + [selected_fraction]) / (
-        denominator
-    )
+        denominator = _as_tensor(spec.diagnostics_normalizer, sums)
+    return sums / denominator
 
 
 class ClippedSurrogateFunction(torch.autograd.Function):

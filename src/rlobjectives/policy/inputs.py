@@ -12,6 +12,7 @@ from typing import Literal, NamedTuple, get_args
 
 import torch
 
+from .._core.context import ContextGroup
 from .._core.layout import (
     Layout,
     sequence_layout,
@@ -33,6 +34,7 @@ from .._core.validation import (
     compute_dtype,
     expand_per_sequence,
     validate_choice,
+    validate_context_group,
     validate_scalar,
 )
 from .surrogates import SURROGATES, SurrogateObjective
@@ -226,6 +228,7 @@ def prepare_layout_inputs(
     names: tuple[str, str, str, str],
     *,
     cu_seqlens: ArrayLike | None = None,
+    context: ContextGroup | None = None,
 ) -> tuple[PolicyInputs, Layout]:
     """Coerce and validate the four tensor arguments (named as the public function names them).
 
@@ -254,7 +257,7 @@ def prepare_layout_inputs(
     shape = (log_probs_t.shape[0], log_probs_t.shape[1])
     check_shape(old_t, old_name, shape, log_probs_name)
     check_shape(mask_t, mask_name, shape, log_probs_name)
-    layout = sequence_layout(cu_seqlens, log_probs_t)
+    layout = sequence_layout(cu_seqlens, log_probs_t, context)
     if packed:
         advantages_t = tokens_from_sequences(advantages_t, advantages_name, layout, log_probs_name)
     else:
@@ -408,12 +411,24 @@ def validate_policy_call(
     entropy: ArrayLike | None = None,
     entropy_coef: Scalar = 0.0,
     cu_seqlens: ArrayLike | None = None,
+    context_group: object = None,
 ) -> PolicyCall:
     """Validate every tensor argument of a policy-loss call once (named as in ``names``).
 
-    ``cu_seqlens`` selects the packed layout (see :func:`prepare_layout_inputs`).
+    ``cu_seqlens`` selects the packed layout (see :func:`prepare_layout_inputs`);
+    ``context_group`` puts its group into the layout (context parallelism).
     """
-    inputs, layout = prepare_layout_inputs(*tensors, names, cu_seqlens=cu_seqlens)
+    context = validate_context_group(context_group)
+    surrogate = options.surrogate
+    if context is not None and surrogate.selects_from_call():
+        raise ValueError(
+            f"context_group cannot be used with {type(surrogate).__name__} selecting its tokens "
+            f"from this rank's part of the sequences (the selection needs the whole batch): "
+            f"compute it over the group first (rlobjectives.distributed.global_cov_selection "
+            f"as the object's selection=, global_m2po_mask as the mask of a Clip call; "
+            f"docs/distributed/context-parallel.md), got surrogate={surrogate!r}"
+        )
+    inputs, layout = prepare_layout_inputs(*tensors, names, cu_seqlens=cu_seqlens, context=context)
     inputs = prepare_importance_weights(inputs, importance_weights, names[0], layout)
     inputs = prepare_entropy(inputs, entropy, names[0], cu_seqlens is not None)
     coef = validate_entropy_coef(entropy_coef, has_entropy=inputs.entropy is not None)

@@ -15,6 +15,7 @@ import inspect
 from typing import Any
 
 import torch
+from torch.distributed import ProcessGroup
 
 from .._core.backend import kernel_backend
 from .._core.layout import token_ndim, token_output
@@ -62,6 +63,7 @@ def policy_loss(
     diagnostics_normalizer: Scalar | None = None,
     cu_seqlens: ArrayLike | None = None,
     return_per_token: bool = False,
+    context_group: ProcessGroup | None = None,
 ) -> PolicyLossOutput:
     r"""Policy-gradient loss: PPO/GRPO/DAPO/GSPO clip, CISPO, SAPO, GMPO, VESPO, entropy bonus.
 
@@ -111,6 +113,17 @@ def policy_loss(
     per-sequence quantity (GSPO/GMPO/VESPO) work per sequence, and the result equals the call
     on the padded layout of the same sequences (:func:`rlobjectives.unpack`). See
     ``docs/conventions.md``.
+
+    Context parallelism (``context_group`` given; ``docs/distributed/context-parallel.md``):
+    each rank holds some tokens of every sequence; the per-sequence sums (counts, row sums,
+    GSPO/GMPO/VESPO sequence log-ratios) and the totals are summed over the group with one
+    all-reduce of ``(S,)`` values per quantity (batched where the path allows: two on the
+    fused path with GSPO, one without), so every rank returns the loss and the diagnostics of
+    the unsplit call, and ``backward`` gives each rank the gradient of that loss with respect to
+    its own tokens (the all-reduces' backward is the identity; sum the parameter gradients over
+    the group, as Megatron CP's gradient all-reduce does). Megatron ``context_parallel_size``,
+    verl ``ulysses_sequence_parallel_size``, slime ``context_parallel_size``: pass their CP /
+    SP group.
 
     ``old_log_probs``, ``advantages`` and ``importance_weights`` are constants: no gradient
     flows into them. The token-local surrogates (``Clip``, ``CISPO``, ``SAPO``, ``DPPO``,
@@ -163,6 +176,12 @@ def policy_loss(
             host read (skipped under ``torch.compile``).
         return_per_token: also return the ``(B, T)`` per-token loss (packed: the shape of
             ``log_probs``).
+        context_group: the ``torch.distributed`` process group of the ranks that hold the
+            other tokens of the same sequences (context parallelism), or None. Every rank of the
+            group calls with the same ``S`` sequences in the same order (padded ``(B, T_r)``
+            with its local mask, or packed with local ``cu_seqlens`` listing every sequence,
+            possibly with zero local tokens) and gets the loss and the diagnostics of the whole
+            sequences; the gradient flows into its local tokens only (see above).
 
     Returns:
         :class:`PolicyLossOutput` ``(loss, per_token_loss, diagnostics)``. ``loss`` and
@@ -181,6 +200,8 @@ def policy_loss(
             validates its own fields when it is built.
         TypeError: on non-numeric inputs, or a ``surrogate`` that is neither a name nor a
             surrogate object.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         Schulman et al. 2017, PPO, arXiv:1707.06347 Eq. 7 and Eq. 9 (entropy bonus); Shao et
@@ -219,6 +240,7 @@ def policy_loss(
         entropy=entropy,
         entropy_coef=entropy_coef,
         cu_seqlens=cu_seqlens,
+        context_group=context_group,
     )
     validate_bool(return_per_token, "return_per_token")
     output = run_policy(call, return_per_token=return_per_token)
@@ -305,6 +327,7 @@ def _policy_loss_autograd(*args: ArrayLike, **kwargs: Any) -> PolicyLossOutput:
         "entropy",
         "entropy_coef",
         "cu_seqlens",
+        "context_group",
     )
     call_arguments = {name: arguments.pop(name) for name in call_names}
     options = validate_surrogate_options(**arguments)

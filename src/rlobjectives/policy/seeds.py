@@ -8,6 +8,7 @@ implementation of :mod:`rlobjectives.kl.estimators`).
 from __future__ import annotations
 
 import torch
+from torch.distributed import ProcessGroup
 
 from .._core.backend import kernel_backend
 from .._core.layout import Layout, per_sequence, sequence_layout, token_matrix
@@ -21,6 +22,7 @@ from .._core.validation import (
     check_shape,
     checks_environment,
     compute_dtype,
+    validate_context_group,
     validate_scalar,
 )
 from ..kl.estimators import kl_terms
@@ -200,6 +202,7 @@ def kl_penalized_rewards(
     beta: Scalar,
     *,
     cu_seqlens: ArrayLike | None = None,
+    context_group: ProcessGroup | None = None,
 ) -> dict[str, torch.Tensor]:
     r"""Penalize sequence rewards by the sampled KL divergence to a reference policy.
 
@@ -218,6 +221,12 @@ def kl_penalized_rewards(
     per-sequence outputs are ``(S,)`` and :math:`J` divides by :math:`S`; the values equal the
     padded call on the same sequences.
 
+    Context parallelism (``context_group``, keyword-only: the specified signature is
+    unchanged): each rank of the group holds some tokens of the same sequences and the same
+    ``rewards``; :math:`D_i` is the sum of the ranks' partial sums (one all-reduce of ``(S,)``
+    values), so every rank returns the outputs of the unsplit call, and the gradient of its
+    ``policy_log_probs`` is that of the (replicated) outputs.
+
     Args:
         policy_log_probs: ``(B, T)`` log-probabilities under the policy (differentiable).
         reference_log_probs: ``(B, T)`` log-probabilities under the reference policy.
@@ -226,6 +235,8 @@ def kl_penalized_rewards(
         beta: KL coefficient :math:`\beta \ge 0`, finite.
         cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
             non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
+        context_group: the process group of the ranks holding the other tokens of the same
+            sequences (context parallelism), or None.
 
     Returns:
         ``{"objective": (), "penalized_rewards": (B,), "sampled_divergences": (B,)}`` (packed:
@@ -236,6 +247,8 @@ def kl_penalized_rewards(
         ValueError: on mismatched shapes or devices, rewards of the wrong length, a
             negative/NaN/infinite ``beta``, or a malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         Ziegler et al. 2019, arXiv:1909.08593 Eq. 2; Ouyang et al. 2022 (InstructGPT),
@@ -268,7 +281,7 @@ def kl_penalized_rewards(
     )
     check_shape(reference, "reference_log_probs", policy.shape, "policy_log_probs")
     check_shape(mask, "response_mask", policy.shape, "policy_log_probs")
-    layout = sequence_layout(cu_seqlens, policy)
+    layout = sequence_layout(cu_seqlens, policy, validate_context_group(context_group))
     batch = layout.num_sequences
     rewards_t = per_sequence(rewards_t, "rewards", layout, "policy_log_probs")
     coefficient = validate_scalar(beta, "beta", minimum=0.0)
@@ -278,8 +291,11 @@ def kl_penalized_rewards(
         from ..kernels.calls.kl import kl_rewards_kernels
 
         outputs = kl_rewards_kernels((policy, reference, rewards_t, mask), layout, coefficient)
-        if outputs is not None:
+        if outputs is not None and layout.context is None:
             return outputs
+        if outputs is not None:  # this rank's D_i from the kernel, summed over the group
+            divergences = layout.combine(outputs["sampled_divergences"].to(dtype))[0]
+            return _penalized_outputs(rewards_t.to(dtype), divergences, coefficient, batch)
     # The k1 estimate per token, unclamped, through the one KL implementation
     # (rlobjectives.kl.estimators).
     log_ratio = kl_terms(
@@ -291,8 +307,18 @@ def kl_penalized_rewards(
         log_ratio_bound=None,
         dtype=dtype,
     )  # (B, T), zeros at unselected tokens
-    divergences = layout.row_sums(masked_fill_zero(log_ratio, mask))  # (B,)
-    penalized = rewards_t.to(dtype) - coefficient * divergences  # (B,)
+    divergences = layout.row_sums(masked_fill_zero(log_ratio, mask))  # (B,) whole sequences
+    return _penalized_outputs(rewards_t.to(dtype), divergences, coefficient, batch)
+
+
+def _penalized_outputs(
+    rewards: torch.Tensor,
+    divergences: torch.Tensor,
+    coefficient: float | torch.Tensor,
+    batch: int,
+) -> dict[str, torch.Tensor]:
+    """The seed's outputs from the rewards and the sampled divergences :math:`D_i`."""
+    penalized = rewards - coefficient * divergences  # (B,)
     objective = safe_divide(penalized.sum(), batch)  # ()
     return {
         "objective": objective.to(torch.float32),

@@ -68,8 +68,10 @@ def token_log_ratios(inputs: PolicyInputs, options: SurrogateOptions, layout: La
         # log s_it = log pi_it - sg(log pi_it) + sg(log s_i): value log s_i at every token,
         # gradient d log s_it / d log pi_it = 1, which reproduces the GSPO gradient
         # s_i A_i (1/|y_i|) sum_t grad log pi_it under the sequence_mean reduction.
-        counts = layout.row_counts(mask).clamp(min=1).to(dtype)  # (S,)
-        sequence_mean = (layout.row_sums(log_ratio) / counts).detach()  # (S,)
+        sums, counts = layout.combine(  # whole sequences: one all-reduce under CP
+            layout.local_row_sums(log_ratio.detach()), layout.local_row_counts(mask)
+        )  # (S,) each
+        sequence_mean = sums / counts.clamp(min=1).to(dtype)  # (S,), a constant
         sequence_log_ratio = layout.expand(sequence_mean)  # (B, 1)
         token_log_ratio = masked_fill_zero(
             log_probs - log_probs.detach() + sequence_log_ratio, mask
@@ -93,40 +95,53 @@ def surrogate_diagnostics(
     mask: torch.Tensor,
     options: SurrogateOptions,
     normalizer: float | torch.Tensor | None,
+    layout: Layout | None = None,
 ) -> PolicyLossDiagnostics:
-    """Step 3: the diagnostics (see :class:`PolicyLossDiagnostics`), detached."""
+    """Step 3: the diagnostics (see :class:`PolicyLossDiagnostics`), detached.
+
+    Sums over the selected tokens divided by their count (or ``normalizer``); under context
+    parallelism (``layout.context``) the sums and the count of every rank of the group (one
+    all-reduce).
+    """
     dtype = ratios.ratio.dtype
-    if normalizer is None:
-        denominator = mask.sum().to(dtype).clamp(min=1)
-    else:  # an explicit normaliser is honoured exactly
-        denominator = torch.as_tensor(normalizer, dtype=dtype, device=mask.device)
 
-    def fraction(condition: torch.Tensor) -> torch.Tensor:
-        return (condition & mask).sum().to(dtype) / denominator
+    def count(condition: torch.Tensor) -> torch.Tensor:
+        return (condition & mask).sum().to(dtype)
 
-    def mean(values: torch.Tensor) -> torch.Tensor:
-        return masked_fill_zero(values, mask).sum() / denominator
+    def total(values: torch.Tensor) -> torch.Tensor:
+        return masked_fill_zero(values, mask).sum()
 
     bound = (
         DIAGNOSTIC_LOG_RATIO_BOUND if options.log_ratio_bound is None else options.log_ratio_bound
     )
     kl_log_ratio = clamp(ratios.log_ratio.detach(), -bound, bound)  # (B, T)
-    return PolicyLossDiagnostics(
-        clipped_fraction=fraction(surrogate.out_of_band),
-        clip_fraction_low=fraction(surrogate.below),
-        clip_fraction_high=fraction(surrogate.above),
-        dual_clip_fraction=fraction(surrogate.dual),
-        log_ratio_bound_fraction=fraction(ratios.bound_fired),
-        ratio_mean=mean(ratios.ratio.detach()),
-        approx_kl_k1=mean(-ratios.log_ratio.detach()),
-        approx_kl_k3=mean(torch.expm1(kl_log_ratio) - kl_log_ratio),
-        weight_mean=mean(surrogate.weight),
-        selected_fraction=(
-            torch.zeros((), dtype=dtype, device=mask.device)
-            if surrogate.selected is None
-            else fraction(surrogate.selected)
-        ),
+    selected_tokens = (
+        torch.zeros((), dtype=dtype, device=mask.device)
+        if surrogate.selected is None
+        else count(surrogate.selected)
     )
+    sums = torch.stack(
+        [
+            count(surrogate.out_of_band),
+            count(surrogate.below),
+            count(surrogate.above),
+            count(surrogate.dual),
+            count(ratios.bound_fired),
+            total(ratios.ratio.detach()),
+            total(-ratios.log_ratio.detach()),
+            total(torch.expm1(kl_log_ratio) - kl_log_ratio),
+            total(surrogate.weight.detach()),
+            selected_tokens,
+        ]
+    )  # (10,) in PolicyLossDiagnostics order
+    selected = mask.sum()
+    if layout is not None:
+        sums, selected = layout.combine(sums, selected)
+    if normalizer is None:
+        denominator = selected.to(dtype).clamp(min=1)
+    else:  # an explicit normaliser is honoured exactly
+        denominator = torch.as_tensor(normalizer, dtype=dtype, device=mask.device)
+    return PolicyLossDiagnostics(*(sums / denominator).unbind())
 
 
 class PolicyTerms(NamedTuple):
@@ -174,5 +189,7 @@ def policy_terms(
     if weights is not None and not options.surrogate.folds_importance_weights:
         per_token_loss = per_token_loss * masked_fill_zero(weights, mask)  # NaN-proof weights
     per_token_loss = masked_fill_zero(per_token_loss, mask)  # (B, T)
-    diagnostics = surrogate_diagnostics(ratios, surrogate, mask, options, diagnostics_normalizer)
+    diagnostics = surrogate_diagnostics(
+        ratios, surrogate, mask, options, diagnostics_normalizer, layout
+    )
     return PolicyTerms(per_token_loss, diagnostics, surrogate.loss_mask)

@@ -14,12 +14,25 @@ equals the peer's loss, value and gradient, for the same tensors, with the peer'
 - :func:`openrlhf_policy_loss`: OpenRLHF 0.11.2's ``PolicyLoss`` (ppo, gspo, dual clip, the
   IS correction at every level, mode and gating, the five-value ``forward``;
   :mod:`rlobjectives.integrations.openrlhf` installs it in the actor).
+- :func:`trl_grpo_advantages`: TRL's advantages with ``multi_objective_aggregation``
+  (``sum_then_normalize``, ``normalize_then_sum``) and ``scale_rewards``;
+  :func:`verl_gdpo_advantages`: verl's ``adv_estimator="gdpo"``.
+- :func:`verl_distillation_loss`: verl's distillation losses (``forward_kl_topk``, the
+  estimators, ``use_policy_gradient``, the clamps); :func:`trl_generalized_jsd_loss` (TRL GKD /
+  GOLD) and :func:`trl_server_forward_kl_loss` (TRL server distillation, ``loss_add_tail``).
 
 The presets import torch only (never the peers). Each is a table of peer options -> calls of
 the public API; see ``docs/objectives/drop-in.md`` for what is covered and the peer options
 left out.
 """
 
+from ._advantages import VerlAdvantageOutput, trl_grpo_advantages, verl_gdpo_advantages
+from ._distillation import (
+    VerlDistillationLoss,
+    trl_generalized_jsd_loss,
+    trl_server_forward_kl_loss,
+    verl_distillation_loss,
+)
 from ._openrlhf import OpenRLHFPolicyLoss, OpenRLHFPolicyLossOutput, openrlhf_policy_loss
 from ._trl import TRLGRPOLoss, TRLLossOutput, trl_grpo_loss
 from ._verl import VerlLossOutput, VerlPolicyLoss, verl_policy_loss
@@ -29,9 +42,16 @@ __all__ = [
     "OpenRLHFPolicyLossOutput",
     "TRLGRPOLoss",
     "TRLLossOutput",
+    "VerlAdvantageOutput",
+    "VerlDistillationLoss",
     "VerlLossOutput",
     "VerlPolicyLoss",
     "openrlhf_policy_loss",
+    "trl_generalized_jsd_loss",
+    "trl_grpo_advantages",
     "trl_grpo_loss",
+    "trl_server_forward_kl_loss",
+    "verl_distillation_loss",
+    "verl_gdpo_advantages",
     "verl_policy_loss",
 ]

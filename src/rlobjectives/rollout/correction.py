@@ -31,6 +31,7 @@ from collections.abc import Callable
 from typing import Literal, NamedTuple, get_args
 
 import torch
+from torch.distributed import ProcessGroup
 
 from .._core.layout import Layout, sequence_layout, token_matrix, token_ndim, token_output
 from .._core.reduction import masked_fill_zero
@@ -44,9 +45,10 @@ from .._core.validation import (
     checks_environment,
     compute_dtype,
     validate_choice,
+    validate_context_group,
     validate_scalar,
 )
-from .metrics import RolloutCorrectionMetrics, rollout_metrics
+from .metrics import RolloutCorrectionMetrics, metrics_over_context, rollout_metrics
 
 __all__ = [
     "LEVELS",
@@ -115,8 +117,9 @@ def _sequence_level(
 def _geometric_level(
     delta: torch.Tensor, token_log_ratio: torch.Tensor, mask: torch.Tensor, layout: Layout
 ) -> torch.Tensor:
-    counts = layout.row_counts(mask).to(delta.dtype).clamp(min=1)  # (S,)
-    log_ratio = torch.nan_to_num(layout.row_sums(delta), nan=0.0) / counts  # (S,) mean
+    # whole sequences: one all-reduce of both under context parallelism
+    sums, counts = layout.combine(layout.local_row_sums(delta), layout.local_row_counts(mask))
+    log_ratio = torch.nan_to_num(sums, nan=0.0) / counts.to(delta.dtype).clamp(min=1)  # (S,)
     return layout.expand(log_ratio.clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND))  # (B, 1)
 
 
@@ -188,8 +191,13 @@ def check_pair(
     mask: ArrayLike,
     names: tuple[str, str, str],
     cu_seqlens: ArrayLike | None = None,
+    context_group: object = None,
 ) -> Pair:
-    """Validated log-probs, second log-probs and bool mask (same shape and device), and layout."""
+    """Validated log-probs, second log-probs and bool mask (same shape and device), and layout.
+
+    ``context_group`` (validated here) goes into the layout: context parallelism.
+    """
+    context = validate_context_group(context_group)
     first_name, other_name, mask_name = names
     packed = cu_seqlens is not None
     first_t = token_matrix(as_float_tensor(log_probs, first_name), first_name, packed)
@@ -199,7 +207,7 @@ def check_pair(
     check_same_device({first_name: first_t, other_name: other_t, mask_name: mask_t})
     check_shape(other_t, other_name, tuple(first_t.shape), first_name)
     check_shape(mask_t, mask_name, tuple(first_t.shape), first_name)
-    layout = sequence_layout(cu_seqlens, first_t)
+    layout = sequence_layout(cu_seqlens, first_t, context)
     flat = packed and token_ndim(log_probs) == 1
     return Pair(first_t, other_t, mask_t, layout, flat)
 
@@ -291,6 +299,8 @@ def _correct(
         truncated=None if applied.truncated is None else survive & applied.truncated,
         removed=removed,
     )
+    if layout.context is not None:  # the metrics of the whole sequences
+        metrics = metrics_over_context(metrics, layout.context)
     # A new tensor even when nothing was removed: the result never aliases the caller's mask.
     survive = survive.clone() if survive is mask else survive
     return RolloutCorrection(weights=weights, mask=survive, metrics=metrics)
@@ -308,6 +318,7 @@ def rollout_correction(
     lower: Scalar | None = None,
     veto: Scalar | None = None,
     cu_seqlens: ArrayLike | None = None,
+    context_group: ProcessGroup | None = None,
 ) -> RolloutCorrection:
     r"""Importance weights that correct for the sampler/trainer mismatch (TIS, IcePop, MIS).
 
@@ -337,7 +348,8 @@ def rollout_correction(
     importance_weights=out.weights)``. Pass as ``log_probs`` the trainer's log-probs of the
     sampled tokens under the policy that sampled them (``old_log_probs``: TRL, verl's decoupled
     mode, OpenRLHF) or under the current policy (verl's bypass mode). The sequence levels need
-    whole sequences in one call (see ``docs/objectives/rollout.md``, "Whole sequences").
+    whole sequences in one call (see ``docs/objectives/rollout.md``, "Whole sequences"), or
+    ``context_group`` when context parallelism splits them.
 
     Peer options (``docs/objectives/rollout.md`` has the full table):
 
@@ -369,7 +381,13 @@ def rollout_correction(
         veto: :math:`v > 0`, or None for no veto.
         cu_seqlens: optional ``(S + 1,)`` boundaries of packed sequences (the per-token tensors
             are then ``(N,)`` or ``(1, N)``, and ``weights`` / ``mask`` come back in that
-            shape). The sequence levels need each sequence whole in one call.
+            shape). The sequence levels need each sequence whole in one call, or
+            ``context_group``.
+        context_group: the process group of the ranks holding the other tokens of the same
+            sequences (context parallelism), or None. The sequence and geometric ratios, the
+            veto and the metrics are then those of the whole sequences (one all-reduce of
+            ``(S,)`` values per level and for the veto, two of the metrics' 11 numbers); each
+            rank gets the weights and the mask of its own tokens.
 
     Returns:
         :class:`RolloutCorrection` ``(weights, mask, metrics)``: ``weights`` ``(B, T)`` in the
@@ -386,6 +404,8 @@ def rollout_correction(
             ``level``/``mode``, ``upper``/``veto`` not > 0, ``lower`` < 0, ``lower > upper``
             or a non-finite bound.
         TypeError: on non-numeric inputs or bounds.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
@@ -407,7 +427,12 @@ def rollout_correction(
     .. versionadded:: 0.2.0
     """
     pair = check_pair(
-        log_probs, rollout_log_probs, mask, ("log_probs", "rollout_log_probs", "mask"), cu_seqlens
+        log_probs,
+        rollout_log_probs,
+        mask,
+        ("log_probs", "rollout_log_probs", "mask"),
+        cu_seqlens,
+        context_group,
     )
     validate_choice(level, "level", LEVELS)
     validate_choice(mode, "mode", MODES)

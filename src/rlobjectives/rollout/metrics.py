@@ -27,12 +27,14 @@ from typing import NamedTuple
 
 import torch
 
+from .._core.context import ContextGroup, context_max, context_sum
 from .._core.reduction import masked_fill_zero, safe_divide
 
 __all__ = [
     "RolloutCorrectionMetrics",
     "combine_extremes",
     "extremum_rules",
+    "metrics_over_context",
     "place_extremes",
     "rollout_metrics",
 ]
@@ -234,3 +236,18 @@ def place_extremes(
         value = extremes[k] if largest else -extremes[k]
         totals[index] = torch.where(totals[count] > 0, value, torch.zeros_like(value))
     return totals
+
+
+def metrics_over_context(
+    metrics: RolloutCorrectionMetrics, context: ContextGroup
+) -> RolloutCorrectionMetrics:
+    """The metrics of every rank of a context group: sums added, extremes by min/max.
+
+    One ``all_reduce(SUM)`` of the fields and one ``all_reduce(MAX)`` of the extremes (minima
+    negated), exactly as :func:`rlobjectives.distributed.sum_diagnostics` combines pieces.
+    """
+    stacked = torch.stack(list(metrics)).unsqueeze(0)  # (1, fields)
+    (totals,) = context_sum(context, stacked[0])
+    rules = extremum_rules(metrics)
+    extremes = context_max(context, combine_extremes(stacked, rules))
+    return RolloutCorrectionMetrics(*place_extremes(totals, extremes, rules).unbind())

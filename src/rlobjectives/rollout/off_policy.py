@@ -8,6 +8,7 @@ negative update would push down tokens that the current policy no longer samples
 from __future__ import annotations
 
 import torch
+from torch.distributed import ProcessGroup
 
 from .._core.layout import token_output, tokens_from_sequences
 from .._core.reduction import masked_fill_zero
@@ -35,6 +36,7 @@ def off_policy_sequence_mask(
     *,
     threshold: Scalar,
     cu_seqlens: ArrayLike | None = None,
+    context_group: ProcessGroup | None = None,
 ) -> torch.Tensor:
     r"""Off-policy sequence masking (DeepSeek-V3.2 OPSM; TRL ``off_policy_mask_threshold``).
 
@@ -63,6 +65,10 @@ def off_policy_sequence_mask(
         cu_seqlens: optional ``(S + 1,)`` boundaries of packed sequences: the per-token
             tensors are then ``(N,)`` or ``(1, N)`` and per-sequence advantages ``(S,)``; the
             result has the shape of ``log_probs``.
+        context_group: the process group of the ranks holding the other tokens of the same
+            sequences (context parallelism), or None: :math:`\bar k_i` is then the mean over
+            the whole sequence (one all-reduce of its ``(S,)`` sums and counts) and each rank
+            gets the mask of its own tokens.
 
     Returns:
         ``(B, T)`` bool: the selected tokens of the kept sequences (no gradient).
@@ -71,6 +77,8 @@ def off_policy_sequence_mask(
         ValueError: on inputs that are not ``(B, T)``, mismatched shapes/devices, advantages of
             another shape or a non-finite ``threshold``.
         TypeError: on non-numeric inputs or threshold.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         DeepSeek-AI 2025, DeepSeek-V3.2, arXiv:2512.02556 Eq. 9 (off-policy sequence masking);
@@ -91,6 +99,7 @@ def off_policy_sequence_mask(
         mask,
         ("log_probs", "sampling_log_probs", "mask"),
         cu_seqlens,
+        context_group,
     )
     log_probs_t, sampling_t, mask_t, layout = pair.first, pair.other, pair.mask, pair.layout
     advantages_t = as_float_tensor(advantages, "advantages", log_probs_t.device)
@@ -106,6 +115,7 @@ def off_policy_sequence_mask(
         log_probs_t.detach().to(dtype), mask_t
     )  # (B, T)
     kl = torch.nan_to_num(kl, nan=0.0)
-    mean_kl = layout.row_sums(kl) / layout.row_counts(mask_t).to(dtype).clamp(min=1)  # (S,)
+    sums, counts = layout.combine(layout.local_row_sums(kl), layout.local_row_counts(mask_t))
+    mean_kl = sums / counts.to(dtype).clamp(min=1)  # (S,) whole sequences
     keep = (advantages_t.detach() >= 0) | (layout.expand(mean_kl) <= threshold_v)
     return token_output(mask_t & keep, pair.flat)

@@ -6,7 +6,9 @@ import math
 from typing import NamedTuple
 
 import torch
+from torch.distributed import ProcessGroup
 
+from .._core.context import ContextGroup, context_max
 from .._core.layout import Layout, sequence_layout, token_matrix, token_ndim, token_output
 from .._core.reduction import (
     Reduction,
@@ -24,6 +26,7 @@ from .._core.validation import (
     check_shape,
     checks_environment,
     compute_dtype,
+    validate_context_group,
     validate_scalar,
 )
 from ..advantages.whitening import masked_moments, power_of_two_scale
@@ -85,6 +88,7 @@ def _prepare(
     returns: ArrayLike,
     mask: ArrayLike,
     cu_seqlens: ArrayLike | None,
+    context: ContextGroup | None,
 ) -> _ValueInputs:
     packed = cu_seqlens is not None
     values_t = token_matrix(as_float_tensor(values, "values"), "values", packed)
@@ -105,12 +109,15 @@ def _prepare(
         returns=masked_fill_zero(returns_t.to(dtype), mask_t).detach(),
         mask=mask_t,
         output_dtype=values_t.dtype,
-        layout=sequence_layout(cu_seqlens, values_t),
+        layout=sequence_layout(cu_seqlens, values_t, context),
     )
 
 
 def _explained_variance(
-    values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor
+    values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    context: ContextGroup | None = None,
 ) -> torch.Tensor:
     """``1 - Var(R - V) / (Var(R) + 1e-5)`` over the selected tokens; 0 below two tokens.
 
@@ -119,24 +126,39 @@ def _explained_variance(
     (:func:`masked_moments`), and the ratio is taken from their logarithms and the scales'
     exponents (exact integers), so a float32 square never overflows or underflows (returns of
     1e19 have a variance of 1e38, whose rescaling by 2^130 did overflow) and the result is the
-    float32 rounding of the true value wherever that is finite.
+    float32 rounding of the true value wherever that is finite. ``context``: over the selected
+    tokens of every rank of a context group (one maximum for the common scale, then the two
+    variances' maxima, sums and squared deviations in three collectives shared by both).
     """
-    if mask.numel() == 0:
+    if mask.numel() == 0 and context is None:
         return values.new_zeros(())
     # R - V of values divided by a common power of two: the difference cannot overflow either.
-    common = power_of_two_scale(torch.maximum(values.abs().amax(), returns.abs().amax()))
-    residual = masked_moments(returns / common - values / common, mask, unbiased=True)
-    target = masked_moments(returns, mask, unbiased=True)
+    largest = torch.maximum(_largest(values), _largest(returns))
+    common = power_of_two_scale(context_max(context, largest))
+    # Both variances at once (stacked: their collectives are shared under a context group).
+    moments = masked_moments(
+        torch.stack([returns / common - values / common, returns]),
+        mask,
+        unbiased=True,
+        context=context,
+    )
+    residual_scale, target_scale = moments.scale.unbind()
+    residual_variance, target_variance = moments.variance.unbind()
     # log Var(R - V) - log(Var(R) + eps), each variance = variance' * scale^2.
-    exponent = 2.0 * (residual.scale.log2() + common.log2() - target.scale.log2())  # exact
-    log_eps = math.log(_EXPLAINED_VARIANCE_EPS) - 2.0 * math.log(2.0) * target.scale.log2()
+    exponent = 2.0 * (residual_scale.log2() + common.log2() - target_scale.log2())  # exact
+    log_eps = math.log(_EXPLAINED_VARIANCE_EPS) - 2.0 * math.log(2.0) * target_scale.log2()
     log_ratio = (
-        residual.variance.log()
+        residual_variance.log()
         + exponent * math.log(2.0)
-        - torch.logaddexp(target.variance.log(), log_eps)
+        - torch.logaddexp(target_variance.log(), log_eps)
     )
     explained = 1.0 - torch.exp(log_ratio)
-    return torch.where(mask.sum() >= 2, explained, 0.0)
+    return torch.where(moments.selected >= 2, explained, 0.0)
+
+
+def _largest(values: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of ``values``, 0 for an empty tensor."""
+    return values.abs().amax() if values.numel() else values.new_zeros(())
 
 
 @checks_environment
@@ -151,6 +173,7 @@ def value_loss(
     normalizer: Scalar | None = None,
     max_response_length: Scalar | None = None,
     cu_seqlens: ArrayLike | None = None,
+    context_group: ProcessGroup | None = None,
 ) -> ValueLossOutput:
     r"""Clipped PPO value loss: regress the critic onto the returns, never far from its old value.
 
@@ -190,7 +213,11 @@ def value_loss(
     Computed in float32 (float64 for float64 inputs) also for bf16/fp16 values; NaN/inf at
     unselected positions reaches no output and no gradient; nothing selected gives 0. Packed
     sequences (``cu_seqlens``): the tensors are ``(N,)`` or ``(1, N)`` and the per-sequence
-    reductions run over the runs ``cu_seqlens[i]:cu_seqlens[i + 1]``.
+    reductions run over the runs ``cu_seqlens[i]:cu_seqlens[i + 1]``. Context parallelism
+    (``context_group``): each rank holds some tokens of the same sequences; the loss (its
+    per-sequence terms for ``"sequence_mean"``), the clip fraction and the explained variance
+    are those of the whole sequences on every rank, the gradient flows into the local
+    ``values``.
 
     Args:
         values: ``(B, T)`` current value predictions :math:`V` (differentiable).
@@ -206,6 +233,8 @@ def value_loss(
             (default ``T``).
         cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
             non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
+        context_group: the process group of the ranks holding the other tokens of the same
+            sequences (context parallelism), or None; see :func:`rlobjectives.policy_loss`.
 
     Returns:
         :class:`ValueLossOutput` ``(loss, per_token_loss, diagnostics)``; ``loss`` has the
@@ -216,6 +245,8 @@ def value_loss(
             or non-finite ``clip``, an unknown ``reduction``, a non-positive ``normalizer`` or
             ``max_response_length``, or a malformed ``cu_seqlens``.
         TypeError: on non-numeric inputs.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         Schulman et al. 2017, PPO, arXiv:1707.06347 Eq. 9 (:math:`L^{VF}`); the clipped value
@@ -231,7 +262,8 @@ def value_loss(
 
     .. versionadded:: 0.2.0
     """
-    inputs = _prepare(values, old_values, returns, mask, cu_seqlens)
+    context = validate_context_group(context_group)
+    inputs = _prepare(values, old_values, returns, mask, cu_seqlens, context)
     flat = cu_seqlens is not None and token_ndim(values) == 1
     spec = validate_layout_reduction(
         reduction,
@@ -255,13 +287,16 @@ def value_loss(
         # (c - R)^2 > (V - R)^2 compared as magnitudes: squares of float32 errors above ~1.8e19
         # overflow to inf, and inf > inf would hide a binding clip.
         binding = (clipped_error.abs() > error.abs()) & inputs.mask  # (B, T)
-        clip_fraction = safe_divide(binding.sum().to(squared.dtype), inputs.mask.sum())
+        bound_count, selected = inputs.layout.combine(binding.sum(), inputs.mask.sum())
+        clip_fraction = safe_divide(bound_count.to(squared.dtype), selected)
     per_token = masked_fill_zero(0.5 * squared, inputs.mask)  # (B, T)
     loss = reduce(per_token, inputs.mask, spec, inputs.layout)
     with torch.no_grad():
         diagnostics = ValueLossDiagnostics(
             clip_fraction=clip_fraction.detach(),
-            explained_variance=_explained_variance(inputs.values, inputs.returns, inputs.mask),
+            explained_variance=_explained_variance(
+                inputs.values, inputs.returns, inputs.mask, context
+            ),
         )
     return ValueLossOutput(
         loss=token_output(loss.to(inputs.output_dtype), flat and loss.ndim == 2),

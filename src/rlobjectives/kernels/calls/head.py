@@ -86,6 +86,8 @@ def fused_loss_kernels(
         head.hidden, head.weight, head.bias, head.tokens, flat.mask, flat.old_log_probs,
         flat.advantages, weights, _head_kwargs(head), loss_kwargs,
     )  # fmt: skip
+    if call.layout.context is not None:  # the whole sequences' loss and sums (identity backward)
+        loss, totals = call.layout.combine(loss, totals)
     zero = totals.new_zeros(())
     dtype = head.dtype
     return FusedPolicyLossOutput(

@@ -68,6 +68,8 @@ def kl_loss_kernels(
     loss, per_token = KLLossFunction.apply(  # type: ignore[no-untyped-call]
         log_probs.reshape(-1), ref_log_probs.reshape(-1), mask.reshape(-1), weights, kwargs
     )
+    if not none and inputs.layout.context is not None:  # this rank's share, summed
+        (loss,) = inputs.layout.combine(loss)  # identity backward (a replicated loss)
     result: torch.Tensor = per_token.view(shape) if none else loss
     return result.to(log_probs.dtype)
 

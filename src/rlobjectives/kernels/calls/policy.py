@@ -18,7 +18,10 @@ the kernels. This module maps the validated call onto the flat launcher of
   the layout and read per row (padded) or per token (packed);
 - the entropy bonus is a term of the kernel's per-token loss (gradient :math:`-c_H w`);
 - the diagnostics are the kernel's last nine sums over the selected-token count (or
-  ``diagnostics_normalizer``).
+  ``diagnostics_normalizer``);
+- under context parallelism (``layout.context``) the counts and GSPO's sums come from the
+  layout (whole sequences), and the kernel's weighted sum and its totals are summed over the
+  group in one all-reduce.
 
 :func:`kernel_options` returns None when a hyperparameter cannot be handed to the kernel (a
 tensor that requires grad): the caller then takes the PyTorch path.
@@ -35,6 +38,7 @@ from ..._core.reduction import (
     ReductionSpec,
     masked_fill_zero,
     reduce,
+    reduction_counts,
     row_weights,
     safe_divide,
     token_gradient_weights,
@@ -151,7 +155,7 @@ def flat_inputs(inputs: PolicyInputs) -> FlatInputs:
 
 def reduction_weights(mask: torch.Tensor, spec: ReductionSpec, layout: Layout) -> torch.Tensor:
     """Per-token weights :math:`1 / (d_i D)` of ``spec`` in the flat layout (float32)."""
-    counts = layout.row_counts(mask)  # (S,)
+    counts = reduction_counts(mask, spec, layout)  # (S,) (under CP: what the reduction reads)
     weights = row_weights(counts, spec, dtype=torch.float32, batch=layout.num_sequences)
     gradient = token_gradient_weights(weights, layout, torch.float32)  # (B, 1), (1, N) or (1, 1)
     return flat_values(gradient, (mask.shape[0], mask.shape[1]))
@@ -222,6 +226,11 @@ def run_kernels(
     per_token_wanted = return_per_token or spec.reduction == "none"
     weights = None if per_token_wanted else reduction_weights(inputs.mask, spec, layout)
     loss, per_token, totals = _launch(flat, options, weights, sequence, entropy)
+    if layout.context is not None:  # the sums of the whole sequences, one all-reduce
+        if weights is None:  # per-token mode: reduce() below sums the loss over the group
+            (totals,) = layout.combine(totals)
+        else:  # identity backward: the kernel's gradient is that of the summed loss
+            loss, totals = layout.combine(loss, totals)
     per_token_loss = None
     if per_token_wanted:
         per_token_loss = per_token.view(flat.shape)  # (B, T), zeros at unselected tokens

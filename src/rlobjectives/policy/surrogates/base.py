@@ -136,6 +136,15 @@ class SurrogateObjective:
     folds_importance_weights: ClassVar[bool] = False
     needs_log_ratio: ClassVar[bool] = False  # the fused stage reads StageInputs.log_ratio
 
+    def selects_from_call(self) -> bool:
+        """Whether the object selects tokens from the whole call itself.
+
+        True for M2PO's mask and Clip-Cov's / KL-Cov's selections without ``selection=``: such
+        a call needs the whole batch, so it is refused under context parallelism (hand the
+        global selection instead).
+        """
+        return False
+
     def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
         """The readable autograd specification of the surrogate (see the subclass)."""
         raise NotImplementedError

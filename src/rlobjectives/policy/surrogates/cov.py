@@ -163,6 +163,10 @@ class ClipCov(SurrogateObjective):
     takes_sequence_ratio: ClassVar[bool] = False
     token_ratio_reason: ClassVar[str] = "selects tokens of the whole call"
 
+    def selects_from_call(self) -> bool:
+        """Without ``selection`` the object selects from the whole call (see the base class)."""
+        return self.selection is None
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "ratio", validate_ratio(self.ratio, "ClipCov.ratio"))
         low = validate_scalar(self.low, "ClipCov.low", minimum=0.0, maximum=1.0)
@@ -281,6 +285,10 @@ class KLCov(SurrogateObjective):
     token_local: ClassVar[bool] = False
     takes_sequence_ratio: ClassVar[bool] = False
     token_ratio_reason: ClassVar[str] = "selects tokens of the whole call"
+
+    def selects_from_call(self) -> bool:
+        """Without ``selection`` the object selects from the whole call (see the base class)."""
+        return self.selection is None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ratio", validate_ratio(self.ratio, "KLCov.ratio"))

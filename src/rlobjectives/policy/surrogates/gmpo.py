@@ -94,9 +94,15 @@ class GMPO(SurrogateObjective):
             bounded = clamp(log_ratio, lower, upper)  # (B, T)
             clipped = sign * torch.minimum(sign * log_ratio, sign * bounded)  # (B, T)
         clipped = masked_fill_zero(clipped, mask)
-        counts = layout.row_counts(mask).clamp(min=1).to(log_ratio.dtype)  # (S,)
-        mean_log_ratio = layout.expand(layout.row_sums(clipped.detach()) / counts)  # (B, 1)/(1, N)
-        mean_advantage = layout.expand(layout.row_sums(advantages) / counts)  # (B, 1)/(1, N)
+        # whole sequences (one all-reduce of the three under context parallelism)
+        counts, clipped_sums, advantage_sums = layout.combine(
+            layout.local_row_counts(mask),
+            layout.local_row_sums(clipped.detach()),
+            layout.local_row_sums(advantages),
+        )  # (S,) each
+        counts = counts.clamp(min=1).to(log_ratio.dtype)
+        mean_log_ratio = layout.expand(clipped_sums / counts)  # (B, 1) / (1, N)
+        mean_advantage = layout.expand(advantage_sums / counts)  # (B, 1) / (1, N)
         # Token form (as GSPO): value log rho_i at every token, derivative d clipped_t / d l_t.
         ratio = torch.exp(clipped - clipped.detach() + mean_log_ratio)  # (B, T)
         x = log_ratio.detach()

@@ -111,6 +111,10 @@ class M2PO(SurrogateObjective):
         if self.high is not None:
             object.__setattr__(self, "high", validate_scalar(self.high, "M2PO.high", minimum=0.0))
 
+    def selects_from_call(self) -> bool:
+        """M2PO's mask is a selection of the whole call (see the base class)."""
+        return True
+
     def kept(self, log_ratio: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """The kept tokens ``K`` (bool, the shape of ``mask``) of the call's raw log-ratio."""
         return m2po_kept(log_ratio.detach(), mask, self.threshold)
