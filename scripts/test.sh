@@ -1,8 +1,14 @@
 #!/usr/bin/env bash
-# Install everything the tests need (the trl extra too: tests/test_trl_integration.py runs the
-# real TRL trainer) into ./.venv (torch pinned to the CPU 2.13.0 build through
-# requirements/constraints.txt) and run lint, format check, type check and the whole test suite.
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh -m slow`.
+# Install everything the tests need into ./.venv and run lint, format check, type check and the
+# whole test suite. Extra arguments go to pytest, e.g. `bash scripts/test.sh -m slow`.
+#
+# Installs (torch pinned to the CPU 2.13.0 build through requirements/constraints.txt, FIRST):
+#   1. torch==2.13.0;
+#   2. the library with its test, demo, examples and trl extras, and requirements/peers.txt (the
+#      packages the real verl / OpenRLHF / TRL training steps of tests/integrations/ import);
+#   3. the peers verl 0.9.1, OpenRLHF 0.11.2 and DeepSpeed 0.19.6 without their declared
+#      dependencies (requirements/peers-nodeps.txt; DS_BUILD_OPS=0: DeepSpeed's sdist builds no op).
+# The library itself depends on torch alone; `import rlobjectives` imports none of the peers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 VENV="${RLOBJECTIVES_VENV:-.venv}"
@@ -10,8 +16,10 @@ if [ ! -x "$VENV/bin/python" ]; then
   python3 -m venv "$VENV"
 fi
 PY="$VENV/bin/python"
-"$PY" -m pip install -q --disable-pip-version-check -c requirements/constraints.txt torch==2.13.0
-"$PY" -m pip install -q --disable-pip-version-check -c requirements/constraints.txt -e ".[test,demo,examples,trl]"
+PIP=("$PY" -m pip install -q --disable-pip-version-check -c requirements/constraints.txt)
+"${PIP[@]}" torch==2.13.0
+"${PIP[@]}" -e ".[test,demo,examples,trl]" -r requirements/peers.txt
+DS_BUILD_OPS=0 "${PIP[@]}" --no-deps --no-build-isolation -r requirements/peers-nodeps.txt
 echo "== ruff"
 "$PY" -m ruff check src tests benchmarks examples
 "$PY" -m ruff format --check src tests benchmarks examples

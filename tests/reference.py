@@ -7,6 +7,7 @@ Python list-of-lists bool mask. Nothing here imports the library.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -1634,10 +1635,15 @@ def verl_policy_losses(
     tau_pos: float = 1.0,
     tau_neg: float = 1.05,
     weights: Tensor | None = None,
+    dro_beta: float = 0.0,
+    kl_coef: float = 1.0,
+    selected: set[tuple[int, int]] | None = None,
 ) -> Tensor:
     """verl's per-token ``pg_losses`` (times ``rollout_is_weights``), ``(B, T)``, 0 unselected.
 
-    vanilla / gspo / cispo / sapo / gpg (``geo_mean`` is per row: :func:`verl_geo_mean_loss`).
+    vanilla / gspo / cispo / sapo / gpg / dppo_tv / dppo_kl / dro / clip_cov / kl_cov
+    (``geo_mean`` is per row: :func:`verl_geo_mean_loss`); ``selected``: Clip-Cov's detached
+    or KL-Cov's penalised tokens (the caller draws them as verl does).
     """
     keep = _selected(mask)
     out = torch.zeros_like(log_prob)
@@ -1646,6 +1652,14 @@ def verl_policy_losses(
         tokens = [t for t in range(len(row)) if row[t]]
         for t in tokens:
             a = _advantage(advantages, i, t)
+            if loss_mode in _VERL_SELECTING_MODES:
+                loss = _verl_issue24_loss(
+                    loss_mode, old_log_prob[i, t], log_prob[i, t], a, (i, t) in (selected or set()),
+                    clip_low=clip_low, clip_high=clip_high, clip_c=clip_c, dro_beta=dro_beta,
+                    kl_coef=kl_coef,
+                )  # fmt: skip
+                entries[(i, t)] = loss if weights is None else loss * weights[i, t]
+                continue
             if loss_mode == "gspo":
                 mean = sum((log_prob[i, u] - old_log_prob[i, u] for u in tokens), out[0, 0] * 0)
                 log_ratio = log_prob[i, t] - log_prob[i, t].detach() + (mean / len(tokens)).detach()
@@ -1667,6 +1681,139 @@ def verl_policy_losses(
                     loss = torch.minimum(-a * clip_c, loss)
             entries[(i, t)] = loss if weights is None else loss * weights[i, t]
     return _matrix(entries, tuple(log_prob.shape)) if entries else out
+
+
+_VERL_SELECTING_MODES = ("dppo_tv", "dppo_kl", "dro", "clip_cov", "kl_cov")
+
+
+def _verl_issue24_loss(
+    loss_mode: str,
+    old: Tensor,
+    new: Tensor,
+    a: Tensor,
+    selected: bool,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_c: float,
+    dro_beta: float,
+    kl_coef: float,
+) -> Tensor:
+    """One token's verl 0.9.1 loss of dppo_tv / dppo_kl (ratio from the ±20-clamped log-ratio),
+    dro, clip_cov and kl_cov (unclamped ratio); ``selected``: Clip-Cov detaches the token,
+    KL-Cov penalises it."""
+    delta = new - old
+    if loss_mode in ("dppo_tv", "dppo_kl"):
+        ratio = torch.exp(torch.clamp(delta, -20.0, 20.0))
+        options = {"dppo_divergence": loss_mode[-2:], "dppo_low": clip_low,
+                   "dppo_high": clip_high}  # fmt: skip
+        kept = dppo_kept(float(new.detach()), float(old), float(a), options)
+        return -a * torch.clamp(ratio, max=clip_c).detach() * new * float(kept)
+    if loss_mode == "dro":
+        return -(new * a - 0.5 * dro_beta * delta**2)
+    ratio = torch.exp(delta)
+    if loss_mode == "clip_cov":
+        clipped = torch.clamp(ratio, 1 - clip_low, 1 + clip_high)
+        return torch.maximum(-a * ratio, -a * clipped) * (0.0 if selected else 1.0)
+    assert loss_mode == "kl_cov"
+    return -a * ratio + (kl_coef * torch.abs(delta) if selected else 0.0)
+
+
+def verl_bypass_losses(
+    old_log_prob: Tensor,
+    log_prob: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    loss_type: str = "ppo_clip",
+    rollout_is: str | None = None,
+    rollout_is_threshold: float | str = 2.0,
+    rollout_is_batch_normalize: bool = False,
+    rollout_rs: str | None = None,
+    rollout_rs_threshold: float | str | None = None,
+) -> tuple[Tensor, Tensor]:
+    """verl 0.9.1 ``bypass_mode`` (``old_log_prob`` = the sampler's), token by token.
+
+    Returns the per-token losses ``(B, T)`` (0 at rejected and unselected tokens) and the
+    surviving mask, for :func:`verl_agg_loss`. vanilla (clip 0.2, c = 3) without weights for
+    ``"ppo_clip"``; ``-A·ℓ·w`` for ``"reinforce"``.
+    """
+    keep = _selected(mask)
+    rows, width = mask.shape
+    log_ratio = [[float(log_prob[i, t].detach()) - float(old_log_prob[i, t])
+                  for t in range(width)] for i in range(rows)]  # fmt: skip
+    bounded = [[min(max(v, -20.0), 20.0) for v in row] for row in log_ratio]
+    weights: dict[tuple[int, int], float] = {}
+    if rollout_is is not None:
+        if isinstance(rollout_is_threshold, str) and "_" in rollout_is_threshold:
+            low_text, high_text = rollout_is_threshold.split("_")
+            low: float | None = float(low_text)
+            high = float(high_text)
+        else:
+            low, high = None, float(rollout_is_threshold)
+        for i in range(rows):
+            tokens = [t for t in range(width) if keep[i][t]]
+            sequence = math.exp(min(max(sum(log_ratio[i][t] for t in tokens), -20.0), 20.0))
+            for t in tokens:
+                raw = math.exp(bounded[i][t]) if rollout_is == "token" else sequence
+                if low is None:
+                    weights[i, t] = min(raw, high)
+                else:
+                    weights[i, t] = raw if low <= raw <= high else 0.0
+        if rollout_is_batch_normalize:
+            if rollout_is == "token":
+                mean = sum(weights.values()) / max(len(weights), 1)
+            else:
+                row_means = [
+                    sum(weights[i, t] for t in range(width) if keep[i][t]) / sum(keep[i])
+                    for i in range(rows) if any(keep[i])
+                ]  # fmt: skip
+                mean = sum(row_means) / max(len(row_means), 1)
+            if mean > 1e-8:
+                weights = {k: v / mean for k, v in weights.items()}
+    kept = [list(row) for row in keep]
+    if rollout_rs is not None:
+        names = list(dict.fromkeys(n.strip() for n in rollout_rs.split(",") if n.strip()))
+        specs = str(rollout_rs_threshold).split(",")
+        specs = specs * len(names) if len(specs) == 1 else specs
+        estimators = {"k1": lambda v: -v, "k2": lambda v: 0.5 * v * v,
+                      "k3": lambda v: math.exp(v) - 1.0 - v}  # fmt: skip
+        for name, spec in zip(names, specs, strict=True):
+            scope, estimator = name.rsplit("_", 1)
+            if estimator == "k1":
+                low_t, high_t = spec.split("_") if "_" in spec else (None, spec)
+                upper = float(high_t)
+                lower = 1.0 / upper if low_t is None else float(low_t)
+                band = (math.log(lower), math.log(upper))
+            else:
+                band = (-math.inf, float(spec))
+            for i in range(rows):
+                tokens = [t for t in range(width) if keep[i][t]]
+                values = [estimators[estimator](bounded[i][t]) for t in tokens]
+                if scope == "token":
+                    for t, v in zip(tokens, values, strict=True):
+                        kept[i][t] = kept[i][t] and band[0] <= v <= band[1]
+                    continue
+                if scope == "seq_sum":
+                    statistic = sum(values)
+                elif scope == "seq_mean":
+                    statistic = sum(values) / len(values) if values else 0.0
+                else:
+                    statistic = max(values) if values else 0.0
+                if not band[0] <= statistic <= band[1]:
+                    kept[i] = [False] * width
+    survivors = torch.tensor(kept, dtype=torch.bool)
+    if loss_type == "ppo_clip":
+        return verl_policy_losses(old_log_prob, log_prob, advantages, survivors,
+                                  loss_mode="vanilla"), survivors  # fmt: skip
+    entries = {}
+    for i in range(rows):
+        for t in range(width):
+            if kept[i][t]:
+                entries[i, t] = (
+                    -_advantage(advantages, i, t) * log_prob[i, t] * weights.get((i, t), 1.0)
+                )
+    return _matrix(entries, (rows, width)), survivors
 
 
 def verl_geo_mean_loss(
@@ -1707,7 +1854,7 @@ def verl_geo_mean_loss(
     return sum(losses, zero) / len(losses)
 
 
-def openrlhf_policy_loss(
+def openrlhf_policy_forward(
     log_probs: Tensor,
     old_log_probs: Tensor,
     advantages: Tensor,
@@ -1718,28 +1865,42 @@ def openrlhf_policy_loss(
     dual_clip: float | None = None,
     token_level_loss: bool = True,
     policy_loss_type: str = "ppo",
+    is_correction_level: str = "off",
+    is_correction_mode: str = "mask",
+    is_correction_gating: str = "ratio",
+    is_correction_threshold: tuple[float, float] = (0.5, 5.0),
+    rollout_log_probs: Tensor | None = None,
     dp_size: int = 1,
     batch_num_tokens: float | None = None,
     global_batch_size: float | None = None,
-    rollout_log_probs: Tensor | None = None,
-    vllm_is_correction_type: str | None = None,
-    threshold: tuple[float, float] = (0.5, 5.0),
-) -> Tensor:
-    """OpenRLHF ``PolicyLoss.forward``'s loss (3c3be62), token by token.
+) -> dict[str, Any]:
+    """OpenRLHF 0.11.2 ``PolicyLoss.forward``, token by token: its five results by name.
 
-    ``vllm_is_correction_type`` (ppo, with ``rollout_log_probs``): the loss of each token times
-    ``tis`` ``clamp(ρ, low, high)``, ``icepop`` ``ρ·[low <= ρ <= high]`` or ``seq-mask-tis``
-    ``[low <= exp(mean_t log ρ) <= high]·ρ``, with ``ρ = exp(old - rollout)``.
+    ``loss`` is a float64 tensor (autograd through ``log_probs``; gspo differentiates the
+    sequence ratio itself); ``clip_ratio``, ``ppo_kl``, ``vllm_kl``, ``is_filter_ratio`` are
+    Python floats (the last two None unless ppo with ``is_correction_level != "off"``).
     """
     keep = _selected(mask)
     zero = torch.zeros((), dtype=torch.float64)
+    corrected = is_correction_level != "off"
+    behaviour = rollout_log_probs if policy_loss_type == "gspo" and corrected else old_log_probs
+    assert behaviour is not None
     row_losses: list[list[Tensor]] = []
+    clipped = selected = 0
+    row_filtered: list[bool] = []
+    token_filtered: list[bool] = []
     for i, row in enumerate(keep):
         tokens = [t for t in range(len(row)) if row[t]]
-        mean = sum((log_probs[i, t] - old_log_probs[i, t] for t in tokens), zero)
-        weights = _openrlhf_is_weights(
-            old_log_probs, rollout_log_probs, i, tokens, vllm_is_correction_type, threshold
-        )
+        mean = sum((log_probs[i, t] - behaviour[i, t] for t in tokens), zero)
+        coefficients: dict[int, float] = {}
+        if policy_loss_type == "ppo" and corrected:
+            assert rollout_log_probs is not None
+            gate = _openrlhf_gate(
+                old_log_probs, rollout_log_probs, i, tokens, is_correction_level,
+                is_correction_mode, is_correction_gating, is_correction_threshold,
+            )  # fmt: skip
+            coefficients = gate[0]
+            (row_filtered if is_correction_level == "seq" else token_filtered).extend(gate[1])
         losses = []
         for t in tokens:
             a = _advantage(advantages, i, t)
@@ -1747,44 +1908,98 @@ def openrlhf_policy_loss(
                 ratio = torch.exp(mean / max(len(tokens), 1))
             else:
                 ratio = torch.exp(torch.clamp(log_probs[i, t] - old_log_probs[i, t], -20.0, 20.0))
-            surrogate = torch.minimum(
-                ratio * a, torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * a
-            )
+            first = ratio * a
+            second = torch.clamp(ratio, 1 - clip_eps_low, 1 + clip_eps_high) * a
+            clipped += bool(second < first)
+            selected += 1
+            surrogate = torch.minimum(first, second)
             if dual_clip is not None and a < 0:
                 surrogate = torch.maximum(surrogate, dual_clip * a)
-            losses.append(-surrogate * weights.get(t, 1.0))
+            losses.append(-surrogate * coefficients.get(t, 1.0))
         row_losses.append(losses)
     if token_level_loss and policy_loss_type == "ppo":
         total = sum((v for r in row_losses for v in r), zero)
         count = sum(len(r) for r in row_losses)
-        return total / count if batch_num_tokens is None else total / batch_num_tokens * dp_size
-    means = [sum(r, zero) / (len(r) + 1e-8) for r in row_losses if r]
-    if global_batch_size is None:
-        return sum(means, zero) / len(means)
-    return sum(means, zero) / global_batch_size * dp_size
+        loss = total / count if batch_num_tokens is None else total / batch_num_tokens * dp_size
+    else:
+        means = [sum(r, zero) / (len(r) + 1e-8) for r in row_losses if r]
+        if global_batch_size is None:
+            loss = sum(means, zero) / len(means)
+        else:
+            loss = sum(means, zero) / global_batch_size * dp_size
+    pairs = [(i, t) for i, row in enumerate(keep) for t in range(len(row)) if row[t]]
+    count = max(len(pairs), 1)
+    out: dict[str, Any] = {
+        "loss": loss,
+        "clip_ratio": clipped / max(selected, 1),
+        "ppo_kl": sum(float(old_log_probs[i, t] - log_probs[i, t].detach()) for i, t in pairs)
+        / count,
+        "vllm_kl": None,
+        "is_filter_ratio": None,
+    }
+    if policy_loss_type == "ppo" and corrected:
+        assert rollout_log_probs is not None
+        out["vllm_kl"] = (
+            sum(float(rollout_log_probs[i, t] - old_log_probs[i, t]) for i, t in pairs) / count
+        )
+        filtered = row_filtered if is_correction_level == "seq" else token_filtered
+        units = len(keep) if is_correction_level == "seq" else count
+        out["is_filter_ratio"] = sum(filtered) / units
+    return out
 
 
-def _openrlhf_is_weights(
+def openrlhf_policy_loss(log_probs: Tensor, old_log_probs: Tensor, advantages: Tensor,
+                         mask: Tensor, **options: Any) -> Tensor:  # fmt: skip
+    """The ``loss`` of :func:`openrlhf_policy_forward`."""
+    return openrlhf_policy_forward(log_probs, old_log_probs, advantages, mask, **options)["loss"]
+
+
+def _openrlhf_gate(
     old_log_probs: Tensor,
-    rollout_log_probs: Tensor | None,
+    rollout_log_probs: Tensor,
     i: int,
     tokens: list[int],
-    kind: str | None,
+    level: str,
+    mode: str,
+    gating: str,
     threshold: tuple[float, float],
-) -> dict[int, float]:
-    """OpenRLHF's vLLM IS weight of each selected token of row i ({} without the correction)."""
-    if kind is None or rollout_log_probs is None:
-        return {}
+) -> tuple[dict[int, float], list[bool]]:
+    """OpenRLHF's IS gate on row i: each selected token's coefficient, the filtered units.
+
+    The units are the tokens (``level="token"``) or the row (``"seq"``: one flag; an empty
+    row's statistic is NaN in OpenRLHF, out of every band: filtered).
+    """
     low, high = threshold
     log_rho = {t: float(old_log_probs[i, t]) - float(rollout_log_probs[i, t]) for t in tokens}
-    if kind == "tis":
-        return {t: min(max(math.exp(v), low), high) for t, v in log_rho.items()}
-    if kind == "icepop":
-        return {t: math.exp(v) * (low <= math.exp(v) <= high) for t, v in log_rho.items()}
-    assert kind == "seq-mask-tis"
-    geometric = math.exp(sum(log_rho.values()) / len(tokens)) if tokens else math.nan
-    inside = low <= geometric <= high
-    return {t: math.exp(v) * inside for t, v in log_rho.items()}
+
+    def divergence(t: int) -> float:
+        p = min(max(math.exp(float(rollout_log_probs[i, t])), 1e-6), 1 - 1e-6)
+        q = min(max(math.exp(float(old_log_probs[i, t])), 1e-6), 1 - 1e-6)
+        if gating == "binary_kl":
+            return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+        assert gating == "tv"
+        return abs(p - q)
+
+    if level == "token":
+        statistics = {
+            t: math.exp(log_rho[t]) if gating == "ratio" else divergence(t) for t in tokens
+        }
+        if mode == "clip":
+            return (
+                {t: min(max(v, low), high) for t, v in statistics.items()},
+                [not low <= v <= high for v in statistics.values()],
+            )
+        kept = {t: low <= v <= high for t, v in statistics.items()}
+        return {t: math.exp(log_rho[t]) * kept[t] for t in tokens}, [not k for k in kept.values()]
+    assert level == "seq" and mode == "mask"
+    if not tokens:
+        return {}, [True]
+    if gating == "ratio":
+        statistic = math.exp(sum(log_rho.values()) / len(tokens))
+    else:
+        statistic = sum(divergence(t) for t in tokens) / len(tokens)
+    inside = low <= statistic <= high
+    return {t: math.exp(log_rho[t]) * inside for t in tokens}, [not inside]
 
 
 # --- rollout correction and off-policy sequence masking (issue 12,

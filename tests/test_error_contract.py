@@ -155,7 +155,7 @@ def _verl(**a: Any) -> Any:
 
 
 def _openrlhf(**a: Any) -> Any:
-    loss_fn = rlobjectives.presets.openrlhf_policy_loss(enable_vllm_is_correction=True)
+    loss_fn = rlobjectives.presets.openrlhf_policy_loss(is_correction_level="token")
     return loss_fn(a["log_probs"], a["old_log_probs"], a["advantages"][:, None].expand(B, T),
                    a["mask"], rollout_log_probs=a["ref_log_probs"])  # fmt: skip
 

@@ -49,6 +49,15 @@ def _tokenizer() -> Any:
     )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread: the model is tiny, a second thread only adds contention."""
+    saved = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(saved)
+
+
 @pytest.fixture(scope="module")
 def model_dir() -> Iterator[str]:
     """A tiny random Llama saved to disk (TRL reloads the reference model from its path)."""

@@ -296,14 +296,22 @@ def test_verl_vanilla_golden() -> None:
 
 def test_verl_gspo_and_gpg_golden() -> None:
     old, log_prob, advantages, mask = _verl_batch()
-    # s = [0.75^(1/3), sqrt(3)] = [0.9085603, 1.7320508]; forced seq-mean-token-mean:
-    # (-0.9085603 + 1.7320508)/2 = 0.41174525
+    # s = [0.75^(1/3), sqrt(3)] = [0.9085603, 1.7320508]; row 1 inside [0.8, 1.2]: -A s;
+    # row 2 (A = -1): max(s, 1.2) = s. verl 0.9 honours loss_agg_mode for gspo: token-sum
+    # 3·(-0.9085603) + 2·1.7320508 = 0.7384207 (verl <= 0.8 forced seq-mean-token-mean:
+    # (-0.9085603 + 1.7320508)/2 = 0.41174525, below)
     loss, metrics = verl_policy_loss("gspo")(old, log_prob, advantages, mask, "token-sum")
-    assert_close(loss, 0.41174525)
+    assert_close(loss, 0.73842073, torch.float32)
     assert metrics["actor/pg_clipfrac"].item() == 0.0
     assert metrics["actor/pg_clipfrac_lower"].item() == 0.0
     loss.backward()
     assert log_prob.grad is not None
+    # the GSPO-token gradient of token t is -A_t s_i (token-sum: no divisor)
+    assert_close(log_prob.grad, [[-0.9085603] * 3, [1.7320508] * 2 + [0.0]], torch.float32)
+    log_prob.grad = None
+    loss, _ = verl_policy_loss("gspo")(old, log_prob, advantages, mask, "seq-mean-token-mean")
+    assert_close(loss, 0.41174525, torch.float32)
+    loss.backward()
     # row 1: -s1/(3·2); row 2: +s2/(2·2)
     assert_close(log_prob.grad, [[-0.1514267] * 3, [0.4330127] * 2 + [0.0]], torch.float32)
     log_prob.grad = None
@@ -313,6 +321,26 @@ def test_verl_gspo_and_gpg_golden() -> None:
     assert metrics == {}
     loss.backward()
     assert_close(log_prob.grad, [[-0.2] * 3, [0.2, 0.2, 0.0]])
+
+
+def test_verl_gspo_caps_the_sequence_log_ratio_from_above_only() -> None:
+    # verl: log s = min(mean_t Δ, 10), no lower bound. Row 1: Δ = [12, 12] -> s = e^10 (capped,
+    # no gradient), A = -1: loss max(e^10, 1.2) = 22026.4658 per token. Row 2: Δ = [-12, -12]
+    # -> s = e^-12 = 6.1442e-6 (not bounded), A = 1: max(-s, -0.8) = -s, gradient -s.
+    # token-mean: (2·22026.4658 - 2·6.1442e-6)/4 = 11013.2329
+    old = torch.tensor([[-12.0, -12.0], [0.0, 0.0]], dtype=torch.float64)
+    log_prob = torch.tensor([[0.0, 0.0], [-12.0, -12.0]], dtype=torch.float64, requires_grad=True)
+    advantages = torch.tensor([[-1.0, -1.0], [1.0, 1.0]], dtype=torch.float64)
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    loss, metrics = verl_policy_loss("gspo")(old, log_prob, advantages, mask)
+    e10, e12 = math.exp(10.0), math.exp(-12.0)
+    assert_close(loss, (2 * e10 - 2 * e12) / 4)
+    loss.backward()
+    assert log_prob.grad is not None
+    assert_close(log_prob.grad, [[0.0, 0.0], [-e12 / 4, -e12 / 4]])
+    # pg_clipfrac counts pg2 > pg1: row 1 1.2 < e^10, row 2 -0.8 < -6.1e-6: neither row
+    assert metrics["actor/pg_clipfrac"].item() == 0.0
+    assert_close(metrics["actor/ppo_kl"], 0.0)  # mean of -Δ = (-24 + 24)/4
 
 
 AGG_GOLDEN = [
@@ -396,8 +424,7 @@ def test_verl_matches_reference(loss_mode: str, mode: str, info: dict[str, int])
         old, inputs[1], advantages, mask, loss_mode=loss_mode, clip_low=0.15, clip_high=0.28,
         clip_c=2.5,
     )  # fmt: skip
-    forced = "seq-mean-token-mean" if loss_mode == "gspo" else mode
-    expected = ref.verl_agg_loss(losses, mask, forced, **info)
+    expected = ref.verl_agg_loss(losses, mask, mode, **info)
     assert_close(loss, expected.detach())
     loss.backward()
     expected.backward()
@@ -405,10 +432,130 @@ def test_verl_matches_reference(loss_mode: str, mode: str, info: dict[str, int])
     assert_close(inputs[0].grad, inputs[1].grad)
 
 
+def _bypass_config(**correction: object) -> dict[str, object]:
+    return {"clip_ratio": 0.2, "clip_ratio_c": 3.0,
+            "policy_loss": {"rollout_correction": {"bypass_mode": True, **correction}}}  # fmt: skip
+
+
+def test_verl_bypass_mode_ppo_clip_golden() -> None:
+    # bypass mode: old_log_prob is the sampler's; the loss is vanilla's against it, the IS
+    # weights only feed the metrics. Ratios r = [[1.5, 0.5, 1], [4, 0.75, ·]] -> loss 0.22 (the
+    # vanilla golden). Token TIS at 2.5: w = [1.5, 0.5, 1, 2.5, 0.75] -> mean 6.25/5 = 1.25, max
+    # 2.5, min 0.5; raw above 2.5: one of 5; below 1/2.5: none. kl = mean(ℓ_rollout - ℓ) =
+    # -ln(1.5·0.5·4·0.75)/5 = -ln(2.25)/5; chi2_token = mean(r²) - 1 = 20.0625/5 - 1 = 3.0125.
+    old, log_prob, advantages, mask = _verl_batch()
+    config = _bypass_config(rollout_is="token", rollout_is_threshold=2.5, loss_type="ppo_clip")
+    loss, metrics = verl_policy_loss("bypass_mode")(old, log_prob, advantages, mask,
+                                                    "token-mean", config)  # fmt: skip
+    assert_close(loss, 0.22)
+    assert_close(metrics["actor/pg_clipfrac"], 0.4)
+    assert_close(metrics["rollout_corr/rollout_is_mean"], 1.25)
+    assert_close(metrics["rollout_corr/rollout_is_max"], 2.5)
+    assert_close(metrics["rollout_corr/rollout_is_min"], 0.5)
+    assert_close(metrics["rollout_corr/rollout_is_ratio_fraction_high"], 0.2)
+    assert_close(metrics["rollout_corr/rollout_is_ratio_fraction_low"], 0.0)
+    assert_close(metrics["rollout_corr/kl"], -math.log(2.25) / 5)
+    assert_close(metrics["rollout_corr/chi2_token"], 3.0125)
+    assert "rollout_corr/rollout_is_oob_ratio" not in metrics  # IcePop only
+    loss.backward()
+    assert log_prob.grad is not None
+    assert_close(log_prob.grad, [[0, -0.1, -0.2], [0, 0, 0]])  # vanilla's
+
+
+def test_verl_bypass_mode_reinforce_with_rejection_golden() -> None:
+    # rollout_rs token_k1 "0.6_1.6": keep -ln r in [ln 0.6, ln 1.6], i.e. r in [0.625, 1.667]:
+    # r = [1.5 ✓, 0.5 ✗, 1 ✓, 4 ✗, 0.75 ✓]; no IS weights (rollout_is=None). REINFORCE on the 3
+    # surviving tokens, token-mean over them: (-ln .6 - ln .5 + ln .6)/3 = ln 2 / 3; gradient
+    # -A/3 there. actor/ppo_kl = mean of ℓ_old - ℓ over them = -ln(1.5·0.75)/3. 2 of 5 tokens
+    # and both rows rejected something.
+    old, log_prob, advantages, mask = _verl_batch()
+    config = _bypass_config(rollout_is=None, rollout_rs="token_k1", rollout_rs_threshold="0.6_1.6",
+                            loss_type="reinforce")  # fmt: skip
+    loss, metrics = verl_policy_loss("bypass_mode")(old, log_prob, advantages, mask,
+                                                    "token-mean", config)  # fmt: skip
+    assert_close(loss, math.log(2.0) / 3)
+    assert_close(metrics["actor/ppo_kl"], -math.log(1.125) / 3)
+    assert {k for k in metrics if k.startswith("actor/")} == {"actor/ppo_kl"}
+    assert_close(metrics["rollout_corr/rollout_rs_masked_fraction"], 0.4)
+    assert_close(metrics["rollout_corr/rollout_rs_seq_masked_fraction"], 1.0)
+    assert_close(metrics["rollout_corr/rollout_rs_token_k1_mean"], -math.log(2.25) / 5)
+    assert not any(k.startswith("rollout_corr/rollout_is_") for k in metrics)
+    loss.backward()
+    assert log_prob.grad is not None
+    third = 1.0 / 3
+    assert_close(log_prob.grad, [[-third, 0, -third], [0, third, 0]])
+
+
+def test_verl_bypass_mode_matches_reference() -> None:
+    log_prob, old, _, mask = _random_batch(11)
+    advantages = torch.randn(5, 7, dtype=torch.float64)
+    cases = [
+        ({"rollout_is": "token", "rollout_is_threshold": "0.6_1.8", "loss_type": "reinforce"},
+         "seq-mean-token-sum"),
+        ({"rollout_is": "sequence", "rollout_is_threshold": 3.0, "rollout_rs": "seq_mean_k2",
+          "rollout_rs_threshold": 0.11, "rollout_is_batch_normalize": True,
+          "loss_type": "reinforce"}, "token-mean"),
+        ({"rollout_is": "token", "rollout_is_threshold": 2.0, "rollout_rs": "token_k3,seq_sum_k1",
+          "rollout_rs_threshold": "0.1,0.5_2.0", "loss_type": "ppo_clip"}, "seq-mean-token-mean"),
+    ]  # fmt: skip
+    for correction, aggregation in cases:
+        inputs = [log_prob.clone().requires_grad_(True) for _ in range(2)]
+        loss, _ = verl_policy_loss("bypass_mode")(
+            _with_nan_padding(old, mask), _with_nan_padding(inputs[0], mask), advantages, mask,
+            aggregation, _bypass_config(**correction),
+        )  # fmt: skip
+        losses, kept = ref.verl_bypass_losses(old, inputs[1], advantages, mask, **correction)  # type: ignore[arg-type]
+        expected = ref.verl_agg_loss(losses, kept, aggregation)
+        assert_close(loss, expected.detach())
+        loss.backward()
+        expected.backward()
+        assert inputs[0].grad is not None and inputs[1].grad is not None
+        assert_close(inputs[0].grad, inputs[1].grad)
+
+
+def test_verl_bypass_mode_errors() -> None:
+    old, log_prob, advantages, mask = _verl_batch()
+    loss_fn = verl_policy_loss("bypass_mode")
+    with pytest.raises(ValueError, match="rollout_correction"):
+        loss_fn(old, log_prob, advantages, mask, "token-mean", {"clip_ratio": 0.2})
+    bad = [
+        ({"loss_type": "ppo"}, ValueError, "loss_type must be one of"),
+        ({"rollout_is": "geometric", "rollout_is_threshold": 2.0}, ValueError, "rollout_is"),
+        ({"rollout_is": "token", "rollout_is_threshold": "2_1"}, ValueError, "lower bound"),
+        ({"rollout_is": "token", "rollout_is_threshold": -1.0}, ValueError, "upper bound"),
+        ({"rollout_is": "token", "rollout_is_threshold": True}, TypeError, "rollout_is_threshold"),
+        ({"rollout_rs": "seq_max_k1", "rollout_rs_threshold": 1.0}, ValueError, "rollout_rs"),
+        ({"rollout_rs": "token_k2"}, ValueError, "rollout_rs_threshold must be provided"),
+        ({"rollout_rs": "token_k2", "rollout_rs_threshold": "0.5_1"}, ValueError, "one upper"),
+        ({"rollout_rs": "token_k1,token_k2", "rollout_rs_threshold": "1,2,3"}, ValueError,
+         "one per rollout_rs option"),
+    ]  # fmt: skip
+    for correction, error, match in bad:
+        with pytest.raises(error, match=match):
+            loss_fn(old, log_prob, advantages, mask, "token-mean", _bypass_config(**correction))
+
+
 def test_verl_errors() -> None:
     with pytest.raises(ValueError, match="loss_mode must be one of"):
-        verl_policy_loss("clip_cov")
+        verl_policy_loss("no_such_mode")
     old, log_prob, advantages, mask = _verl_batch()
+    # the options of the new modes, under verl's names (dro_beta has no default: verl raises)
+    for mode, policy, message in (
+        ("dro", {}, "policy_loss.dro_beta must be a positive value"),
+        ("dro", {"dro_beta": 0.0}, "policy_loss.dro_beta"),
+        ("clip_cov", {"clip_cov_ratio": 0.0}, "policy_loss.clip_cov_ratio"),
+        ("clip_cov", {"clip_cov_ratio": 1.5}, "policy_loss.clip_cov_ratio must be <= 1"),
+        ("clip_cov", {"clip_cov_lb": 2.0, "clip_cov_ub": 1.0}, "clip_cov_lb must be <"),
+        ("clip_cov", {"clip_cov_ub": math.inf}, "policy_loss.clip_cov_ub"),
+        ("kl_cov", {"kl_cov_ratio": -0.1}, "policy_loss.kl_cov_ratio"),
+        ("kl_cov", {"ppo_kl_coef": -1.0}, "policy_loss.ppo_kl_coef"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            verl_policy_loss(mode)(old, log_prob, advantages, mask, "token-mean",
+                                   {"policy_loss": policy})  # fmt: skip
+    with pytest.raises(TypeError, match="policy_loss.dro_beta"):
+        verl_policy_loss("dro")(old, log_prob, advantages, mask, "token-mean",
+                                {"policy_loss": {"dro_beta": "0.1"}})  # fmt: skip
     with pytest.raises(ValueError, match="loss_agg_mode must be one of"):
         verl_policy_loss()(old, log_prob, advantages, mask, "token_mean")
     with pytest.raises(ValueError, match="batch_num_tokens"):
@@ -431,10 +578,12 @@ def test_openrlhf_golden() -> None:
     log_probs, old, advantages, mask = _openrlhf_batch()
     # token mode: [-1.2 (clipped), -0.7, -1.0, 1.6 (clipped), 6.0] -> 4.7/5
     out = openrlhf_policy_loss()(log_probs, old, advantages, mask)
+    assert len(out) == 5  # OpenRLHF 0.11's forward: (loss, clip_ratio, ppo_kl, vllm_kl,
+    # is_filter_ratio); the last two only with the IS correction
     assert_close(out.loss, 0.94)
     assert_close(out.clip_ratio, 0.4, torch.float32)
     assert_close(out.ppo_kl, -math.log(1.5 * 0.7 * 0.5 * 3.0) / 5)
-    assert out.vllm_kl is None
+    assert out.vllm_kl is None and out.is_filter_ratio is None
     out.loss.backward()
     assert log_probs.grad is not None
     assert_close(log_probs.grad, [[0, -0.14, -0.2], [0, 1.2, 0]])
@@ -462,6 +611,22 @@ def test_openrlhf_golden() -> None:
     assert_close(log_probs.grad, [[-0.1693994] * 3, [0.6123724] * 2 + [0.0]], torch.float32)
 
 
+def test_openrlhf_gspo_gradient_is_the_sequence_mean_for_per_token_advantages() -> None:
+    # OpenRLHF differentiates s_i = exp(mean_t Δ) itself: d/dℓ_u = Σ_t ∂L_t/∂log s_i / n_i, the
+    # same for every token of the row. Row 1: s = 1.05^(1/3) = 1.0163964 (inside the band),
+    # A = [1, 2, 3]: row mean -s·(1 + 2 + 3)/3 = -2s; row 2: s = sqrt(1.5) = 1.2247449 > 1.2 but
+    # A = [-1, -3] < 0, unclipped: row mean s·(1 + 3)/2 = 2s. Sample mode over the 2 rows:
+    # (-2.0327928 + 2.4494897)/2. Gradients: row 1 (1/2)·(-2)·s/3 = -0.3387988 on each token
+    # (the GSPO-token form would give -s·A_u/6), row 2 (1/2)·2·s/2 = 0.6123724 on each.
+    log_probs, old, _, mask = _openrlhf_batch()
+    advantages = torch.tensor([[1.0, 2.0, 3.0], [-1.0, -3.0, 0.0]], dtype=torch.float64)
+    out = openrlhf_policy_loss(policy_loss_type="gspo")(log_probs, old, advantages, mask)
+    assert_close(out.loss, (-2.0327928 + 2.4494897) / 2, torch.float32)
+    out.loss.backward()
+    assert log_probs.grad is not None
+    assert_close(log_probs.grad, [[-0.3387988] * 3, [0.6123724] * 2 + [0.0]], torch.float32)
+
+
 @pytest.mark.parametrize(
     "options",
     [
@@ -469,56 +634,78 @@ def test_openrlhf_golden() -> None:
         {"clip_eps_low": 0.1, "clip_eps_high": 0.28, "dual_clip": 3.0},
         {"token_level_loss": False},
         {"policy_loss_type": "gspo", "dual_clip": 2.0},
+        {"policy_loss_type": "gspo", "clip_eps_low": 0.05, "clip_eps_high": 0.05},
     ],
 )
-def test_openrlhf_matches_reference(options: dict[str, object]) -> None:
+@pytest.mark.parametrize("token_advantages", [False, True])
+def test_openrlhf_matches_reference(options: dict[str, object], token_advantages: bool) -> None:
     log_probs, old, advantages, mask = _random_batch(7)
-    advantages = advantages[:, None].expand(5, 7)  # OpenRLHF's per-token advantages
+    advantages = advantages[:, None].expand(5, 7)  # OpenRLHF's (B, T) advantages
+    if token_advantages:  # GAE or KL-in-reward: they vary along the sequence
+        advantages = advantages + torch.randn(5, 7, dtype=torch.float64)
     inputs = [log_probs.clone().requires_grad_(True) for _ in range(2)]
     counts = {"dp_size": 2, "batch_num_tokens": 31, "global_batch_size": 8}
-    loss = openrlhf_policy_loss(**options)(  # type: ignore[arg-type]
+    out = openrlhf_policy_loss(**options)(  # type: ignore[arg-type]
         _with_nan_padding(inputs[0], mask), _with_nan_padding(old, mask), advantages, mask,
         **counts,
-    ).loss  # fmt: skip
-    expected = ref.openrlhf_policy_loss(inputs[1], old, advantages, mask, **options, **counts)  # type: ignore[arg-type]
-    assert_close(loss, expected.detach())
-    loss.backward()
-    expected.backward()
+    )  # fmt: skip
+    expected = ref.openrlhf_policy_forward(inputs[1], old, advantages, mask, **options, **counts)  # type: ignore[arg-type]
+    assert_close(out.loss, expected["loss"].detach())
+    assert_close(out.clip_ratio, expected["clip_ratio"])
+    assert_close(out.ppo_kl, expected["ppo_kl"])
+    out.loss.backward()
+    expected["loss"].backward()
     assert inputs[0].grad is not None and inputs[1].grad is not None
     assert_close(inputs[0].grad, inputs[1].grad)
 
 
 def test_openrlhf_errors() -> None:
-    for threshold in ([0.5], [2.0, 1.0], [-0.1, 1.0], [0.5, math.inf]):
-        with pytest.raises(ValueError, match="vllm_is_truncated_threshold must be"):
-            openrlhf_policy_loss(vllm_is_truncated_threshold=threshold)
+    for threshold in ([2.0, 1.0], [-0.1, 1.0], [0.5, math.inf], [0.0, 0.0], [1, 2, 3], "0.5"):
+        with pytest.raises(ValueError, match="is_correction_threshold must be"):
+            openrlhf_policy_loss(is_correction_threshold=threshold)  # type: ignore[arg-type]
+    assert openrlhf_policy_loss(is_correction_threshold=[2.0]).is_correction_threshold == (0, 2)
+    assert openrlhf_policy_loss(is_correction_threshold=0.1).is_correction_threshold == (0, 0.1)
     log_probs, old, advantages, mask = _openrlhf_batch()
-    with pytest.raises(ValueError, match="needs rollout_log_probs"):
-        openrlhf_policy_loss(enable_vllm_is_correction=True)(log_probs, old, advantages, mask)
-    with pytest.raises(ValueError, match="vllm_is_correction_type must be one of"):
-        openrlhf_policy_loss(vllm_is_correction_type="mis")
+    for level in ("token", "seq"):
+        with pytest.raises(ValueError, match=f"is_correction_level='{level}' needs rollout"):
+            openrlhf_policy_loss(is_correction_level=level)(log_probs, old, advantages, mask)
+    for name, value in (("is_correction_level", "on"), ("is_correction_mode", "truncate"),
+                        ("is_correction_gating", "kl"), ("policy_loss_type", "cispo")):  # fmt: skip
+        with pytest.raises(ValueError, match=f"^{name} must be one of"):
+            openrlhf_policy_loss(**{name: value})  # type: ignore[arg-type]
+    # OpenRLHF's own rules: clip needs the token level and the ratio; a divergence an upper
+    # bound only
+    for level, gating in (("seq", "ratio"), ("token", "binary_kl"), ("off", "tv")):
+        with pytest.raises(ValueError, match="is_correction_mode='clip' requires"):
+            openrlhf_policy_loss(is_correction_mode="clip", is_correction_level=level,
+                                 is_correction_gating=gating)  # fmt: skip
+    with pytest.raises(ValueError, match="takes an upper bound only"):
+        openrlhf_policy_loss(is_correction_level="seq", is_correction_gating="binary_kl")
+    openrlhf_policy_loss(is_correction_gating="tv")  # level off: the band is not read
     with pytest.raises(ValueError, match="dual_clip must be > 1.0"):
         openrlhf_policy_loss(dual_clip=1.0)
-    with pytest.raises(ValueError, match="policy_loss_type must be one of"):
-        openrlhf_policy_loss(policy_loss_type="cispo")
+    with pytest.raises(TypeError, match="enable_vllm_is_correction"):  # the 0.10 API is gone
+        openrlhf_policy_loss(enable_vllm_is_correction=True)  # type: ignore[call-arg]
 
 
 def test_openrlhf_gspo_against_the_sampler() -> None:
-    # gspo with enable_vllm_is_correction: the sequence ratio is taken against rollout_log_probs
+    # gspo with any correction level: the sequence ratio is taken against rollout_log_probs,
+    # no weight, no vllm_kl / is_filter_ratio (as OpenRLHF)
     log_probs, old, advantages, mask = _openrlhf_batch()
     rollout = old.detach() - 0.1
-    loss_fn = openrlhf_policy_loss(policy_loss_type="gspo", enable_vllm_is_correction=True)
+    loss_fn = openrlhf_policy_loss(policy_loss_type="gspo", is_correction_level="token")
     out = loss_fn(log_probs, old, advantages, mask, rollout_log_probs=rollout)
     plain = openrlhf_policy_loss(policy_loss_type="gspo")(log_probs, rollout, advantages, mask)
     assert_close(out.loss, plain.loss.detach())
     assert_close(out.ppo_kl, -math.log(1.5 * 0.7 * 0.5 * 3.0) / 5)  # still against old
+    assert out.vllm_kl is None and out.is_filter_ratio is None
 
 
 def test_presets_import_no_peer() -> None:
     code = (
         "import sys, rlobjectives, rlobjectives.presets, rlobjectives.integrations; "
-        "assert not any(m.split('.')[0] in ('trl', 'transformers', 'verl', 'openrlhf') "
-        "for m in sys.modules), sorted(sys.modules)"
+        "peers = ('trl', 'transformers', 'verl', 'openrlhf', 'deepspeed', 'ray'); "
+        "assert not any(m.split('.')[0] in peers for m in sys.modules), sorted(sys.modules)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
 
@@ -618,12 +805,11 @@ def test_openrlhf_options_are_validated_at_construction(
 
 
 def test_openrlhf_flags_are_validated_at_construction() -> None:
-    for name in ("token_level_loss", "enable_vllm_is_correction"):
-        with pytest.raises(TypeError, match=rf"^{name} must be a bool"):
-            openrlhf_policy_loss(**{name: "yes"})  # type: ignore[arg-type]
-    for threshold in ([NAN, 2.0], [0.5, NAN]):
-        with pytest.raises(ValueError, match=r"^vllm_is_truncated_threshold must be"):
-            openrlhf_policy_loss(vllm_is_truncated_threshold=threshold)
+    with pytest.raises(TypeError, match=r"^token_level_loss must be a bool"):
+        openrlhf_policy_loss(token_level_loss="yes")  # type: ignore[arg-type]
+    for threshold in ([NAN, 2.0], [0.5, NAN], [True, 2.0]):
+        with pytest.raises(ValueError, match=r"^is_correction_threshold must be"):
+            openrlhf_policy_loss(is_correction_threshold=threshold)
     log_probs, old, advantages, mask = _openrlhf_batch()
     with pytest.raises(ValueError, match=r"^dp_size\b"):
         openrlhf_policy_loss()(log_probs, old, advantages, mask, dp_size=0)

@@ -377,66 +377,248 @@ def test_verl_family_matches_reference(mode: str, aggregation: str, info: dict[s
 
 
 # ---------------------------------------------------------------------------------------------
-# OpenRLHF vLLM IS correction: r = [[1.5, 0.7, 1], [0.5, 3, ·]], A = [[1]*3, [-2]*3]; per-token
-# losses [-1.2, -0.7, -1.0, 1.6, 6.0]; the sampler ratio ρ = exp(old - rollout) =
-# [[8, 4, 6], [2, 0.4, ·]], band [0.5, 5]
+# OpenRLHF 0.11.2's train/rollout IS correction: r = [[1.5, 0.7, 1], [0.5, 3, ·]],
+# A = [[1]*3, [-2]*3]; per-token losses [-1.2, -0.7, -1.0, 1.6, 6.0] (token mean over 5); the
+# sampler ratio ρ = exp(old - rollout) = [[8, 4, 6], [2, 0.4, ·]]. With q = e^-1 (old) and
+# p = q/ρ = [[.045985, .091970, .061313], [.183940, .919699]] (rollout):
+# binary KL p ln(p/q) + (1-p) ln((1-p)/(1-q)) = [[.297049, .201389, .261300], [.080931, .677026]]
+# (row means .253246, .378979); tv |p - q| = [[.321895, .275910, .306566], [.183940, .551819]]
+# (row means .301457, .367879).
 
 OPENRLHF_RHO = [[8.0, 4.0, 6.0], [2.0, 0.4, 100.0]]
+NO_GRAD_ROW = [0.0, 0.0, 0.0]
 
 OPENRLHF_IS_GOLDEN = [
-    # tis: w = clip(ρ, 0.5, 5) = [5, 4, 5, 2, 0.5]: (-6 - 2.8 - 5 + 3.2 + 3)/5
-    ("tis", -1.52, [[0, -0.56, -1.0], [0, 0.6, 0]]),
-    # icepop: ρ inside [0.5, 5] else 0: [0, 4, 0, 2, 0]: (-2.8 + 3.2)/5
-    ("icepop", 0.08, [[0, -0.56, 0], [0, 0, 0]]),
-    # seq-mask-tis: geometric means exp(mean ln ρ) = [5.7690, 0.8944]: row 1 out of the band;
-    # row 2 keeps its untruncated ρ = [2, 0.4]: (3.2 + 2.4)/5
-    ("seq-mask-tis", 1.12, [[0, 0, 0], [0, 0.48, 0]]),
+    # (level, mode, gating, [low, high], loss, gradient, is_filter_ratio)
+    # TIS: w = clip(ρ, 0.5, 5) = [5, 4, 5, 2, 0.5]: (-6 - 2.8 - 5 + 3.2 + 3)/5; 8, 6, 0.4 outside
+    ("token", "clip", "ratio", [0.5, 5.0], -1.52, [[0, -0.56, -1.0], [0, 0.6, 0]], 0.6),
+    # ICEPOP: ρ inside [0.5, 5] else 0: [0, 4, 0, 2, 0]: (-2.8 + 3.2)/5
+    ("token", "mask", "ratio", [0.5, 5.0], 0.08, [[0, -0.56, 0], NO_GRAD_ROW], 0.6),
+    # seq-mask-tis: geometric means [5.7690, 0.8944]: row 1 out; row 2 keeps ρ = [2, 0.4]:
+    # (3.2 + 2.4)/5; one row of two filtered
+    ("seq", "mask", "ratio", [0.5, 5.0], 1.12, [NO_GRAD_ROW, [0, 0.48, 0]], 0.5),
+    # binary KL <= 0.27 keeps t = (0,1), (0,2), (1,0) at ρ: (-2.8 - 6 + 3.2)/5; 2 of 5 dropped
+    ("token", "mask", "binary_kl", [0.0, 0.27], -1.12, [[0, -0.56, -1.2], NO_GRAD_ROW], 0.4),
+    # row means .2532 (kept) / .3790 (dropped) vs 0.3: (-9.6 - 2.8 - 6)/5
+    ("seq", "mask", "binary_kl", [0.0, 0.3], -3.68, [[0, -0.56, -1.2], NO_GRAD_ROW], 0.5),
+    # tv <= 0.31 keeps (0,1), (0,2), (1,0): as the binary KL row above
+    ("token", "mask", "tv", [0.0, 0.31], -1.12, [[0, -0.56, -1.2], NO_GRAD_ROW], 0.4),
+    # row means .3015, .3679 <= 0.4: every token at ρ: (-9.6 - 2.8 - 6 + 3.2 + 2.4)/5
+    ("seq", "mask", "tv", [0.0, 0.4], -2.56, [[0, -0.56, -1.2], [0, 0.48, 0]], 0.0),
 ]
 
 
-@pytest.mark.parametrize(("kind", "expected", "gradient"), OPENRLHF_IS_GOLDEN)
+@pytest.mark.parametrize(
+    ("level", "mode", "gating", "threshold", "expected", "gradient", "filtered"),
+    OPENRLHF_IS_GOLDEN,
+    ids=[f"{row[0]}-{row[1]}-{row[2]}" for row in OPENRLHF_IS_GOLDEN],
+)
 def test_openrlhf_is_correction_golden(
-    kind: str, expected: float, gradient: list[list[float]]
+    level: str,
+    mode: str,
+    gating: str,
+    threshold: list[float],
+    expected: float,
+    gradient: list[list[float]],
+    filtered: float,
 ) -> None:
     log_probs, old, advantages, mask = _openrlhf_batch()
     rollout = old - torch.tensor(OPENRLHF_RHO, dtype=torch.float64).log()
     loss_fn = openrlhf_policy_loss(
-        enable_vllm_is_correction=True, vllm_is_truncated_threshold=[0.5, 5.0],
-        vllm_is_correction_type=kind,
+        is_correction_level=level, is_correction_mode=mode, is_correction_gating=gating,
+        is_correction_threshold=threshold,
     )  # fmt: skip
     out = loss_fn(log_probs, old, advantages, mask, rollout_log_probs=rollout)
+    assert len(out) == 5  # ActorPPOTrainer.training_step unpacks five values
     assert_close(out.loss, expected)
     # vllm_kl = mean(rollout - old) = -(ln 8 + ln 4 + ln 6 + ln 2 + ln 0.4)/5
-    assert out.vllm_kl is not None
+    assert out.vllm_kl is not None and out.is_filter_ratio is not None
     assert_close(out.vllm_kl, -5.0343522 / 5, torch.float32)
+    assert_close(out.is_filter_ratio, filtered)
     assert_close(out.clip_ratio, 0.4, torch.float32)  # the weights do not change the clips
     out.loss.backward()
     assert log_probs.grad is not None
     assert_close(log_probs.grad, gradient)
 
 
-@pytest.mark.parametrize("kind", ["tis", "icepop", "seq-mask-tis"])
+def test_openrlhf_sequence_gate_counts_an_empty_row_as_filtered() -> None:
+    # OpenRLHF's per-row mean of an empty row is 0/0 = NaN, outside every band: of the 3 rows
+    # (the golden batch plus an empty one) the ratio gate [0.5, 5] drops row 1 and the empty row
+    log_probs, old, advantages, mask = _openrlhf_batch()
+    pad = torch.zeros(1, 3, dtype=torch.float64)
+    rho = torch.tensor([*OPENRLHF_RHO, [1.0, 1.0, 1.0]], dtype=torch.float64)
+    old3 = torch.cat([old, pad])
+    loss_fn = openrlhf_policy_loss(is_correction_level="seq")
+    out = loss_fn(torch.cat([log_probs.detach(), pad]), old3, torch.cat([advantages, pad]),
+                  torch.cat([mask, torch.zeros(1, 3, dtype=torch.bool)]),
+                  rollout_log_probs=old3 - rho.log())  # fmt: skip
+    assert out.is_filter_ratio is not None
+    assert_close(out.is_filter_ratio, 2 / 3)
+    assert_close(out.loss, 1.12)  # the empty row adds nothing (seq-mask-tis row above)
+
+
+OPENRLHF_GATES = [(level, mode, gating) for level, mode, gating, *_ in OPENRLHF_IS_GOLDEN]
+
+
+@pytest.mark.parametrize(("level", "mode", "gating"), OPENRLHF_GATES)
 @pytest.mark.parametrize("token_level", [True, False])
-def test_openrlhf_is_correction_matches_reference(kind: str, token_level: bool) -> None:
+def test_openrlhf_is_correction_matches_reference(
+    level: str, mode: str, gating: str, token_level: bool
+) -> None:
     log_probs, old, advantages, mask = _random_batch(15)
     advantages = advantages[:, None].expand(5, 7)
     generator = torch.Generator().manual_seed(16)
+    old = old - 1.5  # probabilities away from 1, so that the divergences spread out
+    log_probs = log_probs - 1.5
     rollout = old + 0.5 * torch.randn(5, 7, generator=generator, dtype=torch.float64)
     inputs = [log_probs.clone().requires_grad_(True) for _ in range(2)]
-    options = {"dual_clip": 3.0, "token_level_loss": token_level}
+    # bands through the middle of this batch's statistics (some units in, some out)
+    band = {"ratio": (0.7, 1.4), "binary_kl": (0.0, 0.003), "tv": (0.0, 0.015)}[gating]
+    options = {
+        "dual_clip": 3.0, "token_level_loss": token_level, "is_correction_level": level,
+        "is_correction_mode": mode, "is_correction_gating": gating,
+        "is_correction_threshold": band,
+    }  # fmt: skip
     counts = {"dp_size": 2, "batch_num_tokens": 31, "global_batch_size": 8}
-    loss = openrlhf_policy_loss(
-        enable_vllm_is_correction=True, vllm_is_truncated_threshold=(0.7, 1.4),
-        vllm_is_correction_type=kind, **options,  # type: ignore[arg-type]
-    )(
+    out = openrlhf_policy_loss(**options)(  # type: ignore[arg-type]
         _with_nan_padding(inputs[0], mask), _with_nan_padding(old, mask), advantages, mask,
         rollout_log_probs=_with_nan_padding(rollout, mask), **counts,
-    ).loss  # fmt: skip
-    expected = ref.openrlhf_policy_loss(
-        inputs[1], old, advantages, mask, rollout_log_probs=rollout,
-        vllm_is_correction_type=kind, threshold=(0.7, 1.4), **options, **counts,  # type: ignore[arg-type]
     )  # fmt: skip
+    expected = ref.openrlhf_policy_forward(
+        inputs[1], old, advantages, mask, rollout_log_probs=rollout, **options, **counts,  # type: ignore[arg-type]
+    )  # fmt: skip
+    assert_close(out.loss, expected["loss"].detach())
+    for name in ("clip_ratio", "ppo_kl", "vllm_kl", "is_filter_ratio"):
+        assert_close(getattr(out, name), expected[name])
+    assert 0.0 < expected["is_filter_ratio"] < 1.0  # the gate binds on this batch
+    (out.loss + expected["loss"]).backward()
+    assert inputs[0].grad is not None and inputs[1].grad is not None
+    assert_close(inputs[0].grad, inputs[1].grad)
+
+
+# ---------------------------------------------------------------------------------------------
+# verl 0.9.1's dppo_tv, dppo_kl, dro, kl_cov and clip_cov on the objects of issue 24. The verl
+# batch above: p_old = [[.4, .6, .5], [.2, .8, .5]], p = [[.6, .3, .5], [.8, .6, .5]],
+# r = [[1.5, 0.5, 1], [4, 0.75, ·]], A = [[1]*3, [-1]*3], token-mean over N = 5;
+# ln p = [[-0.5108256, -1.2039728, -0.6931472], [-0.2231436, -0.5108256]].
+VERL_NEW_GOLDEN = [
+    # dppo_tv (low 0.25, high 0.15, c = 3): p - p_old = [[0.2, -0.3, 0], [0.6, -0.2]]; A > 0
+    # keeps <= 0.15: [F, T, T]; A < 0 keeps >= -0.25: [T, T]. -A min(r, 3) ln p on the kept:
+    # 0.5·1.2039728 + 0.6931472 - 3·0.2231436 - 0.75·0.5108256 = 0.2425837 -> / 5; gradient
+    # -A min(r, 3)/5 on the kept; pg_clipfrac 1/5 (row 1 t0); _lower: kept with r > 3 (row 2
+    # t0): 1/5
+    ("dppo_tv", {"clip_ratio_low": 0.25, "clip_ratio_high": 0.15, "clip_ratio_c": 3.0},
+     0.04851674, [[0, -0.1, -0.2], [0.6, 0.15, 0]], {"actor/pg_clipfrac": 0.2,
+                                                     "actor/pg_clipfrac_lower": 0.2}),
+    # dppo_kl (0.05 both): D = p_old ln(p_old/p) + (1 - p_old) ln((1 - p_old)/(1 - p)) =
+    # [[0.0810930, 0.1920420, 0], [0.8317766, 0.0915163]]; A > 0 keeps D <= 0.05 or p <= p_old:
+    # [F, T, T]; A < 0 keeps D <= 0.05 or p >= p_old: [T, F]. 0.6019864 + 0.6931472 - 0.6694307
+    # = 0.6257029 -> / 5; pg_clipfrac 2/5, _lower 1/5 (row 2 t0, r = 4 > 3)
+    ("dppo_kl", {"clip_ratio_low": 0.05, "clip_ratio_high": 0.05, "clip_ratio_c": 3.0},
+     0.12514059, [[0, -0.1, -0.2], [0.6, 0, 0]], {"actor/pg_clipfrac": 0.4,
+                                                  "actor/pg_clipfrac_lower": 0.2}),
+    # dro (β = 0.5): -(ℓA - β/2 Δ²): -Σ ℓA = 1.6739764, β/2 Σ Δ² = 0.25·2.6494280 = 0.6623570;
+    # 2.3363334 / 5; gradient -(A - βΔ)/5, Δ = [[0.4054651, -0.6931472, 0], [1.3862944,
+    # -0.2876821]]
+    ("dro", {"policy_loss": {"dro_beta": 0.5}}, 0.46726669,
+     [[-0.1594535, -0.2693147, -0.2], [0.3386294, 0.1712318, 0]], {}),
+    # kl_cov (ratio 0.4 -> k = int(0.4·5) = 2, coef 0.5): Ā = 0.2, ℓ̄ = -0.6283830, cov =
+    # [[0.0940459, -0.4604718, -0.0518114], [-0.4862873, -0.1410689]]: top 2 = row 1 t0, t2;
+    # -A r + 0.5|Δ| there: -1.5 + 0.2027326 - 0.5 - 1 + 0 + 4 + 0.75 = 1.9527326 -> / 5;
+    # gradient -A r/5 + 0.5 sign(Δ)/5 (row 1 t0: -0.3 + 0.1; t2: Δ = 0, no penalty gradient)
+    ("kl_cov", {"policy_loss": {"kl_cov_ratio": 0.4, "ppo_kl_coef": 0.5}}, 0.39054651,
+     [[-0.2, -0.1, -0.2], [0.8, 0.15, 0]], {"actor/ppo_kl": 2.7725888 / 5}),
+    # clip_cov (ratio 0.4 -> k = 2, cov in (-0.47, 5)): unclipped = row 1 t1, t2, row 2 t0;
+    # their cov [-0.4604718, -0.0518114, -0.4862873]: candidates row 1 t1, t2 (2 <= k: both
+    # detached, whatever the draw). max(-A r, -A clip(r)): -1.2 + 0 + 0 + 4 + 0.8 = 3.6 -> / 5;
+    # gradient r/5 = 0.8 at row 2 t0 only (the others clipped or detached); pg_clipfrac 2/5
+    ("clip_cov", {"policy_loss": {"clip_cov_ratio": 0.4, "clip_cov_lb": -0.47}}, 0.72,
+     [[0, 0, 0], [0.8, 0, 0]], {"actor/pg_clipfrac": 0.4}),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("mode", "config", "expected", "gradient", "metrics"), VERL_NEW_GOLDEN)
+def test_verl_issue24_modes_golden(
+    mode: str,
+    config: dict[str, object],
+    expected: float,
+    gradient: list[list[float]],
+    metrics: dict[str, float],
+) -> None:
+    old, log_prob, advantages, mask = _verl_batch()
+    loss, out = verl_policy_loss(mode)(old, log_prob, advantages, mask, "token-mean", config)
+    assert_close(loss, expected, torch.float32)  # the notes give 8 digits
+    loss.backward()
+    assert log_prob.grad is not None
+    assert_close(log_prob.grad, gradient, torch.float32)
+    keys = {"actor/ppo_kl"} | (
+        {"actor/pg_clipfrac"} if mode != "dro" and mode != "kl_cov" else set()
+    )
+    keys |= {"actor/pg_clipfrac_lower"} if mode.startswith("dppo") else set()
+    assert set(out) == keys  # verl's keys for the mode
+    expected_metrics = {"actor/ppo_kl": -math.log(2.25) / 5, **metrics}
+    for key, value in expected_metrics.items():
+        assert_close(out[key], value, torch.float32)
+
+
+def _verl_clip_cov_reference_draw(
+    candidates: list[tuple[int, int]], count: int, seed: int
+) -> set[tuple[int, int]]:
+    """verl's draw: ``torch.randperm(n)`` of the row-major candidates on the global generator."""
+    if not candidates:
+        return set()
+    torch.manual_seed(seed)
+    return {candidates[j] for j in torch.randperm(len(candidates))[: min(count, len(candidates))]}
+
+
+@pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl", "dro", "kl_cov", "clip_cov"])
+@pytest.mark.parametrize(
+    ("aggregation", "info"),
+    [("token-mean", {}), ("seq-mean-token-sum", {"dp_size": 2, "global_batch_size": 9}),
+     ("seq-mean-token-mean", {"dp_size": 2, "global_batch_size": 9})],
+)  # fmt: skip
+def test_verl_issue24_modes_match_reference(
+    mode: str, aggregation: str, info: dict[str, int]
+) -> None:
+    log_prob, old, _, mask = _random_batch(17, rows=6, tokens=9)
+    log_prob = log_prob / 3  # p from 0.37 to 1: DPPO's thresholds bind both ways
+    old = log_prob + (old - log_prob * 3)  # Δ ~ N(0, 0.4²): ratios above the cap 1.3 too
+    generator = torch.Generator().manual_seed(18)
+    advantages = torch.randn(6, 9, generator=generator, dtype=torch.float64)  # per token
+    weights = torch.rand(6, 9, generator=generator, dtype=torch.float64) * 2
+    clip_low, clip_high = (0.05, 0.03) if mode != "clip_cov" else (0.15, 0.28)
+    ratio, cov_lb = 0.3, -0.05
+    policy = {"dro_beta": 0.7, "kl_cov_ratio": ratio, "ppo_kl_coef": 0.4,
+              "clip_cov_ratio": ratio, "clip_cov_lb": cov_lb, "clip_cov_ub": 5.0}  # fmt: skip
+    config = {"clip_ratio_low": clip_low, "clip_ratio_high": clip_high, "clip_ratio_c": 1.3,
+              "global_batch_info": info, "policy_loss": policy}  # fmt: skip
+    inputs = [log_prob.clone().requires_grad_(True) for _ in range(2)]
+    torch.manual_seed(5)  # the preset draws clip_cov's tokens as verl: global CPU generator
+    loss, metrics = verl_policy_loss(mode)(
+        _with_nan_padding(old, mask), _with_nan_padding(inputs[0], mask), advantages, mask,
+        aggregation, config, _with_nan_padding(weights, mask),
+    )  # fmt: skip
+    count = ref.selection_count(ratio, int(mask.sum()))
+    selected: set[tuple[int, int]] = set()
+    if mode == "kl_cov":
+        covariance = ref.covariances(log_prob, advantages, mask)
+        selected = set(sorted(covariance, key=lambda k: -covariance[k])[:count])
+    elif mode == "clip_cov":
+        options = {"clip_low": clip_low, "clip_high": clip_high, "log_ratio_bound": None,
+                   "cov_lb": cov_lb, "cov_ub": 5.0}  # fmt: skip
+        candidates = ref.clip_cov_candidates(log_prob, old, advantages, mask, options)
+        assert len(candidates) > count  # the draw decides which are detached
+        selected = _verl_clip_cov_reference_draw(candidates, count, seed=5)
+        assert_close(metrics["actor/pg_clipfrac"], len(selected) / int(mask.sum()))
+    losses = ref.verl_policy_losses(
+        old, inputs[1], advantages, mask, loss_mode=mode, clip_low=clip_low, clip_high=clip_high,
+        clip_c=1.3, weights=weights, dro_beta=0.7, kl_coef=0.4, selected=selected,
+    )  # fmt: skip
+    expected = ref.verl_agg_loss(losses, mask, aggregation, **info)
     assert_close(loss, expected.detach())
     (loss + expected).backward()
     assert inputs[0].grad is not None and inputs[1].grad is not None
     assert_close(inputs[0].grad, inputs[1].grad)
+    if mode.startswith("dppo"):  # both rules bind: some tokens out, some capped
+        assert 0 < float(metrics["actor/pg_clipfrac"]) < 1
+        assert float(metrics["actor/pg_clipfrac_lower"]) > 0

@@ -7,11 +7,13 @@ equals the peer's loss, value and gradient, for the same tensors, with the peer'
   dr_grpo, dapo, luspo, cispo, sapo, vespo; token and sequence level; ``beta`` with
   ``use_bias_correction_kl``; ``delta``; ``top_entropy_quantile``; ``entropy_coef``;
   ``off_policy_mask_threshold``; the vLLM ``importance_sampling_ratio``).
-- :func:`verl_policy_loss`: verl's registered policy losses (``loss_mode`` vanilla, gspo,
-  cispo, sapo, geo_mean, gpg; every ``loss_agg_mode``), with verl's signature for
-  ``register_policy_loss``.
-- :func:`openrlhf_policy_loss`: OpenRLHF's ``PolicyLoss`` (ppo, gspo, dual clip, the vLLM IS
-  correction tis / icepop / seq-mask-tis).
+- :func:`verl_policy_loss`: verl 0.9.1's registered policy losses (every ``loss_mode``:
+  vanilla, gspo, cispo, sapo, geo_mean, gpg, dppo_tv, dppo_kl, clip_cov, kl_cov, dro,
+  bypass_mode; every ``loss_agg_mode`` with ``global_batch_info``), with verl's signature for
+  ``register_policy_loss`` (:mod:`rlobjectives.integrations.verl` registers them).
+- :func:`openrlhf_policy_loss`: OpenRLHF 0.11.2's ``PolicyLoss`` (ppo, gspo, dual clip, the
+  IS correction at every level, mode and gating, the five-value ``forward``;
+  :mod:`rlobjectives.integrations.openrlhf` installs it in the actor).
 - :func:`trl_grpo_advantages`: TRL's advantages with ``multi_objective_aggregation``
   (``sum_then_normalize``, ``normalize_then_sum``) and ``scale_rewards``;
   :func:`verl_gdpo_advantages`: verl's ``adv_estimator="gdpo"``.

@@ -1,4 +1,4 @@
-r"""verl's registered policy losses (``core_algos.py``, verl HEAD 1dda039) as library calls.
+r"""verl 0.9.1's registered policy losses (``verl/trainer/ppo/core_algos.py``) as library calls.
 
 :func:`verl_policy_loss` returns a function with verl's registered signature
 ``(old_log_prob, log_prob, advantages, response_mask, loss_agg_mode="token-mean", config=None,
@@ -26,6 +26,7 @@ here, NaN in verl.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -35,7 +36,8 @@ import torch
 from .._core.reduction import clamp, masked_fill_zero, masked_mean, mean_selected
 from .._core.validation import checks_environment, compute_dtype, validate_choice, validate_scalar
 from ..policy.inputs import PolicyLossDiagnostics
-from ..policy.surrogates import CISPO, GMPO, SAPO, Clip
+from ..policy.selection import cov_selection
+from ..policy.surrogates import CISPO, DPPO, DRO, GMPO, SAPO, Clip, ClipCov, KLCov
 from ._common import (
     ReductionArgs,
     WeightedPolicyTerm,
@@ -46,8 +48,10 @@ from ._common import (
     preset_count,
     preset_number,
     promote,
+    reduce_terms,
     weighted_policy_loss,
 )
+from ._verl_rollout import bypass_correction, rollout_options
 
 __all__ = ["VERL_AGGREGATIONS", "VERL_LOSS_MODES", "VerlPolicyLoss"]
 __all__ += ["VerlLossOutput", "verl_policy_loss"]
@@ -71,6 +75,7 @@ class _Call(NamedTuple):
     mask: torch.Tensor  # bool
     config: object
     weights: torch.Tensor | None
+    aggregation: str = "token-mean"  # the loss_agg_mode in force
 
 
 def _global_info(config: object) -> dict[str, Any]:
@@ -194,13 +199,46 @@ def _vanilla(call: _Call, args: ReductionArgs) -> VerlLossOutput:
     return VerlLossOutput(term.loss, _metrics(call, clipfrac, lower, 20.0))
 
 
+#: verl's gspo clamps the sequence log-ratio from above only, ``clamp(log s, max=10)``.
+GSPO_LOG_RATIO_CAP = 10.0
+
+
 def _gspo(call: _Call, args: ReductionArgs) -> VerlLossOutput:
-    """GSPO-token (the stop-gradient form, as verl), sequence log-ratio bounded by 10."""
+    r"""GSPO-token (verl's stop-gradient form), aggregated by ``loss_agg_mode`` (verl >= 0.9).
+
+    ``policy_loss(surrogate=Clip(low, high), ratio_level="sequence", log_ratio_bound=None,
+    reduction="none")``, reduced as ``loss_agg_mode``. verl bounds the sequence log-ratio
+    :math:`\log s_i` from above only (:math:`\min(\log s_i, 10)`, no gradient where it fires);
+    the library's bound is two-sided, so the rows with :math:`\log s_i > 10` take the loss of
+    the same call at the ratio :math:`e^{10}` instead (a constant: :math:`\max(-A e^{10},
+    -A\,\mathrm{clip}(e^{10}))\,w`), exactly verl's. The clip decisions, hence
+    ``actor/pg_clipfrac``, are the same at :math:`s_i` and at :math:`e^{10}` (both above the
+    band).
+    """
     low, high = _clip_band(call.config)
-    options = {"surrogate": Clip(low=low, high=high), "ratio_level": "sequence"}
-    options["log_ratio_bound"] = 10.0
-    term = _policy_term(call, args, options)
-    return VerlLossOutput(term.loss, _metrics(call, _pg_clipfrac(term.diagnostics), None, None))
+    clip = Clip(low=low, high=high)
+    dtype = _metric_dtype(call)  # per-token losses in float32 (float64) before the reduction
+    log_prob, old_log_prob = call.log_prob.to(dtype), call.old_log_prob.to(dtype)
+    options = {"surrogate": clip, "ratio_level": "sequence", "log_ratio_bound": None}
+    none = ReductionArgs("none")
+    term = weighted_policy_loss(
+        log_prob, old_log_prob, call.advantages, call.mask, options=options, args=none,
+        weights=call.weights,
+    )  # fmt: skip
+    sequence_log_ratio = mean_selected(log_prob.detach() - old_log_prob, call.mask, dim=-1)
+    capped = weighted_policy_loss(
+        torch.full_like(old_log_prob, GSPO_LOG_RATIO_CAP),
+        torch.zeros_like(old_log_prob),
+        call.advantages,
+        call.mask,
+        options={"surrogate": clip, "log_ratio_bound": None},
+        args=none,
+        weights=call.weights,
+    ).loss  # (B, T): the loss at the ratio e^10, a constant
+    above = (sequence_log_ratio > GSPO_LOG_RATIO_CAP).unsqueeze(-1)  # (B, 1)
+    per_token = torch.where(above, capped, term.loss)
+    loss = reduce_terms(per_token, call.mask, args)
+    return VerlLossOutput(loss, _metrics(call, _pg_clipfrac(term.diagnostics), None, None))
 
 
 def _cispo(call: _Call, args: ReductionArgs) -> VerlLossOutput:
@@ -273,6 +311,178 @@ def _gpg(call: _Call, args: ReductionArgs) -> VerlLossOutput:
     return VerlLossOutput(_policy_term(on_policy, args, options).loss, {})
 
 
+def _dppo(divergence: str) -> Callable[[_Call, ReductionArgs], VerlLossOutput]:
+    """The verl ``dppo_tv`` / ``dppo_kl`` loss: :class:`~rlobjectives.DPPO`, verl's thresholds."""
+
+    def loss(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+        r"""DPPO-Binary-TV / KL: ``DPPO(divergence, low, high, ratio_cap=clip_ratio_c)``.
+
+        ``log_ratio_bound=20`` (verl clamps the log-ratio before the ratio and its cap);
+        verl reads ``config.get("clip_ratio_c", 20.0)``: the ``ActorConfig`` field (3.0 unless
+        set), 20 only for a config without it. ``actor/pg_clipfrac``: the tokens outside the
+        trust region; ``actor/pg_clipfrac_lower``: the kept tokens whose ratio the cap changes
+        (either sign of :math:`A`); ``actor/ppo_kl``: the clamped ``-Δ``.
+        """
+        low, high = _clip_band(call.config)
+        cap = option(call.config, "clip_ratio_c", 20.0)
+        dppo = DPPO(divergence, low=low, high=high, ratio_cap=cap)
+        term = _policy_term(call, args, {"surrogate": dppo, "log_ratio_bound": 20.0})
+        diagnostics = term.diagnostics
+        metrics = _metrics(call, diagnostics.clipped_fraction, diagnostics.dual_clip_fraction, 20.0)
+        return VerlLossOutput(term.loss, metrics)
+
+    loss.__name__ = f"_dppo_{divergence}"
+    return loss
+
+
+def _policy_options(config: object) -> object:
+    """``config.policy_loss`` (verl's ``PolicyLossConfig``, or a mapping), or None."""
+    return option(config, "policy_loss", None)
+
+
+def _selection_ratio(policy: object, name: str) -> float:
+    """``policy_loss.<name>`` (verl's default 0.0002), a fraction in ``(0, 1]``."""
+    value = preset_number(option(policy, name, 0.0002), f"policy_loss.{name}", strict=True)
+    if value > 1.0:
+        raise ValueError(f"policy_loss.{name} must be <= 1 (a fraction of the tokens), got {value}")
+    return value
+
+
+@torch.no_grad()
+def _verl_clip_cov_draw(candidates: torch.Tensor, mask: torch.Tensor, ratio: float) -> torch.Tensor:
+    r"""The Clip-Cov draw of verl: ``torch.randperm`` of the candidates, global CPU generator.
+
+    verl 0.9.1 (``compute_policy_loss_clip_cov``) takes ``clip_num = max(int(ratio ·
+    ΣM), 1)`` (a host number), the candidates' ``nonzero`` indices in row-major order, and,
+    only when there is at least one, ``torch.randperm(n)`` with no generator and no device
+    (the process-global CPU generator, one draw of length ``n``), keeping the first
+    ``min(clip_num, n)``. This repeats that draw bit for bit, so a run seeded as verl's draws
+    the same tokens; it is host-side (``.item()``, ``nonzero``), as verl's, and lives in the
+    preset only (:class:`~rlobjectives.ClipCov`'s own draw is device-side and reproducible
+    from its ``generator``, but another sequence).
+
+    Args:
+        candidates: ``(B, T)`` bool, the tokens verl may detach (``ClipCov``'s candidates:
+            unclipped, ``clip_cov_lb < cov < clip_cov_ub``).
+        mask: ``(B, T)`` bool, the response mask of the call.
+        ratio: verl's ``policy_loss.clip_cov_ratio``.
+
+    Returns:
+        ``(B, T)`` bool, the detached tokens, on ``mask``'s device.
+    """
+    count = max(int(ratio * mask.sum().item()), 1)
+    index = torch.nonzero(candidates)
+    selected = torch.zeros_like(mask)
+    if len(index) > 0:
+        index = index[torch.randperm(len(index))[: min(count, len(index))].to(index.device)]
+        selected[index[:, 0], index[:, 1]] = True
+    return selected
+
+
+def _clip_cov(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+    r"""Clip-Cov: ``ClipCov(ratio, low, high, cov_lb, cov_ub)`` with verl's own random draw.
+
+    :func:`rlobjectives.cov_selection` gives the candidates (its own draw, from a private
+    generator, is discarded: the global generator is left to verl's draw alone), then
+    :func:`_verl_clip_cov_draw` picks the detached tokens exactly as verl and hands them to the
+    object (``selection=``); ``log_ratio_bound=None`` (verl's ratio is unbounded).
+    ``actor/pg_clipfrac``: the detached fraction; ``actor/ppo_kl``: the unclamped ``-Δ``.
+    """
+    low, high = _clip_band(call.config)
+    policy = _policy_options(call.config)
+    ratio = _selection_ratio(policy, "clip_cov_ratio")
+    lower = preset_number(
+        option(policy, "clip_cov_lb", 1.0), "policy_loss.clip_cov_lb", minimum=None
+    )
+    upper = preset_number(
+        option(policy, "clip_cov_ub", 5.0), "policy_loss.clip_cov_ub", minimum=None
+    )
+    if lower >= upper:
+        raise ValueError(
+            f"policy_loss.clip_cov_lb must be < policy_loss.clip_cov_ub, got {lower} and {upper}"
+        )
+    clip_cov = ClipCov(
+        ratio=ratio,
+        low=low,
+        high=high,
+        cov_lb=lower,
+        cov_ub=upper,
+        generator=torch.Generator(device=call.log_prob.device),
+    )
+    found = cov_selection(
+        call.log_prob.detach(), call.old_log_prob, call.advantages, call.mask,
+        surrogate=clip_cov, log_ratio_bound=None,
+    )  # fmt: skip
+    selected = _verl_clip_cov_draw(found.candidates, call.mask, ratio)
+    surrogate = dataclasses.replace(clip_cov, generator=None, selection=selected)
+    term = _policy_term(call, args, {"surrogate": surrogate, "log_ratio_bound": None})
+    metrics = _metrics(call, term.diagnostics.selected_fraction, None, None)
+    del metrics["actor/pg_clipfrac_lower"]  # verl's clip_cov has no such key
+    return VerlLossOutput(term.loss, metrics)
+
+
+def _kl_cov(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+    r"""KL-Cov: ``KLCov(ratio=kl_cov_ratio, coef=ppo_kl_coef)``, ``log_ratio_bound=None``.
+
+    verl's defaults when the config lacks them: 0.0002 and 1.0 (its code's; verl's
+    ``PolicyLossConfig`` sets ``ppo_kl_coef=0.1``). The only metric, ``actor/ppo_kl``, is the
+    mean of :math:`|\Delta|` (verl's, under the usual key).
+    """
+    policy = _policy_options(call.config)
+    coef = preset_number(option(policy, "ppo_kl_coef", 1.0), "policy_loss.ppo_kl_coef")
+    kl_cov = KLCov(ratio=_selection_ratio(policy, "kl_cov_ratio"), coef=coef)
+    term = _policy_term(call, args, {"surrogate": kl_cov, "log_ratio_bound": None})
+    dtype = _metric_dtype(call)
+    log_ratio = call.log_prob.detach().to(dtype) - call.old_log_prob.to(dtype)
+    absolute = masked_mean(torch.abs(masked_fill_zero(log_ratio, call.mask)), call.mask)
+    return VerlLossOutput(term.loss, {"actor/ppo_kl": absolute})
+
+
+def _dro(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+    r"""DRO: ``DRO(beta=policy_loss.dro_beta)``, :math:`-(\ell A - \frac12\beta\Delta^2)`.
+
+    ``log_ratio_bound=None`` (verl's :math:`\Delta` is unclamped); ``actor/ppo_kl`` (the only
+    metric) the unclamped ``-Δ``. ``dro_beta`` has no default: missing, or not positive, is
+    verl's ``ValueError``.
+    """
+    beta = option(_policy_options(call.config), "dro_beta", None)
+    if beta is None:
+        raise ValueError("policy_loss.dro_beta must be a positive value when using DRO, got None")
+    beta = preset_number(beta, "policy_loss.dro_beta", strict=True)
+    term = _policy_term(call, args, {"surrogate": DRO(beta=beta), "log_ratio_bound": None})
+    return VerlLossOutput(term.loss, {"actor/ppo_kl": _k1(call, None)})
+
+
+def _bypass_mode(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+    r"""Verl's bypass mode: rollout correction inside the loss, ``old_log_prob`` = the sampler's.
+
+    :func:`~rlobjectives.presets._verl_rollout.bypass_correction` forms the IS weights, the
+    rejection mask and the ``rollout_corr/*`` metrics from ``config.policy_loss.
+    rollout_correction`` (``rollout_is_weights`` is ignored, as verl); then ``loss_type``
+    ``"ppo_clip"`` is the vanilla loss on the surviving tokens without weights (the clip
+    handles the ratio) and ``"reinforce"`` is :math:`-A\,\ell\,w` on them; the local
+    aggregation counts the surviving tokens (the global counts stay the trainer's).
+    """
+    options = rollout_options(call.config)
+    correction = bypass_correction(call.log_prob, call.old_log_prob, call.mask, options)
+    info = _global_info(call.config)
+    surviving = call._replace(mask=correction.mask)
+    args = _FORCED_AGGREGATIONS[call.aggregation](correction.mask, info)
+    if options.loss_type == "ppo_clip":
+        out = _vanilla(surviving._replace(weights=None), args)
+    else:
+        out = _reinforce(surviving._replace(weights=correction.weights), args)
+    return VerlLossOutput(out.loss, {**out.metrics, **correction.metrics})
+
+
+def _reinforce(call: _Call, args: ReductionArgs) -> VerlLossOutput:
+    """Verl's REINFORCE loss of bypass mode: ``-A·log_prob·w``; ``actor/ppo_kl`` unclamped."""
+    options = {"surrogate": CISPO(low=None), "log_ratio_bound": None}
+    on_policy = call._replace(old_log_prob=call.log_prob.detach())
+    loss = _policy_term(on_policy, args, options).loss
+    return VerlLossOutput(loss, {"actor/ppo_kl": _k1(call, None)})
+
+
 def _policy_term(call: _Call, args: ReductionArgs, options: dict[str, Any]) -> WeightedPolicyTerm:
     return weighted_policy_loss(
         call.log_prob,
@@ -310,11 +520,17 @@ _FORCED_AGGREGATIONS = {**VERL_AGGREGATIONS, "rows": _rows_mean}
 #: ``loss_agg_mode`` and ``global_batch_info`` say (as verl).
 VERL_LOSS_MODES: dict[str, _Mode] = {
     "vanilla": _Mode(_vanilla, None),
-    "gspo": _Mode(_gspo, "seq-mean-token-mean"),
+    "gspo": _Mode(_gspo, None),
     "cispo": _Mode(_cispo, None),
     "sapo": _Mode(_sapo, "seq-mean-token-mean"),
     "geo_mean": _Mode(_geo_mean, "rows"),
     "gpg": _Mode(_gpg, None),
+    "dppo_tv": _Mode(_dppo("tv"), None),
+    "dppo_kl": _Mode(_dppo("kl"), None),
+    "clip_cov": _Mode(_clip_cov, None),
+    "kl_cov": _Mode(_kl_cov, None),
+    "dro": _Mode(_dro, None),
+    "bypass_mode": _Mode(_bypass_mode, None),
 }
 
 
@@ -348,7 +564,9 @@ class VerlPolicyLoss:
         rollout_is_weights = promote(rollout_is_weights, wide)
         mask = as_bool_mask(response_mask, log_prob)
         args = _FORCED_AGGREGATIONS[aggregation](mask, _global_info(config))
-        call = _Call(old_log_prob, log_prob, advantages, mask, config, rollout_is_weights)
+        call = _Call(
+            old_log_prob, log_prob, advantages, mask, config, rollout_is_weights, aggregation
+        )
         return mode.loss(call, args)
 
 
@@ -360,20 +578,23 @@ def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
     response_mask, loss_agg_mode="token-mean", config=None, rollout_is_weights=None) ->
     (loss, metrics)`` and can be registered with ``register_policy_loss``. ``config`` is any
     object (or mapping) with verl's names: ``clip_ratio``, ``clip_ratio_low``,
-    ``clip_ratio_high``, ``clip_ratio_c``, ``tau_pos``, ``tau_neg`` and ``global_batch_info``
-    (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``); missing
-    values take verl's defaults (0.2, 0.2, 0.2, 3.0, 1.0, 1.05, local counts).
+    ``clip_ratio_high``, ``clip_ratio_c``, ``tau_pos``, ``tau_neg``, ``global_batch_info``
+    (``dp_size``, ``batch_num_tokens``, ``global_batch_size``, ``loss_scale_factor``) and
+    ``policy_loss`` (``clip_cov_ratio``, ``clip_cov_lb``, ``clip_cov_ub``, ``kl_cov_ratio``,
+    ``ppo_kl_coef``, ``dro_beta``, ``rollout_correction``); missing values take the defaults
+    of verl's code (0.2, 0.2, 0.2, 3.0, 1.0, 1.05, local counts; 0.0002, 1.0, 5.0, 0.0002,
+    1.0, none).
 
     - ``"vanilla"``: ``policy_loss(surrogate=Clip(low=clip_ratio_low, high=clip_ratio_high,
       dual=clip_ratio_c), log_ratio_bound=20)``; metrics ``actor/pg_clipfrac`` (the
       binding clips), ``actor/ppo_kl`` (mean of the clamped ``-Δ``),
       ``actor/pg_clipfrac_lower`` (the dual clip binds).
     - ``"gspo"``: ``policy_loss(surrogate=Clip(low=clip_ratio_low, high=clip_ratio_high),
-      ratio_level="sequence", log_ratio_bound=10)`` aggregated as
-      ``"seq-mean-token-mean"`` whatever ``loss_agg_mode`` says (as verl). verl clamps the
-      sequence log-ratio from above only; the library bound is symmetric, so the two differ
-      only for a sequence ratio below :math:`e^{-10}`. Equal to verl for per-token advantages
-      too (both use the GSPO-token form). ``actor/pg_clipfrac_lower`` is 0.
+      ratio_level="sequence", log_ratio_bound=None)`` aggregated by ``loss_agg_mode`` (verl
+      0.9; verl 0.7 and 0.8 forced ``"seq-mean-token-mean"``), the sequence log-ratio capped
+      from above at 10 as verl (the rows above the cap take the constant loss at the ratio
+      :math:`e^{10}`); the GSPO-token form, as verl, so per-token advantages are verl's too;
+      ``actor/pg_clipfrac_lower`` is 0 and ``actor/ppo_kl`` the unclamped mean of ``-Δ``.
     - ``"cispo"``: ``policy_loss(surrogate=CISPO(low=clip_ratio_low, high=clip_ratio_high),
       log_ratio_bound=20)`` (verl's two-sided band, any sign of
       :math:`A`); ``actor/pg_clipfrac`` = the ratio outside the band; ``_lower`` is 0.
@@ -390,15 +611,44 @@ def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
       where :math:`A > 0` / :math:`A < 0`.
     - ``"gpg"``: ``policy_loss(log_prob, log_prob.detach(), A, M,
       surrogate=CISPO(low=None))`` = ``-A·log_prob`` aggregated; no metrics.
+    - ``"dppo_tv"`` / ``"dppo_kl"``: ``policy_loss(surrogate=DPPO("tv" / "kl",
+      low=clip_ratio_low, high=clip_ratio_high, ratio_cap=clip_ratio_c), log_ratio_bound=20)``
+      (the ``ActorConfig`` field ``clip_ratio_c``, 3.0 unless set; 20 for a config without
+      it, as verl's ``config.get``); ``actor/pg_clipfrac`` = outside the trust region,
+      ``_lower`` = kept tokens whose ratio the cap changes, ``actor/ppo_kl`` clamped.
+    - ``"clip_cov"``: ``policy_loss(surrogate=ClipCov(ratio=clip_cov_ratio, low, high,
+      cov_lb=clip_cov_lb, cov_ub=clip_cov_ub, selection=...), log_ratio_bound=None)`` with
+      verl's own draw (``torch.randperm`` over the row-major candidates of
+      :func:`rlobjectives.cov_selection`, on the global CPU generator, host-side: a run
+      seeded as verl's detaches the same tokens); ``actor/pg_clipfrac`` = the detached
+      fraction, ``actor/ppo_kl`` unclamped (no ``_lower`` key, as verl).
+    - ``"kl_cov"``: ``policy_loss(surrogate=KLCov(ratio=kl_cov_ratio, coef=ppo_kl_coef),
+      log_ratio_bound=None)`` (the top-k covariance tokens penalised by ``coef·|Δ|``); the
+      only metric ``actor/ppo_kl`` is the mean of ``|Δ|``, as verl.
+    - ``"dro"``: ``policy_loss(surrogate=DRO(beta=policy_loss.dro_beta),
+      log_ratio_bound=None)``; the only metric ``actor/ppo_kl`` (unclamped).
+    - ``"bypass_mode"``: verl's rollout correction inside the loss (``old_log_prob`` is the
+      sampler's; ``rollout_is_weights`` is ignored, as verl), from
+      ``config.policy_loss.rollout_correction`` (``rollout_is``, ``rollout_is_threshold``,
+      ``rollout_is_batch_normalize``, ``rollout_rs``, ``rollout_rs_threshold``,
+      ``loss_type``): :func:`rlobjectives.rollout_correction` for the IS weights, verl's
+      eleven rejection gates, then ``"ppo_clip"`` (vanilla on the surviving tokens, no
+      weights) or ``"reinforce"`` (:math:`-A\,\ell\,w`); metrics: the mode's ``actor/*``
+      keys and every ``rollout_corr/*`` key of verl (see
+      :mod:`rlobjectives.presets._verl_rollout`).
 
     ``rollout_is_weights`` multiply the per-token loss before the aggregation (verl's
     placement; ``policy_loss(importance_weights=)``). The metric values are 0-d tensors in the
     computation dtype (float64 for float64 inputs, float32 otherwise). ``actor/ppo_kl`` is the
-    mean of ``-Δ``, clamped to ±20 where verl clamps (vanilla, cispo, sapo).
+    mean of ``-Δ``, clamped to ±20 where verl clamps (vanilla, cispo, sapo). Tested against
+    verl 0.9.1's own functions and inside its real training step
+    (``tests/integrations/test_verl_integration.py``).
 
     Args:
-        loss_mode: ``"vanilla"``, ``"gspo"``, ``"cispo"``, ``"sapo"``, ``"geo_mean"`` or
-            ``"gpg"``.
+        loss_mode: a verl 0.9.1 ``loss_mode``: ``"vanilla"``, ``"gspo"``, ``"cispo"``,
+            ``"sapo"``, ``"geo_mean"``, ``"gpg"``, ``"dppo_tv"``, ``"dppo_kl"``,
+            ``"clip_cov"``, ``"kl_cov"``, ``"dro"``, ``"bypass_mode"`` (every mode verl
+            registers; :data:`VERL_LOSS_MODES`).
 
     Returns:
         A :class:`VerlPolicyLoss`.
@@ -409,7 +659,8 @@ def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
             mode needs (as verl), or a ``config`` value that is non-finite or out of range,
             named as verl names it (``clip_ratio_low`` outside ``[0, 1)``, ``clip_ratio_c <=
             1``, ``tau_pos <= 0``, ``global_batch_info['dp_size']`` not a positive whole
-            number...).
+            number, ``policy_loss.dro_beta`` missing or not positive, ``clip_cov_ratio`` /
+            ``kl_cov_ratio`` outside ``(0, 1]``, ``clip_cov_lb >= clip_cov_ub``...).
         TypeError: at call time, a ``config`` value that is not a number.
 
     Examples:
