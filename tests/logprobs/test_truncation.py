@@ -595,3 +595,33 @@ def test_kept_sets_trace_under_torch_compile() -> None:
 
     compiled = torch.compile(call, fullgraph=True, backend="eager")
     torch.testing.assert_close(compiled(logits), call(logits))
+
+
+def test_unselected_rows_with_an_empty_set_reach_nothing() -> None:
+    # A masked row whose recorded ids are all outside [0, V) (an empty set: no finite logit) is
+    # recomputed from a zero hidden row; it must not turn into NaN in any gradient.
+    generator = torch.Generator().manual_seed(11)
+    hidden = torch.randn(1, 4, 3, generator=generator, dtype=F64)
+    weight = torch.randn(6, 3, generator=generator, dtype=F64)
+    tokens = torch.tensor([[1, 2, 3, 4]])
+    mask = torch.tensor([[True, False, True, False]])
+    kept = torch.tensor([[[1, 2, -1], [9, 9, 9], [3, 0, -1], [7, -1, -1]]])
+    poisoned = torch.where(mask[..., None], hidden, math.nan)
+    for fn in ("log_probs", "fused"):
+        results = []
+        for source in (hidden, poisoned):
+            leaves = [source.clone().requires_grad_(), weight.clone().requires_grad_()]
+            if fn == "log_probs":
+                out = rlo.token_log_probs_from_hidden(
+                    *leaves, tokens, mask=mask, kept_ids=kept, return_entropy=True
+                )
+                total = out.log_probs.sum() + out.entropy.sum()
+            else:
+                total = rlo.fused_policy_loss_from_hidden(
+                    *leaves, tokens, torch.full((1, 4), -1.0, dtype=F64),
+                    torch.ones(1, dtype=F64), mask, kept_ids=kept, entropy_coef=0.1,
+                ).loss  # fmt: skip
+            results.append(torch.autograd.grad(total, leaves))
+        for clean, dirty in zip(*results, strict=True):
+            assert torch.isfinite(dirty).all()
+            assert torch.equal(clean, dirty)

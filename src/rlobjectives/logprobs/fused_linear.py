@@ -122,7 +122,8 @@ def _fused_step(
     hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], active)
     scores = chunk_scores(hidden_chunk, head, buffers)  # (n, V)
     if head.kept is not None:  # the logits outside the kept set become -inf
-        restrict_(scores, head.kept, kept_rows(block, ()), None, thresholds, decide=True)
+        flat = kept_rows(block, ())  # unselected (zeroed) rows keep everything: finite softmax
+        restrict_(scores, head.kept, flat, None, thresholds, decide=True, active=active)
     target = scores.gather(1, tokens_chunk.unsqueeze(1)).squeeze(1)  # (n,)
     options = (head.inv_temperature, head.kept is not None)
     chunk = _logit_grads(scores, target, terms, buffers.scratch, options, block)

@@ -116,11 +116,6 @@ class Head(NamedTuple):
     shard: Shard | None = None
     kept: KeptSet | None = None
 
-    @property
-    def restricted(self) -> bool:
-        """Whether the row normalisers are not each chunk's own softmax (a slice or a set)."""
-        return self.shard is not None or self.kept is not None
-
 
 class ChunkBuffers(NamedTuple):
     """The ``(chunk, V)`` buffers of one pass, allocated once and reused by every chunk.

@@ -60,7 +60,8 @@ def _log_probs_step(
     hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], active)
     scores = chunk_scores(hidden_chunk, head, buffers)  # (n, V)
     if head.kept is not None:  # the logits outside the kept set become -inf
-        restrict_(scores, head.kept, kept_rows(block, ()), head.shard, thresholds, decide=True)
+        flat = kept_rows(block, ())  # unselected (zeroed) rows keep everything: finite softmax
+        restrict_(scores, head.kept, flat, head.shard, thresholds, decide=True, active=active)
     owned = None
     if head.shard is not None:
         tokens_chunk, owned = head.shard.local_ids(tokens_chunk)
@@ -127,10 +128,13 @@ def _log_probs_grad_step(
     block: Block,
 ) -> list[torch.Tensor]:
     grads, buffers, thresholds = state
-    hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], active[block])
+    rows = active[block]  # (n,)
+    hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], rows)
     scores = chunk_scores(hidden_chunk, head, buffers)  # (n, V)
-    if head.kept is not None:  # the forward pass's set (its thresholds replayed)
-        restrict_(scores, head.kept, kept_rows(block, ()), head.shard, thresholds, decide=False)
+    if head.kept is not None:  # the forward pass's set (its thresholds replayed); zeroed rows
+        # keep everything, so that the chunk's own softmax below stays finite on them
+        flat = kept_rows(block, ())
+        restrict_(scores, head.kept, flat, head.shard, thresholds, decide=False, active=rows)
     g_lp = upstream.log_probs[block]  # (n,)
     target_grad = g_lp
     if head.shard is not None:
@@ -138,7 +142,7 @@ def _log_probs_grad_step(
         target_grad = masked_fill_zero(g_lp, owned)  # the target's slice adds g 1[v = y]
     log_normalizer = upstream.log_normalizer[block].unsqueeze(1)  # (n, 1)
     if upstream.entropy is None or upstream.entropy_values is None or buffers.scratch is None:
-        if head.restricted:  # p from the saved normaliser of the whole (kept) vocabulary
+        if head.shard is not None:  # p from the saved normaliser of the whole vocabulary
             grad_scores = scores.sub_(log_normalizer).exp_().mul_(-g_lp.unsqueeze(1))
         else:
             grad_scores = softmax_(scores)[0].mul_(-g_lp.unsqueeze(1))  # -g p, (n, V)

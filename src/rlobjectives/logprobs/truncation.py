@@ -247,15 +247,28 @@ def kept_rows(block: Block, leading_shape: tuple[int, ...]) -> slice:
     return slice(offset + columns.start, offset + columns.stop)
 
 
-def _ids_keep(ids: torch.Tensor, kept: KeptSet, size: int, shard: Shard | None) -> torch.Tensor:
-    """``(C, V)`` bool of the ids ``(C, K)`` of this slice (scattered: duplicates count once)."""
-    valid = ids != kept.pad
-    if shard is not None:
-        ids = ids - shard.start
-    valid = valid & (ids >= 0) & (ids < size)
-    index = torch.where(valid, ids, size)  # (C, K): invalid ids to the spare column
-    keep = torch.zeros(ids.shape[0], size + 1, dtype=torch.bool, device=ids.device)
-    return keep.scatter_(1, index, True)[:, :size]
+def _restrict_to_ids_(
+    scores: torch.Tensor, ids: torch.Tensor, recorded: torch.Tensor, pad: int, shard: Shard | None
+) -> None:
+    """Keep the logits of ``ids`` ``(C, K)`` only (rows with a recorded set), in place.
+
+    The kept values are gathered, the recorded rows filled with ``-inf`` and the values
+    scattered back: two passes over ``(C, V)`` fewer than a boolean mask would take. Invalid
+    entries (the pad, ids off this slice or outside ``[0, V)``) point at the row's first valid
+    id, so every write to a position carries the same value and duplicates count once.
+    """
+    size = scores.shape[1]
+    local = ids if shard is None else ids - shard.start
+    valid = (ids != pad) & (local >= 0) & (local < size)  # (C, K)
+    any_valid = valid.any(dim=1, keepdim=True)  # (C, 1)
+    first = valid.to(torch.int8).argmax(dim=1, keepdim=True)  # (C, 1) first valid entry
+    stand_in = torch.where(any_valid, local.gather(1, first), 0)  # (C, 1)
+    index = torch.where(valid, local, stand_in)  # (C, K), in [0, V)
+    values = scores.gather(1, index)  # (C, K) the kept logits
+    # a recorded row with no id on this slice keeps nothing here: -inf at its stand-in too
+    values = torch.where(any_valid | ~recorded.unsqueeze(1), values, -math.inf)
+    scores.masked_fill_(recorded.unsqueeze(1), -math.inf)  # rows without a set keep everything
+    scores.scatter_(1, index, values)
 
 
 def restrict_(
@@ -266,29 +279,37 @@ def restrict_(
     thresholds: torch.Tensor | None,
     *,
     decide: bool,
+    active: torch.Tensor | None = None,
 ) -> None:
     r"""Set the logits outside the kept set to :math:`-\infty`, in place (``scores`` ``(C, V)``).
 
     ``rows`` are the flat rows of the chunk. For the rule, ``decide=True`` computes the
     thresholds (:func:`rule_thresholds`) and writes them into ``thresholds[rows]``;
-    ``decide=False`` replays the saved ones.
+    ``decide=False`` replays the saved ones. ``active`` ``(C,)``: rows to restrict (the others,
+    recomputed from zeroed inputs in a backward pass, keep every logit, so their softmax stays
+    finite; their gradient is 0 anyway).
     """
+    negative = torch.full((), -math.inf, dtype=scores.dtype, device=scores.device)
     if kept.rule:
         assert thresholds is not None
         if decide:
             thresholds[rows] = rule_thresholds(scores, kept.top_k, kept.top_p, shard)
-        threshold = thresholds[rows].to(scores.dtype).unsqueeze(1)  # (C, 1)
-        scores.masked_fill_(scores < threshold, -math.inf)
+        threshold = thresholds[rows].to(scores.dtype)  # (C,)
+        if active is not None:
+            threshold = torch.where(active, threshold, negative)
+        torch.where(scores >= threshold.unsqueeze(1), scores, negative, out=scores)
         return
     index: slice | torch.Tensor = rows if kept.rows is None else kept.rows[rows]
     assert kept.recorded is not None
+    recorded = kept.recorded[index]  # (C,)
+    if active is not None:
+        recorded = recorded & active
     if kept.ids is not None:
-        keep = _ids_keep(kept.ids[index], kept, scores.shape[1], shard)  # (C, V)
-    else:
-        assert kept.mask is not None
-        keep = kept.mask[index].clone()  # (C, V)
-    keep |= ~kept.recorded[index].unsqueeze(1)  # rows without a set keep everything
-    scores.masked_fill_(keep.logical_not_(), -math.inf)
+        _restrict_to_ids_(scores, kept.ids[index], recorded, kept.pad, shard)
+        return
+    assert kept.mask is not None
+    keep = kept.mask[index] | ~recorded.unsqueeze(1)  # (C, V): rows without a set keep all
+    torch.where(keep, scores, negative, out=scores)
 
 
 def rule_thresholds(
