@@ -114,6 +114,45 @@ def test_golden_kept_mass_is_the_ratio_bias_t5() -> None:
     assert abs(math.exp(float(full - truncated)) - 0.800066) < 5e-7
 
 
+def test_the_recipe_same_support_removes_the_rollout_correction_bias() -> None:
+    # docs/objectives/logprobs.md, the recipe. Golden: logits log[.5, .25, .125, .125], the
+    # sampler keeps K = {0, 1} (mass S = .75) and draws y = 1 with q_K(1) = .25/.75 = 1/3; the
+    # trainer's full-vocabulary log-prob is log .25, so the ratio is .25 / (1/3) = .75 = S; on
+    # the sampler's support it is (1/3) / (1/3) = 1.
+    logits = torch.tensor([[0.5, 0.25, 0.125, 0.125]], dtype=F64).log()
+    rollout = torch.tensor([[math.log(1 / 3)]], dtype=F64)
+    one, y = torch.ones(1, 1, dtype=torch.bool), torch.tensor([1])
+    full = rlo.token_log_probs(logits, y).reshape(1, 1)
+    same = rlo.token_log_probs(logits, y, kept_ids=torch.tensor([[0, 1, -1]])).reshape(1, 1)
+    assert_close(rlo.rollout_correction(full, rollout, one).weights, torch.full((1, 1), 0.75))
+    assert_close(rlo.rollout_correction(same, rollout, one).weights, torch.ones(1, 1))
+    # Random rows, tokens drawn from the top-p = 0.8 nucleus at tau = 0.9 (built here by sorting:
+    # the smallest descending prefix of mass >= p): the full-vocabulary ratio of every token is
+    # its row's kept mass S_t; with the sampler's set given any of three ways it is 1.
+    generator = torch.Generator().manual_seed(25)
+    logits = torch.randn(2, 40, 50, generator=generator, dtype=F64) * 3
+    x = logits / 0.9
+    order = x.sort(dim=-1, descending=True)
+    mass = order.values.softmax(-1)
+    kept_sorted = mass.cumsum(-1) - mass < 0.8
+    kept = torch.zeros_like(kept_sorted).scatter(-1, order.indices, kept_sorted)
+    sampler = torch.where(kept, x, -INF).softmax(-1)
+    tokens = torch.multinomial(sampler.reshape(-1, 50), 1, generator=generator).reshape(2, 40)
+    rollout = sampler.gather(-1, tokens[..., None]).squeeze(-1).log()
+    kept_mass = torch.where(kept, x.softmax(-1), 0.0).sum(-1)
+    ids = torch.where(kept, torch.arange(50), -1).sort(dim=-1, descending=True).values
+    mask = torch.ones(2, 40, dtype=torch.bool)
+    full = rlo.token_log_probs(logits, tokens, temperature=0.9)
+    biased = rlo.rollout_correction(full, rollout, mask, upper=None)
+    assert_close(biased.weights, kept_mass)
+    assert_close(biased.metrics.ratio_mean, kept_mass.mean())
+    for options in ({"kept_mask": kept}, {"kept_ids": ids}, {"top_p": 0.8}):
+        trainer = rlo.token_log_probs(logits, tokens, temperature=0.9, **options)
+        corrected = rlo.rollout_correction(trainer, rollout, mask, upper=None)
+        assert_close(corrected.weights, torch.ones(2, 40, dtype=F64))
+        assert abs(float(corrected.metrics.kl_k1)) < 1e-12
+
+
 # --- the peers' kept sets and values -------------------------------------------------------------
 
 
