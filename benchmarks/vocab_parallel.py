@@ -16,15 +16,17 @@ gather's out of each rank: the ``ring`` column. Calls, one rank, forward + backw
   ``top_k=50, top_p=0.9``: the global threshold gathers ``N k`` values), against the same call
   after gathering the logits (``all_gather`` of the slices, chunk by chunk: ``N V/R`` values);
 - ``token_log_probs_from_hidden(return_entropy=True)`` and ``fused_policy_loss_from_hidden``
-  (``H = 256``; bytes do not depend on ``H``) with ``vocab_group``, against gathering the
+  (``H = 32``: bytes do not depend on ``H``) with ``vocab_group``, against gathering the
   ``(N, V/R)`` logits of the local head rows. ``grad_hidden`` is this rank's part
   (``hidden_grad="partial"``): the all-reduce of ``N H`` values that sums the parts is the
   caller's in both designs (Megatron's copy to the tensor-parallel region) and is not counted.
 
 **Time.** ``token_log_probs_from_hidden`` and ``fused_policy_loss_from_hidden`` forward +
-backward at N = 2048, H = 512, V = 32000 (float32): one process holding the whole head (1 and 2
+backward at N = 1024, H = 256, V = 32000 (float32): one process holding the whole head (1 and 2
 threads) against 2 gloo ranks of 1 thread each holding half of it, medians of the wall time
-(the slowest rank of each round). Results: ``results/vocab-parallel-{bytes,time}[-quick].csv``.
+(the slowest rank of each round), and the process CPU time of the same rounds (robust to a
+loaded machine: the work one rank does against the work of one process).
+Results: ``results/vocab-parallel-{bytes,time}[-quick].csv``.
 """
 
 from __future__ import annotations
@@ -133,7 +135,7 @@ def _bytes_calls(rows: int, vocab: int, world: int, rank: int,
     local = vocab // world + (1 if rank < vocab % world else 0)
     logits = torch.randn(rows, local, generator=generator).to(torch.bfloat16).requires_grad_()
     tokens = torch.randint(0, vocab, (rows,), generator=generator)
-    width = 256
+    width = 32  # the bytes do not depend on H; a narrow head keeps the 4-rank runs short
     hidden = torch.randn(rows, width, generator=generator).requires_grad_()
     weight = (torch.randn(local, width, generator=generator) / 16).requires_grad_()
     old = torch.full((1, rows), -10.0)
@@ -206,7 +208,7 @@ def bytes_worker(rank: int, world: int, store: str, out: str, rows: int, vocab: 
 
 
 def _time_calls(group: Any, rank: int, world: int) -> dict[str, Callable[[], torch.Tensor]]:
-    rows, width, vocab = 2048, 512, 32000
+    rows, width, vocab = 1024, 256, 32000
     generator = torch.Generator().manual_seed(0)
     hidden = torch.randn(1, rows, width, generator=generator).requires_grad_()
     full = torch.randn(vocab, width, generator=generator) / width**0.5
@@ -230,20 +232,24 @@ def _time_calls(group: Any, rank: int, world: int) -> dict[str, Callable[[], tor
 
 
 def _median_times(calls: dict[str, Callable[[], torch.Tensor]], repeats: int,
-                  group: Any) -> dict[str, float]:  # fmt: skip
-    times: dict[str, list[float]] = {name: [] for name in calls}
+                  group: Any) -> dict[str, tuple[float, float]]:  # fmt: skip
+    """Median (wall ms, process CPU ms) per call; with a group, the slowest rank's of each."""
+    times: dict[str, list[tuple[float, float]]] = {name: [] for name in calls}
     for round_ in range(repeats + 1):  # the first round warms up
         for name, call in calls.items():
             if group is not None:
                 dist.barrier()
-            begin = time.perf_counter()
+            begin, begin_cpu = time.perf_counter(), time.process_time()
             call().backward()
-            elapsed = torch.tensor(time.perf_counter() - begin)
-            if group is not None:  # the slowest rank's time
+            elapsed = torch.tensor([time.perf_counter() - begin, time.process_time() - begin_cpu])
+            if group is not None:  # the slowest rank's times
                 dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
             if round_:
-                times[name].append(float(elapsed) * 1e3)
-    return {name: statistics.median(values) for name, values in times.items()}
+                times[name].append((float(elapsed[0]) * 1e3, float(elapsed[1]) * 1e3))
+    return {
+        name: (statistics.median(v[0] for v in values), statistics.median(v[1] for v in values))
+        for name, values in times.items()
+    }
 
 
 def time_worker(rank: int, world: int, store: str, out: str, repeats: int) -> None:
@@ -290,20 +296,23 @@ def run_bytes(quick: bool) -> list[dict[str, Any]]:
 
 def run_time(repeats: int) -> list[dict[str, Any]]:
     results = []
-    single: dict[int, dict[str, float]] = {}
+    single: dict[int, dict[str, tuple[float, float]]] = {}
     for threads in (1, 2):
         torch.set_num_threads(threads)
         single[threads] = _median_times(_time_calls(None, 0, 1), repeats, None)
     torch.set_num_threads(1)
     directory = _spawn(time_worker, 2, repeats)
-    ranks: dict[str, float] = torch.load(directory / "time.pt", weights_only=False)
-    for name, value in ranks.items():
+    ranks: dict[str, tuple[float, float]] = torch.load(directory / "time.pt", weights_only=False)
+    for name, (wall, cpu) in ranks.items():
         results.append({
-            "call": name, "shape": "N=2048 H=512 V=32000 float32",
-            "one_process_1_thread_ms": round(single[1][name], 1),
-            "one_process_2_threads_ms": round(single[2][name], 1),
-            "two_ranks_1_thread_each_ms": round(value, 1),
-            "ranks_vs_2_threads": round(value / single[2][name], 2),
+            "call": name, "shape": "N=1024 H=256 V=32000 float32",
+            "one_process_1_thread_ms": round(single[1][name][0], 1),
+            "one_process_2_threads_ms": round(single[2][name][0], 1),
+            "two_ranks_1_thread_each_ms": round(wall, 1),
+            "ranks_vs_2_threads": round(wall / single[2][name][0], 2),
+            "one_process_1_thread_cpu_ms": round(single[1][name][1], 1),
+            "two_ranks_cpu_ms_slowest_rank": round(cpu, 1),
+            "ranks_cpu_vs_1_thread": round(cpu / single[1][name][1], 2),
         })  # fmt: skip
     return results
 
