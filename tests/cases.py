@@ -326,8 +326,49 @@ def hyper(argument: str, *, below: float | None, above: float | None = None) -> 
     return scalar_wrongs(argument, below=below, above=above)
 
 
+def kept_wrongs(shape: tuple[int, ...] = (B, T), vocab: int = V) -> tuple[Wrong, ...]:
+    """Wrong kept sets (``kept_ids``, ``kept_pad``, ``kept_mask``, ``top_k``, ``top_p``) and a
+    wrong ``vocab_group``, for a function whose log-probabilities have the leading ``shape``."""
+    ids = (*shape, 2)
+    long = torch.int64
+
+    def wrong(argument: str, kind: str, label: str, make: Callable[[Arguments], Any],
+              error: Any, **kw: Any) -> Wrong:  # fmt: skip
+        return Wrong(argument, kind, label, make, error, subject(argument), **kw)
+
+    return (
+        wrong("kept_ids", "shape", "no-K", lambda a: torch.zeros(shape, dtype=long), ValueError),
+        wrong("kept_ids", "shape", "rows+1",
+              lambda a: torch.zeros((shape[0] + 1, *ids[1:]), dtype=long), ValueError),
+        wrong("kept_ids", "dtype", "float", lambda a: torch.zeros(ids), TypeError),
+        wrong("kept_ids", "dtype", "strings", lambda a: [["x"] * T] * B, TypeError),
+        wrong("kept_ids", "device", "meta",
+              lambda a: torch.zeros(ids, dtype=long, device="meta"), ValueError),
+        wrong("kept_ids", "type", "str", lambda a: "ids", TypeError),
+        wrong("kept_ids", "value", "with-top_k", lambda a: torch.zeros(ids, dtype=long),
+              ValueError, also=lambda a: {"top_k": 2}),
+        wrong("kept_pad", "type", "float", lambda a: 0.5, TypeError),
+        wrong("kept_pad", "type", "bool", lambda a: True, TypeError),
+        wrong("kept_pad", "type", "str", lambda a: "-1", TypeError),
+        wrong("kept_mask", "shape", "V+1",
+              lambda a: torch.ones((*shape, vocab + 1), dtype=torch.bool), ValueError),
+        wrong("kept_mask", "shape", "no-V", lambda a: torch.ones(shape, dtype=torch.bool),
+              ValueError),
+        wrong("kept_mask", "dtype", "strings", lambda a: [["x"] * T] * B, TypeError),
+        wrong("kept_mask", "device", "meta",
+              lambda a: torch.ones((*shape, vocab), dtype=torch.bool, device="meta"), ValueError),
+        wrong("kept_mask", "type", "str", lambda a: "mask", TypeError),
+        wrong("kept_mask", "value", "with-top_p", lambda a: torch.ones((*shape, vocab),
+              dtype=torch.bool), ValueError, also=lambda a: {"top_p": 0.5}),
+        wrong("vocab_group", "type", "str", lambda a: "tp", TypeError),
+        wrong("vocab_group", "type", "object", lambda a: object(), TypeError),
+    ) + int_wrongs("top_k", minimum=1) + scalar_wrongs("top_p", below=0.0, above=1.5,
+                                                      tensors=False)  # fmt: skip
+
+
 TEMPERATURE = scalar_wrongs("temperature", below=0.0)
 CHUNK = int_wrongs("chunk_size", minimum=1)
+VOCAB_GROUP = tuple(w for w in kept_wrongs() if w.argument == "vocab_group")
 
 
 def policy_options() -> tuple[Wrong, ...]:
@@ -1091,7 +1132,8 @@ CASES: tuple[Case, ...] = (
         + tensor_wrongs("ref_logits", shapes=((B, T, V + 1), (B, T + 1, V), (B, T)))
         + mask_wrongs()
         + TEMPERATURE
-        + CHUNK,
+        + CHUNK
+        + VOCAB_GROUP,
     ),
     Case(
         "full_vocab_kl_loss",
@@ -1108,7 +1150,8 @@ CASES: tuple[Case, ...] = (
         + reduction_wrongs()
         + TEMPERATURE
         + CHUNK
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + VOCAB_GROUP,
     ),
     Case(
         "fused_policy_loss_from_hidden",
@@ -1126,6 +1169,7 @@ CASES: tuple[Case, ...] = (
         + flag_wrongs("kl_straight_through")
         + cu_seqlens_wrongs()
         + context_group_wrongs(),
+        + kept_wrongs(),
     ),
     Case(
         "gae",
@@ -1413,7 +1457,8 @@ CASES: tuple[Case, ...] = (
         + ALIGNMENT_WRONGS
         + TEMPERATURE
         + CHUNK
-        + cu_seqlens_wrongs(4),
+        + cu_seqlens_wrongs(4)
+        + kept_wrongs((B, 2)),  # (B, R): the set of each response token
     ),
     Case(
         "rloo_advantages",
@@ -1457,7 +1502,8 @@ CASES: tuple[Case, ...] = (
         tensor_wrongs("logits", shapes=((B, T), (B * T * V,)), reference=True)
         + mask_wrongs()
         + TEMPERATURE
-        + CHUNK,
+        + CHUNK
+        + kept_wrongs(),
     ),
     Case(
         "token_log_probs",
@@ -1467,7 +1513,8 @@ CASES: tuple[Case, ...] = (
         + tensor_wrongs("tokens", shapes=MATRIX_SHAPES, dtype=torch.int64)
         + mask_wrongs()
         + TEMPERATURE
-        + CHUNK,
+        + CHUNK
+        + kept_wrongs(),
     ),
     Case(
         "value_loss",
@@ -1553,7 +1600,11 @@ CASES: tuple[Case, ...] = (
         "token_log_probs_from_hidden",
         rlo.token_log_probs_from_hidden,
         lambda: {**_hidden_arguments(), "mask": token_mask()},
-        HIDDEN_WRONGS + mask_wrongs() + flag_wrongs("return_entropy") + cu_seqlens_wrongs(),
+        HIDDEN_WRONGS
+        + mask_wrongs()
+        + flag_wrongs("return_entropy")
+        + cu_seqlens_wrongs()
+        + kept_wrongs(),
     ),
     Case(
         "top_entropy_mask",

@@ -186,6 +186,37 @@ def draw_logits_options(draw: Draw) -> dict[str, Any]:
     }
 
 
+def draw_kept_options(
+    draw: Draw,
+    generator: torch.Generator,
+    shape: tuple[int, ...],
+    vocabulary: int,
+    tokens: torch.Tensor | None = None,
+) -> dict[str, Any]:
+    """The sampler's kept set, sometimes: ids (padded), a mask, or the top-k / top-p rule.
+
+    With ``tokens`` the sets hold the sampled tokens (as an engine's do) and no rule is drawn:
+    a loss of a token outside its set is not finite for every surrogate (CISPO: -sg(r) A log p).
+    """
+    kinds = ("none", "none", "ids", "mask") + (("top_k", "rule") if tokens is None else ())
+    kind = draw(st.sampled_from(kinds))
+    if kind == "ids":
+        ids = torch.randint(-1, vocabulary, (*shape, 3), generator=generator)
+        if tokens is not None:
+            ids[..., 0] = tokens
+        return {"kept_ids": ids}
+    if kind == "mask":
+        mask = torch.rand((*shape, vocabulary), generator=generator) < 0.5
+        if tokens is not None:
+            mask.scatter_(-1, tokens.unsqueeze(-1), True)
+        return {"kept_mask": mask}
+    if kind == "top_k":
+        return {"top_k": draw(st.integers(1, vocabulary))}
+    if kind == "rule":
+        return {"top_k": draw(st.integers(1, vocabulary)), "top_p": 0.7}
+    return {}
+
+
 def draw_kl_options(draw: Draw, *, straight_through: bool = True) -> dict[str, Any]:
     options: dict[str, Any] = {
         "estimator": draw(st.sampled_from(("k1", "k2", "k3"))),
@@ -459,6 +490,8 @@ def _logits_case(kind: str) -> Callable[[Draw], Batch]:
             **draw_logits_options(draw),
         }
         poison = {"logits": t.unselected_rows(vocabulary)}
+        if kind in ("token_log_probs", "token_entropy"):
+            arguments.update(draw_kept_options(draw, t.generator, t.shape, vocabulary))
         if kind == "token_log_probs":
             arguments["tokens"] = torch.randint(0, vocabulary, t.shape, generator=t.generator)
         if kind.startswith("full_vocab_kl"):
@@ -488,6 +521,8 @@ def _token_log_probs_from_hidden(draw: Draw) -> Batch:
     t = draw_tokens(draw)
     arguments, poison = _hidden(draw, t)
     arguments.update(mask=t.mask, return_entropy=draw(st.booleans()))
+    vocabulary = arguments["weight"].shape[0]
+    arguments.update(draw_kept_options(draw, t.generator, t.shape, vocabulary))
     differentiate = ("hidden", "weight") + (("bias",) if arguments["bias"] is not None else ())
     return Batch(arguments, poison, differentiate)
 
@@ -505,6 +540,8 @@ def _fused_policy_loss_from_hidden(draw: Draw) -> Batch:
     poison.update(old_log_probs=t.unselected, advantages=advantages_poison)
     draw_importance_weights(draw, t, arguments, poison)
     arguments["entropy_coef"] = draw(st.sampled_from((0.0, 0.0, 0.2)))
+    vocabulary, tokens = arguments["weight"].shape[0], arguments["tokens"]
+    arguments.update(draw_kept_options(draw, t.generator, t.shape, vocabulary, tokens))
     if draw(st.booleans()):  # with the KL term
         arguments.update(
             ref_log_probs=t.log_probs(),
@@ -537,6 +574,8 @@ def _response_log_probs(draw: Draw) -> Batch:
         "response_length": max(1, *responses) + draw(st.integers(0, 1)),
         **draw_logits_options(draw),
     }
+    response = (batch, arguments["response_length"])
+    arguments.update(draw_kept_options(draw, t.generator, response, vocabulary))
     poison = (~scoring).unsqueeze(-1).expand(batch, length, vocabulary).clone()
     return Batch(arguments, {"logits": poison}, ("logits",))
 

@@ -122,6 +122,10 @@ def make_tensors(
     tensors["advantages_column"] = tensors["advantages"][:, None]
     tensors["sequence_weights_column"] = tensors["sequence_weights"][:, None]
     tensors["rewards_column"] = tensors["rewards"][:, None]
+    # the sampler's kept set of each position, holding the sampled token, padded with -1
+    kept = torch.randint(-1, VOCAB, (sequences, width, 3), generator=generator)
+    kept[..., 0] = torch.where(bad, kept[..., 0], tokens)
+    tensors["kept_ids"] = kept
     return tensors
 
 
@@ -256,18 +260,24 @@ def _kl_token_rewards(scores: str = "rewards") -> Callable[[View], Outputs]:
     return run
 
 
-def _from_hidden(v: View) -> Outputs:
+def _from_hidden(v: View, **kept: str) -> Outputs:
     out = rlo.token_log_probs_from_hidden(
-        v["hidden"], v["weight"], v["tokens"], mask=v["mask"], return_entropy=True, **v.layout
-    )
+        v["hidden"], v["weight"], v["tokens"], mask=v["mask"], return_entropy=True,
+        **{name: v[source] for name, source in kept.items()}, **v.layout,
+    )  # fmt: skip
     return {"log_probs": v.tokens(out.log_probs), "entropy": v.tokens(out.entropy)}
 
 
 def _fused_hidden(
-    advantages: str = "advantages", weights: str | None = None, **options: Any
+    advantages: str = "advantages",
+    weights: str | None = None,
+    kept: str | None = None,
+    **options: Any,
 ) -> Callable[[View], Outputs]:
     def run(v: View) -> Outputs:
         weighted = {} if weights is None else {"importance_weights": v.row(weights)}
+        if kept is not None:
+            weighted["kept_ids"] = v[kept]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", rlo.BiasedGradientWarning)
             out = rlo.fused_policy_loss_from_hidden(
@@ -658,6 +668,20 @@ CASES: list[Case] = [
     Case("kl_penalized_token_rewards", _kl_token_rewards()),
     Case("full_vocab_kl_loss", _full_vocab_kl("sequence_mean"), ("logits_leaf",), heavy=True),
     Case("token_log_probs_from_hidden", _from_hidden, HIDDEN_LEAVES, heavy=True),
+    Case(
+        "token_log_probs_from_hidden-kept_ids",
+        lambda v: _from_hidden(v, kept_ids="kept_ids"),
+        HIDDEN_LEAVES,
+        heavy=True,
+        kernels=False,  # a kept set runs on PyTorch on every backend
+    ),
+    Case(
+        "fused_policy_loss_from_hidden-kept_ids",
+        _fused_hidden(kept="kept_ids", reduction="sequence_mean"),
+        HIDDEN_LEAVES,
+        heavy=True,
+        kernels=False,
+    ),
     Case(
         "fused_policy_loss_from_hidden",
         _fused_hidden(reduction="sequence_mean"),

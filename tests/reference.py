@@ -2821,3 +2821,129 @@ def trl_multi_objective_advantages(
     else:
         spread = std(summed).expand_as(summed)
     return (summed - mean_g) / (spread + 1e-4)
+# --- the sampler's kept set: truncated log-probabilities and entropy (issue 25, item 1) --------
+
+
+def kept_set(
+    row: Tensor,
+    *,
+    ids: list[int] | None = None,
+    pad: int = -1,
+    keep: list[bool] | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> list[bool]:
+    """The kept set of one row of logits (already divided by the temperature), as booleans.
+
+    ``ids``: kept ids (``pad`` ignored; none left: the whole vocabulary). ``keep``: a mask
+    (all False: the whole vocabulary). Otherwise the rule, written from its definition: top-k
+    keeps ``x >= x_(k)`` (the k-th largest value, ties kept); top-p keeps, of those, every token
+    whose renormalised mass strictly above it is below p (the top token always).
+    """
+    vocab = row.shape[0]
+    if ids is not None:
+        real = {i for i in ids if i != pad}
+        return [v in real for v in range(vocab)] if real else [True] * vocab
+    if keep is not None:
+        return list(keep) if any(keep) else [True] * vocab
+    values = [float(x) for x in row.tolist()]
+    kept = [True] * vocab
+    if top_k is not None and top_k < vocab:
+        kth = sorted(values, reverse=True)[top_k - 1]
+        kept = [x >= kth for x in values]
+    if top_p is not None:
+        top = max(x for x, k in zip(values, kept, strict=True) if k)
+        total = sum(math.exp(x - top) for x, k in zip(values, kept, strict=True) if k)
+        mass = [math.exp(x - top) / total if k else 0.0 for x, k in zip(values, kept, strict=True)]
+        above = [sum(m for m in mass if m > mass[v]) for v in range(vocab)]
+        kept = [kept[v] and (above[v] < top_p or values[v] == top) for v in range(vocab)]
+    return kept
+
+
+def _kept_rows(
+    rows: Tensor,
+    kept_ids: Tensor | None,
+    kept_mask: Tensor | None,
+    pad: int,
+    top_k: int | None,
+    top_p: float | None,
+) -> list[list[bool]]:
+    """The kept set of every row of ``rows`` ``(N, V)`` (after the temperature)."""
+    sets = []
+    for n in range(rows.shape[0]):
+        ids = (
+            None
+            if kept_ids is None
+            else [int(i) for i in kept_ids.reshape(-1, kept_ids.shape[-1])[n]]
+        )
+        keep = (
+            None
+            if kept_mask is None
+            else [bool(k) for k in kept_mask.reshape(-1, rows.shape[1])[n]]
+        )
+        sets.append(
+            kept_set(rows[n].detach(), ids=ids, pad=pad, keep=keep, top_k=top_k, top_p=top_p)
+        )
+    return sets
+
+
+def truncated_log_probs(
+    logits: Tensor,
+    tokens: Tensor,
+    mask: Tensor | None = None,
+    temperature: float = 1.0,
+    *,
+    kept_ids: Tensor | None = None,
+    kept_mask: Tensor | None = None,
+    kept_pad: int = -1,
+    top_k: int | None = None,
+    top_p: float | None = None,
+) -> tuple[Tensor, Tensor]:
+    """Reference of token_log_probs / token_entropy with a kept set: ``(log_probs, entropy)``.
+
+    Row by row in float64: ``x = logits / tau``, K from :func:`kept_set`; ``x_y - logsumexp(x_K)``
+    (``-inf``, a constant, when y is not in K) and ``-sum_{v in K} q log q``; 0 where masked.
+    Differentiable with respect to ``logits`` (``x_K`` is selected by indexing).
+    """
+    rows, shape = _rows(logits)
+    scaled = rows.double() / temperature
+    sets = _kept_rows(scaled, kept_ids, kept_mask, kept_pad, top_k, top_p)
+    flat_tokens = tokens.reshape(-1).tolist()
+    zero = torch.zeros((), dtype=torch.float64)
+    log_probs, entropies = [], []
+    for n, keep in enumerate(_row_keep(mask, rows.shape[0])):
+        if not keep:
+            log_probs.append(zero)
+            entropies.append(zero)
+            continue
+        index = torch.tensor([v for v, k in enumerate(sets[n]) if k])
+        inside = scaled[n][index]  # (|K|,)
+        lse = torch.logsumexp(inside, 0)
+        y = int(flat_tokens[n])
+        log_probs.append(
+            scaled[n][y] - lse if sets[n][y] else torch.tensor(-math.inf, dtype=torch.float64)
+        )
+        log_q = inside - lse
+        entropies.append(-(log_q.exp() * log_q).sum())
+    if not log_probs:
+        empty = torch.zeros(shape, dtype=torch.float64)
+        return empty, empty
+    return torch.stack(log_probs).reshape(shape), torch.stack(entropies).reshape(shape)
+
+
+def truncated_log_probs_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    mask: Tensor | None = None,
+    **kept: object,
+) -> tuple[Tensor, Tensor]:
+    """Reference of token_log_probs_from_hidden with a kept set: the float64 logits, then
+    :func:`truncated_log_probs`."""
+    logits = hidden.double() @ weight.double().T
+    if bias is not None:
+        logits = logits + bias.double()
+    return truncated_log_probs(logits, tokens, mask, temperature, **kept)  # type: ignore[arg-type]

@@ -54,6 +54,7 @@ from .logprobs.alignment import (
 from .logprobs.fused import FusedPolicyLossOutput, fused_policy_loss_from_hidden
 from .logprobs.hidden import TokenLogProbsOutput, token_log_probs_from_hidden
 from .logprobs.logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, token_log_probs
+from .logprobs.vocab_parallel import VocabParallel
 from .policy.entropy import top_entropy_mask
 from .policy.inputs import PolicyLossDiagnostics, PolicyLossOutput
 from .policy.loss import policy_loss
@@ -114,6 +115,7 @@ __all__ = [
     "UnpackedTokens",
     "ValueLossDiagnostics",
     "ValueLossOutput",
+    "VocabParallel",
     "__version__",
     "aggregate",
     "cov_selection",

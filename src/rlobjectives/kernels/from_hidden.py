@@ -19,19 +19,45 @@ import torch
 
 from .common import first_order_only
 from .head_backward import lm_head_backward
-from .head_forward import lm_head_forward
+from .head_forward import LMHeadForward, lm_head_forward, lm_head_slice_forward
 from .token_loss import TokenLossOptions, scale_by_mask, token_loss_forward
 
 __all__ = ["FusedPolicyLossFromHiddenFunction", "LogProbsFromHiddenFunction"]
+
+
+def _slice_tokens(tokens: torch.Tensor, head_kwargs: dict[str, Any]) -> torch.Tensor:
+    """The ids the kernels read: local, -1 off this rank's slice (``shard`` in the kwargs)."""
+    shard = head_kwargs.get("shard")
+    if shard is None:
+        return tokens
+    local, owned = shard.local_ids(tokens)
+    return torch.where(owned, local, -1)
+
+
+def _head_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    kwargs: dict[str, Any],
+) -> LMHeadForward:
+    """:func:`lm_head_forward`, or :func:`lm_head_slice_forward` with a ``shard``."""
+    shard = kwargs.get("shard")
+    forward = {k: v for k, v in kwargs.items() if k not in ("chunk_bytes", "shard")}
+    if shard is None:
+        return lm_head_forward(hidden, weight, tokens, mask, bias=bias, **forward)
+    return lm_head_slice_forward(hidden, weight, tokens, mask, bias=bias, shard=shard, **forward)
 
 
 class LogProbsFromHiddenFunction(torch.autograd.Function):
     """``apply(hidden, weight, bias, tokens, mask, head_kwargs) -> (log_probs, entropy)``.
 
     ``head_kwargs``: ``temperature``, ``with_entropy`` and optionally ``blocks``/``splits``
-    (forward) and ``chunk_bytes`` (backward). Outputs are ``(N,)`` float32, zeros at masked
-    rows; ``entropy`` is an empty tensor without ``with_entropy``. Gradients flow to
-    ``hidden``, ``weight`` and ``bias``. First-order only.
+    (forward), ``chunk_bytes`` (backward) and ``shard`` (vocabulary parallelism: ``weight`` and
+    ``bias`` are this rank's rows, ``tokens`` global ids; the gradients are this rank's).
+    Outputs are ``(N,)`` float32, zeros at masked rows; ``entropy`` is an empty tensor without
+    ``with_entropy``. Gradients flow to ``hidden``, ``weight`` and ``bias``. First-order only.
     """
 
     @staticmethod
@@ -45,8 +71,8 @@ class LogProbsFromHiddenFunction(torch.autograd.Function):
         head_kwargs: dict[str, Any],
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward pass (see the class docstring)."""
-        forward_kwargs = {k: v for k, v in head_kwargs.items() if k != "chunk_bytes"}
-        out = lm_head_forward(hidden, weight, tokens, mask, bias=bias, **forward_kwargs)
+        tokens = _slice_tokens(tokens, head_kwargs)
+        out = _head_forward(hidden, weight, bias, tokens, mask, head_kwargs)
         entropy = out.entropy if out.entropy is not None else out.lse.new_empty(0)
         ctx.save_for_backward(hidden, weight, bias, tokens, mask, out.lse, out.entropy)
         ctx.head_kwargs = head_kwargs

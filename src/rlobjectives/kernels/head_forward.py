@@ -13,6 +13,11 @@ all the backward (:mod:`._lm_head_backward`) needs to recompute the probabilitie
 
 The vocabulary is split over ``splits`` programs per row block when the row blocks alone would
 not fill the GPU; a second small kernel merges the splits.
+
+Under vocabulary parallelism (:func:`lm_head_slice_forward`) the weight rows are this rank's
+slice: the partial kernel runs on them, the splits are merged in PyTorch into the slice's
+``(lse_r, h_r, z_y)`` and those are combined over the ranks
+(:func:`rlobjectives.logprobs.vocab_parallel.combine_rows`: ``O(N)`` floats sent).
 """
 
 from __future__ import annotations
@@ -21,10 +26,18 @@ from typing import NamedTuple
 
 import torch
 
+from ..logprobs.vocab_parallel import Shard, combine_rows
 from .common import KERNEL_DTYPES, check_mask, grid_blocks, mask_bytes, on_tensor_device
 from .loading import interpreted, kernels
 
-__all__ = ["HeadBlocks", "LMHeadForward", "dot_precision", "head_blocks", "lm_head_forward"]
+__all__ = [
+    "HeadBlocks",
+    "LMHeadForward",
+    "dot_precision",
+    "head_blocks",
+    "lm_head_forward",
+    "lm_head_slice_forward",
+]
 
 
 class HeadBlocks(NamedTuple):
@@ -161,12 +174,35 @@ def lm_head_forward(
         :class:`LMHeadForward`. No host synchronisation; inputs are not modified.
     """
     hidden, weight, tokens, mask, bias = check_head(hidden, weight, tokens, mask, bias)
+    zeros = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+    if hidden.shape[0] == 0 or weight.shape[0] == 0:
+        return LMHeadForward(zeros, zeros.clone() if with_entropy else None, zeros.clone())
+    partial, flags = _partials(
+        (hidden, weight, tokens, mask, bias), temperature, with_entropy, blocks, splits
+    )
+    lse = torch.empty_like(zeros)
+    log_probs = torch.empty_like(zeros)
+    entropy = torch.empty_like(zeros) if with_entropy else None
+    block = 1024
+    kernels(hidden.device).lm_head.lse_combine_kernel[(grid_blocks(hidden.shape[0], block),)](
+        partial[0], partial[1], partial[2], partial[3], flags, lse, log_probs, entropy,
+        hidden.shape[0], partial.shape[1], WITH_ENTROPY=with_entropy, BLOCK=block,
+    )  # fmt: skip
+    return LMHeadForward(log_probs, entropy, lse)
+
+
+def _partials(
+    head: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None],
+    temperature: float,
+    with_entropy: bool,
+    blocks: HeadBlocks | None,
+    splits: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(partial, flags)``: the ``(4, splits, N)`` running ``(m, s, t, z_y)``, the mask bytes."""
+    hidden, weight, tokens, mask, bias = head
     device = hidden.device
     rows, width = hidden.shape
     vocab = weight.shape[0]
-    zeros = torch.zeros(rows, dtype=torch.float32, device=device)
-    if rows == 0 or vocab == 0:
-        return LMHeadForward(zeros, zeros.clone() if with_entropy else None, zeros.clone())
     tiles = blocks or head_blocks(device, hidden.dtype)
     row_blocks = grid_blocks(rows, tiles.rows)
     vocab_blocks = grid_blocks(vocab, tiles.vocab)
@@ -184,12 +220,63 @@ def lm_head_forward(
         BLOCK_N=tiles.rows, BLOCK_V=tiles.vocab, BLOCK_H=tiles.depth,
         num_warps=tiles.warps, num_stages=tiles.stages,
     )  # fmt: skip
-    lse = torch.empty_like(zeros)
-    log_probs = torch.empty_like(zeros)
-    entropy = torch.empty_like(zeros) if with_entropy else None
-    block = 1024
-    module.lse_combine_kernel[(grid_blocks(rows, block),)](
-        partial[0], partial[1], partial[2], partial[3], flags, lse, log_probs, entropy,
-        rows, count, WITH_ENTROPY=with_entropy, BLOCK=block,
-    )  # fmt: skip
-    return LMHeadForward(log_probs, entropy, lse)
+    return partial, flags
+
+
+def _slice_stats(
+    partial: torch.Tensor, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    r"""The slice's ``(lse_r, h_r, z_y)`` from the splits' running statistics (PyTorch).
+
+    The merge of ``lse_combine_kernel``: :math:`M = \max_j m_j`, :math:`s = \sum_j e^{m_j - M}
+    s_j`, :math:`t = \sum_j e^{m_j - M}(t_j + (m_j - M) s_j)`; ``lse_r = M + log s``, ``h_r =
+    log s - t / s`` (``-inf`` and 0 for a slice with no finite logit in the row).
+    """
+    maximum, total, moment, target = partial  # (splits, N) each
+    overall = maximum.amax(dim=0)  # (N,)
+    shift = torch.where(overall == -torch.inf, 0.0, overall)
+    rescale = torch.exp(maximum - shift)  # (splits, N), 0 for an empty split
+    summed = (rescale * total).sum(dim=0)  # (N,)
+    log_total = torch.log(summed)
+    entropy = None
+    if with_entropy:
+        offset = torch.where(maximum == -torch.inf, 0.0, maximum - shift)
+        moments = (rescale * (moment + offset * total)).sum(dim=0)
+        entropy = torch.where(summed > 0, log_total - moments / summed, 0.0)
+    return shift + log_total, entropy, target.sum(dim=0)
+
+
+@on_tensor_device
+def lm_head_slice_forward(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    shard: Shard,
+    bias: torch.Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    blocks: HeadBlocks | None = None,
+    splits: int | None = None,
+) -> LMHeadForward:
+    """:func:`lm_head_forward` with ``weight``/``bias`` this rank's vocabulary slice.
+
+    ``tokens`` are local ids, -1 where the slice does not hold the token (the kernels never
+    match -1). The result (log-probabilities, entropies, ``lse``) is over the whole vocabulary,
+    the same on every rank; the ``lse`` is what :func:`~._lm_head_backward.lm_head_backward`
+    needs for this slice's gradients.
+    """
+    hidden, weight, tokens, mask, bias = check_head(hidden, weight, tokens, mask, bias)
+    rows = hidden.shape[0]
+    zeros = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
+    if rows == 0:
+        return LMHeadForward(zeros, zeros.clone() if with_entropy else None, zeros.clone())
+    partial, _ = _partials(
+        (hidden, weight, tokens, mask, bias), temperature, with_entropy, blocks, splits
+    )
+    log_normalizer, local_entropy, target = _slice_stats(partial, with_entropy)
+    totals = combine_rows(log_normalizer, local_entropy, [target], shard)
+    log_probs = torch.where(mask, totals.sums[0] - totals.log_normalizer, 0.0)
+    entropy = None if totals.entropy is None else torch.where(mask, totals.entropy, 0.0)
+    return LMHeadForward(log_probs, entropy, torch.where(mask, totals.log_normalizer, 0.0))

@@ -12,7 +12,6 @@ from typing import NamedTuple
 
 import torch
 
-from .._core.chunking import resolve_chunk_size
 from .._core.layout import token_matrix, token_ndim, token_output
 from .._core.reduction import masked_fill_zero
 from .._core.validation import (
@@ -29,6 +28,9 @@ from .._core.validation import (
 from .functions import TokenLogProbsFunction
 from .logits import _as_logits, _validate_temperature
 from .packed_shift import packed_alignment
+from .restricted import RestrictedLogProbsFunction, restricted_chunk_size
+from .truncation import Restriction, restriction_of
+from .vocab_parallel import VocabGroup
 
 __all__ = [
     "ResponseAlignment",
@@ -334,6 +336,24 @@ def _packed_response_alignment(
     return ResponseAlignment(*(token_output(tensor, flat) for tensor in alignment))
 
 
+def _shifted(restriction: Restriction, alignment: ResponseAlignment, length: int) -> Restriction:
+    """The kept set's rows (one per response token) for the logits rows that predict them.
+
+    Row ``positions[b, t]`` of the ``(B, L)`` logits reads row ``(b, t)`` of the set; rows that
+    predict no response token read row 0 (they are not computed).
+    """
+    kept = restriction.kept
+    if kept is None or kept.rule:
+        return restriction
+    batch, width = alignment.mask.shape
+    device = alignment.mask.device
+    response_rows = torch.arange(batch * width, device=device).reshape(batch, width)  # (B, R)
+    columns = torch.where(alignment.mask, alignment.positions, length)  # (B, R); L: spare
+    index = torch.zeros(batch, length + 1, dtype=torch.int64, device=device)
+    index = index.scatter(1, columns, response_rows)[:, :length]  # (B, L)
+    return restriction._replace(kept=kept._replace(rows=index.reshape(-1)))
+
+
 @checks_environment
 def response_log_probs(
     logits: ArrayLike,
@@ -347,6 +367,12 @@ def response_log_probs(
     chunk_size: int | None = None,
     check_layout: bool = True,
     cu_seqlens: ArrayLike | None = None,
+    vocab_group: VocabGroup = None,
+    kept_ids: ArrayLike | None = None,
+    kept_pad: int = -1,
+    kept_mask: ArrayLike | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> ResponseLogProbs:
     r"""Response-token log-probabilities from full-sequence causal-LM logits, shift included.
 
@@ -366,6 +392,13 @@ def response_log_probs(
     (selecting the response tokens), and each token is scored by the logits of the previous
     token of its own sequence (see :func:`response_alignment`), never across a boundary.
 
+    The kept set (``kept_ids``, ``kept_mask``, ``top_k``/``top_p``, as :func:`token_log_probs`)
+    is aligned with the **response tokens** it scores, as engines report it per generated
+    token: ``kept_ids`` ``(B, R, K)`` (packed ``(N, K)``, aligned with ``input_ids``); row
+    ``t`` is the set the token at response position ``t`` was drawn from (the logits row before
+    it). ``vocab_group``: ``logits`` are this rank's vocabulary slice, as
+    :func:`token_log_probs`.
+
     Args:
         logits: ``(B, L, V)`` logits of the full sequences (position ``j`` predicts ``j + 1``).
         input_ids: ``(B, L)`` integer token ids.
@@ -380,6 +413,13 @@ def response_log_probs(
         check_layout: validate the layout on the host (see :func:`response_alignment`).
         cu_seqlens: ``(S + 1,)`` integer boundaries of packed sequences, or None for the padded
             layout (see above).
+        vocab_group: as :func:`token_log_probs`.
+        kept_ids: ``(B, R, K)`` kept ids of each response token (packed ``(N, K)``), padded
+            with ``kept_pad``.
+        kept_pad: the padding id of ``kept_ids`` (default -1).
+        kept_mask: ``(B, R, V)`` (packed ``(N, V)``) bool, True = kept.
+        top_k: as :func:`token_log_probs`.
+        top_p: as :func:`token_log_probs`.
 
     Returns:
         :class:`ResponseLogProbs` ``(log_probs, mask)``: ``(B, R)`` float32 log-probabilities
@@ -387,8 +427,9 @@ def response_log_probs(
         of ``input_ids``).
 
     Raises:
-        ValueError: on shapes that do not match ``(B, L, V)`` / ``(B, L)``, and as
-            :func:`response_alignment` and :func:`token_log_probs`.
+        ValueError: on shapes that do not match ``(B, L, V)`` / ``(B, L)`` (the kept set:
+            ``(B, R, K)`` / ``(B, R, V)``), and as :func:`response_alignment` and
+            :func:`token_log_probs`.
         TypeError: as :func:`response_alignment` and :func:`token_log_probs`.
 
     References:
@@ -431,11 +472,27 @@ def response_log_probs(
     rows = rows.scatter_add(1, alignment.positions, alignment.mask.to(torch.int64)) > 0
     targets = torch.nn.functional.pad(ids[:, 1:].to(torch.int64), (0, 1))  # (B, L)
     tau = _validate_temperature(temperature)
-    chunk = resolve_chunk_size(chunk_size, row_width=logits_t.shape[-1])
+    options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p)
+    restriction = restriction_of(
+        options,
+        shape=tuple(alignment.mask.shape),
+        vocab=logits_t.shape[-1],
+        device=logits_t.device,
+        reference="logits",
+        packed=packed,
+    )
+    chunk = restricted_chunk_size(chunk_size, logits_t, restriction)
     targets = torch.where(rows, targets, 0)  # (B, L)
-    full: torch.Tensor = TokenLogProbsFunction.apply(  # type: ignore[no-untyped-call]
-        logits_t, targets, rows, True, tau, chunk, compute_dtype(logits_t)
-    )  # (B, L)
+    dtype = compute_dtype(logits_t)
+    if restriction is not None:
+        restriction = _shifted(restriction, alignment, length)
+        full: torch.Tensor = RestrictedLogProbsFunction.apply(  # type: ignore[no-untyped-call]
+            logits_t, targets, rows, True, tau, chunk, dtype, restriction
+        )  # (B, L)
+    else:
+        full = TokenLogProbsFunction.apply(  # type: ignore[no-untyped-call]
+            logits_t, targets, rows, True, tau, chunk, dtype
+        )  # (B, L)
     log_probs = masked_fill_zero(full.gather(1, alignment.positions), alignment.mask)  # (B, R)
     return ResponseLogProbs(
         log_probs=token_output(log_probs, flat), mask=token_output(alignment.mask, flat)

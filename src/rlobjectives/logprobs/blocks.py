@@ -20,6 +20,11 @@ __all__ = [
     "entropy_logit_grads_",
     "entropy_stats_",
     "finite_log_probs_",
+    "slice_entropy_grad",
+    "slice_kl",
+    "slice_kl_grads",
+    "slice_log_probs_grad",
+    "slice_stats",
     "xlogy_terms",
 ]
 
@@ -177,12 +182,16 @@ def entropy_stats_(
     :math:`H = -\sum_v p_v \log p_v = \log Z - \sum_v e^{s_v - m}(s_v - m) / Z`.
     The exponentials are formed ``scratch.shape[0]`` rows at a time in ``scratch``
     ``(c, V)``, so no second ``(C, V)`` buffer is needed. ``scores`` becomes :math:`s - m`, with
-    ``-inf`` (banned tokens) made the most negative finite value (so that ``0 * log 0 = 0``).
+    ``-inf`` (banned tokens) made the most negative finite value (so that ``0 * log 0 = 0``). A
+    row with no finite value (:math:`m` taken as 0) gives :math:`-\infty` and entropy 0.
 
     Returns:
         ``(log_normalizer, entropy, log_total)``: ``(C,)``, ``(C,)`` and ``log Z`` ``(C, 1)``.
     """
     maximum = scores.amax(dim=1, keepdim=True)  # (C, 1)
+    # 0 for a row without a finite value (a vocabulary slice or kept set with none): no -inf - -inf
+    zero = torch.zeros((), dtype=maximum.dtype, device=maximum.device)
+    maximum = torch.where(torch.isfinite(maximum), maximum, zero)
     shifted = finite_log_probs_(scores.sub_(maximum))  # (C, V), s - m
     totals, dots = [], []
     step = scratch.shape[0]
@@ -193,9 +202,9 @@ def entropy_stats_(
         # the row dot products as a batched product: no (c, V) product buffer either
         dots.append(torch.bmm(exps.unsqueeze(1), part.unsqueeze(2)).reshape(-1))  # (c,)
     total = torch.cat(totals).unsqueeze(1)  # (C, 1)
-    log_total = total.log()  # (C, 1)
-    entropy = (log_total - torch.cat(dots).unsqueeze(1) / total).squeeze(1)  # (C,)
-    return (maximum + log_total).squeeze(1), entropy, log_total
+    log_total = total.log()  # (C, 1), -inf for an empty row
+    entropy = torch.where(total > 0, log_total - torch.cat(dots).unsqueeze(1) / total, zero)
+    return (maximum + log_total).squeeze(1), entropy.squeeze(1), log_total
 
 
 def entropy_logit_grads_(
@@ -235,3 +244,117 @@ def entropy_logit_grads_(
         part.add_(entropies[rows]).mul_(probs).mul_(entropy_weight[rows])
         part.addcmul_(probs, row_coefficient[rows])
     return log_probs
+
+
+# ---------------------------------------------------------------------------------------------
+# A slice of the vocabulary (vocabulary parallelism) or a kept set: the row normalisers are given
+# ---------------------------------------------------------------------------------------------
+
+
+def slice_stats(
+    scores: torch.Tensor, *, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    r"""Log-normaliser and entropy of the softmax of each row of ``scores`` ``(C, V)``.
+
+    With :math:`m = \max_v s_v` (0 for a row without a finite value), :math:`Z = \sum_v
+    e^{s_v - m}`: :math:`\ell = m + \log Z` and :math:`h = \log Z - \sum_v e^{s_v - m}(s_v -
+    m) / Z`. A row whose values are all ``-inf`` (a vocabulary slice with no kept token) gives
+    :math:`\ell = -\infty` and :math:`h = 0`, never NaN. ``scores`` is not modified.
+
+    Returns:
+        ``(log_normalizer, entropy)``, ``(C,)`` each (entropy None without ``with_entropy``).
+    """
+    if not with_entropy:
+        return torch.logsumexp(scores, dim=1), None  # -inf for a row of -inf
+    maximum = scores.amax(dim=1, keepdim=True)  # (C, 1)
+    zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
+    shift = torch.where(torch.isfinite(maximum), maximum, zero)  # (C, 1)
+    shifted = scores - shift  # (C, V)
+    exps = torch.exp(shifted)  # (C, V)
+    total = exps.sum(dim=1)  # (C,)
+    moment = xlogy_terms(exps, shifted).sum(dim=1)  # (C,) 0 * -inf = 0
+    log_total = torch.log(total)  # (C,) -inf for an empty row
+    entropy = torch.where(total > 0, log_total - moment / total, zero)
+    return shift.squeeze(1) + log_total, entropy
+
+
+def slice_log_probs_grad(
+    scores: torch.Tensor,
+    tokens: torch.Tensor,
+    grad: torch.Tensor,
+    target_grad: torch.Tensor,
+    log_normalizer: torch.Tensor,
+) -> torch.Tensor:
+    r"""``g (1[v = y] - p)`` with :math:`p = e^{s - \ell}` for the given (global) normaliser.
+
+    Args:
+        scores: ``(C, V)`` the chunk's logits after the temperature and the kept set (consumed:
+            the result is written into it).
+        tokens: ``(C,)`` int64 local ids of the targets (any valid index where not owned).
+        grad: ``(C,)`` upstream gradient of the log-probabilities.
+        target_grad: ``(C,)`` the gradient scattered at the target: ``grad`` where this slice
+            holds the target, 0 elsewhere.
+        log_normalizer: ``(C,)`` :math:`\ell` over the whole (kept) vocabulary.
+
+    Returns:
+        ``scores``, holding the ``(C, V)`` gradient.
+    """
+    probs = scores.sub_(log_normalizer.unsqueeze(1)).exp_()  # (C, V) p, 0 at -inf
+    grad_scores = probs.mul_((-grad).unsqueeze(1))  # -g p
+    return grad_scores.scatter_add_(1, tokens.unsqueeze(1), target_grad.unsqueeze(1))
+
+
+def slice_entropy_grad(
+    scores: torch.Tensor, entropy: torch.Tensor, grad: torch.Tensor, log_normalizer: torch.Tensor
+) -> torch.Tensor:
+    r"""``-g p (log p + H)`` with :math:`\log p = s - \ell` for the given normaliser and entropy.
+
+    ``scores`` ``(C, V)`` is consumed (the result is written into it); ``-inf`` entries give 0.
+    """
+    log_probs = finite_log_probs_(scores.sub_(log_normalizer.unsqueeze(1)))  # (C, V)
+    probs = torch.exp(log_probs)  # (C, V)
+    log_probs.add_(entropy.unsqueeze(1))  # log p + H
+    return probs.mul_(log_probs).mul_((-grad).unsqueeze(1))
+
+
+def slice_kl(
+    chunk: torch.Tensor,
+    ref_chunk: torch.Tensor,
+    log_normalizer: torch.Tensor,
+    ref_log_normalizer: torch.Tensor,
+) -> torch.Tensor:
+    r"""This slice's part :math:`\sum_{v \in r} p_v (\log p_v - \log q_v)` of the KL, ``(C,)``.
+
+    :math:`\log p = x - \ell_x` and :math:`\log q = y - \ell_y` with the normalisers over the
+    whole vocabulary, so the terms are those of the unsharded call.
+    """
+    log_p = chunk - log_normalizer.unsqueeze(1)  # (C, V)
+    log_q = ref_chunk - ref_log_normalizer.unsqueeze(1)  # (C, V)
+    return xlogy_terms(torch.exp(log_p), log_p - log_q).sum(dim=1)
+
+
+def slice_kl_grads(
+    chunk: torch.Tensor,
+    ref_chunk: torch.Tensor,
+    normalizers: tuple[torch.Tensor, torch.Tensor],
+    kl: torch.Tensor,
+    grad: torch.Tensor,
+    *,
+    need_logits: bool,
+    need_ref: bool,
+) -> list[torch.Tensor]:
+    r"""Gradients of :func:`slice_kl`: :math:`g p_v(\log p_v - \log q_v - KL)`, :math:`g(q_v-p_v)`.
+
+    ``normalizers`` are :math:`(\ell_x, \ell_y)` ``(C,)`` over the whole vocabulary.
+    """
+    log_p = chunk - normalizers[0].unsqueeze(1)  # (C, V)
+    log_q = ref_chunk - normalizers[1].unsqueeze(1)  # (C, V)
+    probs = torch.exp(log_p)  # (C, V)
+    upstream = grad.unsqueeze(1)  # (C, 1)
+    grads = []
+    if need_logits:
+        difference = log_p.sub(log_q).sub_(kl.unsqueeze(1))  # (C, V)
+        grads.append(xlogy_terms(probs, difference).mul_(upstream))
+    if need_ref:
+        grads.append(log_q.exp_().sub_(probs).mul_(upstream))
+    return grads

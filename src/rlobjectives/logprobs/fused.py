@@ -55,6 +55,7 @@ from .composition import (
 from .fused_linear import FusedLinearLoss, FusedTerms
 from .head import Head, prepare_head
 from .passes import LogProbsFromHidden
+from .vocab_parallel import VocabGroup, reduce_hidden_gradient
 
 __all__ = ["FusedPolicyLossOutput", "fused_policy_loss_from_hidden"]
 
@@ -86,6 +87,12 @@ def fused_policy_loss_from_hidden(
     kl_straight_through: bool = False,
     cu_seqlens: ArrayLike | None = None,
     context_group: ProcessGroup | None = None,
+    vocab_group: VocabGroup = None,
+    kept_ids: ArrayLike | None = None,
+    kept_pad: int = -1,
+    kept_mask: ArrayLike | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> FusedPolicyLossOutput:
     r"""Policy loss (+ optional KL penalty and entropy bonus) from hidden states, chunk by chunk.
 
@@ -131,6 +138,26 @@ def fused_policy_loss_from_hidden(
     ``hidden``, ``weight`` and ``bias`` are this rank's tokens' part of the unsplit gradient
     (sum ``weight``'s over the group, as the trainer's gradient all-reduce does).
 
+    **Kept set** (``kept_ids``, ``kept_mask``, ``top_k``/``top_p``, as
+    :func:`token_log_probs_from_hidden`): :math:`\ell` and :math:`H` are over the sampler's kept
+    set (the fused chunk loop restricts each chunk's logits). A sampled token outside the set
+    (only a recomputed ``top_k``/``top_p`` that disagrees with the engine can produce one) has
+    :math:`\ell = -\infty`: its gradient is exactly 0 (the log-ratio is clamped at
+    ``-log_ratio_bound``, so its ratio is :math:`e^{-20}`; the clipped surrogate then
+    contributes :math:`\approx 0` for :math:`A > 0` and the constant :math:`(1 - \epsilon)|A|`
+    for :math:`A < 0`), it still counts in the denominators, and its KL estimate is the
+    bound's value (k3: :math:`e^{20}`): pass the engine's ``kept_ids`` to avoid such tokens.
+    The kernels take no kept set (such a call runs the PyTorch path).
+
+    **Vocabulary-parallel** (``vocab_group``, as :func:`token_log_probs_from_hidden`):
+    ``weight``/``bias`` are this rank's rows; the loss, its parts and the diagnostics are the
+    unsharded call's on every rank, ``grad_weight``/``grad_bias`` this rank's rows of the
+    unsharded gradient and ``grad_hidden`` its part (``hidden_grad="partial"``) or the sum
+    (``"reduced"``). The log-probabilities need the whole vocabulary's normaliser before any
+    gradient can be formed, so the call composes the chunked log-probabilities (recompute in
+    backward: the same three products as the fused loop plus one) with the policy loss, on
+    PyTorch or the kernels.
+
     Args:
         hidden: ``(B, T, H)`` hidden states at the response positions.
         weight: ``(V, H)`` LM-head weight, same dtype as ``hidden``.
@@ -168,6 +195,12 @@ def fused_policy_loss_from_hidden(
             non-decreasing, ``N`` last); see :func:`policy_loss`.
         context_group: the process group of the ranks holding the other tokens of the same
             sequences (context parallelism), or None; see above.
+        vocab_group: as :func:`token_log_probs_from_hidden`.
+        kept_ids: as :func:`token_log_probs_from_hidden`.
+        kept_pad: as :func:`token_log_probs_from_hidden`.
+        kept_mask: as :func:`token_log_probs_from_hidden`.
+        top_k: as :func:`token_log_probs_from_hidden`.
+        top_p: as :func:`token_log_probs_from_hidden`.
 
     Returns:
         :class:`FusedPolicyLossOutput` ``(loss, policy_loss, kl_loss, log_probs, diagnostics,
@@ -178,7 +211,8 @@ def fused_policy_loss_from_hidden(
         ValueError: as :func:`token_log_probs_from_hidden` and :func:`policy_loss`, plus a
             negative ``kl_coef``, an unknown ``kl_estimator``, or ``kl_coef > 0`` without
             ``ref_log_probs``.
-        TypeError: on non-numeric inputs (a tensor ``entropy_coef`` or ``kl_coef`` included).
+        TypeError: on non-numeric inputs (a tensor ``entropy_coef`` or ``kl_coef`` included),
+            and as :func:`token_log_probs_from_hidden`.
         RuntimeError: on a second backward through the same result.
         Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
             group; ValueError if this rank is not in it or no process group is initialised.
@@ -209,8 +243,9 @@ def fused_policy_loss_from_hidden(
        :func:`policy_loss` (``clip_low=a`` is ``surrogate=Clip(low=a)``).
     """
     packed = cu_seqlens is not None
+    kept_options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p)
     head, batch_shape = prepare_head(
-        hidden, weight, tokens, bias, temperature, chunk_size, packed=packed
+        hidden, weight, tokens, bias, temperature, chunk_size, packed=packed, options=kept_options
     )
     check_old_log_probs(old_log_probs, head, batch_shape, packed)
     options = validate_surrogate_options(
@@ -235,6 +270,8 @@ def fused_policy_loss_from_hidden(
     if kl is not None:
         warn_biased_kl_loss(kl.estimator, kl.straight_through, "fused_policy_loss_from_hidden")
     call = _with_head_dtype(call, head, kl, coef)
+    if head.shard is not None:  # Megatron's copy to the TP region, with hidden_grad="reduced"
+        head = head._replace(hidden=reduce_hidden_gradient(head.hidden, head.shard))
     out = _dispatch(head, batch_shape, call, kl)
     if not (packed and token_ndim(tokens) == 1):
         return out
@@ -263,9 +300,11 @@ def _dispatch(
 
     With the kernels selected (docs/kernels.md) the log-probabilities come from the Triton LM
     head, and a token-local loss runs the one-pass Triton function (None from it: a
-    hyperparameter the kernels cannot take, the PyTorch chunk loop).
+    hyperparameter the kernels cannot take, the PyTorch chunk loop). A kept set runs on
+    PyTorch (the kernels take none).
     """
-    kernels = kernel_backend(head.hidden.device, dtype=call.inputs.dtype) == "triton"
+    triton = kernel_backend(head.hidden.device, dtype=call.inputs.dtype) == "triton"
+    kernels = triton and head.kept is None
     if kernels:
         from ..kernels.calls import head as head_call
 
@@ -300,6 +339,7 @@ def _needs_composition(head: Head, call: PolicyCall) -> bool:
     )
     return (
         not wants_grad
+        or head.shard is not None  # the normaliser needs every slice before any gradient
         or call.reduction.reduction == "none"
         or call.options.ratio_level == "sequence"
         or not has_fused_stage(call.options)

@@ -38,6 +38,7 @@ from .head import (
     select_rows,
     softmax_,
 )
+from .truncation import kept_rows, restrict_
 
 __all__ = ["CoefficientFn", "FusedLinearLoss", "FusedTerms", "fused_linear_forward"]
 
@@ -67,29 +68,41 @@ class _ChunkGradient(NamedTuple):
     entropy: torch.Tensor | None  # (n,) with the entropy term
 
 
+def _row_coefficient(
+    terms: FusedTerms, log_probs: torch.Tensor, block: Block, inv_temperature: float, kept: bool
+) -> torch.Tensor:
+    """``c / tau`` of the chunk's rows; 0 for a token outside the kept set (``-inf`` log-prob)."""
+    coefficient = terms.coefficient(log_probs, block) * inv_temperature  # (n,)
+    if kept:  # no gradient through a token the sampler could not have drawn (where, not *)
+        coefficient = masked_fill_zero(coefficient, log_probs > -torch.inf)
+    return coefficient
+
+
 def _logit_grads(
     scores: torch.Tensor,
     target: torch.Tensor,
     terms: FusedTerms,
     scratch: torch.Tensor | None,
-    inv_temperature: float,
+    options: tuple[float, bool],
     block: Block,
 ) -> _ChunkGradient:
     """``-(c p + g p (log p + H)) / tau`` in place of ``scores`` ``(n, V)``; ``target`` ``(n,)``.
 
     ``c = dL/dlog_prob`` and ``g = dL/dH`` (0 at masked tokens); one ``(n, V)`` buffer
-    (``scores``), plus a few rows of ``scratch`` for the entropy term.
+    (``scores``), plus a few rows of ``scratch`` for the entropy term. ``options``: ``(1 / tau,
+    whether a kept set restricted the scores)``.
     """
+    inv_temperature, kept = options
     active = terms.mask[block]  # (n,)
     if terms.entropy_weights is None or scratch is None:
         probs, lse = softmax_(scores)  # (n, V), (n,)
         log_probs = masked_fill_zero(target - lse, active)  # (n,)
-        row_coefficient = terms.coefficient(log_probs, block) * inv_temperature  # (n,)
+        row_coefficient = _row_coefficient(terms, log_probs, block, inv_temperature, kept)
         grad_scores = probs.mul_((-row_coefficient).unsqueeze(1))  # -c p / tau
         return _ChunkGradient(grad_scores, row_coefficient, log_probs, None)
     lse, entropy, log_total = entropy_stats_(scores, scratch)  # scores becomes s - max
     log_probs = masked_fill_zero(target - lse, active)  # (n,)
-    row_coefficient = terms.coefficient(log_probs, block) * inv_temperature  # (n,)
+    row_coefficient = _row_coefficient(terms, log_probs, block, inv_temperature, kept)
     entropy_weight = terms.entropy_weights[block] * inv_temperature  # (n,)
     log_p = finite_log_probs_(scores.sub_(log_total))  # (n, V)
     grad_scores = entropy_logit_grads_(
@@ -99,14 +112,21 @@ def _logit_grads(
 
 
 def _fused_step(
-    head: Head, terms: FusedTerms, state: tuple[Grads, ChunkBuffers], block: Block
+    head: Head,
+    terms: FusedTerms,
+    state: tuple[Grads, ChunkBuffers, torch.Tensor | None],
+    block: Block,
 ) -> list[torch.Tensor]:
-    grads, buffers = state
+    grads, buffers, thresholds = state
     active = terms.mask[block]  # (n,)
     hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], active)
     scores = chunk_scores(hidden_chunk, head, buffers)  # (n, V)
+    if head.kept is not None:  # the logits outside the kept set become -inf
+        flat = kept_rows(block, ())  # unselected (zeroed) rows keep everything: finite softmax
+        restrict_(scores, head.kept, flat, None, thresholds, decide=True, active=active)
     target = scores.gather(1, tokens_chunk.unsqueeze(1)).squeeze(1)  # (n,)
-    chunk = _logit_grads(scores, target, terms, buffers.scratch, head.inv_temperature, block)
+    options = (head.inv_temperature, head.kept is not None)
+    chunk = _logit_grads(scores, target, terms, buffers.scratch, options, block)
     # + c 1[v = y] / tau
     chunk.grad_scores.scatter_add_(1, tokens_chunk.unsqueeze(1), chunk.row_coefficient.unsqueeze(1))
     accumulate_grads(chunk.grad_scores, hidden_chunk, head, grads, buffers, block)
@@ -121,7 +141,9 @@ def fused_linear_forward(
     """``(log_probs, entropy, grads)`` of one pass over the chunks.
 
     ``log_probs`` and ``entropy`` are ``(N,)`` (entropy ``(0,)`` without the term); ``grads``
-    are the gradients of the loss (float32/64 accumulators).
+    are the gradients of the loss (float32/64 accumulators). With a kept set each chunk's
+    logits outside it are ``-inf`` before its softmax (the head is on one process: the fused
+    loop takes no vocabulary slice).
     """
     rows, device = head.hidden.shape[0], head.hidden.device
     log_probs = torch.zeros(rows, dtype=head.dtype, device=device)
@@ -130,7 +152,10 @@ def fused_linear_forward(
     grads = new_grads(head, needs)
     outputs = [log_probs, *([entropy] if with_entropy else [])]
     blocks = block_rows((rows,), head.chunk_size, flat=True)
-    state = (grads, new_buffers(head, with_entropy=with_entropy))
+    thresholds = None
+    if head.kept is not None and head.kept.rule:
+        thresholds = torch.zeros(rows, dtype=head.dtype, device=device)
+    state = (grads, new_buffers(head, with_entropy=with_entropy), thresholds)
     run_blocks(blocks, partial(_fused_step, head, terms, state), outputs)
     return log_probs, entropy, grads
 

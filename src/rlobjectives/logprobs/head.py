@@ -34,6 +34,8 @@ from .._core.validation import (
     describe,
     validate_scalar,
 )
+from .truncation import KeptOptions, KeptSet, Restriction, restriction_of
+from .vocab_parallel import Shard
 
 __all__ = [
     "ChunkBuffers",
@@ -97,7 +99,12 @@ def default_chunk_size(vocab_size: int, rows: int, dtype: torch.dtype = torch.fl
 
 
 class Head(NamedTuple):
-    """The validated LM head and token ids, flattened to rows."""
+    """The validated LM head and token ids, flattened to rows.
+
+    Under vocabulary parallelism ``weight`` and ``bias`` are this rank's rows (``shard``) and
+    ``tokens`` stay global; ``kept`` is the sampler's kept set
+    (:mod:`rlobjectives.logprobs.truncation`).
+    """
 
     hidden: torch.Tensor  # (N, H), original dtype
     weight: torch.Tensor  # (V, H), same dtype as hidden
@@ -106,6 +113,8 @@ class Head(NamedTuple):
     inv_temperature: float
     chunk_size: int
     dtype: torch.dtype  # computation dtype of the log-softmax (float32 or float64)
+    shard: Shard | None = None
+    kept: KeptSet | None = None
 
 
 class ChunkBuffers(NamedTuple):
@@ -308,6 +317,29 @@ def _hidden_matrix(hidden: torch.Tensor, packed: bool) -> torch.Tensor:
     raise ValueError(f"hidden must have shape {expected}, got shape {tuple(hidden.shape)}")
 
 
+def _restriction(
+    options: KeptOptions | None,
+    batch_shape: tuple[int, int],
+    weight: torch.Tensor,
+    packed: bool,
+) -> Restriction | None:
+    """The vocabulary slice and kept set; None for a plain call (nothing else runs then)."""
+    if options is None:
+        return None
+    vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p = options
+    plain = vocab_group is None and kept_ids is None and kept_mask is None
+    if plain and top_k is None and top_p is None and type(kept_pad) is int:
+        return None
+    return restriction_of(
+        options,
+        shape=batch_shape,
+        vocab=weight.shape[0],
+        device=weight.device,
+        reference="weight",
+        packed=packed,
+    )
+
+
 def prepare_head(
     hidden: object,
     weight: object,
@@ -317,11 +349,13 @@ def prepare_head(
     chunk_size: int | None,
     *,
     packed: bool = False,
+    options: KeptOptions | None = None,
 ) -> tuple[Head, tuple[int, int]]:
     """Validate the hidden states, LM head and token ids; flatten to ``(N, H)`` / ``(N,)``.
 
     ``packed``: hidden ``(N, H)`` / ``(1, N, H)`` and tokens ``(N,)`` / ``(1, N)``, whose
-    ``batch_shape`` is ``(1, N)``.
+    ``batch_shape`` is ``(1, N)``. ``options``: ``(vocab_group, kept_ids, kept_pad, kept_mask,
+    top_k, top_p)`` (:class:`~rlobjectives.logprobs.truncation.KeptOptions`).
     """
     hidden_t = _hidden_matrix(_check_floating(hidden, "hidden"), packed)
     if hidden_t.shape[2] < 1:
@@ -339,10 +373,14 @@ def prepare_head(
     batch_shape = (hidden_t.shape[0], hidden_t.shape[1])
     check_shape(tokens_t, "tokens", batch_shape, "hidden[..., 0]")
     tau = validate_scalar(temperature, "temperature", minimum=0.0, strict=True, allow_tensor=False)
+    restriction = _restriction(options, batch_shape, weight_t, packed)
+    shard = None if restriction is None else restriction.shard
+    kept = None if restriction is None else restriction.kept
     if chunk_size is None:
-        rows = default_chunk_size(
-            weight_t.shape[0], hidden_t.shape[0] * hidden_t.shape[1], weight_t.dtype
-        )
+        vocab = weight_t.shape[0]
+        if shard is not None and kept is not None and kept.rule:  # collectives per chunk:
+            vocab = shard.largest()  # the same chunks on every rank
+        rows = default_chunk_size(vocab, hidden_t.shape[0] * hidden_t.shape[1], weight_t.dtype)
     else:
         rows = resolve_chunk_size(chunk_size, row_width=weight_t.shape[0])
     head = Head(
@@ -353,5 +391,7 @@ def prepare_head(
         inv_temperature=1.0 / float(tau),
         chunk_size=rows,
         dtype=compute_dtype(hidden_t),
+        shard=shard,
+        kept=kept,
     )
     return head, batch_shape

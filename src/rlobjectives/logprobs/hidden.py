@@ -28,6 +28,7 @@ from .._core.validation import (
 )
 from .head import Head, default_chunk_size, prepare_head
 from .passes import LogProbsFromHidden
+from .vocab_parallel import VocabGroup, reduce_hidden_gradient
 
 __all__ = [
     "TokenLogProbsOutput",
@@ -70,6 +71,12 @@ def token_log_probs_from_hidden(
     mask: ArrayLike | None = ...,
     return_entropy: Literal[False] = ...,
     cu_seqlens: ArrayLike | None = ...,
+    vocab_group: VocabGroup = ...,
+    kept_ids: ArrayLike | None = ...,
+    kept_pad: int = ...,
+    kept_mask: ArrayLike | None = ...,
+    top_k: int | None = ...,
+    top_p: float | None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -85,6 +92,12 @@ def token_log_probs_from_hidden(
     mask: ArrayLike | None = ...,
     return_entropy: Literal[True],
     cu_seqlens: ArrayLike | None = ...,
+    vocab_group: VocabGroup = ...,
+    kept_ids: ArrayLike | None = ...,
+    kept_pad: int = ...,
+    kept_mask: ArrayLike | None = ...,
+    top_k: int | None = ...,
+    top_p: float | None = ...,
 ) -> TokenLogProbsOutput: ...
 
 
@@ -100,6 +113,12 @@ def token_log_probs_from_hidden(
     mask: ArrayLike | None = None,
     return_entropy: bool = False,
     cu_seqlens: ArrayLike | None = None,
+    vocab_group: VocabGroup = None,
+    kept_ids: ArrayLike | None = None,
+    kept_pad: int = -1,
+    kept_mask: ArrayLike | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> torch.Tensor | TokenLogProbsOutput:
     r"""Log-probabilities of the given tokens from hidden states, without the full logits.
 
@@ -124,6 +143,25 @@ def token_log_probs_from_hidden(
     the sequence boundaries change nothing but the accepted shapes (``cu_seqlens`` is validated
     against ``N``).
 
+    **Kept set** (the sampler's truncation, as :func:`token_log_probs`): ``kept_ids``,
+    ``kept_mask`` or ``top_k``/``top_p``; each chunk's logits outside the set are set to
+    ``-inf`` before its softmax, so :math:`\ell = z_y/\tau - \log\sum_{v \in K}
+    e^{z_v/\tau}` (``-inf`` and no gradient for a token outside the set) and the entropy is
+    over the set; no ``(N, V)`` tensor is formed (a ``(chunk, V)`` bool per chunk; the rule's
+    per-row thresholds are saved, not re-sorted, for backward). The Triton kernels take no
+    kept set: such a call runs this chunked PyTorch path on every backend.
+
+    **Vocabulary-parallel** (``vocab_group``): ``weight`` ``(V_r, H)`` and ``bias`` are this
+    rank's contiguous rows of the LM head (rank order, uneven allowed), ``hidden`` and
+    ``tokens`` are replicated, ``tokens`` global ids. The log-probabilities (and entropies)
+    equal the unsharded call on every rank: per row, one all-reduce MAX and one SUM of
+    ``2``-``3`` floats after the chunk loop. ``grad_weight`` / ``grad_bias`` are exact for the
+    local rows; ``grad_hidden`` follows Megatron's column-parallel convention: this rank's part
+    (``VocabParallel(group, hidden_grad="partial")``, the default: the caller's
+    ``copy_to_tensor_model_parallel_region`` all-reduces it) or the sum
+    (``hidden_grad="reduced"``); the parts sum to the unsharded gradient. On the Triton kernels
+    too.
+
     Args:
         hidden: ``(B, T, H)`` hidden states (float64, float32, bfloat16 or float16).
         weight: ``(V, H)`` LM-head weight, same dtype as ``hidden``.
@@ -137,6 +175,16 @@ def token_log_probs_from_hidden(
         return_entropy: also return the per-token entropy.
         cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
             non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
+        vocab_group: None, or the process group over which the LM head's rows are split (or a
+            :class:`~rlobjectives.VocabParallel` with its options).
+        kept_ids: ``(B, T, K)`` (packed ``(N, K)``) kept ids padded with ``kept_pad``, as
+            :func:`token_log_probs`.
+        kept_pad: the padding id of ``kept_ids`` (default -1).
+        kept_mask: ``(B, T, V)`` (packed ``(N, V)``) bool, True = kept.
+        top_k: recompute the sampler's top-k (after the temperature), as
+            :func:`token_log_probs`.
+        top_p: recompute the sampler's top-p after top-k, as :func:`token_log_probs` (sorts
+            each chunk's rows: ``(chunk, V)`` values alone, ``(chunk, k)`` with ``top_k``).
 
     Returns:
         ``(B, T)`` log-probabilities (packed: the shape of ``tokens``), float32 (float64 for
@@ -145,13 +193,18 @@ def token_log_probs_from_hidden(
 
     Raises:
         ValueError: on wrong ranks or shapes, a weight/bias dtype different from ``hidden``,
-            devices that differ, ``temperature <= 0`` or a non-positive ``chunk_size``.
-        TypeError: on non-floating ``hidden``/``weight``/``bias`` or non-integer ``tokens``.
+            devices that differ, ``temperature <= 0`` or a non-positive ``chunk_size``; for the
+            kept set and ``vocab_group`` as :func:`token_log_probs`.
+        TypeError: on non-floating ``hidden``/``weight``/``bias`` or non-integer ``tokens``,
+            and as :func:`token_log_probs`.
 
     References:
         Wijmans et al. 2024, Cut Your Losses in Large-Vocabulary Language Models (Cut
         Cross-Entropy), arXiv:2411.09009 Sec. 4 (blockwise logits with recompute); Hsu et al.
         2024, Liger-Kernel, arXiv:2410.10989 Sec. 3.3 (fused linear cross entropy).
+        Vocabulary-parallel: verl ``linear_cross_entropy(dist_process_group=)``, NeMo-RL
+        ``ChunkedDistributedHiddenStatesToLogprobs``, CCE ``vocab_parallel_options``.
+        Truncation: DeepSeek-V3.2, arXiv:2512.02556 Sec. 3.1.
 
     Examples:
         >>> import torch
@@ -162,8 +215,9 @@ def token_log_probs_from_hidden(
     .. versionadded:: 0.1.0
     """
     packed = cu_seqlens is not None
+    options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p)
     head, batch_shape = prepare_head(
-        hidden, weight, tokens, bias, temperature, chunk_size, packed=packed
+        hidden, weight, tokens, bias, temperature, chunk_size, packed=packed, options=options
     )
     output_shape: tuple[int, ...] = batch_shape
     if packed:
@@ -171,7 +225,10 @@ def token_log_probs_from_hidden(
         output_shape = batch_shape[1:] if token_ndim(tokens) == 1 else batch_shape
     mask_t = None if mask is None else _row_mask(mask, head, batch_shape, packed).reshape(-1)
     validate_bool(return_entropy, "return_entropy")
-    if kernel_backend(head.hidden.device, dtype=head.dtype) == "triton":  # docs/kernels.md
+    if head.shard is not None:  # Megatron's copy to the TP region, with hidden_grad="reduced"
+        head = head._replace(hidden=reduce_hidden_gradient(head.hidden, head.shard))
+    triton = kernel_backend(head.hidden.device, dtype=head.dtype) == "triton"
+    if triton and head.kept is None:  # docs/kernels.md (the kernels take no kept set)
         from ..kernels.calls.head import log_probs_kernels
 
         outputs = log_probs_kernels(head, mask_t, return_entropy)

@@ -26,6 +26,14 @@ from .._core.validation import (
     validate_scalar,
 )
 from .functions import EntropyFunction, FullVocabKLFunction, TokenLogProbsFunction
+from .restricted import (
+    RestrictedEntropyFunction,
+    RestrictedKLFunction,
+    RestrictedLogProbsFunction,
+    restricted_chunk_size,
+)
+from .truncation import restriction_of
+from .vocab_parallel import VocabGroup, resolve_shard
 
 __all__ = [
     "full_vocab_kl",
@@ -95,6 +103,12 @@ def token_log_probs(
     mask: ArrayLike | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    vocab_group: VocabGroup = None,
+    kept_ids: ArrayLike | None = None,
+    kept_pad: int = -1,
+    kept_mask: ArrayLike | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> torch.Tensor:
     r"""Log-probabilities of the sampled tokens, computed in float32 chunk by chunk.
 
@@ -112,6 +126,16 @@ def token_log_probs(
     ``(N,)`` log-normalisers are saved) and written in the logits' dtype. Invariant to adding a
     constant to each row of the logits. Second-order gradients are not supported.
 
+    **Truncated** (the sampler's kept set :math:`K`, at most one of ``kept_ids``,
+    ``kept_mask``, ``top_k``/``top_p``): :math:`\log q_K(y) = x_y - \log\sum_{v \in K}
+    e^{x_v}`, ``-inf`` (never NaN, with exactly zero gradient) when :math:`y \notin K`; a row
+    without a recorded set keeps the whole vocabulary (:mod:`rlobjectives.logprobs.truncation`).
+    **Vocabulary-parallel** (``vocab_group``): ``logits`` are this rank's contiguous slice of
+    the vocabulary (rank order, uneven slices allowed), ``tokens`` global ids; the result equals
+    the unsharded call on every rank, for one all-gather of the slice sizes, one all-reduce MAX
+    of ``N`` floats and one all-reduce SUM of ``2 N`` (the gradient w.r.t. the local logits
+    needs no communication; :mod:`rlobjectives.logprobs.vocab_parallel`).
+
     Args:
         logits: ``(B, T, V)`` or ``(N, V)`` floating logits (any float dtype).
         tokens: ``(B, T)`` or ``(N,)`` integer token ids, in ``[0, V)`` wherever ``mask`` is True
@@ -122,6 +146,19 @@ def token_log_probs(
         temperature: :math:`\tau > 0`; the logits are divided by it (the sampling temperature).
         chunk_size: rows per chunk (positive int), or None for
             ``max(1, 2**23 // V)`` rows (about 32 MiB of float32 per chunk).
+        vocab_group: None, or the ``torch.distributed`` process group over which the vocabulary
+            is split (or a :class:`~rlobjectives.VocabParallel` with its options).
+        kept_ids: ``(B, T, K)`` / ``(N, K)`` integer kept ids of each position (any order, padded
+            at the end with ``kept_pad``; global ids under ``vocab_group``).
+        kept_pad: the padding id of ``kept_ids`` (default -1).
+        kept_mask: ``(B, T, V)`` / ``(N, V)`` bool, True = kept (this rank's slice under
+            ``vocab_group``).
+        top_k: recompute the sampler's top-k on the logits after the temperature (int >= 1;
+            None: off). Ties with the k-th value are kept.
+        top_p: recompute the sampler's top-p (in ``(0, 1]``) on the top-k-renormalised
+            distribution (top-k first, as vLLM, NeMo-RL and HF); the threshold is saved for
+            backward. Sorts each chunk's rows (``(C, k)`` values with ``top_k``); with
+            ``vocab_group`` it needs ``top_k``.
 
     Returns:
         ``(B, T)`` or ``(N,)`` log-probabilities, float32 (float64 for float64 logits) whatever
@@ -130,15 +167,23 @@ def token_log_probs(
 
     Raises:
         ValueError: on wrong ranks, mismatched shapes or devices, ``temperature <= 0`` or
-            non-finite, ``chunk_size < 1``.
-        TypeError: on non-numeric logits, non-integer tokens, a non-int ``chunk_size`` or a
-            non-number ``temperature``.
+            non-finite, ``chunk_size < 1``; more than one kind of kept set, ``top_k < 1``,
+            ``top_p`` outside ``(0, 1]``, ``top_p`` without ``top_k`` under ``vocab_group``, a
+            ``vocab_group`` without initialised ``torch.distributed``.
+        TypeError: on non-numeric logits, non-integer tokens or kept ids, a non-int
+            ``chunk_size`` or ``top_k``, a non-number ``temperature`` or ``top_p``, a
+            ``vocab_group`` that is not a process group.
 
     References:
         The log-softmax gather of the policy-gradient estimator, Williams 1992 (REINFORCE) and
         Schulman et al. 2017, PPO, arXiv:1707.06347 Eq. 6-7; chunked float32 evaluation as in
         Liger-Kernel (Hsu et al. 2024, arXiv:2410.10989 Sec. 3.3) and Cut Cross-Entropy
-        (Wijmans et al. 2024, arXiv:2411.09009).
+        (Wijmans et al. 2024, arXiv:2411.09009). Truncation: DeepSeek-V3.2, arXiv:2512.02556
+        Sec. 3.1 (Keep Sampling Mask); slime ``log_prob_keep_mask``, NeMo-RL
+        ``apply_top_k_top_p``, vLLM ``apply_top_k_top_p`` and mask replay. Vocabulary
+        parallelism: Megatron ``_VocabParallelCrossEntropy`` (Shoeybi et al. 2019,
+        arXiv:1909.08053), verl ``vocab_parallel_log_probs_from_logits``, NeMo-RL
+        ``DistributedLogprob``, slime ``_VocabParallelLogProbEntropy``.
 
     Examples:
         >>> import torch
@@ -151,10 +196,24 @@ def token_log_probs(
     tokens_t = _as_tokens(tokens, "tokens", logits_t, "logits")
     active = _row_mask(mask, "mask", logits_t, "logits")
     tau = _validate_temperature(temperature)
-    chunk = resolve_chunk_size(chunk_size, row_width=logits_t.shape[-1])
+    options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p)
+    restriction = restriction_of(
+        options,
+        shape=tuple(logits_t.shape[:-1]),
+        vocab=logits_t.shape[-1],
+        device=logits_t.device,
+        reference="logits",
+    )
+    chunk = restricted_chunk_size(chunk_size, logits_t, restriction)
     safe_tokens = torch.where(active, tokens_t.to(torch.int64), 0)  # (B, T) or (N,)
+    dtype = compute_dtype(logits_t)
+    if restriction is not None:
+        restricted: torch.Tensor = RestrictedLogProbsFunction.apply(  # type: ignore[no-untyped-call]
+            logits_t, safe_tokens, active, mask is not None, tau, chunk, dtype, restriction
+        )
+        return restricted
     out: torch.Tensor = TokenLogProbsFunction.apply(  # type: ignore[no-untyped-call]
-        logits_t, safe_tokens, active, mask is not None, tau, chunk, compute_dtype(logits_t)
+        logits_t, safe_tokens, active, mask is not None, tau, chunk, dtype
     )
     return out
 
@@ -180,6 +239,12 @@ def token_entropy(
     mask: ArrayLike | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    vocab_group: VocabGroup = None,
+    kept_ids: ArrayLike | None = None,
+    kept_pad: int = -1,
+    kept_mask: ArrayLike | None = None,
+    top_k: int | None = None,
+    top_p: float | None = None,
 ) -> torch.Tensor:
     r"""Entropy of the next-token distribution at every position, in float32, chunk by chunk.
 
@@ -195,24 +260,39 @@ def token_entropy(
     dtype behaviour as in :func:`token_log_probs`: float32 chunks, only the logits and two
     ``(N,)`` vectors saved, exact gradient in the logits' dtype, no second-order gradients.
 
+    With a kept set the entropy is that of the truncated distribution :math:`q_K` (the one the
+    sampler drew from): :math:`H_K = -\sum_{v \in K} q_K(v) \log q_K(v)` (slime's entropy
+    stays full-vocabulary). With ``vocab_group`` the slices' entropies are combined as
+    :math:`H = \sum_r \pi_r (h_r - \log \pi_r)` (:math:`\pi_r` the slice's mass): one
+    all-reduce MAX and one SUM of ``2 N`` floats.
+
     Args:
         logits: ``(B, T, V)`` or ``(N, V)`` floating logits.
         mask: optional ``(B, T)`` / ``(N,)``; unselected positions give 0 and never reach the
             output or the gradient. Default: every position.
         temperature: :math:`\tau > 0`.
         chunk_size: rows per chunk, or None for ``max(1, 2**23 // V)``.
+        vocab_group: as :func:`token_log_probs`.
+        kept_ids: as :func:`token_log_probs`.
+        kept_pad: as :func:`token_log_probs`.
+        kept_mask: as :func:`token_log_probs`.
+        top_k: as :func:`token_log_probs`.
+        top_p: as :func:`token_log_probs`.
 
     Returns:
         ``(B, T)`` or ``(N,)`` entropies in nats, float32 (float64 for float64 logits).
 
     Raises:
         ValueError: on wrong ranks, mismatched shapes or devices, ``temperature <= 0``,
-            ``chunk_size < 1``.
-        TypeError: on non-numeric logits or a non-int ``chunk_size``.
+            ``chunk_size < 1``, and for the kept set and ``vocab_group`` as
+            :func:`token_log_probs`.
+        TypeError: on non-numeric logits or a non-int ``chunk_size``, and as
+            :func:`token_log_probs`.
 
     References:
         Shannon 1948; the entropy bonus of Mnih et al. 2016, A3C, arXiv:1602.01783 Sec. 4, and
-        the entropy diagnostics of DAPO, arXiv:2503.14476 Sec. 3.1.
+        the entropy diagnostics of DAPO, arXiv:2503.14476 Sec. 3.1; verl
+        ``vocab_parallel_entropy``, NeMo-RL ``ChunkedDistributedEntropy``.
 
     Examples:
         >>> import torch
@@ -224,9 +304,23 @@ def token_entropy(
     logits_t = _as_logits(logits, "logits")
     active = _row_mask(mask, "mask", logits_t, "logits")
     tau = _validate_temperature(temperature)
-    chunk = resolve_chunk_size(chunk_size, row_width=logits_t.shape[-1])
+    options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p)
+    restriction = restriction_of(
+        options,
+        shape=tuple(logits_t.shape[:-1]),
+        vocab=logits_t.shape[-1],
+        device=logits_t.device,
+        reference="logits",
+    )
+    chunk = restricted_chunk_size(chunk_size, logits_t, restriction)
+    dtype = compute_dtype(logits_t)
+    if restriction is not None:
+        restricted: torch.Tensor = RestrictedEntropyFunction.apply(  # type: ignore[no-untyped-call]
+            logits_t, active, mask is not None, tau, chunk, dtype, restriction
+        )
+        return restricted
     out: torch.Tensor = EntropyFunction.apply(  # type: ignore[no-untyped-call]
-        logits_t, active, mask is not None, tau, chunk, compute_dtype(logits_t)
+        logits_t, active, mask is not None, tau, chunk, dtype
     )
     return out
 
@@ -248,6 +342,28 @@ def _prepare_kl(
     return logits_t, ref_t, active, tau, chunk
 
 
+def _kl(
+    logits: torch.Tensor,
+    ref_logits: torch.Tensor,
+    active: torch.Tensor,
+    options: tuple[bool, float, int],
+    vocab_group: VocabGroup,
+) -> torch.Tensor:
+    """The KL Function of the call: over vocabulary slices with ``vocab_group``."""
+    masked, tau, chunk = options
+    dtype = compute_dtype(logits, ref_logits)
+    if vocab_group is not None:
+        shard = resolve_shard(vocab_group, logits.shape[-1], logits.device)
+        sharded: torch.Tensor = RestrictedKLFunction.apply(  # type: ignore[no-untyped-call]
+            logits, ref_logits, active, masked, tau, chunk, dtype, shard
+        )
+        return sharded
+    out: torch.Tensor = FullVocabKLFunction.apply(  # type: ignore[no-untyped-call]
+        logits, ref_logits, active, masked, tau, chunk, dtype
+    )
+    return out
+
+
 @checks_environment
 def full_vocab_kl(
     logits: ArrayLike,
@@ -256,6 +372,7 @@ def full_vocab_kl(
     mask: ArrayLike | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
+    vocab_group: VocabGroup = None,
 ) -> torch.Tensor:
     r"""Exact per-token KL(pi || ref) over the whole vocabulary, chunked over tokens.
 
@@ -281,6 +398,11 @@ def full_vocab_kl(
     0; the KL is ``inf`` where the reference gives zero probability to a token the policy
     supports. Both distributions use the same temperature (the sampling temperature).
 
+    With ``vocab_group`` both logit tensors are this rank's slice of the vocabulary: two passes
+    over them (the log-normalisers, combined over the ranks with one all-reduce MAX and one
+    SUM of ``2 N`` floats each, then this slice's terms with them, one all-reduce SUM of ``N``),
+    so every term is the unsharded call's; the gradients are local.
+
     To reduce to a loss use :func:`full_vocab_kl_loss` (or
     ``aggregate(full_vocab_kl(...), mask, reduction=...)``).
 
@@ -291,6 +413,8 @@ def full_vocab_kl(
             in their logits reaches neither the output nor a gradient. Default: every position.
         temperature: :math:`\tau > 0`, applied to both logit tensors.
         chunk_size: positions per chunk, or None for ``max(1, 2**23 // V)``.
+        vocab_group: None, or the process group over which the vocabulary is split (or a
+            :class:`~rlobjectives.VocabParallel`), as :func:`token_log_probs`.
 
     Returns:
         ``(B, T)`` or ``(N,)`` KL in nats, float32 (float64 if either input is float64).
@@ -317,10 +441,7 @@ def full_vocab_kl(
     logits_t, ref_t, active, tau, chunk = _prepare_kl(
         logits, ref_logits, mask, temperature, chunk_size
     )
-    out: torch.Tensor = FullVocabKLFunction.apply(  # type: ignore[no-untyped-call]
-        logits_t, ref_t, active, mask is not None, tau, chunk, compute_dtype(logits_t, ref_t)
-    )
-    return out
+    return _kl(logits_t, ref_t, active, (mask is not None, tau, chunk), vocab_group)
 
 
 @checks_environment
@@ -335,6 +456,7 @@ def full_vocab_kl_loss(
     temperature: float = 1.0,
     chunk_size: int | None = None,
     cu_seqlens: ArrayLike | None = None,
+    vocab_group: VocabGroup = None,
 ) -> torch.Tensor:
     r"""Exact full-vocabulary KL(pi || ref) reduced to a loss term.
 
@@ -361,6 +483,7 @@ def full_vocab_kl_loss(
         chunk_size: positions per chunk, or None for ``max(1, 2**23 // V)``.
         cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
             non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
+        vocab_group: as :func:`full_vocab_kl` (the loss is the same on every rank).
 
     Returns:
         Scalar loss (``(B, T)`` for ``reduction="none"``, packed: the shape of ``mask``),
@@ -410,8 +533,6 @@ def full_vocab_kl_loss(
     logits_t, ref_t, active, tau, chunk = _prepare_kl(
         logits_t, ref_logits, mask_t, temperature, chunk_size
     )
-    kl: torch.Tensor = FullVocabKLFunction.apply(  # type: ignore[no-untyped-call]
-        logits_t, ref_t, active, True, tau, chunk, compute_dtype(logits_t, ref_t)
-    )  # (B, T)
+    kl = _kl(logits_t, ref_t, active, (True, tau, chunk), vocab_group)  # (B, T)
     loss = reduce(kl, active, spec, layout)
     return token_output(loss, flat and loss.ndim == 2)

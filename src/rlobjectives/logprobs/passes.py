@@ -37,45 +37,78 @@ from .head import (
     select_rows,
     softmax_,
 )
+from .truncation import kept_rows, restrict_
+from .vocab_parallel import combine_rows
 
 __all__ = [
     "LogProbsFromHidden",
+    "Saved",
     "log_probs_backward",
     "log_probs_forward",
 ]
 
 
 def _log_probs_step(
-    head: Head, mask: torch.Tensor | None, buffers: ChunkBuffers, block: Block
+    head: Head,
+    mask: torch.Tensor | None,
+    state: tuple[ChunkBuffers, torch.Tensor | None],
+    block: Block,
 ) -> list[torch.Tensor]:
-    """One chunk: ``[log_probs, lse]``, and ``entropy`` with ``buffers.scratch``."""
+    """One chunk: ``[target, lse, (entropy)]`` of its rows (this slice's under a shard)."""
+    buffers, thresholds = state
     active = None if mask is None else mask[block]
     hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], active)
     scores = chunk_scores(hidden_chunk, head, buffers)  # (n, V)
-    target = scores.gather(1, tokens_chunk.unsqueeze(1)).squeeze(1)  # (n,)
-    if buffers.scratch is None:
-        lse = softmax_(scores)[1]  # (n,)
-        return [target - lse, lse]
-    lse, entropy, _ = entropy_stats_(scores, buffers.scratch)  # (n,) each
-    return [target - lse, lse, entropy]
+    if head.kept is not None:  # the logits outside the kept set become -inf
+        flat = kept_rows(block, ())  # unselected (zeroed) rows keep everything: finite softmax
+        restrict_(scores, head.kept, flat, head.shard, thresholds, decide=True, active=active)
+    owned = None
+    if head.shard is not None:
+        tokens_chunk, owned = head.shard.local_ids(tokens_chunk)
+    target = scores.gather(1, tokens_chunk.unsqueeze(1)).squeeze(1)  # (n,), -inf off the set
+    if owned is not None:
+        target = masked_fill_zero(target, owned)
+    if buffers.scratch is not None:
+        lse, entropy, _ = entropy_stats_(scores, buffers.scratch)  # (n,) each
+        return [target, lse, entropy]
+    if head.shard is not None:  # a slice may hold no finite logit in a row: -inf, not NaN
+        return [target, torch.logsumexp(scores, dim=1)]
+    return [target, softmax_(scores)[1]]
 
 
 def log_probs_forward(
     head: Head, mask: torch.Tensor | None, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(log_probs, log_normalizer, entropy)``, each ``(N,)`` (entropy ``(0,)`` without it)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(log_probs, log_normalizer, entropy, thresholds)``, each ``(N,)``.
+
+    ``entropy`` is ``(0,)`` without it; ``thresholds`` the kept set's per-row thresholds (the
+    top-k/top-p rule), or None. Under vocabulary parallelism the per-row statistics of the
+    slices are combined over the ranks after the chunk loop
+    (:func:`~rlobjectives.logprobs.vocab_parallel.combine_rows`). A token outside the kept set
+    has log-probability ``-inf``.
+    """
     rows, device = head.hidden.shape[0], head.hidden.device
-    log_probs = torch.zeros(rows, dtype=head.dtype, device=device)
+    target = torch.zeros(rows, dtype=head.dtype, device=device)
     log_normalizer = torch.zeros(rows, dtype=head.dtype, device=device)
     entropy = torch.zeros(rows if with_entropy else 0, dtype=head.dtype, device=device)
-    outputs = [log_probs, log_normalizer, entropy] if with_entropy else [log_probs, log_normalizer]
+    outputs = [target, log_normalizer, entropy] if with_entropy else [target, log_normalizer]
     blocks = block_rows((rows,), head.chunk_size, flat=True)
     buffers = new_buffers(head, with_entropy=with_entropy)
-    run_blocks(blocks, partial(_log_probs_step, head, mask, buffers), outputs)
+    thresholds = None
+    if head.kept is not None and head.kept.rule:
+        thresholds = torch.zeros(rows, dtype=head.dtype, device=device)
+    run_blocks(blocks, partial(_log_probs_step, head, mask, (buffers, thresholds)), outputs)
+    if head.shard is not None:
+        totals = combine_rows(
+            log_normalizer, entropy if with_entropy else None, [target], head.shard
+        )
+        log_normalizer, target = totals.log_normalizer, totals.sums[0]
+        entropy = entropy if totals.entropy is None else totals.entropy
+    log_probs = target - log_normalizer
     if mask is not None:
         log_probs = masked_fill_zero(log_probs, mask)
         entropy = masked_fill_zero(entropy, mask) if with_entropy else entropy
-    return log_probs, log_normalizer, entropy
+    return log_probs, log_normalizer, entropy, thresholds
 
 
 class _Upstream(NamedTuple):
@@ -91,33 +124,55 @@ def _log_probs_grad_step(
     head: Head,
     active: torch.Tensor,
     upstream: _Upstream,
-    state: tuple[Grads, ChunkBuffers],
+    state: tuple[Grads, ChunkBuffers, torch.Tensor | None],
     block: Block,
 ) -> list[torch.Tensor]:
-    grads, buffers = state
-    hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], active[block])
+    grads, buffers, thresholds = state
+    rows = active[block]  # (n,)
+    hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], rows)
     scores = chunk_scores(hidden_chunk, head, buffers)  # (n, V)
+    if head.kept is not None:  # the forward pass's set (its thresholds replayed); zeroed rows
+        # keep everything, so that the chunk's own softmax below stays finite on them
+        flat = kept_rows(block, ())
+        restrict_(scores, head.kept, flat, head.shard, thresholds, decide=False, active=rows)
     g_lp = upstream.log_probs[block]  # (n,)
+    target_grad = g_lp
+    if head.shard is not None:
+        tokens_chunk, owned = head.shard.local_ids(tokens_chunk)
+        target_grad = masked_fill_zero(g_lp, owned)  # the target's slice adds g 1[v = y]
+    log_normalizer = upstream.log_normalizer[block].unsqueeze(1)  # (n, 1)
     if upstream.entropy is None or upstream.entropy_values is None or buffers.scratch is None:
-        grad_scores = softmax_(scores)[0].mul_(-g_lp.unsqueeze(1))  # -g p, (n, V)
+        if head.shard is not None:  # p from the saved normaliser of the whole vocabulary
+            grad_scores = scores.sub_(log_normalizer).exp_().mul_(-g_lp.unsqueeze(1))
+        else:
+            grad_scores = softmax_(scores)[0].mul_(-g_lp.unsqueeze(1))  # -g p, (n, V)
     else:
         # log p, with -inf (banned tokens) made finite so that p * log p = 0 * finite = 0
-        log_p = finite_log_probs_(scores.sub_(upstream.log_normalizer[block].unsqueeze(1)))
+        log_p = finite_log_probs_(scores.sub_(log_normalizer))
         grad_scores = entropy_logit_grads_(  # -p (g_lp + g_H (log p + H)), (n, V)
             log_p,
             upstream.entropy_values[block],
             (g_lp, upstream.entropy[block]),
             buffers.scratch,
         )
-    grad_scores.scatter_add_(1, tokens_chunk.unsqueeze(1), g_lp.unsqueeze(1))  # + g 1[v = y]
+    grad_scores.scatter_add_(1, tokens_chunk.unsqueeze(1), target_grad.unsqueeze(1))  # g 1[v=y]
     accumulate_grads(grad_scores, hidden_chunk, head, grads, buffers, block)
     return []
+
+
+class Saved(NamedTuple):
+    """What :func:`log_probs_forward` leaves for the backward pass, ``(N,)`` each."""
+
+    log_normalizer: torch.Tensor
+    entropy: torch.Tensor  # (0,) without the entropy
+    thresholds: torch.Tensor | None  # the kept set's rule thresholds
+    in_set: torch.Tensor | None  # whether the token is in the kept set (no gradient if not)
 
 
 def log_probs_backward(
     head: Head,
     mask: torch.Tensor | None,
-    saved: tuple[torch.Tensor, torch.Tensor],
+    saved: Saved,
     grad_log_probs: torch.Tensor,
     grad_entropy: torch.Tensor | None,
     needs: tuple[bool, bool, bool],
@@ -127,10 +182,13 @@ def log_probs_backward(
     Rows whose outputs receive no gradient (or are masked) are zeroed before the products, so
     NaN/inf hidden states there cannot reach ``grad_weight`` through ``0 * NaN``; they are
     recomputed from a zero hidden row, given that row's normaliser so their probabilities stay
-    finite and their gradient is exactly 0.
+    finite and their gradient is exactly 0. A token outside the kept set gets no log-prob
+    gradient (its entropy's gradient stays). Under vocabulary parallelism every gradient is
+    this rank's: ``grad_weight`` / ``grad_bias`` of its rows and its part of ``grad_hidden``.
     """
-    log_normalizer, entropy = saved
     grad_lp = grad_log_probs.to(head.dtype)
+    if saved.in_set is not None:
+        grad_lp = masked_fill_zero(grad_lp, saved.in_set)
     grad_h = None if grad_entropy is None else grad_entropy.to(head.dtype)
     active = grad_lp != 0 if grad_h is None else (grad_lp != 0) | (grad_h != 0)  # (N,)
     if mask is not None:
@@ -142,10 +200,11 @@ def log_probs_backward(
     upstream = _Upstream(
         log_probs=grad_lp * head.inv_temperature,
         entropy=None if grad_h is None else grad_h * head.inv_temperature,
-        log_normalizer=torch.where(active, log_normalizer, zero_row_lse),
-        entropy_values=None if grad_h is None else masked_fill_zero(entropy, active),
+        log_normalizer=torch.where(active, saved.log_normalizer, zero_row_lse),
+        entropy_values=None if grad_h is None else masked_fill_zero(saved.entropy, active),
     )
-    state = (new_grads(head, needs), new_buffers(head, with_entropy=grad_h is not None))
+    buffers = new_buffers(head, with_entropy=grad_h is not None)
+    state = (new_grads(head, needs), buffers, saved.thresholds)
     blocks = block_rows((head.hidden.shape[0],), head.chunk_size, flat=True)
     run_blocks(blocks, partial(_log_probs_grad_step, head, active, upstream, state), [])
     return finish_grads(head, state[0])
@@ -169,9 +228,13 @@ class LogProbsFromHidden(torch.autograd.Function):
         with_entropy: bool,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward pass (see the class docstring)."""
-        log_probs, log_normalizer, entropy = log_probs_forward(head, mask, with_entropy)
-        ctx.save_for_backward(hidden, weight, bias, head.tokens, mask, log_normalizer, entropy)
+        log_probs, log_normalizer, entropy, thresholds = log_probs_forward(head, mask, with_entropy)
+        in_set = None if head.kept is None else log_probs > -torch.inf
+        ctx.save_for_backward(
+            hidden, weight, bias, head.tokens, mask, log_normalizer, entropy, thresholds, in_set
+        )
         ctx.options = (head.inv_temperature, head.chunk_size, head.dtype, with_entropy)
+        ctx.restriction = (head.shard, head.kept)
         return log_probs, entropy
 
     @staticmethod
@@ -180,9 +243,11 @@ class LogProbsFromHidden(torch.autograd.Function):
         ctx: Any, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None
     ) -> tuple[torch.Tensor | None, ...]:
         """The backward pass (see the class docstring)."""
-        hidden, weight, bias, tokens, mask, log_normalizer, entropy = ctx.saved_tensors
+        hidden, weight, bias, tokens, mask, *stats = ctx.saved_tensors
         inv_temperature, chunk_size, dtype, with_entropy = ctx.options
-        head = Head(hidden, weight, bias, tokens, inv_temperature, chunk_size, dtype)
+        head = Head(
+            hidden, weight, bias, tokens, inv_temperature, chunk_size, dtype, *ctx.restriction
+        )
         rows = hidden.shape[0]
         if grad_log_probs is None:
             grad_log_probs = torch.zeros(rows, dtype=dtype, device=hidden.device)
@@ -195,7 +260,5 @@ class LogProbsFromHidden(torch.autograd.Function):
             bool(ctx.needs_input_grad[1]),
             bool(ctx.needs_input_grad[2]),
         )
-        grads = log_probs_backward(
-            head, mask, (log_normalizer, entropy), grad_log_probs, grad_entropy, needs
-        )
+        grads = log_probs_backward(head, mask, Saved(*stats), grad_log_probs, grad_entropy, needs)
         return (*grads, None, None, None)

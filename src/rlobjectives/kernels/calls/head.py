@@ -40,7 +40,10 @@ __all__ = ["fused_loss_kernels", "log_probs_kernels"]
 
 
 def _head_kwargs(head: Head) -> dict[str, Any]:
-    return {"temperature": 1.0 / head.inv_temperature}
+    kwargs: dict[str, Any] = {"temperature": 1.0 / head.inv_temperature}
+    if head.shard is not None:
+        kwargs["shard"] = head.shard
+    return kwargs
 
 
 def log_probs_kernels(

@@ -1,0 +1,345 @@
+"""Vocabulary-parallel cases and their launcher (tests/logprobs/test_vocab_parallel.py).
+
+Every case is written once: :func:`run_case` computes it either on one process (``rank`` None:
+the whole vocabulary) or on one rank of a gloo group holding the contiguous vocabulary slice
+:data:`SIZES` gives it (``logits[..., slice]``, ``weight[slice]``, ``bias[slice]``, ``kept_mask``
+likewise; token ids and kept ids global). The result names the gradients by leaf and says which
+leaves are split by vocabulary (their slice is compared) and which are replicated (``hidden``:
+partial sums or reduced). Spawned ranks import this module by name; the group is created with a
+file store (no port to choose, so nothing to race for), a timeout, and torn down with a barrier
+first.
+"""
+
+from __future__ import annotations
+
+import datetime
+import importlib
+import os
+import time
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import rlobjectives as rlo
+
+VOCAB, HIDDEN, BATCH, STEPS = 11, 4, 2, 5
+SIZES: dict[int, tuple[int, ...]] = {2: (6, 5), 3: (4, 4, 3)}  # uneven: 11 = 6 + 5 = 4 + 4 + 3
+TIMEOUT_S = 60.0
+JOIN_TIMEOUT_S = 240.0
+F64 = torch.float64
+NAN, INF = float("nan"), float("inf")
+
+
+def problem() -> dict[str, torch.Tensor]:
+    """The batch every process builds identically (float64)."""
+    generator = torch.Generator().manual_seed(2323)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator, dtype=F64)
+
+    shape = (BATCH, STEPS)
+    mask = torch.rand(shape, generator=generator) < 0.75
+    mask[0, 0] = True
+    logits = 3 * randn(*shape, VOCAB)
+    logits[0, 0, 9] = -INF  # a banned token in a selected row (the last slice holds it)
+    logits = torch.where(mask[..., None], logits, NAN)  # unselected rows: never read
+    tokens = torch.randint(0, VOCAB, shape, generator=generator)
+    tokens = torch.where(mask, tokens, -100)
+    tokens[0, 0] = 2
+    kept_ids = torch.randint(-1, VOCAB, (*shape, 4), generator=generator)
+    kept_ids[..., 0] = tokens.clamp(min=0)
+    kept_ids[1, 0] = -1  # a row without a recorded set
+    hidden = torch.where(mask[..., None], randn(*shape, HIDDEN), NAN)
+    bias = randn(VOCAB)
+    bias[9] = -INF
+    log_probs = torch.log_softmax(torch.nan_to_num(logits, nan=0.0), -1)
+    old = log_probs.gather(-1, tokens.clamp(min=0)[..., None]).squeeze(-1)
+    return {
+        "logits": logits,
+        "ref_logits": torch.where(mask[..., None], 3 * randn(*shape, VOCAB), NAN),
+        "tokens": tokens,
+        "mask": mask,
+        "kept_ids": kept_ids,
+        "kept_mask": torch.rand((*shape, VOCAB), generator=generator) < 0.5,
+        "hidden": hidden,
+        "weight": randn(VOCAB, HIDDEN),
+        "bias": bias,
+        "old_log_probs": torch.where(mask, old + 0.3 * randn(*shape), NAN),
+        "ref_log_probs": torch.where(mask, old + 0.2 * randn(*shape), INF),
+        "advantages": randn(BATCH),
+        "input_ids": torch.randint(0, VOCAB, shape, generator=generator),
+        "cu_seqlens": torch.tensor([0, 3, 3, 10]),
+    }
+
+
+def vocab_slice(world: int | None, rank: int | None) -> slice:
+    if world is None or rank is None:
+        return slice(0, VOCAB)
+    start = sum(SIZES[world][:rank])
+    return slice(start, start + SIZES[world][rank])
+
+
+# Leaves split by vocabulary (their gradient is the slice of the unsharded one) and replicated.
+SPLIT = ("logits", "ref_logits", "weight", "bias")
+
+
+def _leaves(data: dict[str, torch.Tensor], names: tuple[str, ...], part: slice,
+            dtype: torch.dtype) -> dict[str, torch.Tensor]:  # fmt: skip
+    leaves = {}
+    for name in names:
+        value = data[name]
+        if name in ("logits", "ref_logits"):
+            value = value[..., part]
+        elif name in ("weight", "bias"):
+            value = value[part]
+        leaves[name] = value.to(dtype).clone().requires_grad_(True)
+    return leaves
+
+
+def _projection(outputs: list[torch.Tensor]) -> torch.Tensor:
+    """A fixed random weighting of the finite outputs (the same on every rank)."""
+    generator = torch.Generator().manual_seed(77)
+    total = torch.zeros((), dtype=F64)
+    for output in outputs:
+        if output.requires_grad:
+            weights = torch.randn(output.shape, generator=generator, dtype=F64)
+            total = total + (torch.where(torch.isfinite(output), output, 0.0) * weights).sum()
+    return total
+
+
+Case = Callable[[dict[str, torch.Tensor], dict[str, torch.Tensor], Any, slice], list[torch.Tensor]]
+
+
+def _kept(
+    data: dict[str, torch.Tensor], kind: str, part: slice, flat: bool = False
+) -> dict[str, Any]:
+    """The kept-set arguments of ``kind`` (the mask sliced like the logits; ``flat``: packed)."""
+    ids, mask = data["kept_ids"], data["kept_mask"][..., part]
+    if flat:
+        ids, mask = ids.reshape(-1, ids.shape[-1]), mask.reshape(-1, mask.shape[-1])
+    return {
+        "none": {},
+        "ids": {"kept_ids": ids},
+        "mask": {"kept_mask": mask},
+        "top_k": {"top_k": 3},
+        "top_k+top_p": {"top_k": 5, "top_p": 0.7},  # k = 5 exceeds the 3-rank slices (4, 4, 3)
+    }[kind]
+
+
+def _logits_case(kind: str) -> Case:
+    def run(data: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor], group: Any,
+            part: slice) -> list[torch.Tensor]:  # fmt: skip
+        options = {"mask": data["mask"], "temperature": 0.7, "chunk_size": 3, "vocab_group": group}
+        options |= _kept(data, kind, part)
+        return [
+            rlo.token_log_probs(leaves["logits"], data["tokens"], **options),
+            rlo.token_entropy(leaves["logits"], **options),
+        ]
+
+    return run
+
+
+def _kl(data: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor], group: Any,
+        part: slice) -> list[torch.Tensor]:  # fmt: skip
+    packed = {name: leaves[name].reshape(-1, leaves[name].shape[-1]) for name in leaves}
+    return [
+        rlo.full_vocab_kl(leaves["logits"], leaves["ref_logits"], mask=data["mask"],
+                          temperature=0.7, chunk_size=2, vocab_group=group),
+        rlo.full_vocab_kl_loss(packed["logits"], packed["ref_logits"], data["mask"].reshape(-1),
+                               reduction="sequence_mean", cu_seqlens=data["cu_seqlens"],
+                               vocab_group=group),
+    ]  # fmt: skip
+
+
+def _response(data: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor], group: Any,
+              part: slice) -> list[torch.Tensor]:  # fmt: skip
+    logits = torch.nan_to_num(leaves["logits"], nan=0.0)
+    out = rlo.response_log_probs(
+        logits, data["input_ids"], torch.tensor([1, 2]), torch.ones(BATCH, STEPS),
+        response_length=4, temperature=0.7, vocab_group=group, top_k=4,
+    )  # fmt: skip
+    return [out.log_probs]
+
+
+def _hidden_case(kind: str, hidden_grad: str) -> Case:
+    def run(data: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor], group: Any,
+            part: slice) -> list[torch.Tensor]:  # fmt: skip
+        vocab_group = None if group is None else rlo.VocabParallel(group, hidden_grad=hidden_grad)
+        # packed: (N, H) rows of 3 sequences
+        out = rlo.token_log_probs_from_hidden(
+            leaves["hidden"].reshape(-1, HIDDEN), leaves["weight"], data["tokens"].reshape(-1),
+            bias=leaves["bias"], mask=data["mask"].reshape(-1), temperature=0.7, chunk_size=3,
+            return_entropy=True, cu_seqlens=data["cu_seqlens"], vocab_group=vocab_group,
+            **_kept(data, kind, part, flat=True),
+        )  # fmt: skip
+        return [out.log_probs, out.entropy]
+
+    return run
+
+
+def _fused_case(kind: str, hidden_grad: str) -> Case:
+    def run(data: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor], group: Any,
+            part: slice) -> list[torch.Tensor]:  # fmt: skip
+        vocab_group = None if group is None else rlo.VocabParallel(group, hidden_grad=hidden_grad)
+        dtype = leaves["hidden"].dtype  # float32 on the kernels: every input in their dtype
+        out = rlo.fused_policy_loss_from_hidden(
+            leaves["hidden"], leaves["weight"], data["tokens"], data["old_log_probs"].to(dtype),
+            data["advantages"].to(dtype), data["mask"], bias=leaves["bias"], temperature=0.7,
+            entropy_coef=0.05, ref_log_probs=data["ref_log_probs"].to(dtype), kl_coef=0.1,
+            kl_estimator="k2",
+            reduction="sequence_mean", vocab_group=vocab_group, **_kept(data, kind, part),
+        )  # fmt: skip
+        return [out.loss, out.policy_loss, out.kl_loss, out.entropy_loss, out.log_probs,
+                *out.diagnostics]  # fmt: skip
+
+    return run
+
+
+def _with_kernels(case: Case) -> Case:
+    def run(data: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor], group: Any,
+            part: slice) -> list[torch.Tensor]:  # fmt: skip
+        previous = os.environ.get("RLOBJECTIVES_KERNELS")
+        os.environ["RLOBJECTIVES_KERNELS"] = "triton"
+        try:
+            return case(data, leaves, group, part)
+        finally:
+            if previous is None:
+                del os.environ["RLOBJECTIVES_KERNELS"]
+            else:
+                os.environ["RLOBJECTIVES_KERNELS"] = previous
+
+    return run
+
+
+LOGITS = ("logits",)
+HEAD = ("hidden", "weight", "bias")
+# name -> (case, leaves, dtype, on the Triton kernels)
+CASES: dict[str, tuple[Case, tuple[str, ...], torch.dtype]] = {
+    **{f"logits-{kind}": (_logits_case(kind), LOGITS, F64) for kind in
+       ("none", "ids", "mask", "top_k", "top_k+top_p")},
+    "full_vocab_kl": (_kl, ("logits", "ref_logits"), F64),
+    "response_log_probs-top_k": (_response, LOGITS, F64),
+    **{f"hidden-{kind}-{grad}": (_hidden_case(kind, grad), HEAD, F64)
+       for kind in ("none", "top_k+top_p") for grad in ("partial", "reduced")},
+    "hidden-ids-partial": (_hidden_case("ids", "partial"), HEAD, F64),
+    **{f"fused-{kind}-{grad}": (_fused_case(kind, grad), HEAD, F64)
+       for kind, grad in (("none", "partial"), ("none", "reduced"), ("ids", "partial"))},
+}  # fmt: skip
+# Through the Triton interpreter (float32, the 2-rank run only: the interpreter is slow).
+KERNEL_CASES: dict[str, tuple[Case, tuple[str, ...], torch.dtype]] = {
+    "kernels-hidden-none-partial": (_with_kernels(_hidden_case("none", "partial")), HEAD,
+                                    torch.float32),
+    "kernels-fused-none-reduced": (_with_kernels(_fused_case("none", "reduced")), HEAD,
+                                   torch.float32),
+}  # fmt: skip
+
+
+def run_case(name: str, world: int | None = None, rank: int | None = None,
+             group: Any = None) -> dict[str, Any]:  # fmt: skip
+    """``{"outputs": [...], "grads": {leaf: tensor}}`` of case ``name`` on one rank (or alone)."""
+    case, names, dtype = {**CASES, **KERNEL_CASES}[name]
+    data = problem()
+    part = vocab_slice(world, rank)
+    leaves = _leaves(data, names, part, dtype)
+    outputs = case(data, leaves, group, part)
+    total = _projection([o.double() for o in outputs])
+    grads = {}
+    if total.requires_grad:
+        values = torch.autograd.grad(total, list(leaves.values()), allow_unused=True,
+                                     materialize_grads=True)  # fmt: skip
+        grads = dict(zip(leaves, values, strict=True))
+    return {"outputs": [o.detach() for o in outputs], "grads": grads}
+
+
+def _errors(group: Any) -> dict[str, str]:
+    """The messages of the calls that must be refused under vocabulary parallelism."""
+    data = problem()
+    logits = torch.nan_to_num(data["logits"][..., :3])
+    messages = {}
+    for label, call in (
+        ("top_p-alone", lambda: rlo.token_log_probs(logits, data["tokens"].clamp(min=0),
+                                                    vocab_group=group, top_p=0.9)),
+        ("sizes", lambda: rlo.token_entropy(logits, vocab_group=rlo.VocabParallel(
+            group, vocab_sizes=(3,) * (dist.get_world_size(group) + 1)))),
+    ):  # fmt: skip
+        try:
+            call()
+            messages[label] = ""
+        except ValueError as error:
+            messages[label] = str(error)
+    return messages
+
+
+def worker(rank: int, world: int, store: str, out_dir: str, kernels: bool) -> None:
+    """A spawned rank: every case, saved to ``rank{r}.pt``; a traceback to ``rank{r}.err``."""
+    torch.set_num_threads(1)
+    try:
+        importlib.import_module("torch._dynamo")  # before the group (demo/_process_group.py)
+        dist.init_process_group(
+            "gloo", init_method=f"file://{store}", rank=rank, world_size=world,
+            timeout=datetime.timedelta(seconds=TIMEOUT_S),
+        )  # fmt: skip
+        group = dist.group.WORLD
+        names = list(CASES) + (list(KERNEL_CASES) if kernels else [])
+        results: dict[str, Any] = {name: run_case(name, world, rank, group) for name in names}
+        sizes = rlo.VocabParallel(group, vocab_sizes=SIZES[world])  # given: no all-gather
+        results["given-sizes"] = rlo.token_log_probs(
+            torch.nan_to_num(problem()["logits"][..., vocab_slice(world, rank)]),
+            problem()["tokens"].clamp(min=0), vocab_group=sizes,
+        )  # fmt: skip
+        results["errors"] = _errors(group)
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()
+    except BaseException:
+        (Path(out_dir) / f"rank{rank}.err").write_text(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_available() and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def launch(world: int, out_dir: str, *, kernels: bool) -> list[dict[str, Any]]:
+    """Run :func:`worker` on ``world`` spawned ranks; every rank's results, or raise.
+
+    Bounded: one deadline for all the joins, stragglers terminated then killed; the ranks'
+    tracebacks in the error.
+    """
+    context = mp.get_context("spawn")
+    store = str(Path(out_dir) / "store")
+    processes = [
+        context.Process(target=worker, args=(rank, world, store, out_dir, kernels), daemon=True)
+        for rank in range(world)
+    ]
+    try:
+        for process in processes:
+            process.start()
+        deadline = time.monotonic() + JOIN_TIMEOUT_S
+        for process in processes:
+            process.join(max(0.0, deadline - time.monotonic()))
+        stragglers = [rank for rank, p in enumerate(processes) if p.is_alive()]
+        if stragglers:
+            raise TimeoutError(f"ranks {stragglers} still running after {JOIN_TIMEOUT_S} s")
+        failed = [rank for rank, p in enumerate(processes) if p.exitcode != 0]
+        if failed:
+            reports = []
+            for rank in failed:
+                path = Path(out_dir) / f"rank{rank}.err"
+                text = path.read_text() if path.exists() else "(no traceback)"
+                reports.append(f"rank {rank} (exit code {processes[rank].exitcode}):\n{text}")
+            raise RuntimeError("worker ranks failed:\n" + "\n".join(reports))
+        return [
+            torch.load(Path(out_dir) / f"rank{rank}.pt", weights_only=True) for rank in range(world)
+        ]
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+                process.join(5)
+            if process.is_alive():  # pragma: no cover - a rank ignoring SIGTERM
+                process.kill()
+                process.join(5)
