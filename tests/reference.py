@@ -2821,6 +2821,8 @@ def trl_multi_objective_advantages(
     else:
         spread = std(summed).expand_as(summed)
     return (summed - mean_g) / (spread + 1e-4)
+
+
 # --- the sampler's kept set: truncated log-probabilities and entropy (issue 25, item 1) --------
 
 
