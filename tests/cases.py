@@ -1168,7 +1168,7 @@ CASES: tuple[Case, ...] = (
         + choice_wrongs("kl_estimator")
         + flag_wrongs("kl_straight_through")
         + cu_seqlens_wrongs()
-        + context_group_wrongs(),
+        + context_group_wrongs()
         + kept_wrongs(),
     ),
     Case(
