@@ -983,3 +983,19 @@ def test_rl_plus_nll_recipe_is_micro_batch_invariant() -> None:
         total, grad[rows] = total + value, micro_grad
     assert_close(total, full)
     assert_close(grad, full_grad)
+
+
+def test_dppo_cap_below_one_weight_mean_over_the_selected_tokens() -> None:
+    # Regression: the fused stage subtracted w = 1 per unselected token, but with c = 0.5 the
+    # unselected tokens (r = 1) have w = min(1, 0.5) = 0.5. Every selected token here has
+    # r = exp(0.01) (inside the trust region), so w = min(1.01005, 0.5) = 0.5 and
+    # weight_mean = 0.5; 3 of the 8 positions are unselected (the old bug gave
+    # (5 * 0.5 + 3 * 0.5 - 3) / 5 = 0.2).
+    log_probs = torch.full((2, 4), -1.0)
+    old = log_probs - 0.01
+    mask = torch.tensor([[True, True, True, False], [True, True, False, False]])
+    advantages = torch.tensor([1.0, -1.0])
+    fused = policy_loss(log_probs, old, advantages, mask, surrogate=DPPO(ratio_cap=0.5))
+    formula = _policy_loss_autograd(log_probs, old, advantages, mask, surrogate=DPPO(ratio_cap=0.5))
+    for out in (fused, formula):
+        assert float(out.diagnostics.weight_mean) == pytest.approx(0.5, rel=1e-6)

@@ -217,9 +217,12 @@ class DPPO(SurrogateObjective):
             weight = torch.minimum(ratio, cap, out=outside).mul_(kept)  # (B, T)
             coefficient = weight * inputs.weighted  # (B, T), 0 at unselected tokens
             values = log_probs.mul_(coefficient)  # w A~ l
-        unselected = ratio.numel() - inputs.selected_count  # r = w = 1 at unselected tokens
+        unselected = ratio.numel() - inputs.selected_count  # r = 1 at unselected tokens
         ratio_sum = ratio.sum() - unselected
-        weight_sum = weight.sum() - unselected
+        if self.ratio_cap is None:  # w = r = 1 at unselected tokens
+            weight_sum = weight.sum() - unselected
+        else:  # w = min(1, c) at unselected tokens (a cap below 1 caps them too)
+            weight_sum = weight.sum() - unselected * torch.clamp(cap, max=1.0)
         return StageOutputs(coefficient, values, clip, dual, ratio_sum, weight_sum)
 
     def kernel_flags(self) -> dict[str, Any]:
