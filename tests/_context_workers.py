@@ -281,6 +281,13 @@ def _call_aggregate(
     return ({"loss": out}, {}) if out.ndim == 0 else ({}, {"loss": out})
 
 
+def _call_nll(
+    p: Problem, leaves: dict[str, torch.Tensor], group: Any, o: dict[str, Any]
+) -> Outputs:
+    out = rlo.nll_loss(leaves["log_probs"], p.mask, **o, **_packing(p), context_group=group)
+    return ({"loss": out}, {}) if out.ndim == 0 else ({}, {"loss": out})
+
+
 def _call_kl_loss(
     p: Problem, leaves: dict[str, torch.Tensor], group: Any, o: dict[str, Any]
 ) -> Outputs:
@@ -439,6 +446,7 @@ def _call_fused(
 CALLS: dict[str, Call] = {
     "policy_loss": _call_policy,
     "aggregate": _call_aggregate,
+    "nll_loss": _call_nll,
     "kl_loss": _call_kl_loss,
     "kl_penalized_rewards": _call_kl_rewards,
     "kl_penalized_token_rewards": _call_kl_token_rewards,
@@ -455,6 +463,7 @@ CALLS: dict[str, Call] = {
 LEAVES: dict[str, tuple[str, ...]] = {
     "policy_loss": ("log_probs", "entropy"),
     "aggregate": ("values",),
+    "nll_loss": ("log_probs",),
     "kl_loss": ("log_probs",),
     "kl_penalized_rewards": ("log_probs",),
     "kl_penalized_token_rewards": (),
@@ -632,6 +641,8 @@ def _other_cases() -> list[Case]:
         ("aggregate", "seqmean", {"reduction": "sequence_mean"}, "chunks", "trio"),
         ("aggregate", "drgrpo", {"reduction": "sequence_sum_normalized"}, "slices", "trio"),
         ("aggregate", "none", {"reduction": "none"}, "chunks", "pair"),
+        ("nll_loss", "token", {"reduction": "token_mean"}, "scatter", "trio"),
+        ("nll_loss", "seqmean", {"reduction": "sequence_mean"}, "chunks", "pair"),
         (
             "kl_loss",
             "k2-seqmean",

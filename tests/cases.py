@@ -1628,7 +1628,8 @@ CASES: tuple[Case, ...] = (
         per_token_wrongs("log_probs", reference=True)
         + mask_wrongs()
         + reduction_wrongs()
-        + cu_seqlens_wrongs(),
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
     ),
     Case(
         "m2po_mask",

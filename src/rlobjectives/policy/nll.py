@@ -24,6 +24,7 @@ from .._core.validation import (
     check_shape,
     checks_environment,
     compute_dtype,
+    validate_context_group,
 )
 
 __all__ = ["nll_loss"]
@@ -38,6 +39,7 @@ def nll_loss(
     normalizer: Scalar | None = None,
     max_response_length: Scalar | None = None,
     cu_seqlens: ArrayLike | None = None,
+    context_group: object = None,
 ) -> torch.Tensor:
     r"""Negative log-likelihood :math:`-\ell` of the selected tokens, reduced like ``aggregate``.
 
@@ -66,6 +68,9 @@ def nll_loss(
             ``"token_mean"``, of the non-empty selected sequences for ``"sequence_mean"``).
         max_response_length: Dr. GRPO's constant for ``"sequence_sum_normalized"``.
         cu_seqlens: optional ``(S + 1,)`` boundaries of packed sequences.
+        context_group: the ``torch.distributed`` process group of the ranks holding the other
+            tokens of the same sequences (context parallelism, as :func:`rlobjectives.aggregate`:
+            every rank returns the whole sequences' loss), or None.
 
     Returns:
         The loss (a scalar; ``(B, T)`` for ``"none"``, zeros at unselected tokens) in the dtype
@@ -75,6 +80,8 @@ def nll_loss(
         ValueError: a shape or device mismatch, an unknown ``reduction``, a non-positive
             ``normalizer``, a fractional ``max_response_length`` or malformed ``cu_seqlens``.
         TypeError: non-numeric inputs.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
 
     References:
         Yue et al. 2025, VAPO, arXiv:2504.05118 Eq. 10 (the positive-example LM loss, a token
@@ -97,7 +104,7 @@ def nll_loss(
     mask_t = token_matrix(as_mask(mask, "mask", values.device), "mask", packed)
     check_same_device({"log_probs": values, "mask": mask_t})
     check_shape(mask_t, "mask", tuple(values.shape), "log_probs")
-    layout = sequence_layout(cu_seqlens, values)
+    layout = sequence_layout(cu_seqlens, values, validate_context_group(context_group))
     spec = validate_layout_reduction(
         reduction,
         normalizer=normalizer,
