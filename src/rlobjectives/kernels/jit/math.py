@@ -36,17 +36,6 @@ def expm1_minus_x(x):
 
 
 @triton.jit
-def expm1(x):
-    r""":math:`e^x - 1` without cancellation: :math:`x + g(x)` for :math:`|x| \le 1`, else direct.
-
-    ``expm1(-inf) = -1``, ``expm1(inf) = inf``; NaN propagates.
-    """
-    small = tl.abs(x) <= 1.0
-    series = x + expm1_minus_x(tl.where(small, x, 0.0))
-    return tl.where(small, series, tl.exp(x) - 1.0)
-
-
-@triton.jit
 def clamp_symmetric(x, bound):
     """``clamp(x, -bound, bound)`` that keeps NaN (as ``torch.clamp``), unlike min/max."""
     return tl.where(x > bound, bound, tl.where(x < -bound, -bound, x))
