@@ -51,6 +51,7 @@ __all__ = [
     "Reduction",
     "ReductionSpec",
     "RowWeights",
+    "TokenReduction",
     "aggregate",
     "clamp",
     "masked_fill_zero",
@@ -67,6 +68,7 @@ __all__ = [
     "validate_layout_reduction",
     "validate_normalizer",
     "validate_reduction",
+    "validate_token_reduction",
 ]
 
 
@@ -326,13 +328,58 @@ def aggregate(
             ``context_group`` is given without an initialised process group.
         TypeError: on non-numeric inputs, or a ``context_group`` that is not a process group.
     """
+    call = validate_token_reduction(
+        values,
+        mask,
+        "values",
+        reduction=reduction,
+        normalizer=normalizer,
+        max_response_length=max_response_length,
+        cu_seqlens=cu_seqlens,
+        context_group=context_group,
+    )
+    return call.finish(call.values)
+
+
+class TokenReduction(NamedTuple):
+    """A validated reduction call of per-token values (:func:`validate_token_reduction`)."""
+
+    values: torch.Tensor  # (B, T) / (1, N), the caller's dtype
+    mask: torch.Tensor  # bool, the shape of values
+    spec: ReductionSpec
+    layout: Layout
+    flat: bool  # packed (N,) values: a per-token result is returned as (N,)
+
+    def finish(self, values: torch.Tensor) -> torch.Tensor:
+        """``reduce`` of ``values`` (the shape of :attr:`values`) in float32 or wider.
+
+        Half-precision values are reduced in float32 and rounded once to their dtype.
+        """
+        dtype = self.values.dtype
+        wide = values.float() if dtype in (torch.float16, torch.bfloat16) else values
+        result = reduce(wide, self.mask, self.spec, self.layout).to(dtype)
+        return token_output(result, self.flat and result.ndim == 2)
+
+
+def validate_token_reduction(
+    values: ArrayLike,
+    mask: ArrayLike,
+    name: str,
+    *,
+    reduction: object,
+    normalizer: Scalar | None,
+    max_response_length: Scalar | None,
+    cu_seqlens: ArrayLike | None,
+    context_group: object,
+) -> TokenReduction:
+    """The boundary checks of :func:`aggregate`-like calls, ``values`` named ``name``."""
     packed = cu_seqlens is not None
-    values_t = as_float_tensor(values, "values")
+    values_t = as_float_tensor(values, name)
     flat = values_t.ndim == 1
-    values_t = token_matrix(values_t, "values", packed)
+    values_t = token_matrix(values_t, name, packed)
     mask_t = token_matrix(as_mask(mask, "mask", values_t.device), "mask", packed)
-    check_same_device({"values": values_t, "mask": mask_t})
-    check_shape(mask_t, "mask", tuple(values_t.shape), "values")
+    check_same_device({name: values_t, "mask": mask_t})
+    check_shape(mask_t, "mask", tuple(values_t.shape), name)
     layout = sequence_layout(cu_seqlens, values_t, validate_context_group(context_group))
     spec = validate_layout_reduction(
         reduction,
@@ -341,12 +388,7 @@ def aggregate(
         layout=layout,
         tokens=values_t.shape[-1],
     )
-    if values_t.dtype in (torch.float16, torch.bfloat16):
-        # Reduce in float32 and round once to the half-precision output dtype.
-        result = reduce(values_t.float(), mask_t, spec, layout).to(values_t.dtype)
-    else:
-        result = reduce(values_t, mask_t, spec, layout)
-    return token_output(result, flat and result.ndim == 2)
+    return TokenReduction(values_t, mask_t, spec, layout, flat)
 
 
 _HALF = (torch.float16, torch.bfloat16)

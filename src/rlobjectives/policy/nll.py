@@ -13,19 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from .._core.layout import sequence_layout, token_matrix, token_output
-from .._core.reduction import Reduction, reduce, validate_layout_reduction
-from .._core.validation import (
-    ArrayLike,
-    Scalar,
-    as_float_tensor,
-    as_mask,
-    check_same_device,
-    check_shape,
-    checks_environment,
-    compute_dtype,
-    validate_context_group,
-)
+from .._core.reduction import Reduction, validate_token_reduction
+from .._core.validation import ArrayLike, Scalar, checks_environment
 
 __all__ = ["nll_loss"]
 
@@ -97,21 +86,14 @@ def nll_loss(
 
     .. versionadded:: 0.3.0
     """
-    packed = cu_seqlens is not None
-    values = as_float_tensor(log_probs, "log_probs")
-    flat = values.ndim == 1
-    values = token_matrix(values, "log_probs", packed)
-    mask_t = token_matrix(as_mask(mask, "mask", values.device), "mask", packed)
-    check_same_device({"log_probs": values, "mask": mask_t})
-    check_shape(mask_t, "mask", tuple(values.shape), "log_probs")
-    layout = sequence_layout(cu_seqlens, values, validate_context_group(context_group))
-    spec = validate_layout_reduction(
-        reduction,
+    call = validate_token_reduction(
+        log_probs,
+        mask,
+        "log_probs",
+        reduction=reduction,
         normalizer=normalizer,
         max_response_length=max_response_length,
-        layout=layout,
-        tokens=values.shape[-1],
+        cu_seqlens=cu_seqlens,
+        context_group=context_group,
     )
-    negative = torch.where(mask_t, values.to(compute_dtype(values)), 0.0).neg()  # (B, T)
-    result = reduce(negative, mask_t, spec, layout).to(values.dtype)
-    return token_output(result, flat and result.ndim == 2)
+    return call.finish(call.values.neg())
