@@ -30,15 +30,14 @@ import os
 import time
 import traceback
 from collections.abc import Callable
-from multiprocessing.connection import wait
 from pathlib import Path
 from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import rlobjectives as rlo
+from _spawn import spawn_ranks
 from rlobjectives._core.backend import triton_available
 from rlobjectives.distributed import global_normalizers, normalizer_for_reduction
 
@@ -1044,45 +1043,15 @@ def launch(
     out_dir: str, *, world_size: int = WORLD_SIZE, timeout_s: float = JOIN_TIMEOUT_S
 ) -> list[dict[str, Any]]:
     """Run :func:`worker` on ``world_size`` spawned processes (a file store: no port to pick)."""
-    context = mp.get_context("spawn")
     store_path = str(Path(out_dir) / "store")
-    processes = [
-        context.Process(target=worker, args=(rank, world_size, store_path, out_dir), daemon=True)
-        for rank in range(world_size)
-    ]
-    try:
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + timeout_s
-        while True:  # until every rank is done, or one failed (the others would wait for it)
-            running = [p for p in processes if p.exitcode is None]
-            if not running or any(p.exitcode for p in processes if p.exitcode is not None):
-                break
-            left = deadline - time.monotonic()
-            if left <= 0:
-                stragglers = [rank for rank, p in enumerate(processes) if p in running]
-                raise TimeoutError(f"ranks {stragglers} still running after {timeout_s} s")
-            wait([p.sentinel for p in running], timeout=left)
-        failed = [rank for rank, p in enumerate(processes) if p.exitcode not in (0, None)]
-        if failed:  # (the ranks still running are ended below)
-            reports = []
-            for rank in failed:
-                path = Path(out_dir) / f"rank{rank}.err"
-                text = path.read_text() if path.exists() else "(no traceback)"
-                reports.append(f"rank {rank} (exit code {processes[rank].exitcode}):\n{text}")
-            raise RuntimeError("worker ranks failed:\n" + "\n".join(reports))
-        return [
-            torch.load(Path(out_dir) / f"rank{rank}.pt", weights_only=False)
-            for rank in range(world_size)
-        ]
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(5)
-            if process.is_alive():  # pragma: no cover - a rank ignoring SIGTERM
-                process.kill()
-                process.join(5)
+    return spawn_ranks(
+        worker,
+        lambda rank: (rank, world_size, store_path, out_dir),
+        world_size,
+        out_dir,
+        timeout_s,
+        weights_only=False,
+    )
 
 
 # ------------------------------------------------------------------------ the reference side

@@ -19,10 +19,10 @@ from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from _spawn import spawn_ranks
 from rlobjectives import Clip, policy_loss
 from rlobjectives.distributed import (
     data_parallel_loss_scale,
@@ -316,45 +316,14 @@ def launch(
 ) -> list[dict[str, Any]]:
     """Run ``worker`` on ``world_size`` spawned processes; return each rank's saved results.
 
-    Bounded in time: every process is joined against one deadline; stragglers are terminated,
-    then killed. Raises ``RuntimeError`` with the ranks' tracebacks if any rank failed and
-    ``TimeoutError`` if the deadline passed.
+    Bounded in time, stopped at the first failed rank (:func:`_spawn.spawn_ranks`). Raises
+    ``RuntimeError`` with the ranks' tracebacks if any rank failed and ``TimeoutError`` if the
+    deadline passed.
     """
-    context = mp.get_context("spawn")
     port = free_port()
-    processes = [
-        context.Process(target=worker, args=(rank, world_size, port, out_dir), daemon=True)
-        for rank in range(world_size)
-    ]
-    try:
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + timeout_s
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        stragglers = [rank for rank, p in enumerate(processes) if p.is_alive()]
-        if stragglers:
-            raise TimeoutError(f"ranks {stragglers} still running after {timeout_s} s")
-        failed = [rank for rank, p in enumerate(processes) if p.exitcode != 0]
-        if failed:
-            reports = []
-            for rank in failed:
-                path = Path(out_dir) / f"rank{rank}.err"
-                text = path.read_text() if path.exists() else "(no traceback)"
-                reports.append(f"rank {rank} (exit code {processes[rank].exitcode}):\n{text}")
-            raise RuntimeError("worker ranks failed:\n" + "\n".join(reports))
-        return [
-            torch.load(Path(out_dir) / f"rank{rank}.pt", weights_only=True)
-            for rank in range(world_size)
-        ]
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(5)
-            if process.is_alive():  # pragma: no cover - a rank ignoring SIGTERM
-                process.kill()
-                process.join(5)
+    return spawn_ranks(
+        worker, lambda rank: (rank, world_size, port, out_dir), world_size, out_dir, timeout_s
+    )
 
 
 __all__ = [

@@ -15,7 +15,6 @@ from __future__ import annotations
 import datetime
 import importlib
 import os
-import time
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -23,9 +22,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import rlobjectives as rlo
+from _spawn import spawn_ranks
 
 VOCAB, HIDDEN, BATCH, STEPS = 11, 4, 2, 5
 SIZES: dict[int, tuple[int, ...]] = {2: (6, 5), 3: (4, 4, 3)}  # uneven: 11 = 6 + 5 = 4 + 4 + 3
@@ -306,40 +305,10 @@ def worker(rank: int, world: int, store: str, out_dir: str, kernels: bool) -> No
 def launch(world: int, out_dir: str, *, kernels: bool) -> list[dict[str, Any]]:
     """Run :func:`worker` on ``world`` spawned ranks; every rank's results, or raise.
 
-    Bounded: one deadline for all the joins, stragglers terminated then killed; the ranks'
-    tracebacks in the error.
+    Bounded in time, stopped at the first failed rank, the ranks' tracebacks in the error
+    (:func:`_spawn.spawn_ranks`).
     """
-    context = mp.get_context("spawn")
     store = str(Path(out_dir) / "store")
-    processes = [
-        context.Process(target=worker, args=(rank, world, store, out_dir, kernels), daemon=True)
-        for rank in range(world)
-    ]
-    try:
-        for process in processes:
-            process.start()
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        for process in processes:
-            process.join(max(0.0, deadline - time.monotonic()))
-        stragglers = [rank for rank, p in enumerate(processes) if p.is_alive()]
-        if stragglers:
-            raise TimeoutError(f"ranks {stragglers} still running after {JOIN_TIMEOUT_S} s")
-        failed = [rank for rank, p in enumerate(processes) if p.exitcode != 0]
-        if failed:
-            reports = []
-            for rank in failed:
-                path = Path(out_dir) / f"rank{rank}.err"
-                text = path.read_text() if path.exists() else "(no traceback)"
-                reports.append(f"rank {rank} (exit code {processes[rank].exitcode}):\n{text}")
-            raise RuntimeError("worker ranks failed:\n" + "\n".join(reports))
-        return [
-            torch.load(Path(out_dir) / f"rank{rank}.pt", weights_only=True) for rank in range(world)
-        ]
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-                process.join(5)
-            if process.is_alive():  # pragma: no cover - a rank ignoring SIGTERM
-                process.kill()
-                process.join(5)
+    return spawn_ranks(
+        worker, lambda rank: (rank, world, store, out_dir, kernels), world, out_dir, JOIN_TIMEOUT_S
+    )
