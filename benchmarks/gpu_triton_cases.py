@@ -33,7 +33,7 @@ import torch
 import eager_reference as eager
 import harness
 import rlobjectives
-from rlobjectives._core.backend import use_kernels
+from rlobjectives._core.backend import use_backend
 
 Inputs = harness.Inputs
 TRITON = "triton (RLOBJECTIVES_KERNELS=triton)"  # the verdicts find the row by this prefix
@@ -81,7 +81,7 @@ def _token_inputs(batch: int, tokens: int, dtype: torch.dtype) -> Callable[[torc
 
 def _policy(backend: str) -> Callable[[Inputs], torch.Tensor]:
     def run(x: Inputs) -> torch.Tensor:
-        with use_kernels(backend):
+        with use_backend(backend):
             return rlobjectives.policy_loss(
                 x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"]
             ).loss
@@ -95,7 +95,7 @@ def _policy_reference(x: Inputs) -> torch.Tensor:
 
 def _kl(backend: str) -> Callable[[Inputs], torch.Tensor]:
     def run(x: Inputs) -> torch.Tensor:
-        with use_kernels(backend), warnings.catch_warnings():
+        with use_backend(backend), warnings.catch_warnings():
             warnings.simplefilter("ignore")  # k3's BiasedGradientWarning
             return rlobjectives.kl_loss(x["log_probs"], x["ref_log_probs"], x["mask"])
 
@@ -108,7 +108,7 @@ def _kl_reference(x: Inputs) -> torch.Tensor:
 
 def _rewards(backend: str) -> Callable[[Inputs], torch.Tensor]:
     def run(x: Inputs) -> torch.Tensor:
-        with use_kernels(backend):
+        with use_backend(backend):
             return rlobjectives.kl_penalized_rewards(
                 x["log_probs"], x["ref_log_probs"], x["rewards"], x["mask"], 0.1
             )["objective"]
@@ -182,7 +182,7 @@ def _hidden_inputs(rows: int, width: int, vocab: int) -> Callable[[torch.device]
 
 def _hidden(backend: str) -> Callable[[Inputs], torch.Tensor]:
     def run(x: Inputs) -> torch.Tensor:
-        with use_kernels(backend):
+        with use_backend(backend):
             return rlobjectives.fused_policy_loss_from_hidden(
                 x["hidden"][None], x["weight"], x["tokens"][None], x["old_log_probs"][None],
                 x["advantages"][None], x["mask"][None],

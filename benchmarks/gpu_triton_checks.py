@@ -17,17 +17,17 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-
-import boundary_cases
-import triton_reference as reference
-from rlobjectives import CISPO, DPPO, SAPO, Clip, grpo_clipped_surrogate, policy_loss
-from rlobjectives._core.backend import use_kernels
 from rlobjectives.kernels.from_hidden import (
     FusedPolicyLossFromHiddenFunction,
     LogProbsFromHiddenFunction,
 )
 from rlobjectives.kernels.kl import KLPenalizedRewardsFunction, kl_loss_forward
 from rlobjectives.kernels.token_loss import TokenLossFunction, TokenLossOptions, TokenLossSums
+
+import boundary_cases
+import triton_reference as reference
+from rlobjectives import CISPO, DPPO, SAPO, Clip, grpo_clipped_surrogate, policy_loss
+from rlobjectives._core.backend import use_backend
 
 Result = tuple[str, bool, str]
 VALUE_TOLERANCE = {torch.float32: 2e-5, torch.bfloat16: 2e-5}  # fp32 math on rounded inputs
@@ -313,7 +313,7 @@ def check_boundary_decisions(device: torch.device, dry: bool = False) -> list[Re
     """The rule's decisions at every bound on the kernels (counts exact, gradient factors)."""
     del dry  # the sweep is small on every device
     results: list[Result] = []
-    with use_kernels("triton"):
+    with use_backend("triton"):
         example = grpo_clipped_surrogate(
             torch.tensor([[0.1823215567939546, -0.2231435513142097]], device=device),
             torch.zeros(1, 2, device=device), torch.ones(1, device=device),

@@ -19,7 +19,7 @@ import torch
 import rlobjectives as rlo
 from gpu_triton_checks import GRAD_TOLERANCE, VALUE_TOLERANCE, Result, compare
 from rlobjectives import CISPO, Clip
-from rlobjectives._core.backend import use_kernels
+from rlobjectives._core.backend import use_backend
 
 Call = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 LEAVES = ("log_probs", "entropy", "hidden", "weight")
@@ -78,7 +78,7 @@ def _run(call: Call, data: dict[str, torch.Tensor], device: str, backend: str) -
         on = {k: v.double() if v.is_floating_point() else v for k, v in on.items()}
     for name in LEAVES:
         on[name].requires_grad_(True)
-    with use_kernels(backend), warnings.catch_warnings():
+    with use_backend(backend), warnings.catch_warnings():
         warnings.simplefilter("ignore")
         outputs = call(on)
     total = sum(v.double().sum() for v in outputs.values() if v.requires_grad)

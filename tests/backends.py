@@ -37,7 +37,7 @@ import torch
 from hypothesis import HealthCheck, settings
 
 import reference
-from rlobjectives._core.backend import triton_available, use_kernels
+from rlobjectives._core.backend import triton_available, use_backend
 
 __all__ = [
     "BACKEND_PARAMS",
@@ -109,7 +109,7 @@ def _fewer_examples(request: pytest.FixtureRequest) -> Iterator[None]:
 @pytest.fixture(params=BACKEND_PARAMS)
 def backend(request: pytest.FixtureRequest) -> Iterator[str]:
     """The backend name, with ``RLOBJECTIVES_KERNELS`` set to it for the test's duration."""
-    with use_kernels(request.param):
+    with use_backend(request.param):
         if request.param == "triton":
             with _fewer_examples(request):
                 yield request.param

@@ -7,6 +7,7 @@ Masks have the shape of the log-probabilities and True/nonzero selects a token.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from ._core.backend import use_backend
 from ._core.packing import PackedTokens, UnpackedTokens, pack, unpack
 from ._core.reduction import Reduction, aggregate, masked_mean, masked_sum
 from .advantages.gae import GAEOutput, gae, reinforce_plus_plus_advantages
@@ -51,11 +52,11 @@ from .logprobs.alignment import (
     response_alignment,
     response_log_probs,
 )
-from .logprobs.fused import FusedPolicyLossOutput, fused_policy_loss_from_hidden
 from .logprobs.hidden import TokenLogProbsOutput, token_log_probs_from_hidden
 from .logprobs.logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, token_log_probs
 from .logprobs.vocab_parallel import VocabParallel
 from .policy.entropy import top_entropy_mask
+from .policy.from_hidden import FusedPolicyLossOutput, fused_policy_loss_from_hidden
 from .policy.inputs import PolicyLossDiagnostics, PolicyLossOutput
 from .policy.loss import policy_loss
 from .policy.nll import nll_loss
@@ -169,5 +170,6 @@ __all__ = [
     "topk_forward_kl",
     "topk_forward_kl_from_hidden",
     "unpack",
+    "use_backend",
     "value_loss",
 ]

@@ -16,13 +16,7 @@ from backends import requires_triton
 
 pytestmark = requires_triton
 
-FLOATS = (
-    "low", "high", "upper_positive", "upper_negative", "tau_positive", "tau_negative",
-    "low_threshold", "high_threshold", "upper_positive_threshold", "upper_negative_threshold",
-    "dual_low_threshold", "dual_high_threshold", "soft_low_positive", "soft_high_positive",
-    "soft_low_negative", "soft_high_negative", "bound", "diagnostic_bound", "kl_coef",
-    "entropy_coef", "beta", "inv_temperature", "ratio_cap", "cap_threshold",
-)  # fmt: skip
+FLOATS = ("inv_temperature",)
 
 
 def _compile(kernel: Any, pointers: dict[str, str], constexprs: dict[str, Any]) -> None:
@@ -58,61 +52,20 @@ def kernels() -> Any:
     import torch
     import triton.language as tl
 
-    from rlobjectives._core.backend import use_kernels
+    from rlobjectives._core.backend import use_backend
+    from rlobjectives.kernels.head_forward import lm_head_forward
     from rlobjectives.kernels.loading import kernels as load
-    from rlobjectives.kernels.token_loss import token_loss_forward
 
     # An interpreted launch first: the interpreter patches triton.language while it runs, and
     # compilation in the same process must still work afterwards.
     before = (tl.program_id, tl.core.tensor.__add__, tl.sum)
-    with use_kernels("triton"):
-        values = torch.zeros(3)
-        token_loss_forward(values, values, values, torch.ones(3, dtype=torch.bool))
+    with use_backend("triton"):
+        tokens = torch.zeros(3, dtype=torch.long)
+        lm_head_forward(
+            torch.zeros(3, 2), torch.zeros(4, 2), tokens, torch.ones(3, dtype=torch.bool)
+        )
     assert (tl.program_id, tl.core.tensor.__add__, tl.sum) == before
     return load("cuda")  # the compiled-mode package (no GPU needed to compile)
-
-
-TOKEN_POINTERS = {
-    "log_probs_ptr": "*bf16", "old_ptr": "*bf16", "advantages_ptr": "*fp32", "mask_ptr": "*u8",
-    "weights_ptr": "*fp32", "sequence_ptr": "*fp32", "importance_ptr": "*fp32",
-    "ref_ptr": "*bf16", "entropy_ptr": "*fp32", "coefficient_ptr": "*fp32", "loss_ptr": "*fp32",
-    "partial_ptr": "*fp32",
-}  # fmt: skip
-TOKEN_FLAGS = {
-    "HAS_LOW": True, "HAS_HIGH": True, "HAS_UPPER_POSITIVE": True, "HAS_UPPER_NEGATIVE": True,
-    "HAS_DUAL": True, "HAS_CAP": True, "HAS_BOUND": True, "HAS_WEIGHTS": True, "HAS_SEQUENCE": True,
-    "HAS_IMPORTANCE": True, "HAS_KL": True, "KL_ESTIMATOR": 3, "KL_STRAIGHT_THROUGH": False,
-    "KL_IMPORTANCE": False, "HAS_ENTROPY": True, "STORE_LOSS": True, "COLUMNS": 17, "BLOCK": 1024,
-}  # fmt: skip
-
-
-@pytest.mark.parametrize("surrogate", [0, 1, 2, 3, 4, 5, 6])  # ... 4, 5 DPPO (TV, KL), 6 DRO
-def test_token_loss_kernel_compiles(kernels: Any, surrogate: int) -> None:
-    flags = dict(TOKEN_FLAGS, SURROGATE=surrogate)
-    if surrogate == 5:  # DPPO without a cap: prime-rl's value form
-        flags.update(HAS_CAP=False)
-    if surrogate == 3:
-        flags.update(KL_ESTIMATOR=4, KL_STRAIGHT_THROUGH=True, KL_IMPORTANCE=True)
-    if surrogate == 1:  # absent optional inputs are passed as None (constexpr None)
-        flags.update(HAS_SEQUENCE=False, HAS_ENTROPY=False, STORE_LOSS=False, HAS_LOW=False,
-                     sequence_ptr=None, entropy_ptr=None, loss_ptr=None)  # fmt: skip
-    _compile(kernels.token_loss.token_loss_kernel, TOKEN_POINTERS, flags)
-
-
-def test_small_kernels_compile(kernels: Any) -> None:
-    _compile(
-        kernels.scale.scale_kernel,
-        {"a_ptr": "*fp32", "b_ptr": "*fp32", "mask_ptr": "*u8", "out_ptr": "*bf16"},
-        {"BLOCK": 1024},
-    )
-    pointers = {"policy_ptr": "*bf16", "reference_ptr": "*bf16", "rewards_ptr": "*fp32",
-                "mask_ptr": "*u8", "offsets_ptr": "*i64", "divergence_ptr": "*fp32",
-                "penalized_ptr": "*fp32"}  # fmt: skip
-    for packed in (False, True):  # padded rows; one packed row with cu_seqlens
-        flags = {"PACKED": packed, "BLOCK": 1024}
-        if not packed:
-            flags["offsets_ptr"] = None
-        _compile(kernels.kl_rewards.kl_rewards_kernel, pointers, flags)
 
 
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])

@@ -9,18 +9,12 @@ import pytest
 import torch
 
 from backends import requires_triton
-from rlobjectives import Clip
-from rlobjectives._core.backend import use_kernels
-from rlobjectives.kernels.from_hidden import (
-    FusedPolicyLossFromHiddenFunction,
-    LogProbsFromHiddenFunction,
-)
+from rlobjectives._core.backend import use_backend
 from rlobjectives.kernels.head_backward import lm_head_backward, vocab_chunk
 from rlobjectives.kernels.head_forward import lm_head_forward
-from rlobjectives.kernels.token_loss import TokenLossOptions
+from rlobjectives.logprobs.triton_head import TritonLogProbs
 from tolerances import assert_close
 from triton_reference import head_log_probs
-from triton_reference import token_loss as reference_loss
 
 pytestmark = requires_triton
 
@@ -31,7 +25,7 @@ FP32 = {"rtol": 1e-5, "atol": 2e-6}
 
 @pytest.fixture(autouse=True)
 def _triton_backend() -> Any:
-    with use_kernels("triton"):
+    with use_backend("triton"):
         yield
 
 
@@ -75,14 +69,19 @@ def test_forward_matches_log_softmax(splits: int, banned: bool) -> None:
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("chunk_bytes", [None, 1])  # one chunk, or one 16-wide chunk per step
-def test_backward_matches_autograd(dtype: torch.dtype, chunk_bytes: int | None) -> None:
+def test_backward_matches_autograd(dtype: torch.dtype) -> None:
     head = _head(dtype, banned=True, seed=1)
     leaves = {k: head[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")}
-    log_probs, entropy = LogProbsFromHiddenFunction.apply(
-        leaves["hidden"], leaves["weight"], leaves["bias"], head["tokens"], head["mask"],
-        {"temperature": 1.3, "with_entropy": True, "splits": 2, "chunk_bytes": chunk_bytes},
+    out = lm_head_forward(
+        head["hidden"], head["weight"], head["tokens"], head["mask"], bias=head["bias"],
+        temperature=1.3, with_entropy=True, splits=2,
     )  # fmt: skip
+    log_probs, entropy = TritonLogProbs.apply(
+        leaves["hidden"], leaves["weight"], leaves["bias"], head["tokens"], head["mask"], 1.3,
+        True, None,
+    )  # fmt: skip
+    assert out.entropy is not None
+    torch.testing.assert_close(entropy.detach(), out.entropy, **FP32)
     g = torch.Generator().manual_seed(2)
     upstream = torch.randn(N, generator=g), torch.randn(N, generator=g)
     ((log_probs * upstream[0]).sum() + (entropy * upstream[1]).sum()).backward()
@@ -130,41 +129,31 @@ def test_backward_without_requested_gradients_and_empty_rows() -> None:
     assert torch.equal(grads.weight, torch.zeros(V, H))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_policy_loss_matches_composition(dtype: torch.dtype) -> None:
-    head = _head(dtype, banned=True, seed=3)
-    g = torch.Generator().manual_seed(5)
-    old = (-torch.rand(N, generator=g) * 4).to(dtype)
-    advantages = torch.randn(N, generator=g).to(dtype)
-    ref = (-torch.rand(N, generator=g) * 4).to(dtype)
-    weights = torch.tensor(1.0) / head["mask"].sum()
-    options = TokenLossOptions(surrogate=Clip(low=0.2, high=0.28), kl_coef=0.05, kl_estimator="k2",
-                               entropy_coef=0.02, log_ratio_bound=5.0)  # fmt: skip
-    leaves = {k: head[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")}
-    loss, log_probs, entropy, totals = FusedPolicyLossFromHiddenFunction.apply(
-        leaves["hidden"], leaves["weight"], leaves["bias"], head["tokens"], head["mask"],
-        old, advantages, weights, {"temperature": 0.9, "splits": 2, "chunk_bytes": 1},
-        {"options": options, "ref_log_probs": ref, "block_size": 16},
+def test_backward_in_vocabulary_chunks_equals_one_chunk() -> None:
+    head = _head(torch.float32, banned=True, seed=4)
+    out = lm_head_forward(
+        head["hidden"], head["weight"], head["tokens"], head["mask"], bias=head["bias"],
+        temperature=1.3, with_entropy=True,
     )  # fmt: skip
-    (2.0 * loss).backward()
-    reference = {k: head[k].double().requires_grad_(True) for k in ("hidden", "weight", "bias")}
-    ref_log_probs, ref_entropy = head_log_probs(
-        reference["hidden"], reference["weight"], head["tokens"], head["mask"],
-        bias=reference["bias"], temperature=0.9,
-    )  # fmt: skip
-    expected = reference_loss(
-        ref_log_probs, old, advantages, head["mask"], options, weights=weights,
-        ref_log_probs=ref, entropy=ref_entropy,
-    )  # fmt: skip
-    (2.0 * expected.loss).backward()
-    torch.testing.assert_close(loss.double(), expected.loss.detach(), rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(log_probs.double(), ref_log_probs.detach(), **FP32)
-    assert not log_probs.requires_grad and not entropy.requires_grad
-    assert not totals.requires_grad
-    for name, leaf in leaves.items():
-        want = reference[name].grad
-        assert leaf.grad is not None and want is not None
-        if dtype == torch.float32:
-            torch.testing.assert_close(leaf.grad.double(), want, rtol=1e-5, atol=1e-7, msg=name)
-        else:
-            assert_close(leaf.grad, want)
+    g = torch.Generator().manual_seed(3)
+    upstream = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    grads = [
+        lm_head_backward(
+            head["hidden"],
+            head["weight"],
+            head["tokens"],
+            head["mask"],
+            out.lse,
+            upstream[0],
+            bias=head["bias"],
+            temperature=1.3,
+            entropy=out.entropy,
+            grad_entropy=upstream[1],
+            chunk_bytes=chunk_bytes,
+            need_bias=True,
+        )  # fmt: skip
+        for chunk_bytes in (None, 1)  # one chunk, or one 16-wide chunk per step
+    ]
+    for whole, chunked in zip(grads[0], grads[1], strict=True):  # hidden, weight, bias
+        assert whole is not None and chunked is not None
+        torch.testing.assert_close(chunked, whole, **FP32)

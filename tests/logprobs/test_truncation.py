@@ -569,24 +569,20 @@ def test_float32_and_bfloat16_compute_in_float32() -> None:
         )  # fmt: skip
 
 
-def test_the_kernels_backend_runs_kept_sets_on_pytorch(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The Triton LM head takes no kept set: with the kernels selected the call takes the chunked
-    # PyTorch path (the same values), never the kernels.
+def test_the_kernels_backend_refuses_kept_sets(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The Triton LM head takes no kept set: an explicit request for the kernels raises (never
+    # a silent fallback), and the torch backend gives the same values as the default.
     generator = torch.Generator().manual_seed(9)
     hidden = torch.randn(2, 3, 4, generator=generator)
     weight = torch.randn(9, 4, generator=generator)
     tokens = torch.randint(0, 9, (2, 3), generator=generator)
     want = rlo.token_log_probs_from_hidden(hidden, weight, tokens, top_k=3)
+    with rlo.use_backend("torch"):
+        assert torch.equal(rlo.token_log_probs_from_hidden(hidden, weight, tokens, top_k=3), want)
     monkeypatch.setenv("RLOBJECTIVES_KERNELS", "triton")
-    import rlobjectives.kernels.calls.head as head_calls
-
-    def refuse(*args: Any, **kwargs: Any) -> Any:
-        raise AssertionError("the kernels ran")
-
-    monkeypatch.setattr(head_calls, "log_probs_kernels", refuse)
-    monkeypatch.setattr(head_calls, "fused_loss_kernels", refuse)
-    assert torch.equal(rlo.token_log_probs_from_hidden(hidden, weight, tokens, top_k=3), want)
-    with warnings.catch_warnings():
+    with pytest.raises(ValueError, match="kept set"):
+        rlo.token_log_probs_from_hidden(hidden, weight, tokens, top_k=3)
+    with warnings.catch_warnings(), pytest.raises(ValueError, match="kept set"):
         warnings.simplefilter("ignore")
         rlo.fused_policy_loss_from_hidden(
             hidden, weight, tokens, torch.zeros(2, 3), torch.ones(2), torch.ones(2, 3), top_k=3

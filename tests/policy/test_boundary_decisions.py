@@ -29,7 +29,7 @@ from boundary_cases import (
 )
 from reference import rule_compare
 from rlobjectives import DPPO, Clip, grpo_clipped_surrogate, policy_loss
-from rlobjectives._core.backend import use_kernels
+from rlobjectives._core.backend import use_backend
 from rlobjectives.policy.loss import _policy_loss_autograd
 from rlobjectives.policy.surrogates import SurrogateObjective
 
@@ -44,7 +44,7 @@ def _step(value: float, dtype: torch.dtype, direction: float) -> float:
 def _run(path: str, surrogate: SurrogateObjective, batch: tuple[torch.Tensor, ...]) -> Any:
     leaf = batch[0].clone().requires_grad_(True)
     function = _policy_loss_autograd if path == "autograd" else policy_loss
-    with use_kernels("triton" if path == "triton" else "torch"):
+    with use_backend("triton" if path == "triton" else "torch"):
         out = function(leaf, *batch[1:], surrogate=surrogate)
         (gradient,) = torch.autograd.grad(out.loss, leaf)
     return out, gradient
@@ -136,7 +136,7 @@ def test_seed_surrogate_sweep(backend_name: str) -> None:
     surrogate = CASES["band"]
     points = sweep_points(surrogate, torch.float32)
     log_probs, old, _, mask = boundary_batch(points, torch.float32)
-    with use_kernels(backend_name):
+    with use_backend(backend_name):
         out = grpo_clipped_surrogate(log_probs, old, torch.tensor([1.0, -1.0]), mask, 0.2)
     outside = sum(
         rule_compare(x, 0.8, torch.float32) < 0 or rule_compare(x, 1.2, torch.float32) > 0
@@ -221,14 +221,14 @@ HIDDEN_BACKENDS = ["torch", pytest.param("triton", marks=[requires_triton, pytes
 def test_hidden_state_path_gives_the_rules_decisions(
     case: str, input_dtype: torch.dtype, backend_name: str
 ) -> None:
-    from rlobjectives.logprobs.fused import fused_policy_loss_from_hidden
+    from rlobjectives.policy.from_hidden import fused_policy_loss_from_hidden
 
     surrogate = CASES[case]
     points = sweep_points(surrogate, input_dtype)
     hidden, weight, tokens, old, advantages = _hidden_batch(points, input_dtype)
     leaf = hidden.clone().requires_grad_(True)
     mask = torch.ones(tokens.shape, dtype=torch.bool)
-    with use_kernels(backend_name):
+    with use_backend(backend_name):
         out = fused_policy_loss_from_hidden(
             leaf, weight, tokens, old, advantages, mask, surrogate=surrogate
         )

@@ -1,115 +1,116 @@
-"""Which implementation runs a call: the PyTorch paths or the Triton kernels.
+"""Which implementation of the LM head runs a call: PyTorch's chunk loop or the Triton kernels.
 
-Rule (``RLOBJECTIVES_KERNELS``, read and validated at every call, so tests and users can switch
-it per call):
+The choice concerns the functions with a Triton LM head
+(:func:`rlobjectives.token_log_probs_from_hidden`,
+:func:`rlobjectives.fused_policy_loss_from_hidden`); every other function has one
+implementation. It is made explicitly, by :func:`use_backend` (a context manager, innermost
+wins) or else by ``RLOBJECTIVES_KERNELS`` (the documented default; both validated on every call):
 
-- unset or ``auto``: CUDA tensors use the Triton kernels when ``triton`` is importable,
-  everything else the PyTorch path;
-- ``torch``: always the PyTorch path;
-- ``triton``: always the Triton kernels; on CPU tensors they run through Triton's interpreter
-  (slow: meant for tests and debugging). Raises when triton is not importable;
-- in every mode float64 inputs, code being traced by ``torch.compile`` and devices other than
-  CUDA and CPU use PyTorch: the kernels compute in float32, their launchers are not traceable,
-  and they run compiled on CUDA or interpreted on CPU only.
+- ``auto`` (unset): the Triton kernels for CUDA tensors when ``triton`` imports and the call is
+  one they take (float32/bfloat16/float16, no kept set, not being traced by ``torch.compile``),
+  else PyTorch;
+- ``torch``: always PyTorch;
+- ``triton``: always the kernels (on CPU tensors through Triton's interpreter: slow, for tests).
+  A call they cannot take raises a ``ValueError`` saying why (float64, a kept set, another
+  device, code being traced), and a missing ``triton`` a ``RuntimeError``: an explicit request
+  is never dropped silently.
 
-Nothing here imports ``triton`` (:func:`triton_available` does, once, on its first call); the
-kernels are loaded by :mod:`rlobjectives.kernels.loading` on the first launch.
+Nothing here imports ``triton`` (:func:`triton_available` does, once, on its first call).
 """
 
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import functools
 import importlib
 import importlib.util
-import os
 from collections.abc import Iterator
 from typing import Literal
 
 import torch
 
-__all__ = [
-    "BACKENDS",
-    "ENV_VAR",
-    "Backend",
-    "kernel_backend",
-    "requested_backend",
-    "triton_available",
-    "use_kernels",
-]
+from .validation import BACKENDS, KERNELS_VARIABLE, requested_backend
 
-ENV_VAR = "RLOBJECTIVES_KERNELS"
-BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
+__all__ = ["Backend", "lm_head_backend", "triton_available", "use_backend"]
+
 Backend = Literal["triton", "torch"]
 
-_KERNEL_DEVICES = ("cuda", "cpu")  # compiled, interpreted; other devices keep PyTorch
-
-
-def requested_backend() -> str:
-    """The validated value of ``RLOBJECTIVES_KERNELS`` (``"auto"`` when unset or empty).
-
-    Raises:
-        ValueError: naming the variable, on any value other than auto, triton or torch.
-    """
-    value = os.environ.get(ENV_VAR, "").strip().lower() or "auto"
-    if value not in BACKENDS:
-        raise ValueError(
-            f"{ENV_VAR} must be one of {', '.join(BACKENDS)} (or unset), "
-            f"got {os.environ.get(ENV_VAR)!r}"
-        )
-    return value
-
-
-def kernel_backend(device: torch.device | str, *, dtype: torch.dtype | None = None) -> Backend:
-    """``"triton"`` or ``"torch"``: the implementation a call on ``device`` should use.
-
-    Args:
-        device: the device of the call's tensors.
-        dtype: the computation dtype, if known: float64 always uses ``"torch"``.
-
-    Returns:
-        ``"triton"`` or ``"torch"`` (see the module docstring for the rule).
-
-    Raises:
-        ValueError: on an invalid ``RLOBJECTIVES_KERNELS``.
-        RuntimeError: with ``RLOBJECTIVES_KERNELS=triton`` when triton is not importable.
-    """
-    if torch.compiler.is_compiling():  # the launchers are not traceable
-        return "torch"
-    choice = requested_backend()
-    kind = torch.device(device).type
-    if choice == "torch" or dtype == torch.float64 or kind not in _KERNEL_DEVICES:
-        return "torch"
-    if choice == "triton":
-        if not triton_available():
-            raise RuntimeError(
-                f"{ENV_VAR}=triton but triton is not importable; install it with "
-                '`pip install "rlobjectives[kernels]"` or unset the variable'
-            )
-        return "triton"
-    return "triton" if kind == "cuda" and triton_available() else "torch"
+_CHOSEN: contextvars.ContextVar[str | None] = contextvars.ContextVar("backend", default=None)
 
 
 @contextlib.contextmanager
-def use_kernels(backend: str) -> Iterator[None]:
-    """Set ``RLOBJECTIVES_KERNELS`` to ``backend`` inside the block, restore it afterwards.
+def use_backend(backend: str) -> Iterator[None]:
+    """Run the LM-head functions on ``backend`` inside the block (``auto``, ``triton``, ``torch``).
 
-    Meant for tests (parametrising a suite over the backends) and benchmarks.
+    Overrides ``RLOBJECTIVES_KERNELS`` for the block (nested blocks: the innermost wins; the
+    previous choice is restored on exit, also on an exception).
+
+    Args:
+        backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see the module docstring).
 
     Raises:
-        ValueError: if ``backend`` is not auto, triton or torch.
+        ValueError: for any other value.
+
+    Examples:
+        >>> import torch, rlobjectives as rlo
+        >>> with rlo.use_backend("torch"):
+        ...     rlo.token_log_probs_from_hidden(torch.zeros(1, 1, 2), torch.zeros(2, 2),
+        ...                                     torch.tensor([[1]]))
+        tensor([[-0.6931]])
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    previous = os.environ.get(ENV_VAR)
-    os.environ[ENV_VAR] = backend
+    token = _CHOSEN.set(backend)
     try:
         yield
     finally:
-        if previous is None:
-            os.environ.pop(ENV_VAR, None)
-        else:
-            os.environ[ENV_VAR] = previous
+        _CHOSEN.reset(token)
+
+
+def chosen_backend() -> str:
+    """The validated choice: the innermost :func:`use_backend`, else ``RLOBJECTIVES_KERNELS``."""
+    chosen = _CHOSEN.get()
+    return requested_backend() if chosen is None else chosen
+
+
+def lm_head_backend(
+    device: torch.device | str, *, dtype: torch.dtype, kept_set: bool = False
+) -> Backend:
+    """``"triton"`` or ``"torch"`` for an LM-head call on ``device`` computing in ``dtype``.
+
+    Raises:
+        ValueError: an explicit ``triton`` for a call the kernels cannot take (naming why), or
+            an invalid ``RLOBJECTIVES_KERNELS``.
+        RuntimeError: an explicit ``triton`` without an importable ``triton``.
+    """
+    choice = chosen_backend()
+    if choice == "torch":
+        return "torch"
+    kind = torch.device(device).type
+    reason = None
+    if torch.compiler.is_compiling():
+        reason = "the call is being traced by torch.compile (the launchers are not traceable)"
+    elif dtype == torch.float64:
+        reason = "the kernels compute in float32 and the inputs are float64"
+    elif kept_set:
+        reason = "the kernels take no kept set (kept_ids, kept_mask, top_k, top_p)"
+    elif kind not in ("cuda", "cpu"):
+        reason = f"the kernels run on CUDA (compiled) or CPU (interpreted), not {kind!r}"
+    if choice == "auto":
+        return "triton" if reason is None and kind == "cuda" and triton_available() else "torch"
+    if reason is not None:
+        raise ValueError(
+            f"the Triton backend was requested (use_backend('triton') or {KERNELS_VARIABLE}="
+            f"triton) but {reason}; use the 'torch' or 'auto' backend for this call"
+        )
+    if not triton_available():
+        raise RuntimeError(
+            f"the Triton backend was requested (use_backend('triton') or {KERNELS_VARIABLE}="
+            "triton) but triton is not importable; install it with `pip install "
+            '"rlobjectives[kernels]"` or choose the torch backend'
+        )
+    return "triton"
 
 
 @functools.cache

@@ -10,16 +10,19 @@ from __future__ import annotations
 import functools
 import math
 import numbers
+import os
 from collections.abc import Callable, Sequence
 from typing import Any, ParamSpec, TypeVar
 
 import torch
 import torch.distributed as dist
 
-from .backend import requested_backend
 from .context import ContextGroup
 
 __all__ = [
+    "BACKENDS",
+    "COMPILE_VARIABLE",
+    "KERNELS_VARIABLE",
     "ArrayLike",
     "ESTIMATOR_HINTS",
     "REDUCTION_ALIASES",
@@ -33,6 +36,8 @@ __all__ = [
     "as_token_ids",
     "canonical_reduction",
     "check_environment",
+    "compile_requested",
+    "requested_backend",
     "check_estimator_spelling",
     "check_same_device",
     "check_shape",
@@ -56,20 +61,56 @@ _Parameters = ParamSpec("_Parameters")
 _Result = TypeVar("_Result")
 
 
-def check_environment() -> None:
-    """Validate the configuration read from the environment (``RLOBJECTIVES_KERNELS``).
+KERNELS_VARIABLE = "RLOBJECTIVES_KERNELS"
+COMPILE_VARIABLE = "RLOBJECTIVES_COMPILE"
+BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
+_COMPILE_VALUES = {"": False, "0": False, "false": False, "1": True, "true": True}
 
-    Every public function runs it first, on every call, whatever path the call then takes (a
-    path that never consults the kernels included), so a misspelt value is a ``ValueError``
-    naming the variable at once, never a setting that silently applies to some calls only.
-    Skipped while ``torch.compile`` traces (compiled code keeps the PyTorch path anyway).
+
+def requested_backend() -> str:
+    """The validated ``RLOBJECTIVES_KERNELS``: ``auto`` (unset or empty), ``triton``, ``torch``.
 
     Raises:
-        ValueError: naming ``RLOBJECTIVES_KERNELS``, for a value other than auto, triton or
-            torch (see :func:`rlobjectives._core.backend.requested_backend`).
+        ValueError: naming the variable, on any other value.
+    """
+    value = os.environ.get(KERNELS_VARIABLE, "").strip().lower() or "auto"
+    if value not in BACKENDS:
+        raise ValueError(
+            f"{KERNELS_VARIABLE} must be one of {', '.join(BACKENDS)} (or unset), "
+            f"got {os.environ.get(KERNELS_VARIABLE)!r}"
+        )
+    return value
+
+
+def compile_requested() -> bool:
+    """The validated ``RLOBJECTIVES_COMPILE``: ``1``/``true`` compile, ``0``/``false``/unset not.
+
+    Raises:
+        ValueError: naming the variable, on any other value.
+    """
+    value = os.environ.get(COMPILE_VARIABLE, "").strip().lower()
+    if value not in _COMPILE_VALUES:
+        raise ValueError(
+            f"{COMPILE_VARIABLE} must be 1, true, 0, false (or unset), "
+            f"got {os.environ.get(COMPILE_VARIABLE)!r}"
+        )
+    return _COMPILE_VALUES[value]
+
+
+def check_environment() -> None:
+    """Validate the configuration read from the environment (the two variables above).
+
+    Every public function runs it first, on every call, whatever path the call then takes, so a
+    misspelt value is a ``ValueError`` naming the variable at once, never a setting that silently
+    applies to some calls only. Skipped while ``torch.compile`` traces.
+
+    Raises:
+        ValueError: naming ``RLOBJECTIVES_KERNELS`` (not auto, triton or torch) or
+            ``RLOBJECTIVES_COMPILE`` (not 1, true, 0 or false).
     """
     if not torch.compiler.is_compiling():
         requested_backend()
+        compile_requested()
 
 
 def checks_environment(

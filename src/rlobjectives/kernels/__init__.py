@@ -1,21 +1,21 @@
-"""Optional Triton backend: fused kernels for the token losses and the hidden-state path.
+"""Optional Triton backend: the LM head's log-probabilities and entropy without the logits.
 
-Nothing here is imported by ``import rlobjectives``, and nothing here imports ``triton`` at
-module import time; which backend a call uses is decided by
-:func:`rlobjectives._core.backend.kernel_backend`, and the kernels are loaded by
-:func:`rlobjectives.kernels.loading.kernels` on the first launch. Install with
+The one place where a compiler cannot do the job: from hidden states ``(N, H)`` and the head's
+weight ``(V, H)`` the kernels form each logits tile in registers and fold it into an online
+log-sum-exp, so no ``(N, V)`` tensor is ever written (Cut Cross-Entropy's scheme). Everything
+else in the library is written once in PyTorch and compiled by ``torch.compile``.
+
+This package imports ``torch`` and :mod:`rlobjectives._core` only; nothing here imports
+``triton`` at module import time (the kernels are loaded by :func:`.loading.kernels` on the
+first launch), and ``import rlobjectives`` imports none of it. The autograd Function that
+uses the launchers lives in :mod:`rlobjectives.logprobs.triton_head`. Install with
 ``pip install "rlobjectives[kernels]"``.
 
-Modules (launchers take plain tensors in the flat token layout, see each docstring):
+Modules:
 
-- :mod:`.loading`: loading the kernels compiled (CUDA) or through Triton's interpreter (CPU);
-  :mod:`.interpreter`: the interpreter's adaptation, imported for interpreted launches only.
-- :mod:`.token_loss`: the token-level policy loss (every token-level surrogate, importance
-  weights, KL and entropy terms): forward launcher and autograd function.
-- :mod:`.kl`: ``kl_loss`` and ``kl_penalized_rewards``.
-- :mod:`.head_forward` / :mod:`.head_backward`: log-probabilities and entropy from hidden states
-  and the LM head without materialising logits, and their gradients.
-- :mod:`.from_hidden`: autograd functions of the hidden-state path (log-probs, fused loss).
-- :mod:`.calls`: the public functions' wiring onto the launchers.
-- :mod:`.jit`: the ``@triton.jit`` code.
+- :mod:`.head_forward` / :mod:`.head_backward`: the launchers (log-probabilities, entropy,
+  ``lse``; a vocabulary slice's statistics; the recomputing backward);
+- :mod:`.loading`: the kernels compiled (CUDA) or through Triton's interpreter (CPU);
+  :mod:`.interpreter`: the interpreter's adaptation, imported for interpreted launches only;
+- :mod:`.common`: launch helpers; :mod:`.jit`: the ``@triton.jit`` code.
 """

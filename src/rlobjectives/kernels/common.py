@@ -1,10 +1,10 @@
-"""Host-side helpers of the launchers: argument checks, indexed layouts, launch sizes."""
+"""Host-side helpers of the launchers: argument checks, launch sizes, first-order backward."""
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import Any, NamedTuple, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 
@@ -14,11 +14,8 @@ __all__ = [
     "KERNEL_DTYPES",
     "first_order_only",
     "on_tensor_device",
-    "Indexed",
     "check_mask",
-    "check_tokens",
     "grid_blocks",
-    "indexed",
     "mask_bytes",
 ]
 
@@ -26,38 +23,10 @@ __all__ = [
 KERNEL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
-class Indexed(NamedTuple):
-    """A tensor read as ``tensor[(i // divisor) * stride]`` for flat token index ``i``.
-
-    Per token ``(N,)``: ``divisor=1, stride=1``; per row ``(B,)`` of a ``(B, T)`` batch:
-    ``divisor=T, stride=1``; one value (0-d or ``(1,)``): ``stride=0``.
-    """
-
-    tensor: torch.Tensor
-    divisor: int
-    stride: int
-
-
 def _describe(value: object) -> str:
     if isinstance(value, torch.Tensor):
         return f"Tensor(shape={tuple(value.shape)}, dtype={value.dtype}, device={value.device})"
     return type(value).__name__
-
-
-def check_tokens(tensor: object, name: str, count: int, device: torch.device) -> torch.Tensor:
-    """A contiguous float16/bfloat16/float32 ``(N,)`` tensor on ``device`` (else raise).
-
-    Raises:
-        TypeError: not a tensor, or an unsupported dtype.
-        ValueError: wrong shape or device.
-    """
-    if not isinstance(tensor, torch.Tensor) or tensor.dtype not in KERNEL_DTYPES:
-        raise TypeError(
-            f"{name} must be a float16, bfloat16 or float32 tensor, got {_describe(tensor)}"
-        )
-    if tuple(tensor.shape) != (count,) or tensor.device != device:
-        raise ValueError(f"{name} must have shape ({count},) on {device}, got {_describe(tensor)}")
-    return tensor.contiguous()
 
 
 def check_mask(mask: object, count: int, device: torch.device) -> torch.Tensor:
@@ -72,38 +41,6 @@ def check_mask(mask: object, count: int, device: torch.device) -> torch.Tensor:
 def mask_bytes(mask: torch.Tensor) -> torch.Tensor:
     """The bool mask viewed as uint8 (no copy): kernels test ``!= 0``."""
     return mask.view(torch.uint8)
-
-
-def indexed(
-    tensor: object, name: str, count: int, row_length: int | None, device: torch.device
-) -> Indexed:
-    """Check a per-token ``(N,)``, per-row ``(B,)`` (needs ``row_length``) or scalar tensor.
-
-    Raises:
-        TypeError: not a floating tensor of a kernel dtype.
-        ValueError: a shape that fits none of the three layouts, or another device.
-    """
-    if not isinstance(tensor, torch.Tensor) or tensor.dtype not in KERNEL_DTYPES:
-        raise TypeError(
-            f"{name} must be a float16, bfloat16 or float32 tensor, got {_describe(tensor)}"
-        )
-    if tensor.device != device:
-        raise ValueError(f"{name} must be on {device}, got {_describe(tensor)}")
-    if tensor.numel() == 1 and tensor.ndim <= 1:
-        return Indexed(tensor.reshape(1), 1, 0)
-    if tensor.ndim == 1 and tensor.shape[0] == count:
-        return Indexed(tensor.contiguous(), 1, 1)
-    if (
-        tensor.ndim == 1
-        and row_length is not None
-        and row_length > 0
-        and tensor.shape[0] * row_length == count
-    ):
-        return Indexed(tensor.contiguous(), row_length, 1)
-    raise ValueError(
-        f"{name} must have shape ({count},) (per token), (N / row_length,) (per row, with "
-        f"row_length={row_length}) or hold one value, got {_describe(tensor)}"
-    )
 
 
 def grid_blocks(count: int, block: int) -> int:

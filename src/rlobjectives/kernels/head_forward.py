@@ -14,10 +14,9 @@ all the backward (:mod:`._lm_head_backward`) needs to recompute the probabilitie
 The vocabulary is split over ``splits`` programs per row block when the row blocks alone would
 not fill the GPU; a second small kernel merges the splits.
 
-Under vocabulary parallelism (:func:`lm_head_slice_forward`) the weight rows are this rank's
-slice: the partial kernel runs on them, the splits are merged in PyTorch into the slice's
-``(lse_r, h_r, z_y)`` and those are combined over the ranks
-(:func:`rlobjectives.logprobs.vocab_parallel.combine_rows`: ``O(N)`` floats sent).
+Under vocabulary parallelism (:func:`lm_head_slice_stats`) the weight rows are a rank's
+slice: the partial kernel runs on them and the splits are merged in PyTorch into the slice's
+``(lse_r, h_r, z_y)``; the caller combines those over the ranks (no collective runs here).
 """
 
 from __future__ import annotations
@@ -26,17 +25,17 @@ from typing import NamedTuple
 
 import torch
 
-from ..logprobs.vocab_parallel import Shard, combine_rows
 from .common import KERNEL_DTYPES, check_mask, grid_blocks, mask_bytes, on_tensor_device
 from .loading import interpreted, kernels
 
 __all__ = [
     "HeadBlocks",
+    "SliceStats",
     "LMHeadForward",
     "dot_precision",
     "head_blocks",
     "lm_head_forward",
-    "lm_head_slice_forward",
+    "lm_head_slice_stats",
 ]
 
 
@@ -246,37 +245,38 @@ def _slice_stats(
     return shift + log_total, entropy, target.sum(dim=0)
 
 
+class SliceStats(NamedTuple):
+    """One vocabulary slice's per-row statistics, ``(N,)`` float32 each."""
+
+    log_normalizer: torch.Tensor  # lse_r of the slice (-inf for a row with no finite logit)
+    entropy: torch.Tensor | None  # h_r, the slice's own entropy (None without with_entropy)
+    target: torch.Tensor  # z_y where the slice holds the token, 0 elsewhere
+
+
 @on_tensor_device
-def lm_head_slice_forward(
+def lm_head_slice_stats(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     tokens: torch.Tensor,
     mask: torch.Tensor,
     *,
-    shard: Shard,
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     with_entropy: bool = False,
     blocks: HeadBlocks | None = None,
     splits: int | None = None,
-) -> LMHeadForward:
-    """:func:`lm_head_forward` with ``weight``/``bias`` this rank's vocabulary slice.
+) -> SliceStats:
+    """The statistics of ``weight``'s vocabulary slice, to be combined over the slices.
 
-    ``tokens`` are local ids, -1 where the slice does not hold the token (the kernels never
-    match -1). The result (log-probabilities, entropies, ``lse``) is over the whole vocabulary,
-    the same on every rank; the ``lse`` is what :func:`~._lm_head_backward.lm_head_backward`
-    needs for this slice's gradients.
+    ``tokens`` are ids local to the slice, -1 where the slice does not hold the token (the
+    kernels never match -1). Rows outside ``mask`` are not read.
     """
     hidden, weight, tokens, mask, bias = check_head(hidden, weight, tokens, mask, bias)
     rows = hidden.shape[0]
-    zeros = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
     if rows == 0:
-        return LMHeadForward(zeros, zeros.clone() if with_entropy else None, zeros.clone())
+        zeros = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
+        return SliceStats(zeros, zeros.clone() if with_entropy else None, zeros.clone())
     partial, _ = _partials(
         (hidden, weight, tokens, mask, bias), temperature, with_entropy, blocks, splits
     )
-    log_normalizer, local_entropy, target = _slice_stats(partial, with_entropy)
-    totals = combine_rows(log_normalizer, local_entropy, [target], shard)
-    log_probs = torch.where(mask, totals.sums[0] - totals.log_normalizer, 0.0)
-    entropy = None if totals.entropy is None else torch.where(mask, totals.entropy, 0.0)
-    return LMHeadForward(log_probs, entropy, torch.where(mask, totals.log_normalizer, 0.0))
+    return SliceStats(*_slice_stats(partial, with_entropy))

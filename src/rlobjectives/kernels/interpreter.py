@@ -48,7 +48,7 @@ def bridge(module: ModuleType) -> None:
     """Wrap the ``run`` of every interpreted kernel of the loaded kernel package (once each)."""
     from triton.runtime.interpreter import InterpretedFunction
 
-    for submodule in (module.token_loss, module.kl_rewards, module.scale, module.lm_head):
+    for submodule in (module.lm_head,):
         for attribute in vars(submodule).values():
             if isinstance(attribute, InterpretedFunction) and not hasattr(attribute, "bridged"):
                 attribute.run = bridged(attribute.run)  # type: ignore[method-assign]

@@ -7,7 +7,7 @@ and interpreted as the alias ``rlobjectives.kernels._interpreted_jit`` (decorate
 CPU tensors, and for every device when ``TRITON_INTERPRET=1`` is set (Triton's own debugging
 switch; the interpreter copies device tensors to the host); their launches go through
 :mod:`rlobjectives.kernels.interpreter`, imported only then. Which backend a call uses is
-decided by :func:`rlobjectives._core.backend.kernel_backend`, before anything here runs.
+decided by :func:`rlobjectives._core.backend.lm_head_backend`, before anything here runs.
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@ r"""The public KL functions: the per-token estimate and the KL loss term.
 
 The estimator math (one table of values and derivatives), the validation of the options and
 the biased-gradient warnings are in :mod:`rlobjectives.kl.estimators`; this module validates the
-public arguments once and dispatches (PyTorch, or the Triton kernels on a GPU).
+public arguments once and computes in PyTorch.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
-from .._core.backend import kernel_backend
 from .._core.layout import token_output, tokens_from_sequences
 from .._core.reduction import Reduction, masked_fill_zero, reduce, validate_layout_reduction
 from .._core.validation import (
@@ -230,12 +229,6 @@ def kl_loss(
         warn_biased_kl_loss(estimator, straight_through, "kl_loss")
     # Every floating input takes part in the computation dtype, the weights included.
     dtype = compute_dtype(inputs.log_probs, inputs.ref_log_probs, *_present(weights))
-    if kernel_backend(inputs.log_probs.device, dtype=dtype) == "triton":  # docs/kernels.md
-        from ..kernels.calls.kl import kl_loss_kernels
-
-        loss = kl_loss_kernels(inputs, spec, estimator, straight_through, bound, weights)
-        if loss is not None:
-            return token_output(loss, inputs.flat and loss.ndim == 2)
     terms = inputs.terms(
         estimator=estimator, straight_through=straight_through, log_ratio_bound=bound, dtype=dtype
     )  # (B, T)

@@ -7,7 +7,7 @@ shell: it validates once, then dispatches.
 
 - :func:`token_log_probs_from_hidden`: chunked log-softmax with recompute in backward.
 - the head's validation (:func:`rlobjectives.logprobs.head.prepare_head`) is shared with
-  :func:`rlobjectives.fused_policy_loss_from_hidden` (:mod:`rlobjectives.logprobs.fused`).
+  :func:`rlobjectives.fused_policy_loss_from_hidden` (:mod:`rlobjectives.policy.from_hidden`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Literal, NamedTuple, overload
 
 import torch
 
-from .._core.backend import kernel_backend
+from .._core.backend import lm_head_backend
 from .._core.layout import packed_layout, token_matrix, token_ndim
 from .._core.validation import (
     ArrayLike,
@@ -28,6 +28,7 @@ from .._core.validation import (
 )
 from .head import Head, default_chunk_size, prepare_head
 from .passes import LogProbsFromHidden
+from .triton_head import triton_log_probs
 from .vocab_parallel import VocabGroup, reduce_hidden_gradient
 
 __all__ = [
@@ -227,11 +228,9 @@ def token_log_probs_from_hidden(
     validate_bool(return_entropy, "return_entropy")
     if head.shard is not None:  # Megatron's copy to the TP region, with hidden_grad="reduced"
         head = head._replace(hidden=reduce_hidden_gradient(head.hidden, head.shard))
-    triton = kernel_backend(head.hidden.device, dtype=head.dtype) == "triton"
-    if triton and head.kept is None:  # docs/kernels.md (the kernels take no kept set)
-        from ..kernels.calls.head import log_probs_kernels
-
-        outputs = log_probs_kernels(head, mask_t, return_entropy)
+    backend = lm_head_backend(head.hidden.device, dtype=head.dtype, kept_set=head.kept is not None)
+    if backend == "triton":  # docs/kernels.md
+        outputs = triton_log_probs(head, mask_t, return_entropy)
     else:
         outputs = LogProbsFromHidden.apply(  # type: ignore[no-untyped-call]
             head.hidden, head.weight, head.bias, head, mask_t, return_entropy

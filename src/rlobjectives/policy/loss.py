@@ -17,7 +17,6 @@ from typing import Any
 import torch
 from torch.distributed import ProcessGroup
 
-from .._core.backend import kernel_backend
 from .._core.layout import token_ndim, token_output
 from .._core.reduction import Reduction, reduce
 from .._core.validation import ArrayLike, Scalar, checks_environment, validate_bool
@@ -276,13 +275,6 @@ def run_policy(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutput:
     """
     if not fused_applicable(call):
         return run_autograd(call, return_per_token=return_per_token)
-    inputs = call.inputs
-    if kernel_backend(inputs.log_probs.device, dtype=inputs.dtype) == "triton":
-        from ..kernels.calls.policy import kernel_options, run_kernels
-
-        options = kernel_options(call.options, call.entropy_coef)
-        if options is not None:
-            return run_kernels(call, options, return_per_token=return_per_token)
     return run_fused(call, return_per_token=return_per_token)
 
 

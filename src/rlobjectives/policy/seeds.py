@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
-from .._core.backend import kernel_backend
 from .._core.layout import Layout, per_sequence, sequence_layout, token_matrix
 from .._core.reduction import ReductionSpec, masked_fill_zero, reduce, safe_divide
 from .._core.validation import (
@@ -163,12 +162,6 @@ def _grpo_outputs(
     spec = ReductionSpec("token_mean", None, float(max(inputs.log_probs.shape[-1], 1)))
     epsilon = options.surrogate.low  # type: ignore[attr-defined]
     learnable_epsilon = isinstance(epsilon, torch.Tensor) and epsilon.requires_grad
-    if fused and not learnable_epsilon and _on_kernels(inputs):
-        from ..kernels.calls.policy import seed_outputs
-
-        outputs = seed_outputs(inputs, options, layout)
-        if outputs is not None:
-            return outputs
     if fused and not learnable_epsilon:
         fused_spec = FusedSpec(options, spec, None, inputs.dtype, layout)
         loss, row_sums, diagnostics = ClippedSurrogateFunction.apply(  # type: ignore[no-untyped-call]
@@ -190,11 +183,6 @@ def _grpo_outputs(
         "per_sequence_surrogate": per_sequence.to(output_dtype),
         "clipped_fraction": clipped_fraction.to(output_dtype),
     }
-
-
-def _on_kernels(inputs: PolicyInputs) -> bool:
-    """Whether the dispatch selects the Triton kernels for these inputs."""
-    return kernel_backend(inputs.log_probs.device, dtype=inputs.dtype) == "triton"
 
 
 @checks_environment
@@ -291,15 +279,6 @@ def kl_penalized_rewards(
     coefficient = validate_scalar(beta, "beta", minimum=0.0)
 
     dtype = compute_dtype(policy, reference, rewards_t)
-    if kernel_backend(device, dtype=dtype) == "triton":
-        from ..kernels.calls.kl import kl_rewards_kernels
-
-        outputs = kl_rewards_kernels((policy, reference, rewards_t, mask), layout, coefficient)
-        if outputs is not None and layout.context is None:
-            return outputs
-        if outputs is not None:  # this rank's D_i from the kernel, summed over the group
-            divergences = layout.combine(outputs["sampled_divergences"].to(dtype))[0]
-            return _penalized_outputs(rewards_t.to(dtype), divergences, coefficient, batch)
     # The k1 estimate per token, unclamped, through the one KL implementation
     # (rlobjectives.kl.estimators).
     log_ratio = kl_terms(

@@ -9,6 +9,6 @@ at ``import triton`` nor at launch), so each mode needs its own module objects; 
 use relative imports only, which resolve inside whichever alias is being loaded.
 """
 
-from . import kl_rewards, lm_head, scale, token_loss
+from . import lm_head
 
-__all__ = ["kl_rewards", "lm_head", "scale", "token_loss"]
+__all__ = ["lm_head"]

@@ -26,7 +26,19 @@ outputs and gradients are exact zeros. ``-inf`` logits (a ``-inf`` bias bans a t
 import triton
 import triton.language as tl
 
-from .math import dot
+
+@triton.jit
+def dot(a, b, acc, PRECISION: tl.constexpr, UPCAST: tl.constexpr):
+    """``acc + a @ b`` with float32 accumulation.
+
+    ``UPCAST`` (set under the interpreter): widen the operands to float32 first. Triton 3.9's
+    interpreter multiplies the raw uint16 bit patterns of bfloat16 operands in ``tl.dot``; a
+    bf16 x bf16 product is exact in float32, so widening gives the tensor-core result up to the
+    order of the float32 accumulation.
+    """
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), b.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(a, b, acc, input_precision=PRECISION)
 
 
 @triton.jit

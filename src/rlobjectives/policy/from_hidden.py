@@ -19,7 +19,7 @@ from typing import NamedTuple
 import torch
 from torch.distributed import ProcessGroup
 
-from .._core.backend import kernel_backend
+from .._core.backend import lm_head_backend
 from .._core.chunking import Block
 from .._core.layout import padded, token_ndim, token_output
 from .._core.reduction import (
@@ -32,16 +32,11 @@ from .._core.reduction import (
 )
 from .._core.validation import ArrayLike, Scalar, checks_environment, compute_dtype
 from ..kl.estimators import Estimator, kl_gradient, warn_biased_kl_loss
-from ..policy.fused import FusedSpec, fused_forward, has_fused_stage, run_fused
-from ..policy.inputs import (
-    PolicyCall,
-    RatioLevel,
-    Surrogate,
-    SurrogateOptions,
-    validate_entropy_coef,
-    validate_policy_call,
-    validate_surrogate_options,
-)
+from ..logprobs.fused_linear import FusedLinearLoss, FusedTerms
+from ..logprobs.head import Head, prepare_head
+from ..logprobs.passes import LogProbsFromHidden
+from ..logprobs.triton_head import triton_log_probs
+from ..logprobs.vocab_parallel import VocabGroup, reduce_hidden_gradient
 from .composition import (
     FusedPolicyLossOutput,
     KLTerm,
@@ -52,10 +47,16 @@ from .composition import (
     loss_value,
     validate_kl_term,
 )
-from .fused_linear import FusedLinearLoss, FusedTerms
-from .head import Head, prepare_head
-from .passes import LogProbsFromHidden
-from .vocab_parallel import VocabGroup, reduce_hidden_gradient
+from .fused import FusedSpec, fused_forward, has_fused_stage, run_fused
+from .inputs import (
+    PolicyCall,
+    RatioLevel,
+    Surrogate,
+    SurrogateOptions,
+    validate_entropy_coef,
+    validate_policy_call,
+    validate_surrogate_options,
+)
 
 __all__ = ["FusedPolicyLossOutput", "fused_policy_loss_from_hidden"]
 
@@ -303,16 +304,9 @@ def _dispatch(
     hyperparameter the kernels cannot take, the PyTorch chunk loop). A kept set runs on
     PyTorch (the kernels take none).
     """
-    triton = kernel_backend(head.hidden.device, dtype=call.inputs.dtype) == "triton"
-    kernels = triton and head.kept is None
-    if kernels:
-        from ..kernels.calls import head as head_call
-
-        if _needs_composition(head, call):
-            return composed_loss(head, batch_shape, call, kl, head_call.log_probs_kernels)
-        out = head_call.fused_loss_kernels(head, batch_shape, call, kl)
-        if out is not None:
-            return out
+    kept = head.kept is not None
+    if lm_head_backend(head.hidden.device, dtype=head.dtype, kept_set=kept) == "triton":
+        return composed_loss(head, batch_shape, call, kl, triton_log_probs)
     if _needs_composition(head, call):
         return composed_loss(head, batch_shape, call, kl, _chunked_log_probs)
     return _fused_loss(head, batch_shape, call, kl)

@@ -34,9 +34,9 @@ from .._core.validation import (
     validate_scalar,
 )
 from ..kl.estimators import ESTIMATORS, kl_terms
-from ..policy.inputs import PolicyCall, PolicyLossDiagnostics, PolicyLossOutput
-from ..policy.loss import run_policy
-from .head import Head
+from ..logprobs.head import Head
+from .inputs import PolicyCall, PolicyLossDiagnostics, PolicyLossOutput
+from .loss import run_policy
 
 __all__ = [
     "FusedPolicyLossOutput",
