@@ -38,6 +38,7 @@ import torch.distributed as dist
 
 import rlobjectives as rlo
 from _spawn import spawn_ranks
+from custom_surrogate import TanhSurrogate
 from rlobjectives._core.backend import triton_available
 from rlobjectives.distributed import global_normalizers, normalizer_for_reduction
 
@@ -558,6 +559,7 @@ def _policy_cases() -> list[Case]:
         "sapo": rlo.SAPO(),
         "gmpo": rlo.GMPO(low=0.2),
         "vespo": rlo.VESPO(),
+        "custom": TanhSurrogate(),  # a user's own, written outside the library
     }
     seed = 0
     for layout in ("padded", "packed"):

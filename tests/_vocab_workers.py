@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 import rlobjectives as rlo
 from _spawn import spawn_ranks
+from custom_surrogate import TanhSurrogate
 
 VOCAB, HIDDEN, BATCH, STEPS = 11, 4, 2, 5
 SIZES: dict[int, tuple[int, ...]] = {2: (6, 5), 3: (4, 4, 3)}  # uneven: 11 = 6 + 5 = 4 + 4 + 3
@@ -181,7 +182,7 @@ def _hidden_case(kind: str, hidden_grad: str) -> Case:
     return run
 
 
-def _fused_case(kind: str, hidden_grad: str) -> Case:
+def _fused_case(kind: str, hidden_grad: str, surrogate: Any = "clip") -> Case:
     def run(data: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor], group: Any,
             part: slice) -> list[torch.Tensor]:  # fmt: skip
         vocab_group = None if group is None else rlo.VocabParallel(group, hidden_grad=hidden_grad)
@@ -190,7 +191,7 @@ def _fused_case(kind: str, hidden_grad: str) -> Case:
             leaves["hidden"], leaves["weight"], data["tokens"], data["old_log_probs"].to(dtype),
             data["advantages"].to(dtype), data["mask"], bias=leaves["bias"], temperature=0.7,
             entropy_coef=0.05, ref_log_probs=data["ref_log_probs"].to(dtype), kl_coef=0.1,
-            kl_estimator="k2",
+            kl_estimator="k2", surrogate=surrogate,
             reduction="sequence_mean", vocab_group=vocab_group, **_kept(data, kind, part),
         )  # fmt: skip
         return [out.loss, out.policy_loss, out.kl_loss, out.entropy_loss, out.log_probs,
@@ -228,6 +229,8 @@ CASES: dict[str, tuple[Case, tuple[str, ...], torch.dtype]] = {
     "hidden-ids-partial": (_hidden_case("ids", "partial"), HEAD, F64),
     **{f"fused-{kind}-{grad}": (_fused_case(kind, grad), HEAD, F64)
        for kind, grad in (("none", "partial"), ("none", "reduced"), ("ids", "partial"))},
+    # a user's own surrogate, written outside the library (tests/custom_surrogate.py)
+    "fused-custom-ids-partial": (_fused_case("ids", "partial", TanhSurrogate()), HEAD, F64),
 }  # fmt: skip
 # Through the Triton interpreter (float32, the 2-rank run only: the interpreter is slow).
 KERNEL_CASES: dict[str, tuple[Case, tuple[str, ...], torch.dtype]] = {

@@ -18,7 +18,7 @@ import torch
 from reference import correctly_rounded_exp, rounded, rule_compare
 from rlobjectives import CISPO, SAPO, Clip
 from rlobjectives._core.decisions import lower_threshold, upper_threshold
-from rlobjectives.policy.surrogates import SurrogateObjective
+from rlobjectives.policy.surrogates import Surrogate
 from rlobjectives.policy.surrogates.sapo import SAPO_HALF_PEAK, soft_clip_ratios
 
 __all__ = [
@@ -32,7 +32,7 @@ __all__ = [
     "sweep_points",
 ]
 
-CASES: dict[str, SurrogateObjective] = {
+CASES: dict[str, Surrogate] = {
     "band": Clip(low=0.2),
     "clip_higher": Clip(low=0.2, high=0.28),
     "dual": Clip(low=0.2, dual=3.0),
@@ -83,7 +83,7 @@ def _sapo_sets(x: float, sign: int, sapo: SAPO, dtype: torch.dtype) -> tuple[boo
 
 
 def expected(
-    surrogate: SurrogateObjective, x: float, sign: int, dtype: torch.dtype
+    surrogate: Surrogate, x: float, sign: int, dtype: torch.dtype
 ) -> tuple[tuple[bool, bool, bool, bool], float | None]:
     """The four diagnostic sets ``(out of band, low, high, dual)`` and the gradient factor.
 
@@ -125,7 +125,7 @@ def expected(
 
 
 # ------------------------------------------------------------------------------- the sweep
-def _edges(surrogate: SurrogateObjective) -> list[tuple[float, bool]]:
+def _edges(surrogate: Surrogate) -> list[tuple[float, bool]]:
     """Every bound the surrogate decides at, with its side (True: an upper edge)."""
     if isinstance(surrogate, Clip):
         edges = [(_clip_edges(surrogate, -1)[0], False), (_clip_edges(surrogate, 1)[1], True)]
@@ -155,7 +155,7 @@ def _step(value: float, dtype: torch.dtype, direction: float) -> float:
     )
 
 
-def sweep_points(surrogate: SurrogateObjective, input_dtype: torch.dtype) -> list[float]:
+def sweep_points(surrogate: Surrogate, input_dtype: torch.dtype) -> list[float]:
     """Log-ratios at, and one ulp either side of, each threshold; the nearest to log(bound).
 
     bfloat16 inputs: the bfloat16 numbers next to each point (below and above), so that the
@@ -204,7 +204,7 @@ COUNTS = ("clipped_fraction", "clip_fraction_low", "clip_fraction_high", "dual_c
 
 
 def expected_totals(
-    surrogate: SurrogateObjective, points: list[float], dtype: torch.dtype
+    surrogate: Surrogate, points: list[float], dtype: torch.dtype
 ) -> tuple[list[int], list[float | None]]:
     """The four counts over both rows of :func:`boundary_batch` and the per-token factors."""
     counts = [0, 0, 0, 0]

@@ -19,8 +19,6 @@ import torch
 
 import rlobjectives as rlo
 from rlobjectives import CISPO, DPPO, DRO, M2PO, Clip, ClipCov, KLCov
-from rlobjectives.policy.loss import _policy_loss_autograd
-from rlobjectives.policy.seeds import _grpo_clipped_surrogate_autograd
 
 VOCAB, HIDDEN = 7, 5
 # Differentiable per-token inputs (S, T), per-token constants, per-sequence inputs (S,).
@@ -657,10 +655,7 @@ CASES: list[Case] = [
         _policy(entropy="entropy", entropy_coef=0.01),
         ("log_probs_leaf", "values_leaf"),
     ),
-    Case("policy_loss-autograd", _policy(_policy_loss_autograd, reduction="sequence_mean")),
-    Case("policy_loss-autograd-gspo", _policy(_policy_loss_autograd, ratio_level="sequence")),
     Case("grpo_clipped_surrogate", _grpo(rlo.grpo_clipped_surrogate)),
-    Case("grpo_clipped_surrogate-autograd", _grpo(_grpo_clipped_surrogate_autograd)),
     Case("kl_loss-k3-sequence_mean", _kl_loss("sequence_mean")),
     Case("kl_loss-k2-dr_grpo", _kl_loss("sequence_sum_normalized", estimator="k2")),
     Case("kl_loss-k3+-none", _kl_loss("none", straight_through=True)),

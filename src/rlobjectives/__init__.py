@@ -45,7 +45,7 @@ from .distributed import (
 from .kl.control import AdaptiveKLController, FixedKLController
 from .kl.estimators import BiasedGradientWarning
 from .kl.loss import kl_estimate, kl_loss
-from .kl.rewards import kl_penalized_token_rewards
+from .kl.rewards import kl_penalized_rewards, kl_penalized_token_rewards
 from .logprobs.alignment import (
     ResponseAlignment,
     ResponseLogProbs,
@@ -55,12 +55,12 @@ from .logprobs.alignment import (
 from .logprobs.hidden import TokenLogProbsOutput, token_log_probs_from_hidden
 from .logprobs.logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, token_log_probs
 from .logprobs.vocab_parallel import VocabParallel
+from .policy.call import PolicyLossDiagnostics, PolicyLossOutput
 from .policy.entropy import top_entropy_mask
 from .policy.from_hidden import FusedPolicyLossOutput, fused_policy_loss_from_hidden
-from .policy.inputs import PolicyLossDiagnostics, PolicyLossOutput
+from .policy.grpo_surrogate import grpo_clipped_surrogate
 from .policy.loss import policy_loss
 from .policy.nll import nll_loss
-from .policy.seeds import grpo_clipped_surrogate, kl_penalized_rewards
 from .policy.selection import CovSelection, cov_selection, m2po_mask
 from .policy.surrogates import (
     CISPO,
@@ -73,7 +73,9 @@ from .policy.surrogates import (
     Clip,
     ClipCov,
     KLCov,
-    SurrogateObjective,
+    PolicyTokens,
+    Surrogate,
+    SurrogateTerms,
 )
 from .rollout.correction import RolloutCorrection, rollout_correction
 from .rollout.metrics import RolloutCorrectionMetrics
@@ -111,7 +113,9 @@ __all__ = [
     "ResponseLogProbs",
     "RolloutCorrection",
     "RolloutCorrectionMetrics",
-    "SurrogateObjective",
+    "PolicyTokens",
+    "Surrogate",
+    "SurrogateTerms",
     "TokenLogProbsOutput",
     "UnpackedTokens",
     "ValueLossDiagnostics",

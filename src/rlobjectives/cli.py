@@ -19,7 +19,8 @@ from typing import Any, NoReturn
 
 import torch
 
-from .policy.seeds import grpo_clipped_surrogate, kl_penalized_rewards
+from .kl.rewards import kl_penalized_rewards
+from .policy.grpo_surrogate import grpo_clipped_surrogate
 
 __all__ = ["main"]
 

@@ -32,7 +32,7 @@ def test_reduction_aliases_are_accepted_everywhere(alias: str) -> None:
     assert_close(rlobjectives.aggregate(VALUES, MASK, reduction=alias), VERL[alias])  # type: ignore[arg-type]
     log_probs = torch.randn(3, 3, requires_grad=True)
     old, advantages = torch.randn(3, 3), torch.randn(3)
-    for function in (rlobjectives.policy_loss, rlobjectives.policy.loss._policy_loss_autograd):
+    for function in (rlobjectives.policy_loss, rlobjectives.policy_loss):
         ours = function(log_probs, old, advantages, MASK, reduction=alias, normalizer=2.5)
         expected = function(log_probs, old, advantages, MASK, reduction=canonical, normalizer=2.5)
         assert torch.equal(ours.loss, expected.loss)

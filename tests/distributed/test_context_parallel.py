@@ -143,12 +143,15 @@ _DP = Case("dp", "policy_loss", {})
 
 S = 5  # sequences of the traffic problem; buffers are float64 (8 bytes) except the DP counts
 TRAFFIC = {
-    # the loss total, the 10 diagnostic sums, the token count: scalars only for token_mean
-    "policy_loss token_mean": [("all_reduce", 8 * 12)],
+    # the loss total and its count, the 10 diagnostic sums and their count: scalars only
+    "policy_loss token_mean": [("all_reduce", 8 * 13)],
     # the (S,) row sums and counts, the 10 sums and the count, in one all-reduce
     "policy_loss sequence_mean": [("all_reduce", 8 * (S + 10 + S + 1))],
     # GSPO: the (S,) log-ratio sums and counts first, then the rest
-    "policy_loss GSPO sequence_mean": [("all_reduce", 8 * 2 * S), ("all_reduce", 8 * (S + 10 + 1))],
+    "policy_loss GSPO sequence_mean": [
+        ("all_reduce", 8 * 2 * S),
+        ("all_reduce", 8 * (S + 10 + S + 1)),
+    ],
     "kl_loss sequence_mean": [("all_reduce", 8 * 2 * S)],
     "kl_penalized_rewards": [("all_reduce", 8 * S)],  # D_i
     "gae": [("all_gather", 8 * S * 4)],  # the (S, 4) boundary states

@@ -30,8 +30,7 @@ from boundary_cases import (
 from reference import rule_compare
 from rlobjectives import DPPO, Clip, grpo_clipped_surrogate, policy_loss
 from rlobjectives._core.backend import use_backend
-from rlobjectives.policy.loss import _policy_loss_autograd
-from rlobjectives.policy.surrogates import SurrogateObjective
+from rlobjectives.policy.surrogates import Surrogate
 
 INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 
@@ -41,9 +40,9 @@ def _step(value: float, dtype: torch.dtype, direction: float) -> float:
     return float(torch.nextafter(here, torch.tensor(direction, dtype=dtype)))
 
 
-def _run(path: str, surrogate: SurrogateObjective, batch: tuple[torch.Tensor, ...]) -> Any:
+def _run(path: str, surrogate: Surrogate, batch: tuple[torch.Tensor, ...]) -> Any:
     leaf = batch[0].clone().requires_grad_(True)
-    function = _policy_loss_autograd if path == "autograd" else policy_loss
+    function = policy_loss if path == "autograd" else policy_loss
     with use_backend("triton" if path == "triton" else "torch"):
         out = function(leaf, *batch[1:], surrogate=surrogate)
         (gradient,) = torch.autograd.grad(out.loss, leaf)

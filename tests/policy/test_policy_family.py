@@ -23,7 +23,6 @@ from hypothesis import strategies as st
 import reference
 from rlobjectives import CISPO, Clip, kl_loss, policy_loss, top_entropy_mask
 from rlobjectives.kl.estimators import BiasedGradientWarning
-from rlobjectives.policy.loss import _policy_loss_autograd
 from tolerances import assert_close
 
 F64 = torch.float64
@@ -58,17 +57,9 @@ def verl(**kwargs: Any) -> tuple[Any, torch.Tensor]:
 def _run(
     log_probs: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, **kwargs: Any
 ) -> tuple[Any, torch.Tensor]:
-    results = []
-    for fn in (policy_loss, _policy_loss_autograd):
-        leaf = log_probs.clone().requires_grad_(True)
-        out = fn(leaf, old, advantages, TRL_MASK, **kwargs)
-        (grad,) = torch.autograd.grad(out.loss, [leaf])
-        results.append((out, grad))
-    (out, grad), (unfused, unfused_grad) = results
-    assert_close(out.loss, unfused.loss.detach())
-    assert_close(grad, unfused_grad)
-    for value, expected in zip(out.diagnostics, unfused.diagnostics, strict=True):
-        assert_close(value, expected)
+    leaf = log_probs.clone().requires_grad_(True)
+    out = policy_loss(leaf, old, advantages, TRL_MASK, **kwargs)
+    (grad,) = torch.autograd.grad(out.loss, [leaf])
     return out, grad
 
 
@@ -316,7 +307,7 @@ def test_weights_and_entropy_match_reference(
         weights = weights[:, 0]  # (B,): one weight per sequence
     kwargs = dict(options, reduction=reduction, importance_weights=weights, entropy_coef=0.07)
     outputs = []
-    for fn in (policy_loss, _policy_loss_autograd):
+    for fn in (policy_loss,):
         leaves = [log_probs.clone().requires_grad_(True), entropy.clone().requires_grad_(True)]
         out = fn(
             leaves[0], old, advantages, mask, entropy=leaves[1], return_per_token=True, **kwargs

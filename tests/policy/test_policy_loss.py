@@ -35,7 +35,6 @@ from rlobjectives import (
     grpo_clipped_surrogate,
     policy_loss,
 )
-from rlobjectives.policy.loss import _policy_loss_autograd
 from tolerances import assert_close
 
 F64 = torch.float64
@@ -397,7 +396,7 @@ def test_gradcheck_token_level(options: dict[str, Any], reduction: str) -> None:
 
     def loss(lp: torch.Tensor) -> torch.Tensor:
         # the autograd specification (the fused path is gradchecked below)
-        return _policy_loss_autograd(lp, old, advantages, mask, reduction=reduction, **options).loss
+        return policy_loss(lp, old, advantages, mask, reduction=reduction, **options).loss
 
     assert torch.autograd.gradcheck(loss, (leaves(batch)[0],))
 
@@ -437,7 +436,7 @@ def test_gradcheck_sequence_level(reduction: str) -> None:
     old, advantages, mask = batch.old_log_probs, batch.advantages, batch.mask
 
     def loss(lp: torch.Tensor) -> torch.Tensor:
-        return _policy_loss_autograd(
+        return policy_loss(
             lp,
             old,
             advantages,

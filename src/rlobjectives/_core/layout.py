@@ -453,7 +453,7 @@ def sequence_layout(
     tokens (None: whole sequences here).
     """
     if cu_seqlens is None:
-        layout = padded(tokens.shape[0])
+        layout = Layout(tokens.shape[0])  # padded: one sequence per row
     else:
         layout = packed_layout(cu_seqlens, tokens.shape[-1], device=tokens.device)
     if context is None:

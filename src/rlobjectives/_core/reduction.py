@@ -174,7 +174,7 @@ def row_weights(
             return RowWeights(None, rows)
         constant = _as_tensor(spec.constant, dtype, device).clamp(min=1)
         return RowWeights(None, rows * constant)
-    # token_mean
+    # token_mean (``counts``: per row, or their total)
     if normalizer is None:
         normalizer = counts.sum().to(dtype).clamp(min=1)
     return RowWeights(None, normalizer)
@@ -229,6 +229,9 @@ def reduce(
         return selected
     if layout.context is not None:
         return _reduce_over_context(selected, mask, spec, layout)
+    if spec.reduction == "token_mean":  # the total over the count (or the normaliser)
+        weights = row_weights(mask.sum(), spec, dtype=values.dtype, batch=layout.num_sequences)
+        return selected.sum() / weights.denominator
     counts = layout.row_counts(mask)  # (S,)
     weights = row_weights(counts, spec, dtype=values.dtype, batch=layout.num_sequences)
     if weights.divisor is None:
@@ -241,23 +244,38 @@ def _reduce_over_context(
 ) -> torch.Tensor:
     """:func:`reduce` of this rank's tokens of sequences split over a context group.
 
-    One all-reduce of what the reduction reads: the ``(S,)`` row sums and counts for
-    ``sequence_mean``; the total (and the selected-token count when no ``normalizer`` is
-    given) for the others, whose per-token weight is the same for every token.
+    One all-reduce of what the reduction reads (:func:`context_parts`).
     """
-    rows, dtype = layout.num_sequences, selected.dtype
+    parts = layout.combine(*context_parts(selected, mask, spec, layout))
+    return reduce_context_parts(parts, spec, layout, selected.dtype)
+
+
+def context_parts(
+    selected: torch.Tensor, mask: torch.Tensor, spec: ReductionSpec, layout: Layout
+) -> tuple[torch.Tensor, ...]:
+    """This rank's partial sums a reduction reads, to be summed over the context group.
+
+    The ``(S,)`` row sums and counts for ``sequence_mean``; the total (and the selected-token
+    count when no ``normalizer`` is given) for the others, whose per-token weight is the same
+    for every token. A caller may all-reduce them together with other sums.
+    """
     if spec.reduction == "sequence_mean":
-        sums, counts = layout.combine(
-            layout.local_row_sums(selected), layout.local_row_counts(mask)
-        )
-        return reduce_rows(sums, row_weights(counts, spec, dtype=dtype, batch=rows))
+        return layout.local_row_sums(selected), layout.local_row_counts(mask)
     if spec.reduction == "token_mean" and spec.normalizer is None:
-        total, count = layout.combine(selected.sum(), mask.sum())
-        counts = count.reshape(1)
-    else:  # the denominator is the normaliser, or B C / B: no count needed
-        (total,) = layout.combine(selected.sum())
-        counts = mask.new_zeros(1, dtype=torch.int64)
-    return total / row_weights(counts, spec, dtype=dtype, batch=rows).denominator
+        return selected.sum(), mask.sum()
+    return (selected.sum(),)  # the denominator is the normaliser, or B C / B: no count needed
+
+
+def reduce_context_parts(
+    parts: tuple[torch.Tensor, ...], spec: ReductionSpec, layout: Layout, dtype: torch.dtype
+) -> torch.Tensor:
+    """The reduction from the group's sums of :func:`context_parts`."""
+    rows = layout.num_sequences
+    if spec.reduction == "sequence_mean":
+        sums, counts = parts
+        return reduce_rows(sums, row_weights(counts, spec, dtype=dtype, batch=rows))
+    counts = parts[1].reshape(1) if len(parts) > 1 else parts[0].new_zeros(1, dtype=torch.int64)
+    return parts[0] / row_weights(counts, spec, dtype=dtype, batch=rows).denominator
 
 
 @checks_environment

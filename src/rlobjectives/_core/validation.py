@@ -37,6 +37,7 @@ __all__ = [
     "canonical_reduction",
     "check_environment",
     "compile_requested",
+    "environment",
     "requested_backend",
     "check_estimator_spelling",
     "check_same_device",
@@ -67,38 +68,42 @@ BACKENDS: tuple[str, ...] = ("auto", "triton", "torch")
 _COMPILE_VALUES = {"": False, "0": False, "false": False, "1": True, "true": True}
 
 
-def requested_backend() -> str:
-    """The validated ``RLOBJECTIVES_KERNELS``: ``auto`` (unset or empty), ``triton``, ``torch``.
+def environment() -> tuple[str, bool]:
+    """The validated configuration: ``(RLOBJECTIVES_KERNELS, RLOBJECTIVES_COMPILE)``.
+
+    ``RLOBJECTIVES_KERNELS``: ``auto`` (unset or empty), ``triton`` or ``torch``;
+    ``RLOBJECTIVES_COMPILE``: ``1``/``true`` (compile) or ``0``/``false``/unset.
 
     Raises:
         ValueError: naming the variable, on any other value.
     """
-    value = os.environ.get(KERNELS_VARIABLE, "").strip().lower() or "auto"
-    if value not in BACKENDS:
+    kernels = os.environ.get(KERNELS_VARIABLE, "").strip().lower() or "auto"
+    if kernels not in BACKENDS:
         raise ValueError(
             f"{KERNELS_VARIABLE} must be one of {', '.join(BACKENDS)} (or unset), "
             f"got {os.environ.get(KERNELS_VARIABLE)!r}"
         )
-    return value
-
-
-def compile_requested() -> bool:
-    """The validated ``RLOBJECTIVES_COMPILE``: ``1``/``true`` compile, ``0``/``false``/unset not.
-
-    Raises:
-        ValueError: naming the variable, on any other value.
-    """
-    value = os.environ.get(COMPILE_VARIABLE, "").strip().lower()
-    if value not in _COMPILE_VALUES:
+    compiled = os.environ.get(COMPILE_VARIABLE, "").strip().lower()
+    if compiled not in _COMPILE_VALUES:
         raise ValueError(
             f"{COMPILE_VARIABLE} must be 1, true, 0, false (or unset), "
             f"got {os.environ.get(COMPILE_VARIABLE)!r}"
         )
-    return _COMPILE_VALUES[value]
+    return kernels, _COMPILE_VALUES[compiled]
+
+
+def requested_backend() -> str:
+    """The validated ``RLOBJECTIVES_KERNELS`` (see :func:`environment`)."""
+    return environment()[0]
+
+
+def compile_requested() -> bool:
+    """The validated ``RLOBJECTIVES_COMPILE`` (see :func:`environment`)."""
+    return environment()[1]
 
 
 def check_environment() -> None:
-    """Validate the configuration read from the environment (the two variables above).
+    """Validate the configuration read from the environment (:func:`environment`).
 
     Every public function runs it first, on every call, whatever path the call then takes, so a
     misspelt value is a ``ValueError`` naming the variable at once, never a setting that silently
@@ -109,8 +114,7 @@ def check_environment() -> None:
             ``RLOBJECTIVES_COMPILE`` (not 1, true, 0 or false).
     """
     if not torch.compiler.is_compiling():
-        requested_backend()
-        compile_requested()
+        environment()
 
 
 def checks_environment(
@@ -120,7 +124,8 @@ def checks_environment(
 
     @functools.wraps(function)
     def checked(*args: _Parameters.args, **kwargs: _Parameters.kwargs) -> _Result:
-        check_environment()
+        if not torch.compiler.is_compiling():
+            environment()  # check_environment, one frame fewer on every call
         return function(*args, **kwargs)
 
     return checked
@@ -268,9 +273,13 @@ def check_same_device(tensors: dict[str, torch.Tensor]) -> torch.device:
     The message blames an argument that is off the majority device (ties: the earlier
     arguments' device wins), and names the first argument on the majority device.
     """
-    devices = [tensor.device for tensor in tensors.values()]
-    majority = max(devices, key=lambda device: (devices.count(device), -devices.index(device)))
-    reference = next(name for name, tensor in tensors.items() if tensor.device == majority)
+    counts: dict[torch.device, int] = {}  # devices in order of first appearance
+    for tensor in tensors.values():
+        counts[tensor.device] = counts.get(tensor.device, 0) + 1
+    majority = max(counts, key=counts.__getitem__)  # ties: the earlier device (max is stable)
+    if len(counts) == 1:
+        return majority
+    reference = [name for name, tensor in tensors.items() if tensor.device == majority][0]
     for name, tensor in tensors.items():
         if tensor.device != majority:
             raise ValueError(

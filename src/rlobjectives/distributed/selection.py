@@ -35,7 +35,7 @@ from .._core.validation import (
     compute_dtype,
     validate_scalar,
 )
-from ..policy.inputs import as_surrogate
+from ..policy.call import as_surrogate
 from ..policy.selection import selection_inputs
 from ..policy.surrogates.cov import ClipCov, CovSelection, KLCov
 from ..policy.surrogates.selection import (

@@ -1,8 +1,10 @@
-r"""KL as a reward penalty: per-token rewards with the sequence score at the last token.
+r"""KL as a reward penalty: on the sequence rewards, or per token with the score at the end.
 
-The reward placement of the sampled KL estimators of :mod:`rlobjectives.kl.estimators` (OpenRLHF /
-torchtune / InstructGPT convention): :math:`R_{it} = -\beta k_{it}` on selected tokens, plus the
-sequence score at the last selected token.
+:func:`kl_penalized_rewards`: :math:`\tilde r_i = r_i - \beta \sum_t M_{it}(\ell_{it} -
+\ell^{ref}_{it})` (Ziegler et al.); :func:`kl_penalized_token_rewards`: the reward placement of
+the sampled KL estimators of :mod:`rlobjectives.kl.estimators` (OpenRLHF / torchtune /
+InstructGPT convention): :math:`R_{it} = -\beta k_{it}` on selected tokens, plus the sequence
+score at the last selected token.
 """
 
 from __future__ import annotations
@@ -10,20 +12,23 @@ from __future__ import annotations
 import torch
 from torch.distributed import ProcessGroup
 
-from .._core.layout import per_sequence, token_output
-from .._core.reduction import masked_fill_zero
+from .._core.layout import per_sequence, sequence_layout, token_matrix, token_output
+from .._core.reduction import masked_fill_zero, safe_divide
 from .._core.validation import (
     ArrayLike,
     Scalar,
     as_float_tensor,
+    as_mask,
     check_same_device,
+    check_shape,
     checks_environment,
     compute_dtype,
+    validate_context_group,
     validate_scalar,
 )
-from .estimators import Estimator, KLInputs, validate_kl_options, warn_biased
+from .estimators import Estimator, KLInputs, kl_terms, validate_kl_options, warn_biased
 
-__all__ = ["kl_penalized_token_rewards"]
+__all__ = ["kl_penalized_rewards", "kl_penalized_token_rewards"]
 
 
 @checks_environment
@@ -51,7 +56,7 @@ def kl_penalized_token_rewards(
     sequence with no selected token gets no reward at all (its score is dropped, no NaN). At
     :math:`\gamma = 1` the return of sequence :math:`i` is
     :math:`\sum_t R_{it} = s_i - \beta \sum_t M_{it} k_{it}`, which for ``"k1"`` without a bound
-    is the seed :func:`rlobjectives.kl_penalized_rewards`'s penalized reward
+    is :func:`kl_penalized_rewards`'s penalized reward
     :math:`r_i - \beta D_i`. Packed sequences (``cu_seqlens`` given): the per-token tensors are
     ``(N,)`` or ``(1, N)``, ``scores`` ``(S,)``, and each score lands on the last selected token
     of its run ``cu_seqlens[i]:cu_seqlens[i + 1]``. Context parallelism (``context_group``):
@@ -136,3 +141,128 @@ def kl_penalized_token_rewards(
         inputs.layout.expand(scores_t.to(dtype)).expand_as(penalty), last
     )
     return token_output(penalty + score_at_last, inputs.flat)  # (B, T)
+
+
+@checks_environment
+def kl_penalized_rewards(
+    policy_log_probs: ArrayLike,
+    reference_log_probs: ArrayLike,
+    rewards: ArrayLike,
+    response_mask: ArrayLike,
+    beta: Scalar,
+    *,
+    cu_seqlens: ArrayLike | None = None,
+    context_group: ProcessGroup | None = None,
+) -> dict[str, torch.Tensor]:
+    r"""Penalize sequence rewards by the sampled KL divergence to a reference policy.
+
+    .. math::
+
+        D_i = \sum_t m_{it} (\ell^{\pi}_{it} - \ell^{ref}_{it}), \qquad
+        \tilde r_i = r_i - \beta D_i, \qquad
+        J = \frac{1}{B} \sum_i \tilde r_i
+
+    :math:`D_i` is the k1 (log-ratio) estimate of KL(pi || ref) summed over the response: it is not
+    clamped, not divided by the response length, and may be negative. Unselected tokens contribute
+    exactly zero (NaN/inf there is ignored); an empty batch has :math:`J = 0`.
+
+    Packed sequences (``cu_seqlens`` given): the per-token tensors are ``(N,)`` or ``(1, N)``,
+    :math:`D_i` sums over the run ``cu_seqlens[i]:cu_seqlens[i + 1]``, ``rewards`` and the
+    per-sequence outputs are ``(S,)`` and :math:`J` divides by :math:`S`; the values equal the
+    padded call on the same sequences.
+
+    Context parallelism (``context_group``, keyword-only: the specified signature is
+    unchanged): each rank of the group holds some tokens of the same sequences and the same
+    ``rewards``; :math:`D_i` is the sum of the ranks' partial sums (one all-reduce of ``(S,)``
+    values), so every rank returns the outputs of the unsplit call, and the gradient of its
+    ``policy_log_probs`` is that of the (replicated) outputs.
+
+    Args:
+        policy_log_probs: ``(B, T)`` log-probabilities under the policy (differentiable).
+        reference_log_probs: ``(B, T)`` log-probabilities under the reference policy.
+        rewards: ``(B,)`` (or ``(B, 1)``) scalar rewards.
+        response_mask: ``(B, T)`` bool or numeric; nonzero selects the token.
+        beta: KL coefficient :math:`\beta \ge 0`, finite.
+        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
+            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
+        context_group: the process group of the ranks holding the other tokens of the same
+            sequences (context parallelism), or None.
+
+    Returns:
+        ``{"objective": (), "penalized_rewards": (B,), "sampled_divergences": (B,)}`` (packed:
+        ``(S,)``), float32 on the device of ``policy_log_probs`` (computed in float64 when any
+        input is float64).
+
+    Raises:
+        ValueError: on mismatched shapes or devices, rewards of the wrong length, a
+            negative/NaN/infinite ``beta``, or a malformed ``cu_seqlens``.
+        TypeError: on non-numeric inputs.
+        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
+            group; ValueError if this rank is not in it or no process group is initialised.
+
+    References:
+        Ziegler et al. 2019, arXiv:1909.08593 Eq. 2; Ouyang et al. 2022 (InstructGPT),
+        arXiv:2203.02155 Eq. 2.
+
+    Examples:
+        >>> out = kl_penalized_rewards([[-1, -2]], [[-1.5, -2.5]], [3], [[True, True]], 0.5)
+        >>> float(out["objective"])
+        2.5
+    """
+    packed = cu_seqlens is not None
+    policy = token_matrix(
+        as_float_tensor(policy_log_probs, "policy_log_probs"), "policy_log_probs", packed
+    )
+    device = policy.device
+    reference = token_matrix(
+        as_float_tensor(reference_log_probs, "reference_log_probs", device),
+        "reference_log_probs",
+        packed,
+    )
+    rewards_t = as_float_tensor(rewards, "rewards", device)
+    mask = token_matrix(as_mask(response_mask, "response_mask", device), "response_mask", packed)
+    check_same_device(
+        {
+            "policy_log_probs": policy,
+            "reference_log_probs": reference,
+            "rewards": rewards_t,
+            "response_mask": mask,
+        }
+    )
+    check_shape(reference, "reference_log_probs", policy.shape, "policy_log_probs")
+    check_shape(mask, "response_mask", policy.shape, "policy_log_probs")
+    layout = sequence_layout(cu_seqlens, policy, validate_context_group(context_group))
+    batch = layout.num_sequences
+    rewards_t = per_sequence(rewards_t, "rewards", layout, "policy_log_probs")
+    coefficient = validate_scalar(beta, "beta", minimum=0.0)
+
+    dtype = compute_dtype(policy, reference, rewards_t)
+    # The k1 estimate per token, unclamped, through the one KL implementation
+    # (rlobjectives.kl.estimators).
+    log_ratio = kl_terms(
+        policy,
+        reference,
+        mask,
+        estimator="k1",
+        straight_through=False,
+        log_ratio_bound=None,
+        dtype=dtype,
+    )  # (B, T), zeros at unselected tokens
+    divergences = layout.row_sums(masked_fill_zero(log_ratio, mask))  # (B,) whole sequences
+    return _penalized_outputs(rewards_t.to(dtype), divergences, coefficient, batch)
+
+
+def _penalized_outputs(
+    rewards: torch.Tensor,
+    divergences: torch.Tensor,
+    coefficient: float | torch.Tensor,
+    batch: int,
+) -> dict[str, torch.Tensor]:
+    """The outputs from the rewards and the sampled divergences :math:`D_i`."""
+    penalized = rewards - coefficient * divergences  # (B,)
+    objective = safe_divide(penalized.sum(), batch)  # ()
+    return {
+        "objective": objective.to(torch.float32),
+        "penalized_rewards": penalized.to(torch.float32),
+        "sampled_divergences": divergences.to(torch.float32),
+    }

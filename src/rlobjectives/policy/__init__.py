@@ -1,7 +1,8 @@
-"""The policy-gradient loss: :func:`rlobjectives.policy_loss`, its surrogates and its paths.
+"""The policy-gradient loss: :func:`rlobjectives.policy_loss`, its surrogates and its variants.
 
-``loss`` validates and dispatches; ``inputs`` holds the validated call and the named results;
-``specification`` is the readable autograd path; ``fused`` the autograd Function of the
-token-local surrogates; ``seeds`` the seed objective ``grpo_clipped_surrogate``; ``entropy`` the
-high-entropy token mask.
+``call`` validates a call once and holds its records and results; ``loss`` is the one path
+(the tokens, the surrogate's formula, the reduction, the diagnostics; compiled on request);
+``surrogates`` the objects, one formula each; ``from_hidden`` and ``composition`` the loss from
+hidden states; ``grpo_surrogate`` the dictionary-returning ``grpo_clipped_surrogate``; ``nll``
+the SFT term; ``entropy`` the high-entropy token mask; ``selection`` the batch-level selections.
 """

@@ -1,12 +1,10 @@
 """The result of :func:`rlobjectives.fused_policy_loss_from_hidden` and its composition path.
 
 The composition is the unfused definition of the loss: the chunked log-probabilities (and
-entropies) of the tokens, then :func:`rlobjectives.policy_loss` (dispatched as a public call:
-the Triton kernels, the fused Function or autograd), the KL term and the entropy bonus with the
-same reduction. :mod:`rlobjectives.logprobs.fused` uses it for the losses that are not token-local
-(GSPO, GMPO, VESPO, ``reduction="none"``), for calls that need no gradient, and for the value of
-its fused chunk loop; the Triton path (:mod:`rlobjectives.kernels.calls.head`) for the same
-cases, with its own log-probabilities.
+entropies) of the tokens, then :func:`rlobjectives.policy_loss`'s path, the KL term and the
+entropy bonus with the same reduction. :mod:`.from_hidden` uses it for the losses that are not
+token-local (GSPO, GMPO, VESPO, ``reduction="none"``, ...), for calls that need no gradient,
+for the Triton LM head, and for the value of its chunk loop.
 
 The KL term's arguments (``ref_log_probs``, ``kl_coef``, ``kl_estimator``,
 ``kl_straight_through``: :func:`validate_kl_term`, a :class:`KLTerm`) and the check of
@@ -35,7 +33,7 @@ from .._core.validation import (
 )
 from ..kl.estimators import ESTIMATORS, kl_terms
 from ..logprobs.head import Head
-from .inputs import PolicyCall, PolicyLossDiagnostics, PolicyLossOutput
+from .call import PolicyCall, PolicyLossDiagnostics
 from .loss import run_policy
 
 __all__ = [
@@ -100,26 +98,16 @@ class LossValues(NamedTuple):
     diagnostics: PolicyLossDiagnostics
 
 
-#: A policy-loss path: :func:`rlobjectives.policy.loss.run_policy` (the dispatch) or one path.
-PolicyPath = Callable[..., PolicyLossOutput]
-
-
 def loss_value(
     log_probs: torch.Tensor,
     entropy: torch.Tensor | None,
     call: PolicyCall,
     kl: KLTerm | None,
-    path: PolicyPath = run_policy,
 ) -> LossValues:
-    """The unfused composition on ``(B, T)`` log-probs (and entropies).
-
-    ``path`` computes the policy term: the dispatch of :func:`rlobjectives.policy_loss` by
-    default; the fused chunk loop, which takes token-local surrogates only, passes the fused
-    path itself.
-    """
+    """The unfused composition on ``(B, T)`` log-probs (and entropies)."""
     inputs = call.inputs._replace(log_probs=log_probs, output_dtype=log_probs.dtype)
     policy_call = call._replace(inputs=inputs, entropy_coef=0.0)
-    out = path(policy_call, return_per_token=False)
+    out = run_policy(policy_call, return_per_token=False)
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
     loss, kl_loss, entropy_loss = out.loss, zero, zero
     mask = inputs.mask

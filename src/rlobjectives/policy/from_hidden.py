@@ -1,14 +1,14 @@
 """The policy loss (+ KL term, + entropy bonus) straight from hidden states and the LM head.
 
-The loss's derivative with respect to each token's log-probability (and entropy) is known per
-token once the reduction's weights are known (from the mask, before the chunk loop), so
-``grad_hidden`` and ``grad_weight`` are formed chunk by chunk in the forward pass, with no
-recompute (Liger-Kernel / Cut Cross-Entropy's fused linear losses;
-:class:`rlobjectives.logprobs.fused_linear.FusedLinearLoss`). Losses that are not token-local (GSPO,
-GMPO, VESPO, ``reduction="none"``) and calls that need no gradient compose the chunked
-log-probabilities (and entropies) with the policy loss instead
-(:mod:`rlobjectives.logprobs.composition`). With the Triton kernels selected
-(``RLOBJECTIVES_KERNELS``, docs/kernels.md) both run on them (:mod:`rlobjectives.kernels`).
+For a token-local surrogate the loss's derivative with respect to each token's log-probability
+depends on that token and on the reduction's weights (known from the mask before the chunk
+loop), so each chunk differentiates the same formula as :func:`rlobjectives.policy_loss` with
+``torch.autograd.grad`` and forms ``grad_hidden`` and ``grad_weight`` right away, with no
+recompute (Liger-Kernel's chunked losses; :mod:`rlobjectives.logprobs.fused_linear`).
+Losses that are not token-local (GSPO, GMPO, VESPO, M2PO, the covariance selections,
+``reduction="none"``) and calls that need no gradient compose the chunked log-probabilities
+with the policy loss instead (:mod:`.composition`: a second pass in backward). On the Triton
+backend (``docs/kernels.md``) the log-probabilities come from the Triton LM head, composed.
 """
 
 from __future__ import annotations
@@ -24,19 +24,28 @@ from .._core.chunking import Block
 from .._core.layout import padded, token_ndim, token_output
 from .._core.reduction import (
     Reduction,
-    ReductionSpec,
     masked_fill_zero,
     reduction_counts,
     row_weights,
     token_gradient_weights,
 )
 from .._core.validation import ArrayLike, Scalar, checks_environment, compute_dtype
-from ..kl.estimators import Estimator, kl_gradient, warn_biased_kl_loss
+from ..kl.estimators import Estimator, kl_terms, warn_biased_kl_loss
 from ..logprobs.fused_linear import FusedLinearLoss, FusedTerms
 from ..logprobs.head import Head, prepare_head
 from ..logprobs.passes import LogProbsFromHidden
 from ..logprobs.triton_head import triton_log_probs
 from ..logprobs.vocab_parallel import VocabGroup, reduce_hidden_gradient
+from .call import (
+    PolicyCall,
+    PolicyInputs,
+    RatioLevel,
+    SurrogateChoice,
+    SurrogateOptions,
+    validate_entropy_coef,
+    validate_policy_call,
+    validate_surrogate_options,
+)
 from .composition import (
     FusedPolicyLossOutput,
     KLTerm,
@@ -47,16 +56,7 @@ from .composition import (
     loss_value,
     validate_kl_term,
 )
-from .fused import FusedSpec, fused_forward, has_fused_stage, run_fused
-from .inputs import (
-    PolicyCall,
-    RatioLevel,
-    Surrogate,
-    SurrogateOptions,
-    validate_entropy_coef,
-    validate_policy_call,
-    validate_surrogate_options,
-)
+from .loss import policy_tokens, surrogate_terms
 
 __all__ = ["FusedPolicyLossOutput", "fused_policy_loss_from_hidden"]
 
@@ -73,7 +73,7 @@ def fused_policy_loss_from_hidden(
     bias: torch.Tensor | None = None,
     temperature: float = 1.0,
     chunk_size: int | None = None,
-    surrogate: Surrogate = "clip",
+    surrogate: SurrogateChoice = "clip",
     ratio_level: RatioLevel = "token",
     log_ratio_bound: Scalar | None = 20.0,
     importance_weights: ArrayLike | None = None,
@@ -336,12 +336,12 @@ def _needs_composition(head: Head, call: PolicyCall) -> bool:
         or head.shard is not None  # the normaliser needs every slice before any gradient
         or call.reduction.reduction == "none"
         or call.options.ratio_level == "sequence"
-        or not has_fused_stage(call.options)
+        or not call.options.surrogate.token_local
     )
 
 
 class _Coefficients(NamedTuple):
-    """Flat ``(N,)`` per-token constants of the loss's derivative w.r.t. each log-prob."""
+    """Flat ``(N,)`` per-token constants of the loss besides each token's log-probability."""
 
     old_log_probs: torch.Tensor
     advantages: torch.Tensor
@@ -355,30 +355,32 @@ class _Coefficients(NamedTuple):
 
 
 def _token_coefficients(spec: _Coefficients, log_probs: torch.Tensor, block: Block) -> torch.Tensor:
-    """``dL/d log_probs`` of one chunk ``(n,)``, in closed form (no autograd inside forward)."""
+    """``dL/d log_probs`` of one chunk ``(n,)``: the formula differentiated by autograd."""
     rows = block[0]
     mask = spec.mask[rows]  # (n,)
-    none = ReductionSpec("none", None, 1.0)
     weights = spec.importance_weights
-    forward = fused_forward(
-        log_probs.unsqueeze(0),
-        spec.old_log_probs[rows].unsqueeze(0),
-        spec.advantages[rows].unsqueeze(0),
-        mask.unsqueeze(0),
-        FusedSpec(spec.options, none, None, spec.dtype, padded(1)),
-        None if weights is None else weights[rows].unsqueeze(0),
-    )
-    coefficient = -forward.coefficient.squeeze(0)  # d(-w s)/d log_probs, (n,)
-    if spec.kl is not None and spec.ref_log_probs is not None and spec.kl.coef > 0:
-        log_ratio = masked_fill_zero(log_probs - spec.ref_log_probs[rows], mask)  # (n,)
-        kl_slope = kl_gradient(
-            log_ratio,
-            estimator=spec.kl.estimator,
-            straight_through=spec.kl.straight_through,
-            log_ratio_bound=spec.options.log_ratio_bound,
-        )
-        coefficient = coefficient + spec.kl.coef * kl_slope
-    return masked_fill_zero(coefficient * spec.token_weights[rows], mask)
+    with torch.enable_grad():
+        leaf = log_probs.detach().to(spec.dtype).requires_grad_(True)
+        inputs = PolicyInputs(
+            leaf[None], spec.old_log_probs[rows][None], spec.advantages[rows][None], mask[None],
+            spec.dtype, spec.dtype, None if weights is None else weights[rows][None],
+        )  # fmt: skip
+        tokens = policy_tokens(inputs, spec.options, padded(1))[0]
+        surrogate = spec.options.surrogate
+        per_token = -surrogate_terms(surrogate, tokens).values  # (1, n)
+        if tokens.importance_weights is not None and not surrogate.folds_importance_weights:
+            per_token = per_token * masked_fill_zero(tokens.importance_weights, tokens.mask)
+        kl = spec.kl
+        if kl is not None and spec.ref_log_probs is not None and kl.coef > 0:
+            estimate = kl_terms(
+                leaf[None], spec.ref_log_probs[rows][None], mask[None], estimator=kl.estimator,
+                straight_through=kl.straight_through,
+                log_ratio_bound=spec.options.log_ratio_bound, dtype=spec.dtype,
+            )  # fmt: skip
+            per_token = per_token + kl.coef * estimate
+        weighted = masked_fill_zero(per_token[0] * spec.token_weights[rows], mask)
+        (gradient,) = torch.autograd.grad(weighted.sum(), leaf)
+    return masked_fill_zero(gradient, mask)
 
 
 def _fused_loss(
@@ -414,6 +416,6 @@ def _fused_loss(
     log_probs = flat_log_probs.reshape(batch_shape)  # (B, T), detached
     entropy = None if entropy_weights is None else flat_entropy.reshape(batch_shape)
     with torch.no_grad():
-        values = loss_value(log_probs, entropy, call, kl, run_fused)
+        values = loss_value(log_probs, entropy, call, kl)
     # The value is the unfused composition's; the gradient flows through the anchor (value 0).
     return fused_output(values, values.loss.detach() + anchor, log_probs, head)

@@ -30,9 +30,9 @@ from .._core.validation import (
     compute_dtype,
     validate_scalar,
 )
-from .inputs import as_surrogate, validate_policy_call, validate_surrogate_options
-from .specification import token_log_ratios
-from .surrogates.base import SurrogateInputs
+from .call import as_surrogate, validate_policy_call, validate_surrogate_options
+from .loss import policy_tokens
+from .surrogates.base import PolicyTokens
 from .surrogates.cov import ClipCov, CovSelection, KLCov
 from .surrogates.selection import m2po_kept
 
@@ -108,8 +108,8 @@ def selection_inputs(
     *,
     log_ratio_bound: Scalar | None,
     cu_seqlens: ArrayLike | None,
-) -> SurrogateInputs:
-    """The validated, detached :class:`SurrogateInputs` of a call on these tensors."""
+) -> PolicyTokens:
+    """The validated, detached :class:`PolicyTokens` of a call on these tensors."""
     options = validate_surrogate_options(log_ratio_bound=log_ratio_bound)
     call = validate_policy_call(
         (log_probs, old_log_probs, advantages, mask),
@@ -123,17 +123,7 @@ def selection_inputs(
     )
     inputs = call.inputs._replace(log_probs=call.inputs.log_probs.detach())
     with torch.no_grad():
-        ratios = token_log_ratios(inputs, options, call.layout)
-    return SurrogateInputs(
-        ratio=ratios.ratio,
-        log_ratio=ratios.bounded_log_ratio,
-        advantages=ratios.advantages,
-        log_probs=ratios.log_probs,
-        mask=inputs.mask,
-        importance_weights=None,
-        layout=call.layout,
-        old_log_probs=ratios.old_log_probs,
-    )
+        return policy_tokens(inputs, options, call.layout)[0]
 
 
 @checks_environment

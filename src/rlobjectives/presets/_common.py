@@ -20,7 +20,7 @@ from .._core.validation import (
     validate_length,
     validate_scalar,
 )
-from ..policy.inputs import PolicyLossDiagnostics, validate_surrogate_options
+from ..policy.call import PolicyLossDiagnostics, validate_surrogate_options
 from ..policy.loss import policy_loss
 
 _MaybeTensor = TypeVar("_MaybeTensor", torch.Tensor, torch.Tensor | None)

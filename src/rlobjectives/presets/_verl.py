@@ -35,7 +35,7 @@ import torch
 
 from .._core.reduction import clamp, masked_fill_zero, masked_mean, mean_selected
 from .._core.validation import checks_environment, compute_dtype, validate_choice, validate_scalar
-from ..policy.inputs import PolicyLossDiagnostics
+from ..policy.call import PolicyLossDiagnostics
 from ..policy.selection import cov_selection
 from ..policy.surrogates import CISPO, DPPO, DRO, GMPO, SAPO, Clip, ClipCov, KLCov
 from ._common import (

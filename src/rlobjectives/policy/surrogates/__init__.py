@@ -1,17 +1,16 @@
 """The surrogate objects of :func:`rlobjectives.policy_loss`, one module each.
 
-Each module holds one surrogate's object (a frozen dataclass that validates its fields), its
-formula (the readable autograd specification), its fused stage (value and closed-form
-derivative, for the token-local ones) and its kernel setup; :mod:`.base` holds the contracts
-and :mod:`.selection` the batch-level token selections of M2PO, Clip-Cov and KL-Cov.
+Each module holds one surrogate's object: a frozen dataclass that validates its fields and
+whose one method is its formula (:mod:`.base` holds the contract, :class:`.base.Surrogate`);
+:mod:`.selection` holds the batch-level token selections of M2PO, Clip-Cov and KL-Cov.
 :data:`SURROGATES` maps the strings ``policy_loss(surrogate=...)`` accepts to the objects.
 Adding a surrogate: a module here, a row of :data:`SURROGATES`, an export from
-``rlobjectives`` (see ``docs/architecture.md``).
+``rlobjectives`` (``docs/objectives/custom.md``; a user's own needs none of them).
 """
 
 from __future__ import annotations
 
-from .base import SurrogateObjective
+from .base import PolicyTokens, Surrogate, SurrogateTerms
 from .cispo import CISPO
 from .clip import Clip
 from .cov import ClipCov, KLCov
@@ -34,11 +33,13 @@ __all__ = [
     "Clip",
     "ClipCov",
     "KLCov",
-    "SurrogateObjective",
+    "PolicyTokens",
+    "Surrogate",
+    "SurrogateTerms",
 ]
 
 #: The surrogate each string of ``policy_loss(surrogate=...)`` means (with its defaults; DRO
 #: has none: its name asks for ``DRO(beta=...)``).
-SURROGATES: dict[str, type[SurrogateObjective]] = {
+SURROGATES: dict[str, type[Surrogate]] = {
     cls.name: cls for cls in (Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov)
 }

@@ -1,211 +1,147 @@
-r"""What every surrogate object shares: the base class and the contracts of its two paths.
+r"""The surrogate contract: :class:`Surrogate`, what it sees, what it returns.
 
-A surrogate object (:class:`~rlobjectives.Clip`, :class:`~rlobjectives.CISPO`,
-:class:`~rlobjectives.SAPO`, :class:`~rlobjectives.GMPO`, :class:`~rlobjectives.VESPO`) is a small
-frozen value that validates its fields at construction and carries, as methods, what the paths
-of :func:`rlobjectives.policy_loss` need from it:
+A surrogate is a small frozen object whose one method is its paper's formula in ordinary torch
+operations, exactly as its docstring writes it; autograd gives the gradient and
+``torch.compile`` the speed (``docs/objectives/custom.md``). The policy loss is
 
-- :meth:`SurrogateObjective.formula`: the readable autograd specification: from the ratios of
-  one call (:class:`SurrogateInputs`) to the surrogate :math:`s` (the loss is :math:`-s`), the
-  factor :math:`w` of :math:`s = wA` (the ``weight_mean`` diagnostic) and the token sets of the
-  clip diagnostics (:class:`FormulaTerms`);
-- :meth:`SurrogateObjective.stage` (token-local surrogates): the fused stage, the same values
-  and their closed-form derivative :math:`\partial (w s_{it}) / \partial \ell_{it}` without
-  autograd (:class:`StageInputs` to :class:`StageOutputs`), run by
-  :mod:`rlobjectives.policy.fused` and by the hidden-state path;
-- :meth:`SurrogateObjective.kernel_flags` (token-local surrogates): the host-side setup of the
-  Triton token-loss kernel (its surrogate id, edges and scalars, :mod:`rlobjectives.kernels`).
+.. math::
 
-Class attributes: ``name`` (the string that means the object with its defaults), ``token_local``
-(value and derivative per token: a fused stage, a kernel, the hidden-state chunk loop; the
-sequence-level GMPO and VESPO form their own sequence ratio, and the batch-level M2PO, ClipCov
-and KLCov select tokens from the whole call), ``takes_sequence_ratio`` (``ratio_level="sequence"``
-allowed: GSPO's sequence ratio in place of the token ratio; ``token_ratio_reason`` says why not
-in the error), ``folds_importance_weights`` (the importance weights enter the formula instead
-of scaling the per-token loss: VESPO) and ``needs_log_ratio`` (the fused stage reads the raw
-selected log-ratio, :attr:`StageInputs.log_ratio`: DPPO, DRO).
+    L_{it} = -w_{it}\, s_{it}, \qquad s = \text{the surrogate's formula},
 
-Fields are Python numbers or 0-d tensors; a tensor that requires grad (a learnable
-hyperparameter) routes the call to the autograd path.
+reduced by the call's reduction, :math:`w` the importance weights. A subclass implements
 
-Every decision a surrogate takes on the ratio :math:`r = e^x` against a bound (which tokens a
-clip changes, the diagnostics' token sets) is taken on the log-ratio :math:`x` by the rule of
-:mod:`rlobjectives._core.decisions` (``docs/conventions.md``, "Decisions at a bound"): as a
-correctly rounded ``exp`` in the computation dtype would take it, the same on every backend.
+- :meth:`Surrogate.surrogate` ``(log_ratio, advantages) -> s``: the per-token surrogate from the
+  bounded log-ratio :math:`x = \log r` (zero at unselected tokens, with gradient) and the
+  advantages (broadcast to its shape, zero at unselected tokens); it may return the values
+  alone or a :class:`SurrogateTerms` that also names the tokens its diagnostics count; or
+- :meth:`Surrogate.terms` ``(tokens) -> SurrogateTerms`` when the formula needs more than the
+  log-ratio and the advantages: the log-probabilities (CISPO, DPPO, DRO), the sequences (GMPO,
+  VESPO) or the whole batch (M2PO, Clip-Cov, KL-Cov); such a class sets ``token_local = False``
+  unless each token's value still depends on that token alone.
+
+A token-local surrogate runs on every path: :func:`rlobjectives.policy_loss` (every reduction,
+GSPO's ``ratio_level="sequence"``, packed, context-parallel) and the chunk loop of
+:func:`rlobjectives.fused_policy_loss_from_hidden`, which differentiates it per chunk with
+``torch.autograd.grad``.
+
+Every decision a surrogate takes on :math:`r = e^x` against a bound is taken on the log-ratio
+against the thresholds of :mod:`rlobjectives._core.decisions` (``docs/conventions.md``,
+"Decisions at a bound"): :func:`~rlobjectives._core.decisions.ratio_above` /
+:func:`~rlobjectives._core.decisions.ratio_below`.
 """
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
-from ..._core.decisions import ratio_above, ratio_below
 from ..._core.layout import Layout
 
 __all__ = [
     "Bound",
-    "ClipCounts",
-    "FormulaTerms",
-    "StageInputs",
-    "StageOutputs",
-    "SurrogateInputs",
-    "SurrogateObjective",
-    "above",
-    "band_sets",
-    "below",
+    "PolicyTokens",
+    "Surrogate",
+    "SurrogateTerms",
     "by_sign",
-    "ratio_band_sets",
+    "sampled_log_probs",
 ]
 
 Bound = float | torch.Tensor
 
 
-class SurrogateInputs(NamedTuple):
-    """What a formula sees; ``(B, T)`` tensors in the computation dtype, zeros at unselected."""
+class PolicyTokens(NamedTuple):
+    r"""What :meth:`Surrogate.terms` sees: ``(B, T)`` tensors (packed ``(1, N)``).
 
-    ratio: torch.Tensor  # r = exp(bounded log-ratio), with gradient; 1 at unselected tokens
-    log_ratio: torch.Tensor  # the bounded token log-ratio log r, with gradient
-    advantages: torch.Tensor  # A (B, T), constant
-    log_probs: torch.Tensor  # l (B, T), with gradient
-    mask: torch.Tensor  # (B, T) bool
-    importance_weights: torch.Tensor | None  # (B, 1) or (B, T), constant, NOT selected
+    Every tensor is in the computation dtype (float32, float64 when an input is float64) and
+    exactly zero at unselected tokens, so NaN/inf there reaches nothing.
+
+    Attributes:
+        log_ratio: the bounded log-ratio :math:`x = \mathrm{clip}(\Delta, -b, b)` (GSPO: the
+            sequence's mean at every token, in the stop-gradient form), with gradient.
+        advantages: :math:`A`, constant.
+        log_probs: :math:`\ell`, with gradient.
+        old_log_probs: :math:`\ell^{old}`, constant (as given, not rebuilt from a difference).
+        mask: bool, the selected tokens.
+        layout: which tokens form which sequence (:class:`~rlobjectives._core.layout.Layout`).
+        importance_weights: ``(B, 1)`` or ``(B, T)`` constants, not selected, or None.
+        sequence_weights: the weights were given one per sequence.
+    """
+
+    log_ratio: torch.Tensor
+    advantages: torch.Tensor
+    log_probs: torch.Tensor
+    old_log_probs: torch.Tensor
+    mask: torch.Tensor
     layout: Layout
-    sequence_weights: bool = False  # the weights are one per sequence (packed: broadcast)
-    old_log_probs: torch.Tensor | None = None  # l_old (B, T), constant, zeros at unselected
+    importance_weights: torch.Tensor | None = None
+    sequence_weights: bool = False
 
 
-class FormulaTerms(NamedTuple):
-    """A formula's result: the surrogate, its advantage factor and the clip token sets."""
+class SurrogateTerms(NamedTuple):
+    r"""A surrogate's values and the token sets its diagnostics count (None: none).
 
-    values: torch.Tensor  # s (B, T), differentiable
-    weight: torch.Tensor  # w (B, T), detached: s = w A (or sg(w) A l)
-    out_of_band: torch.Tensor  # bool (B, T): clipped_fraction
-    below: torch.Tensor  # bool (B, T): clip_fraction_low
-    above: torch.Tensor  # bool (B, T): clip_fraction_high
-    dual: torch.Tensor  # bool (B, T): dual_clip_fraction
-    # bool (B, T): selected_fraction (tokens the objective masks, detaches or penalises), or None
+    Attributes:
+        values: :math:`s`, ``(B, T)``, differentiable (the loss is :math:`-s`).
+        weight: the factor :math:`w` of :math:`s = wA` (the ``weight_mean`` diagnostic),
+            detached; None: :math:`s / A` where :math:`A \ne 0`, else :math:`r`.
+        out_of_band: bool, ``clipped_fraction``: the ratio outside the variant's band.
+        below: bool, ``clip_fraction_low``: the low edge changes an :math:`A < 0` token.
+        above: bool, ``clip_fraction_high``: the high edge changes an :math:`A > 0` token.
+        dual: bool, ``dual_clip_fraction``: an upper edge changes an :math:`A < 0` token.
+        selected: bool, ``selected_fraction``: the tokens a batch-level objective acts on.
+        loss_mask: bool, the tokens the surrogate is reduced over when the objective narrows
+            the call's selection (M2PO), else None.
+    """
+
+    values: torch.Tensor
+    weight: torch.Tensor | None = None
+    out_of_band: torch.Tensor | None = None
+    below: torch.Tensor | None = None
+    above: torch.Tensor | None = None
+    dual: torch.Tensor | None = None
     selected: torch.Tensor | None = None
-    # bool (B, T): the tokens the surrogate is reduced over when the objective narrows the
-    # call's selection (M2PO's kept tokens), or None (the call's mask)
     loss_mask: torch.Tensor | None = None
 
 
-class StageInputs(NamedTuple):
-    """The ratio of one fused call and what a surrogate stage needs besides it."""
+class Surrogate:
+    """Base of the surrogate objects: implement :meth:`surrogate` (or :meth:`terms`).
 
-    ratio: torch.Tensor  # (B, T) r after the bound, 1 at unselected tokens; a fresh buffer
-    bounded_log_ratio: torch.Tensor  # (B, T) x = log r (after the bound), 0 at unselected:
-    # the decisions' x (docs/conventions.md, "Decisions at a bound")
-    advantages: torch.Tensor  # (B, 1) or (B, T) A, not selected: the signs of the decisions
-    weighted: torch.Tensor  # (B, T) A~ = w A, exact zeros at unselected tokens
-    mask: torch.Tensor  # (B, T) bool
-    passes: torch.Tensor | None  # (B, T) 1.0 where the log-ratio bound held (torch.clamp passes
-    # the gradient), 0.0 where it fired (a NaN log-ratio too); None without a bound
-    log_probs: torch.Tensor  # (B, T) the log-probabilities, not selected, any float dtype
-    selected_count: torch.Tensor  # () selected tokens
-    dtype: torch.dtype
-    old_log_probs: torch.Tensor | None = None  # (B, T) l_old, not selected, any float dtype
-    importance_weights: torch.Tensor | None = None  # (B, 1) or (B, T) rho, not selected
-    # (B, T) the raw token log-ratio Delta at selected tokens, 0 elsewhere (a fresh buffer),
-    # for the surrogates with ``needs_log_ratio`` (None otherwise)
-    log_ratio: torch.Tensor | None = None
+    Subclasses are frozen dataclasses whose fields (Python numbers or 0-d tensors) are
+    validated in ``__post_init__``. Class attributes:
 
-
-class ClipCounts(NamedTuple):
-    """Token counts of the clip diagnostics (0-d tensors)."""
-
-    out_of_band: torch.Tensor
-    binding_low: torch.Tensor
-    binding_high: torch.Tensor
-
-
-class StageOutputs(NamedTuple):
-    """A surrogate stage's values, derivative and diagnostic sums."""
-
-    coefficient: torch.Tensor  # (B, T) d (w s) / d log_probs, exact zeros at unselected tokens
-    values: torch.Tensor  # (B, T) w s, exact zeros at unselected tokens
-    clip: ClipCounts
-    dual: torch.Tensor  # () dual-clip count (0 without a bound on the A < 0 side)
-    ratio_sum: torch.Tensor  # () sum of r over the selected tokens
-    weight_sum: torch.Tensor  # () sum of the advantage factor over the selected tokens
-
-
-class SurrogateObjective:
-    """Base class of the surrogate objects (see the module docstring for the contract).
-
-    Subclasses are frozen dataclasses; the string ``name`` means the subclass with its defaults
-    (``policy_loss(..., surrogate="cispo")`` is ``surrogate=CISPO()``).
+    - ``name``: the string that means the class with its defaults (``surrogate="clip"``);
+    - ``token_local``: each token's value depends on that token alone (the hidden-state chunk
+      loop differentiates it chunk by chunk; else that path composes a second pass);
+    - ``takes_sequence_ratio``: ``ratio_level="sequence"`` (GSPO) allowed;
+      ``token_ratio_reason`` says why not in the error;
+    - ``folds_importance_weights``: the importance weights enter the formula (VESPO) instead
+      of multiplying the per-token loss.
     """
 
-    name: ClassVar[str]
+    name: ClassVar[str] = ""
     token_local: ClassVar[bool] = True
     takes_sequence_ratio: ClassVar[bool] = True
     token_ratio_reason: ClassVar[str] = "forms its own sequence ratio"
     folds_importance_weights: ClassVar[bool] = False
-    needs_log_ratio: ClassVar[bool] = False  # the fused stage reads StageInputs.log_ratio
+
+    def surrogate(
+        self, log_ratio: torch.Tensor, advantages: torch.Tensor
+    ) -> torch.Tensor | SurrogateTerms:
+        """The per-token surrogate :math:`s` from the bounded log-ratio and the advantages."""
+        raise NotImplementedError(
+            f"{type(self).__name__} must implement surrogate(self, log_ratio, advantages) "
+            f"(or terms(self, tokens))"
+        )
+
+    def terms(self, tokens: PolicyTokens) -> SurrogateTerms:
+        """The surrogate of a call; by default :meth:`surrogate` of the log-ratio."""
+        out = self.surrogate(tokens.log_ratio, tokens.advantages)
+        return out if isinstance(out, SurrogateTerms) else SurrogateTerms(out)
 
     def selects_from_call(self) -> bool:
-        """Whether the object selects tokens from the whole call itself.
-
-        True for M2PO's mask and Clip-Cov's / KL-Cov's selections without ``selection=``: such
-        a call needs the whole batch, so it is refused under context parallelism (hand the
-        global selection instead).
-        """
+        """Whether the object selects tokens from the whole call (refused with a context group)."""
         return False
-
-    def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
-        """The readable autograd specification of the surrogate (see the subclass)."""
-        raise NotImplementedError
-
-    def stage(self, inputs: StageInputs) -> StageOutputs:
-        """The fused stage: values and closed-form derivative (token-local surrogates only)."""
-        raise NotImplementedError(f"{type(self).__name__} has no fused stage")
-
-    def kernel_flags(self) -> dict[str, Any]:
-        """The Triton token-loss kernel's setup: surrogate name, edges, scalars, flags."""
-        raise NotImplementedError(f"{type(self).__name__} has no Triton kernel")
-
-
-def above(ratio: torch.Tensor, bound: Bound | None) -> torch.Tensor:
-    """``r > bound`` (all False without a bound)."""
-    if bound is None:
-        return torch.zeros_like(ratio, dtype=torch.bool)
-    return ratio > torch.as_tensor(bound, dtype=ratio.dtype, device=ratio.device)
-
-
-def below(ratio: torch.Tensor, bound: Bound | None) -> torch.Tensor:
-    """``r < bound`` (all False without a bound)."""
-    if bound is None:
-        return torch.zeros_like(ratio, dtype=torch.bool)
-    return ratio < torch.as_tensor(bound, dtype=ratio.dtype, device=ratio.device)
-
-
-def band_sets(
-    ratio: torch.Tensor, advantages: torch.Tensor, lower: Bound | None, upper: Bound | None
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(outside [lower, upper], below and A < 0, above and A > 0)`` of the ratio."""
-    low, high = below(ratio, lower), above(ratio, upper)
-    return low | high, low & (advantages < 0), high & (advantages > 0)
-
-
-def ratio_band_sets(
-    log_ratio: torch.Tensor,
-    advantages: torch.Tensor,
-    lower: Bound | None,
-    upper: Bound | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`band_sets` of the ratio :math:`e^x`, decided on the log-ratio ``x`` by the rule.
-
-    ``(r < lower or r > upper, r < lower and A < 0, r > upper and A > 0)`` as a correctly
-    rounded ``exp`` in the dtype of ``log_ratio`` decides them
-    (:func:`rlobjectives._core.decisions.ratio_below` / ``ratio_above``); a NaN log-ratio is in
-    none of them.
-    """
-    none = torch.zeros_like(log_ratio, dtype=torch.bool)
-    low = none if lower is None else ratio_below(log_ratio, lower)
-    high = none if upper is None else ratio_above(log_ratio, upper)
-    return low | high, low & (advantages < 0), high & (advantages > 0)
 
 
 def by_sign(
@@ -218,3 +154,13 @@ def by_sign(
         torch.as_tensor(when_true, dtype=dtype).to(device),
         torch.as_tensor(when_false, dtype=dtype).to(device),
     )
+
+
+def sampled_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
+    r""":math:`\ell` where the token has probability above 0, else 0 (value and gradient).
+
+    The value forms :math:`w A \ell` (CISPO, DPPO, VESPO) would be infinite or NaN at a sampled
+    token of probability 0 (:math:`\ell = -\infty`: a sample outside a recomputed kept set);
+    such a token contributes nothing and stays in the reduction's denominator.
+    """
+    return torch.where(log_probs > -torch.inf, log_probs, torch.zeros_like(log_probs))

@@ -4,12 +4,11 @@ With :math:`r` the ratio after the log-ratio bound, :math:`A` the advantage and 
 the log-probability, :math:`s = \mathrm{sg}(w) A \ell` with :math:`w = \min(r, \text{cap})`
 (TRL's absolute cap) or :math:`w = \mathrm{clip}(r, 1 - \epsilon_{low}, 1 + \epsilon_{high})`
 (verl's band), and :math:`\partial s / \partial \ell = wA` at every selected token (the bound
-and the cap change the weight, never the gradient's support). The weight bounds are one
-function, :func:`cispo_bounds`, shared by the formula, the fused stage and the kernel setup.
-The diagnostics' token sets (:math:`r` below / above the bounds) are decided on the log-ratio
-by the rule of :mod:`rlobjectives._core.decisions` (``docs/conventions.md``, "Decisions at a
-bound": as a correctly rounded ``exp`` in the computation dtype would decide them); the weight
-keeps its formula :math:`\mathrm{clamp}(r, lo, hi)` (continuous at the bounds).
+and the cap change the weight, never the gradient's support); the weight bounds are
+:func:`cispo_bounds`. The diagnostics' token sets (:math:`r` below / above the bounds) are
+decided on the log-ratio by the rule of :mod:`rlobjectives._core.decisions`
+(``docs/conventions.md``, "Decisions at a bound"); the weight keeps its formula
+:math:`\mathrm{clamp}(r, lo, hi)` (continuous at the bounds).
 """
 
 from __future__ import annotations
@@ -20,19 +19,10 @@ from typing import Any, ClassVar
 
 import torch
 
-from ..._core.decisions import host_threshold, lower_threshold, upper_threshold
+from ..._core.decisions import ratio_above, ratio_below
 from ..._core.reduction import clamp
 from ..._core.validation import Scalar, validate_scalar
-from .base import (
-    Bound,
-    ClipCounts,
-    FormulaTerms,
-    StageInputs,
-    StageOutputs,
-    SurrogateInputs,
-    SurrogateObjective,
-    ratio_band_sets,
-)
+from .base import Bound, PolicyTokens, Surrogate, SurrogateTerms, sampled_log_probs
 
 __all__ = ["CISPO", "cispo_bounds"]
 
@@ -42,7 +32,7 @@ _UNSET: Any = object()
 
 
 @dataclass(frozen=True)
-class CISPO(SurrogateObjective):
+class CISPO(Surrogate):
     r"""CISPO: :math:`s = \mathrm{sg}(w) A \ell`, the ratio capped or clipped as a constant.
 
     .. math::
@@ -51,10 +41,9 @@ class CISPO(SurrogateObjective):
         w = \mathrm{clip}(r, 1 - \epsilon_{low}, 1 + \epsilon_{high}) \ \text{(verl)},
 
     with :math:`\epsilon_{low}` = ``low`` and :math:`\epsilon_{high}` = ``high``; the gradient
-    flows through :math:`\ell` only, at every selected token. Its fused stage is
-    :meth:`CISPO.stage` (weight bounds :func:`cispo_bounds`), its Triton kernel the ``"cispo"``
-    surrogate of :mod:`rlobjectives.kernels.jit.token_loss`. Its clip diagnostics decide the
-    cap and the band by the rule of ``docs/conventions.md`` ("Decisions at a bound").
+    flows through :math:`\ell` only, at every selected token (weight bounds
+    :func:`cispo_bounds`). Its clip diagnostics decide the cap and the band by the rule of
+    ``docs/conventions.md`` ("Decisions at a bound").
 
     Attributes:
         cap: TRL's absolute cap of the weight (its ``epsilon_high``, e.g. 5.0 in ScaleRL),
@@ -119,59 +108,24 @@ class CISPO(SurrogateObjective):
             high = validate_scalar(self.high, "CISPO.high", minimum=0.0)
             object.__setattr__(self, "high", high)
 
-    def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
+    def terms(self, tokens: PolicyTokens) -> SurrogateTerms:
         r""":math:`\mathrm{sg}(w) A \ell`, :math:`w` the ratio capped (TRL) or clipped (verl)."""
         lower, upper = cispo_bounds(self)
-        ratio = inputs.ratio.detach()
-        weight = clamp(
-            ratio, -math.inf if lower is None else lower, math.inf if upper is None else upper
-        )  # (B, T), a constant: the gradient flows through log_probs only
-        values = weight * inputs.advantages * inputs.log_probs  # (B, T)
-        advantages, log_ratio = inputs.advantages, inputs.log_ratio.detach()
-        out_of_band, low, high = ratio_band_sets(log_ratio, advantages, lower, upper)
-        beyond = ratio_band_sets(log_ratio, advantages, None, upper)[0]  # r above the cap
-        dual = beyond & (advantages < 0)  # the cap changes an A < 0 token's weight
-        return FormulaTerms(values, weight, out_of_band, low, high, dual)
-
-    def stage(self, inputs: StageInputs) -> StageOutputs:
-        r"""The capped ratio as a constant weight on :math:`\tilde A \ell`, its derivative.
-
-        :math:`\partial s / \partial \ell = w \tilde A` at every selected token (the bound and
-        the cap change the weight, never the gradient's support).
-        """
-        ratio, mask, dtype = inputs.ratio, inputs.mask, inputs.dtype
-        lower, upper = cispo_bounds(self)
+        x, advantages = tokens.log_ratio.detach(), tokens.advantages
         low = -math.inf if lower is None else lower
-        high = math.inf if upper is None else upper
-        weight = torch.clamp(ratio, _as_tensor(low, ratio), _as_tensor(high, ratio))  # (B, T)
-        coefficient = weight * inputs.weighted  # (B, T), 0 at unselected tokens
-        zero = torch.zeros((), dtype=dtype, device=ratio.device)
-        log_probs = torch.where(mask, inputs.log_probs.to(dtype), zero)  # (B, T)
-        values = log_probs.mul_(coefficient)  # w A~ l
-        log_ratio = inputs.bounded_log_ratio  # the decisions (the rule): x < t-(lo), x > t+(hi)
-        below = log_ratio < _as_tensor(_threshold(lower, dtype, upper=False), log_ratio)
-        above_ = log_ratio > _as_tensor(_threshold(upper, dtype, upper=True), log_ratio)
-        clip = ClipCounts(
-            _count(below | above_, mask),
-            _count(below & (inputs.advantages < 0), mask),
-            _count(above_ & (inputs.advantages > 0), mask),
+        weight = clamp(torch.exp(x), low, math.inf if upper is None else upper)  # constant
+        none = torch.zeros_like(tokens.mask)
+        below = none if lower is None else ratio_below(x, lower)
+        beyond = none if upper is None else ratio_above(x, upper)  # r above the cap or band
+        negative = advantages < 0
+        return SurrogateTerms(
+            weight * advantages * sampled_log_probs(tokens.log_probs),
+            weight,
+            out_of_band=below | beyond,
+            below=below & negative,
+            above=beyond & (advantages > 0),
+            dual=beyond & negative,  # the cap changes an A < 0 token's weight
         )
-        dual = _count(above_ & (inputs.advantages < 0), mask)
-        unselected = ratio.numel() - inputs.selected_count  # r = w = 1 at unselected tokens
-        ratio_sum = ratio.sum() - unselected
-        weight_sum = weight.sum() - unselected
-        return StageOutputs(coefficient, values, clip, dual, ratio_sum, weight_sum)
-
-    def kernel_flags(self) -> dict[str, Any]:
-        """The kernel's ``"cispo"`` setup: the weight bounds and their float32 thresholds."""
-        lower, upper = cispo_bounds(self)
-        return {
-            "surrogate": "cispo",
-            "low": None if lower is None else float(lower),
-            "high": None if upper is None else float(upper),
-            "low_threshold": None if lower is None else host_threshold(lower, upper=False),
-            "high_threshold": None if upper is None else host_threshold(upper, upper=True),
-        }
 
 
 def cispo_bounds(cispo: CISPO) -> tuple[Bound | None, Bound | None]:
@@ -182,18 +136,3 @@ def cispo_bounds(cispo: CISPO) -> tuple[Bound | None, Bound | None]:
         return None, None
     high = cispo.low if cispo.high is None else cispo.high
     return 1.0 - cispo.low, 1.0 + high
-
-
-def _threshold(bound: Bound | None, dtype: torch.dtype, *, upper: bool) -> Bound:
-    """The log-ratio threshold of a weight bound (``-inf`` / ``+inf`` without it)."""
-    if bound is None:
-        return math.inf if upper else -math.inf
-    return upper_threshold(bound, dtype) if upper else lower_threshold(bound, dtype)
-
-
-def _count(condition: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (condition & mask).sum()
-
-
-def _as_tensor(value: Bound, like: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(value, dtype=like.dtype, device=like.device)

@@ -1,52 +1,28 @@
 r"""The clipped surrogate of PPO / GRPO / DAPO (dual clip, TRL's ``delta``): :class:`Clip`.
 
-With :math:`r` the ratio after the log-ratio bound and :math:`A` the advantage,
-
 .. math::
 
     s = \min\big(\min(r, \delta) A,\ \mathrm{clip}(r, 1 - \epsilon_{low},
     1 + \epsilon_{high}) A\big), \qquad s \leftarrow \max(s, cA) \text{ where } A < 0,
 
-which is, written per sign of the advantage,
+which is, product for product, :math:`s = A\,\mathrm{clip}(r, L, H)` with the per-sign bounds
+of :func:`clip_bounds`:
 
 .. math::
 
-    s = A \cdot \mathrm{clip}(r, L, H), \qquad
     (L, H) = \begin{cases} (-\infty,\ \min(1 + \epsilon_{high}, \delta)) & A > 0 \\
                            (1 - \epsilon_{low},\ \min(c, \max(1 + \epsilon_{high}, \delta)))
                            & A < 0 \end{cases}
 
-(:math:`c = \delta = \infty` when not given; without clipping :math:`H = \delta` for
-:math:`A > 0` and :math:`\min(c, \delta)` for :math:`A < 0`), product for product, with
-:math:`\partial s / \partial \ell = rA` where :math:`L \le r \le H` and the log-ratio is within
-its bound, else 0 (halved at an exact dual-clip tie :math:`r = c`, :math:`A < 0`). Three
-functions hold the rule, shared by the autograd specification (:meth:`Clip.formula`), the fused
-stage (:meth:`Clip.stage`) and the Triton kernel's host-side setup (:meth:`Clip.kernel_flags`):
-:func:`clip_bounds` (the per-sign bounds, as numbers; :func:`per_sign_bounds` as tensors of the
-shape of :math:`A`), :func:`clip_thresholds` / :func:`per_sign_thresholds` (the same bounds as
-log-ratio thresholds) and :func:`clip_decisions` (which tokens the clip changes:
-:math:`r < L`, :math:`r > H`; the gradient passes where neither holds).
-
-**Decisions at a bound** (``docs/conventions.md``): :math:`r < L`, :math:`r > H`, the band's
-:math:`r \notin [1 - \epsilon_{low}, 1 + \epsilon_{high}]` and the tie :math:`r = c` are taken
-as a correctly rounded ``exp`` in the computation dtype would take them against the bounds
-rounded to that dtype, as comparisons of the log-ratio :math:`x` with the thresholds of
-:mod:`rlobjectives._core.decisions`: the same tokens on the autograd and fused paths and in the
-kernels, whatever their ``exp`` rounds to (the specification's :math:`r = 1.2` and
-:math:`0.8` with :math:`\epsilon = 0.2` are on the band). The values keep their formula
-(:math:`\mathrm{clip}(r, L, H)` is continuous: at a bound both branches agree to the rounding of
-:math:`r`).
-
-The fused stage is the formula above in tensor operations (``torch.maximum`` / ``minimum``
-with the per-sign bounds, comparisons into float indicators that are summed for the
-diagnostics and multiplied into the coefficient); it replaced an IEEE-754 bit-pattern version
-(0.2) at a measured cost recorded in ``docs/architecture.md``.
+(:math:`c = \delta = \infty` when not given). The clip is decided on the log-ratio against the
+thresholds of :func:`clip_thresholds` (``docs/conventions.md``, "Decisions at a bound"), so
+autograd's branch is the rule's decision: the gradient :math:`rA` passes where
+:math:`L \le r \le H`, and is halved at an exact dual-clip tie :math:`r = c` (as
+``torch.maximum`` would split it).
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar, NamedTuple
 
@@ -54,30 +30,13 @@ import torch
 
 from ..._core.decisions import constant_when_traced, lower_threshold, upper_threshold
 from ..._core.validation import Scalar, validate_scalar
-from .base import (
-    Bound,
-    ClipCounts,
-    FormulaTerms,
-    StageInputs,
-    StageOutputs,
-    SurrogateInputs,
-    SurrogateObjective,
-)
+from .base import Bound, Surrogate, SurrogateTerms
 
-__all__ = [
-    "Clip",
-    "ClipBounds",
-    "ClipThresholds",
-    "clip_bounds",
-    "clip_decisions",
-    "clip_thresholds",
-    "per_sign_bounds",
-    "per_sign_thresholds",
-]
+__all__ = ["Clip", "ClipBounds", "ClipThresholds", "clip_bounds", "clip_thresholds"]
 
 
 @dataclass(frozen=True)
-class Clip(SurrogateObjective):
+class Clip(Surrogate):
     r"""The clipped ratio surrogate (PPO, GRPO, DAPO clip-higher, dual clip, TRL's ``delta``).
 
     .. math::
@@ -86,12 +45,11 @@ class Clip(SurrogateObjective):
         1 + \epsilon_{high}) A\big), \quad \text{then } \max(s, cA) \text{ where } A < 0,
 
     with :math:`\epsilon_{low}` = ``low``, :math:`\epsilon_{high}` = ``high``, :math:`c` =
-    ``dual`` and :math:`\delta` = ``delta``; the loss is :math:`-s` per token. Its fused stage
-    is :meth:`Clip.stage` (per-sign bounds :func:`clip_bounds`: ``s = A clip(r, L, H)``), its
-    Triton kernel the ``"clip"`` surrogate of :mod:`rlobjectives.kernels.jit.token_loss`.
-    Which tokens the clip changes is decided on the log-ratio as a correctly rounded ``exp``
-    would decide it (``docs/conventions.md``, "Decisions at a bound"): a ratio equal to an edge
-    after rounding is on the band, on every backend.
+    ``dual`` and :math:`\delta` = ``delta``; the loss is :math:`-s` per token. Written per sign
+    of :math:`A` it is :math:`s = A\,\mathrm{clip}(r, L, H)` (:func:`clip_bounds`), which is
+    what :meth:`surrogate` computes; which tokens the clip changes is decided on the log-ratio
+    as a correctly rounded ``exp`` would decide it (``docs/conventions.md``, "Decisions at a
+    bound"): a ratio equal to an edge after rounding is on the band.
 
     Attributes:
         low: :math:`0 \le \epsilon_{low} < 1`; None: no clipping, :math:`s = rA` (vanilla
@@ -154,70 +112,39 @@ class Clip(SurrogateObjective):
                 checked = validate_scalar(value, f"Clip.{field}", minimum=1.0, strict=True)
                 object.__setattr__(self, field, checked)
 
-    def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
-        r""":math:`s = A\,\mathrm{clip}(r, L, H)` per sign of A, clipped where the rule decides.
+    def surrogate(self, log_ratio: torch.Tensor, advantages: torch.Tensor) -> SurrogateTerms:
+        r""":math:`s = A\,\mathrm{clip}(r, L, H)`, clipped where the rule decides.
 
-        Product for product :math:`\max(\min(\min(r, \delta) A, \mathrm{clip}(r) A), cA)`;
-        written per sign so that autograd's branch is the decision of :func:`clip_decisions`
-        (the rounded products :math:`rA` and :math:`\mathrm{clip}(r) A` are not compared). At
-        an exact dual-clip tie :math:`r = c` (:math:`A < 0`) ``torch.maximum`` would split the
-        gradient: the value :math:`r`, half the gradient, as :math:`(r + \mathrm{sg}(r))/2`.
+        ``below``: :math:`r < L` (:math:`A < 0`); ``above`` / ``dual``: :math:`r > H` for
+        :math:`A > 0` / :math:`A < 0`; ``out_of_band``: :math:`r` outside
+        :math:`[1 - \epsilon_{low}, 1 + \epsilon_{high}]`, any sign of :math:`A`.
         """
-        ratio, advantages = inputs.ratio, inputs.advantages
-        log_ratio = inputs.log_ratio.detach()
-        bounds, thresholds = clip_bounds(self), clip_thresholds(self, log_ratio.dtype)
-        lower, upper = per_sign_bounds(bounds, advantages)
-        low, beyond = clip_decisions(log_ratio, *per_sign_thresholds(thresholds, advantages))
-        clipped = ratio  # (B, T): clip(r, L, H), the branch chosen by the decisions
-        if lower is not None:
-            clipped = torch.where(low, lower, clipped)
-        if upper is not None:
-            clipped = torch.where(beyond, upper, clipped)
-        if thresholds.dual is not None:  # r == c exactly (A < 0): half the gradient, value r
-            tie = _on(log_ratio, thresholds.dual) & (advantages < 0) & ~beyond
+        ratio = torch.exp(log_ratio)  # (B, T)
+        x = log_ratio.detach()
+        bounds, edges = clip_bounds(self), clip_thresholds(self, x.dtype)
+        negative = advantages < 0
+        clipped, none = ratio, torch.zeros_like(negative)
+        below = above = dual = band_low = band_high = none
+        if (low := bounds.lower_negative) is not None and edges.band_low is not None:
+            band_low = x < edges.band_low  # r < 1 - eps_low
+            below = band_low & negative
+            clipped = torch.where(below, low, clipped)
+        if (high := bounds.upper_positive) is not None and edges.upper_positive is not None:
+            beyond = x > edges.upper_positive  # r > min(1 + eps_high, delta)
+            band_high = beyond if bounds.band is not None and self.delta is None else band_high
+            above = beyond & (advantages > 0)
+            clipped = torch.where(above, high, clipped)
+        if (upper := bounds.upper_negative) is not None and edges.upper_negative is not None:
+            dual = (x > edges.upper_negative) & negative  # r > min(c, max(1 + eps_high, delta))
+            clipped = torch.where(dual, upper, clipped)
+        if edges.dual is not None:  # r == c exactly (A < 0): the value r, half the gradient
+            tie = (x >= edges.dual[0]) & (x <= edges.dual[1]) & negative & ~dual
             clipped = torch.where(tie, (ratio + ratio.detach()) * 0.5, clipped)
-        surrogate = clipped * advantages  # (B, T)
-        ratio_d = ratio.detach()
-        nonzero = advantages != 0
-        safe = torch.where(nonzero, advantages, torch.ones_like(advantages))
-        weight = torch.where(nonzero, surrogate.detach() / safe, ratio_d)  # w = s / A
-        below_band = _compare(torch.lt, log_ratio, thresholds.band_low, torch.bool)
-        out_of_band = below_band | _compare(torch.gt, log_ratio, thresholds.band_high, torch.bool)
-        high, dual = beyond & (advantages > 0), beyond & (advantages < 0)
-        return FormulaTerms(surrogate, weight, out_of_band, low, high, dual)
-
-    def stage(self, inputs: StageInputs) -> StageOutputs:
-        """The fused stage: ``s = A~ clip(r, L, H)`` and its derivative (see the module)."""
-        return _clip_stage(self, inputs)
-
-    def kernel_flags(self) -> dict[str, Any]:
-        """The kernel's ``"clip"`` setup: the band, the per-sign upper edges, the dual clip.
-
-        Each edge comes with its float32 log-ratio threshold (``*_threshold``: the decisions of
-        :func:`clip_decisions`, :mod:`rlobjectives._core.decisions`); the edges themselves give
-        the values.
-        """
-        bounds, thresholds = clip_bounds(self), clip_thresholds(self, torch.float32)
-        band = (None, None) if bounds.band is None else bounds.band
-        dual = (None, None) if thresholds.dual is None else thresholds.dual
-        return {
-            "surrogate": "clip",
-            "low": _number(band[0]),
-            "high": _number(band[1]),
-            "upper_positive": _number(bounds.upper_positive),
-            "upper_negative": _number(bounds.upper_negative),
-            "dual_clip": _number(self.dual),
-            "low_threshold": _number(thresholds.band_low),
-            "high_threshold": _number(thresholds.band_high),
-            "upper_positive_threshold": _number(thresholds.upper_positive),
-            "upper_negative_threshold": _number(thresholds.upper_negative),
-            "dual_low_threshold": _number(dual[0]),
-            "dual_high_threshold": _number(dual[1]),
-        }
-
-
-def _number(value: Bound | None) -> float | None:
-    return None if value is None else float(value)
+        if edges.band_high is not None and band_high is none:
+            band_high = x > edges.band_high  # r > 1 + eps_high
+        return SurrogateTerms(
+            clipped * advantages, clipped.detach(), band_low | band_high, below, above, dual
+        )
 
 
 def _minimum(left: Bound, right: Bound) -> Bound:
@@ -267,32 +194,6 @@ def clip_bounds(clip: Clip) -> ClipBounds:
     return ClipBounds(band, upper_positive, lower_negative, upper_negative)
 
 
-def per_sign_bounds(
-    bounds: ClipBounds, advantages: torch.Tensor
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(L, H)`` of ``s = A clip(r, L, H)`` as tensors of the shape of ``A`` (None: no bound).
-
-    ``L`` is ``1 - eps_low`` where ``A < 0``, ``-inf`` elsewhere; ``H`` is ``upper_positive``
-    where ``A > 0``, ``upper_negative`` where ``A < 0``, ``+inf`` elsewhere (``A = 0`` or NaN,
-    and a side without a bound).
-    """
-    negative, positive = advantages < 0, advantages > 0
-    inf = _as_tensor(math.inf, advantages)
-    lower = None
-    if bounds.lower_negative is not None:
-        lower = torch.where(negative, _as_tensor(bounds.lower_negative, advantages), -inf)
-    upper = None
-    if bounds.upper_positive is not None or bounds.upper_negative is not None:
-        on_positive = inf if bounds.upper_positive is None else bounds.upper_positive
-        on_negative = inf if bounds.upper_negative is None else bounds.upper_negative
-        upper = torch.where(
-            positive,
-            _as_tensor(on_positive, advantages),
-            torch.where(negative, _as_tensor(on_negative, advantages), inf),
-        )
-    return lower, upper
-
-
 class ClipThresholds(NamedTuple):
     """:class:`ClipBounds` as log-ratio thresholds of one computation dtype (None: no bound).
 
@@ -321,8 +222,13 @@ def clip_thresholds(clip: Clip, dtype: torch.dtype) -> ClipThresholds:
     ``torch.compile`` graph); tensor fields: on their device at every call (a schedule or a
     learnable value changes between calls).
     """
-    fields = (clip.low, clip.high, clip.dual, clip.delta)
-    if any(isinstance(field, torch.Tensor) for field in fields):
+    low, high, dual, delta = fields = (clip.low, clip.high, clip.dual, clip.delta)
+    if (
+        isinstance(low, torch.Tensor)
+        or isinstance(high, torch.Tensor)
+        or isinstance(dual, torch.Tensor)
+        or isinstance(delta, torch.Tensor)
+    ):
         return _thresholds(clip, dtype)
     thresholds: ClipThresholds = _number_thresholds(*fields, dtype)
     return thresholds
@@ -369,133 +275,3 @@ def _lower(bound: Bound | None, dtype: torch.dtype) -> Bound | None:
 
 def _upper(bound: Bound | None, dtype: torch.dtype) -> Bound | None:
     return None if bound is None else upper_threshold(bound, dtype)
-
-
-def per_sign_thresholds(
-    thresholds: ClipThresholds, advantages: torch.Tensor
-) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-    """``(t-(L), t+(H))`` of :func:`per_sign_bounds` as tensors of the shape of ``A``.
-
-    ``r < L`` is ``x < t-(L)`` and ``r > H`` is ``x > t+(H)`` for the log-ratio ``x``;
-    ``-inf`` / ``+inf`` where a side has no bound (``A = 0`` or NaN included).
-    """
-    negative, positive = advantages < 0, advantages > 0
-    inf = _as_tensor(math.inf, advantages)
-    lower = None
-    if thresholds.lower_negative is not None:
-        edge = _as_tensor(thresholds.lower_negative, advantages)
-        lower = torch.where(negative, edge, -inf)
-    upper = None
-    if thresholds.upper_positive is not None or thresholds.upper_negative is not None:
-        on_positive = inf if thresholds.upper_positive is None else thresholds.upper_positive
-        on_negative = inf if thresholds.upper_negative is None else thresholds.upper_negative
-        upper = torch.where(
-            positive,
-            _as_tensor(on_positive, advantages),
-            torch.where(negative, _as_tensor(on_negative, advantages), inf),
-        )
-    return lower, upper
-
-
-def _on(log_ratio: torch.Tensor, edges: tuple[Bound, Bound]) -> torch.Tensor:
-    """Bool ``r == c``: ``t-(c) <= x <= t+(c)``."""
-    return (log_ratio >= _as_tensor(edges[0], log_ratio)) & (
-        log_ratio <= _as_tensor(edges[1], log_ratio)
-    )
-
-
-def clip_decisions(
-    log_ratio: torch.Tensor,
-    lower: torch.Tensor | None,
-    upper: torch.Tensor | None,
-    *,
-    dtype: torch.dtype = torch.bool,
-    out: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Where the clip binds: ``(r < L, r > H)``, as ``(x < t-(L), x > t+(H))`` on the log-ratio.
-
-    The one decision rule of the clip, with the thresholds of :func:`per_sign_thresholds`
-    (:func:`clip_thresholds`):
-    ``r < L`` is the low edge binding (``A < 0``), ``r > H`` an upper edge (the high edge for
-    ``A > 0``, the dual clip or ``delta`` for ``A < 0``), and the gradient passes where neither
-    holds, ``L <= r <= H`` (``torch.clamp``'s closed interval), as a correctly rounded ``exp``
-    would decide it (``docs/conventions.md``, "Decisions at a bound"; a NaN log-ratio is in
-    neither set). The formula (:meth:`Clip.formula`) asks for bool sets, the fused stage for
-    float indicators (``dtype``: 1.0 where the clip binds), which it sums and multiplies;
-    ``out``: a scratch buffer of that dtype for ``r > H``.
-    """
-    below = _compare(torch.lt, log_ratio, lower, dtype)
-    return below, _compare(torch.gt, log_ratio, upper, dtype, out)
-
-
-def _compare(
-    op: Callable[..., torch.Tensor],
-    ratio: torch.Tensor,
-    bound: torch.Tensor | Bound | None,
-    dtype: torch.dtype,
-    out: torch.Tensor | None = None,
-) -> torch.Tensor:
-    """``op(ratio, bound)`` as ``dtype`` (all 0 / False without a bound), into ``out`` if given."""
-    if out is None:
-        out = torch.empty(ratio.shape, dtype=dtype, device=ratio.device)
-    if bound is None:
-        return out.zero_()
-    if not isinstance(bound, torch.Tensor):
-        bound = _as_tensor(bound, ratio)
-    return op(ratio, bound, out=out)
-
-
-def _as_tensor(value: Bound, like: torch.Tensor) -> torch.Tensor:
-    return torch.as_tensor(value, dtype=like.dtype, device=like.device)
-
-
-def _clip_stage(clip: Clip, inputs: StageInputs) -> StageOutputs:
-    r"""The fused stage of :class:`Clip`: :math:`s = \tilde A\,\mathrm{clip}(r, L, H)`, its slope.
-
-    With the per-sign bounds :math:`(L, H)` of :func:`per_sign_bounds` (shape of :math:`A`):
-    the values :math:`\tilde A\,\mathrm{clip}(r, L, H)`; the coefficient
-    :math:`\partial s / \partial \ell = r \tilde A` where :func:`clip_decisions` lets the
-    gradient pass (:math:`L \le r \le H`) and the log-ratio bound held, else 0, halved at an
-    exact dual-clip tie :math:`r = c` (``torch.maximum``'s convention); the counts of the clip
-    diagnostics. Every decision is taken on the log-ratio by the rule (``docs/conventions.md``,
-    "Decisions at a bound"). The ratio is exactly 1 at unselected tokens, never clipped
-    (``L <= 1 <= H``): their decisions are 0 and their clipped ratio 1, so the selected sums
-    are the full sums minus the unselected count.
-    """
-    ratio, log_ratio = inputs.ratio, inputs.bounded_log_ratio
-    weighted, dtype = inputs.weighted, inputs.dtype
-    bounds, thresholds = clip_bounds(clip), clip_thresholds(clip, dtype)
-    lower, upper = per_sign_bounds(bounds, inputs.advantages)
-    # clip(r, L, H) as max then min: both propagate NaN like torch.clamp (a fresh buffer)
-    clipped = ratio.clone() if lower is None else torch.maximum(ratio, lower)
-    if upper is not None:
-        clipped = torch.minimum(clipped, upper, out=clipped)
-    # The decisions, on the log-ratio against the thresholds of the bounds (the rule)
-    scratch = _compare(torch.lt, log_ratio, thresholds.band_low, dtype)  # (B, T): below the band
-    above_band = (torch.gt, log_ratio, thresholds.band_high, dtype)  # then above it, in scratch
-    out_of_band = scratch.sum() + _compare(*above_band, out=scratch).sum()
-    edges = per_sign_thresholds(thresholds, inputs.advantages)
-    below, above = clip_decisions(log_ratio, *edges, dtype=dtype, out=scratch)  # 1.0: binds
-    negative = (inputs.advantages < 0).to(dtype)  # shape of A
-    positive = (inputs.advantages > 0).to(dtype)
-    above_rows = above.sum(-1, keepdim=True) if positive.shape[-1] == 1 else above
-    counts = ClipCounts(out_of_band, below.sum(), (above_rows * positive).sum())
-    dual = (above_rows * negative).sum()
-    # d s / d l = r A~ (1 - below - above), and 0 where the log-ratio bound fired
-    if inputs.passes is None:
-        coefficient = ratio * weighted  # (B, T), 0 at unselected tokens (A~ = 0)
-    else:  # a NaN log-ratio's NaN ratio becomes 0: no gradient there, as autograd's clamp
-        coefficient = torch.nan_to_num(ratio, nan=0.0, posinf=math.inf, neginf=-math.inf)
-        coefficient = coefficient.mul_(weighted).mul_(inputs.passes)
-    blocked = below.add_(above)  # 1.0 where the clip binds
-    if thresholds.dual is not None:  # at r == c exactly torch.maximum(s, cA) ties: half
-        tie = torch.ge(log_ratio, _as_tensor(thresholds.dual[0], ratio), out=above)  # t-(c) <= x
-        tie = tie.mul_(log_ratio <= _as_tensor(thresholds.dual[1], ratio))  # x <= t+(c)
-        blocked = torch.maximum(blocked, tie.mul_(negative).mul_(0.5), out=blocked)
-    coefficient = coefficient.addcmul_(coefficient, blocked, value=-1.0)  # c (1 - blocked)
-    # Sums over the selected tokens: r - 1 and clip(r, L, H) - 1 are exactly 0 at the others.
-    count = inputs.selected_count.to(dtype)
-    ratio_sum = torch.sub(ratio, 1.0, out=above).sum() + count
-    weight_sum = torch.sub(clipped, 1.0, out=above).sum() + count
-    values = clipped.mul_(weighted)  # A~ clip(r, L, H), 0 at unselected tokens
-    return StageOutputs(coefficient, values, counts, dual, ratio_sum, weight_sum)

@@ -21,7 +21,7 @@ call, each token's centred covariance is
   (:math:`\Delta` the log-ratio after its bound).
 
 The selections need the whole call: both objects run the autograd specification (their
-``formula``), per call (verl and SkyRL select per micro-batch and rank).
+``terms``), per call (verl and SkyRL select per micro-batch and rank).
 :func:`rlobjectives.cov_selection` gives an object's selection on any batch (for example once
 per mini-batch, sliced into its micro-batches),
 :func:`rlobjectives.distributed.global_cov_selection` over every rank, and ``selection=``
@@ -43,7 +43,7 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from ..._core.validation import Scalar, validate_scalar
-from .base import FormulaTerms, SurrogateInputs, SurrogateObjective
+from .base import PolicyTokens, Surrogate, SurrogateTerms
 from .clip import Clip
 from .selection import centered_covariance, draw_seed, random_subset, selection_count, top_k
 
@@ -100,14 +100,14 @@ def check_selection(selection: torch.Tensor, mask: torch.Tensor, name: str) -> t
 
 
 @dataclass(frozen=True)
-class ClipCov(SurrogateObjective):
+class ClipCov(Surrogate):
     r"""Clip-Cov: PPO's clip, with a random few of the high-covariance tokens detached.
 
     :math:`s = \min(rA, \mathrm{clip}(r, 1 - \epsilon_{low}, 1 + \epsilon_{high})A)` (no dual
     clip), and :math:`\min(k, n)` tokens drawn uniformly at random among the ``n`` candidates
     (selected tokens the band does not clip, with ``cov_lb < cov < cov_ub``) get value and
     gradient 0 (see the module docstring). The selection needs the whole call: the autograd
-    specification :meth:`ClipCov.formula` runs (no fused stage), ``ratio_level`` must be
+    formula :meth:`ClipCov.terms` runs per call (not token-local), ``ratio_level`` must be
     ``"token"``. Diagnostics: the clip fields are the band's (as :class:`~rlobjectives.Clip`),
     ``selected_fraction`` the detached fraction (verl's ``pg_clipfrac`` for this mode).
 
@@ -190,14 +190,14 @@ class ClipCov(SurrogateObjective):
             )
         _validate_selection(self.selection, "ClipCov.selection")
 
-    def band(self, inputs: SurrogateInputs) -> FormulaTerms:
+    def band(self, inputs: PolicyTokens) -> SurrogateTerms:
         """PPO's clip of the object (``Clip(low, high)``, no dual clip) on the call."""
-        return Clip(low=self.low, high=self.high).formula(inputs)
+        return Clip(low=self.low, high=self.high).surrogate(inputs.log_ratio, inputs.advantages)
 
     def candidates(
         self,
-        inputs: SurrogateInputs,
-        band: FormulaTerms,
+        inputs: PolicyTokens,
+        band: SurrogateTerms,
         means: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         """Selected tokens the band does not clip with ``cov_lb < cov < cov_ub`` (strict).
@@ -207,10 +207,11 @@ class ClipCov(SurrogateObjective):
         """
         mask = inputs.mask
         covariance = centered_covariance(inputs.log_probs.detach(), inputs.advantages, mask, means)
+        assert band.below is not None and band.above is not None  # Clip names both sets
         unclipped = mask & ~(band.below | band.above)
         return unclipped & (covariance > self.cov_lb) & (covariance < self.cov_ub)
 
-    def select(self, inputs: SurrogateInputs, band: FormulaTerms) -> CovSelection:
+    def select(self, inputs: PolicyTokens, band: SurrogateTerms) -> CovSelection:
         """The detached tokens: ``selection``, or ``min(k, n)`` candidates drawn at random."""
         mask = inputs.mask
         candidates = self.candidates(inputs, band)
@@ -222,11 +223,12 @@ class ClipCov(SurrogateObjective):
             selected = random_subset(candidates, mask, count, seed)
         return CovSelection(selected, candidates, count)
 
-    def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
+    def terms(self, tokens: PolicyTokens) -> SurrogateTerms:
         r"""PPO's clip, 0 (value and gradient) at the drawn high-covariance tokens."""
-        band = self.band(inputs)
-        selected = self.select(inputs, band).selected
+        band = self.band(tokens)
+        selected = self.select(tokens, band).selected
         zero = torch.zeros((), dtype=band.values.dtype, device=band.values.device)
+        assert band.weight is not None
         return band._replace(
             values=torch.where(selected, zero, band.values),
             weight=torch.where(selected, zero, band.weight),
@@ -235,14 +237,14 @@ class ClipCov(SurrogateObjective):
 
 
 @dataclass(frozen=True)
-class KLCov(SurrogateObjective):
+class KLCov(Surrogate):
     r"""KL-Cov: :math:`s = rA`, minus :math:`\beta|\Delta|` at the top-k tokens by covariance.
 
     No clipping; the :math:`k = \max(\lfloor\rho N\rfloor, 1)` selected tokens of largest
     covariance (a deterministic top-k, ties to the earlier token) get the penalty
     :math:`\beta|\Delta|` (gradient :math:`\beta\,\mathrm{sign}(\Delta)`, 0 at
     :math:`\Delta = 0`: the first PPO step of a batch is unpenalised). The selection needs the
-    whole call: the autograd specification :meth:`KLCov.formula` runs (no fused stage),
+    whole call: its formula :meth:`KLCov.terms` runs per call (not token-local),
     ``ratio_level`` must be ``"token"``. Diagnostics: the clip fields are 0,
     ``selected_fraction`` is the penalised fraction, ``weight_mean`` the mean ratio.
 
@@ -295,7 +297,7 @@ class KLCov(SurrogateObjective):
         object.__setattr__(self, "coef", validate_scalar(self.coef, "KLCov.coef", minimum=0.0))
         _validate_selection(self.selection, "KLCov.selection")
 
-    def select(self, inputs: SurrogateInputs) -> CovSelection:
+    def select(self, inputs: PolicyTokens) -> CovSelection:
         """The penalised tokens: ``selection``, or the top-k by covariance."""
         mask = inputs.mask
         count = selection_count(self.ratio, mask.sum())
@@ -306,13 +308,11 @@ class KLCov(SurrogateObjective):
             selected = top_k(covariance, mask, count)
         return CovSelection(selected, mask, count)
 
-    def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
+    def terms(self, tokens: PolicyTokens) -> SurrogateTerms:
         r""":math:`rA`, minus :math:`\beta|\Delta|` at the selected tokens."""
-        ratio, advantages = inputs.ratio, inputs.advantages
-        selected = self.select(inputs).selected
+        ratio = torch.exp(tokens.log_ratio)
+        selected = self.select(tokens).selected
         zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
-        penalty = torch.where(selected, self.coef * torch.abs(inputs.log_ratio), zero)
-        none = torch.zeros_like(inputs.mask)
-        return FormulaTerms(
-            ratio * advantages - penalty, ratio.detach(), none, none, none, none, selected=selected
-        )
+        penalty = torch.where(selected, self.coef * torch.abs(tokens.log_ratio), zero)
+        values = ratio * tokens.advantages - penalty
+        return SurrogateTerms(values, ratio.detach(), selected=selected)

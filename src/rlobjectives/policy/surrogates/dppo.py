@@ -18,10 +18,9 @@ of the advantage (:math:`A \le 0` takes the low rule, as verl and prime-rl):
 and the surviving tokens get :math:`s = \mathrm{sg}(\min(r, c))\, A\, \ell` (verl's value form,
 :math:`c` = ``ratio_cap``); without a cap, :math:`s = rA` (prime-rl's and SkyRL's value form,
 the same gradient :math:`rA`). A masked token has value and gradient 0 and stays in the
-reduction's denominator. The decision is one function, :func:`dppo_trust_region`, of the selected
-log-probabilities and log-ratios, shared by the formula (:meth:`DPPO.formula`), the fused stage
-(:meth:`DPPO.stage`) and, in the same arithmetic, the Triton kernel (``dppo_tv`` / ``dppo_kl`` of
-:mod:`rlobjectives.kernels.jit.token_loss`).
+reduction's denominator, and so has a token of probability 0 (:math:`\ell = -\infty`, e.g. a
+sample outside a recomputed kept set). The decision is :func:`dppo_trust_region`, of the
+selected log-probabilities as given.
 
 Numerics: :math:`1 - p` is :math:`-\mathrm{expm1}(\ell)` (verl's ``1 - exp(l)`` loses every digit
 in float32 for :math:`\ell > -6 \cdot 10^{-8}`, the near-certain tokens; :func:`binary_kl`),
@@ -31,32 +30,25 @@ clause compares :math:`\ell` with :math:`\ell^{old}` (exact).
 
 Decisions (``docs/conventions.md``, "Decisions at a bound"): both divergences are evaluated in
 **float64** from the log-probabilities of the computation dtype (:math:`\ell` and
-:math:`\ell - \Delta`), on the autograd specification, the fused stage and the kernel alike,
-then compared with :math:`\delta` rounded to the computation dtype: the exact real-number
-decision unless the exact divergence lies within the float64 evaluation's error of the
-threshold (TV: :math:`2^{-50}\max(1, p, p^{old})`; KL: :math:`2^{-46}(1 + p^{old}|\Delta| +
-|\log q|)`), where the peers' float32 evaluation (and a GPU's approximate ``exp``) errs by
-about :math:`2^{-23}`. The cap count :math:`r > c` is the rule's threshold decision on the
+:math:`\ell^{old}` as given, never rebuilt from a rounded difference), then compared with
+:math:`\delta` rounded to the computation dtype: the exact real-number decision unless the
+exact divergence lies within the float64 evaluation's error of the threshold (TV:
+:math:`2^{-50}\max(1, p, p^{old})`; KL: :math:`2^{-46}(1 + p^{old}|\Delta| + |\log q|)`),
+where the peers' float32 evaluation (and a GPU's approximate ``exp``) errs by about
+:math:`2^{-23}`. The cap count :math:`r > c` is the rule's threshold decision on the
 bounded log-ratio. The values keep their formulas in the computation dtype.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
-from ..._core.decisions import host_threshold, ratio_above
+from ..._core.decisions import ratio_above
 from ..._core.validation import Scalar, validate_scalar
-from .base import (
-    ClipCounts,
-    FormulaTerms,
-    StageInputs,
-    StageOutputs,
-    SurrogateInputs,
-    SurrogateObjective,
-)
+from .base import PolicyTokens, Surrogate, SurrogateTerms
 
 __all__ = ["BINARY_KL_EPSILON", "DIVERGENCES", "DPPO", "binary_kl", "dppo_trust_region"]
 
@@ -68,7 +60,7 @@ DIVERGENCES: dict[str, float] = {"tv": 0.2, "kl": 0.05}
 
 
 @dataclass(frozen=True)
-class DPPO(SurrogateObjective):
+class DPPO(Surrogate):
     r"""DPPO: :math:`s = \mathrm{sg}(\min(r, c)) A \ell` on the tokens inside a binary trust region.
 
     The trust region is the binary total-variation (``"tv"``) or binary KL (``"kl"``) divergence
@@ -77,9 +69,8 @@ class DPPO(SurrogateObjective):
     outside it has value and gradient 0 and stays in the reduction's denominator; a token
     inside has :math:`\partial s / \partial \ell = \min(r, c) A` (the capped ratio is a
     constant weight, as CISPO's), or, with ``ratio_cap=None``, :math:`s = rA` with the same
-    gradient :math:`rA`. Its fused stage is :meth:`DPPO.stage`, its Triton kernel the ``dppo_tv``
-    / ``dppo_kl`` surrogates of :mod:`rlobjectives.kernels.jit.token_loss`. The divergence is
-    decided per token: ``ratio_level`` must be ``"token"``.
+    gradient :math:`rA`. The divergence is decided per token: ``ratio_level`` must be
+    ``"token"``.
 
     Attributes:
         divergence: ``"tv"`` (Binary-TV, arXiv:2602.04879 Eq. 13) or ``"kl"`` (Binary-KL, Eq. 14).
@@ -124,7 +115,6 @@ class DPPO(SurrogateObjective):
     ratio_cap: Scalar | None = 20.0
 
     name: ClassVar[str] = "dppo"
-    needs_log_ratio: ClassVar[bool] = True
     takes_sequence_ratio: ClassVar[bool] = False
     token_ratio_reason: ClassVar[str] = "decides its trust region per token"
 
@@ -156,26 +146,23 @@ class DPPO(SurrogateObjective):
             )
         return checked
 
-    def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
+    def terms(self, tokens: PolicyTokens) -> SurrogateTerms:
         r""":math:`\mathrm{sg}(\min(r, c)) A \ell` (or :math:`rA`) in the trust region, else 0."""
-        old = inputs.old_log_probs
-        assert old is not None  # the specification passes the (selected) old log-probs
-        advantages, mask = inputs.advantages, inputs.mask
-        log_probs = inputs.log_probs.detach()
-        kept = dppo_trust_region(log_probs, log_probs - old, advantages, self) & mask
-        ratio = inputs.ratio
+        advantages, mask, log_probs = tokens.advantages, tokens.mask, tokens.log_probs
+        kept = dppo_trust_region(log_probs.detach(), tokens.old_log_probs, advantages, self)
+        kept = kept & mask
+        active = kept & (log_probs > -torch.inf)  # a token of probability 0 contributes nothing
+        ratio = torch.exp(tokens.log_ratio)
         zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
-        if self.ratio_cap is None:
-            weight = torch.where(kept, ratio.detach(), zero)
-            values = torch.where(kept, ratio, zero) * advantages  # r A: gradient r A
-            capped = torch.zeros_like(kept)
-        else:
-            cap = torch.as_tensor(self.ratio_cap, dtype=ratio.dtype, device=ratio.device)
-            weight = torch.where(kept, torch.minimum(ratio.detach(), cap), zero)
-            values = weight * advantages * inputs.log_probs  # sg(min(r, c)) A l
-            capped = kept & ratio_above(inputs.log_ratio.detach(), self.ratio_cap)  # the rule
+        if self.ratio_cap is None:  # r A: gradient r A
+            values = torch.where(active, ratio, zero) * advantages
+            weight, capped = torch.where(active, ratio.detach(), zero), None
+        else:  # sg(min(r, c)) A l
+            weight = torch.where(active, torch.clamp(ratio.detach(), max=self.ratio_cap), zero)
+            values = weight * advantages * torch.where(active, log_probs, zero)
+            capped = kept & ratio_above(tokens.log_ratio.detach(), self.ratio_cap)  # the rule
         outside = mask & ~kept
-        return FormulaTerms(
+        return SurrogateTerms(
             values,
             weight,
             out_of_band=outside,
@@ -183,66 +170,6 @@ class DPPO(SurrogateObjective):
             above=outside & (advantages > 0),
             dual=capped,
         )
-
-    def stage(self, inputs: StageInputs) -> StageOutputs:
-        r"""The fused stage: the trust region, then CISPO's weight :math:`\min(r, c)` on it.
-
-        Values :math:`w \tilde A \ell` (or :math:`w \tilde A` without a cap) and the
-        coefficient :math:`w \tilde A` with :math:`w = 1[\text{kept}] \min(r, c)` (without a cap
-        times the log-ratio bound's indicator, as :math:`\partial r / \partial \ell`); the clip
-        counts are the tokens outside the region (all, ``A < 0``, ``A > 0``) and ``dual`` the
-        capped ones. The decisions are float indicators (1.0: kept), summed and multiplied in
-        vectorised float loops; an unselected token (zeros: :math:`p = p^{old} = 1`) is inside.
-        """
-        ratio, mask, dtype = inputs.ratio, inputs.mask, inputs.dtype
-        log_ratio = inputs.log_ratio  # raw Delta at selected tokens, 0 elsewhere
-        assert log_ratio is not None  # needs_log_ratio: the fused path passes it
-        zero = torch.zeros((), dtype=dtype, device=ratio.device)
-        log_probs = torch.where(mask, inputs.log_probs.to(dtype), zero)  # (B, T)
-        advantages = inputs.advantages
-        kept = dppo_trust_region(log_probs, log_ratio, advantages, self, dtype=dtype)  # 1.0: in
-        outside = torch.rsub(kept, 1.0)  # 1 - kept: 0.0 at unselected tokens
-        rows = outside.sum(-1, keepdim=True) if advantages.shape[-1] == 1 else outside
-        negative, positive = (advantages < 0).to(dtype), (advantages > 0).to(dtype)
-        clip = ClipCounts(rows.sum(), (rows * negative).sum(), (rows * positive).sum())
-        if self.ratio_cap is None:
-            weight = kept.mul_(ratio)  # (B, T)
-            dual = torch.zeros((), dtype=dtype, device=ratio.device)
-            values = weight * inputs.weighted  # r A~
-            coefficient = values if inputs.passes is None else values * inputs.passes
-        else:
-            cap = torch.as_tensor(self.ratio_cap, dtype=dtype, device=ratio.device)
-            beyond = ratio_above(inputs.bounded_log_ratio, self.ratio_cap) & mask  # the rule
-            dual = torch.mul(beyond, kept, out=outside).sum()  # kept and capped
-            weight = torch.minimum(ratio, cap, out=outside).mul_(kept)  # (B, T)
-            coefficient = weight * inputs.weighted  # (B, T), 0 at unselected tokens
-            values = log_probs.mul_(coefficient)  # w A~ l
-        unselected = ratio.numel() - inputs.selected_count  # r = 1 at unselected tokens
-        ratio_sum = ratio.sum() - unselected
-        if self.ratio_cap is None:  # w = r = 1 at unselected tokens
-            weight_sum = weight.sum() - unselected
-        else:  # w = min(1, c) at unselected tokens (a cap below 1 caps them too)
-            weight_sum = weight.sum() - unselected * torch.clamp(cap, max=1.0)
-        return StageOutputs(coefficient, values, clip, dual, ratio_sum, weight_sum)
-
-    def kernel_flags(self) -> dict[str, Any]:
-        """The kernel's ``"dppo_tv"`` / ``"dppo_kl"`` setup: the thresholds and the cap."""
-        assert self.low is not None and self.high is not None  # resolved at construction
-        cap, threshold = None, None
-        if self.ratio_cap is not None:  # r > c by the rule: x > t+(c)
-            cap, threshold = float(self.ratio_cap), host_threshold(self.ratio_cap, upper=True)
-        return {
-            "surrogate": f"dppo_{self.divergence}",
-            "low": _float32(self.low),  # the kernel's float64 comparisons take fl32(delta)
-            "high": _float32(self.high),
-            "ratio_cap": cap,
-            "cap_threshold": threshold,
-        }
-
-
-def _float32(value: Scalar) -> float:
-    """``value`` rounded to float32 (to nearest), as a Python float (exact in float64)."""
-    return float(torch.as_tensor(value, dtype=torch.float64).detach().to(torch.float32))
 
 
 def binary_kl(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Tensor:
@@ -281,11 +208,9 @@ def _binary_kl(
 
 def dppo_trust_region(
     log_probs: torch.Tensor,
-    log_ratio: torch.Tensor,
+    old_log_probs: torch.Tensor,
     advantages: torch.Tensor,
     dppo: DPPO,
-    *,
-    dtype: torch.dtype = torch.bool,
 ) -> torch.Tensor:
     r"""Where a token stays inside DPPO's trust region (the broadcast shape of the inputs).
 
@@ -298,13 +223,8 @@ def dppo_trust_region(
     (``docs/conventions.md``, "Decisions at a bound": the exact decision outside a window of the
     float64 evaluation's error); a NaN divergence is outside.
 
-    It reads what every path has, the selected log-probabilities ``log_probs`` and raw
-    log-ratios ``log_ratio`` :math:`\Delta = \ell - \ell^{old}` (zeros elsewhere: inside;
-    detached), with :math:`\ell^{old} = \ell - \Delta` (exact when :math:`\ell` and
-    :math:`\ell^{old}` are within a factor 2 of each other, else within an ulp of :math:`\ell`):
-    the autograd specification, the fused stage and the kernel decide on the same numbers.
-    ``dtype``: ``torch.bool`` (the formula's sets) or the float dtype of 1.0 / 0.0 indicators
-    (the fused stage's, which sum and multiply in vectorised loops).
+    It reads the selected log-probabilities as given (zeros elsewhere: inside; detached), in
+    the computation dtype, and returns a bool tensor.
 
     Per sign :math:`\sigma = \pm 1` of :math:`A` (:math:`A \le 0`: :math:`-1`) and its threshold
     :math:`\delta_\sigma`, the TV rule is :math:`\sigma (p - p^{old}) \le \delta_\sigma` (a sign
@@ -312,21 +232,21 @@ def dppo_trust_region(
     """
     compute, device = log_probs.dtype, log_probs.device
     wide = torch.float64  # the evaluation dtype of the divergences (the rule)
+    log_ratio = log_probs - old_log_probs  # only its sign is read (exact: l vs l_old)
     positive = (advantages > 0).to(wide)  # shape of A
     # the thresholds rounded to the computation dtype, then widened (exact)
     low = torch.as_tensor(dppo.low, dtype=wide, device=device).detach().to(compute).to(wide)
     high = torch.as_tensor(dppo.high, dtype=wide, device=device).detach().to(compute).to(wide)
     threshold = torch.lerp(low, high, positive)  # high where A > 0, else low (exact at 0, 1)
     sign = positive.mul(2.0).sub_(1.0)  # +1 where A > 0, else -1
-    old_log_probs = (log_probs - log_ratio).to(wide)  # l - Delta in the computation dtype
-    wide_log_probs = log_probs.to(wide)
+    wide_log_probs, old_log_probs = log_probs.to(wide), old_log_probs.to(wide)
     if dppo.divergence == "tv":
         moved = torch.exp(wide_log_probs).sub_(torch.exp(old_log_probs)).mul_(sign)
         kept = torch.le(moved, threshold, out=moved)  # sign (p - p_old) <= delta, in float64
     else:
-        along = torch.le(log_ratio.to(wide) * sign, 0.0)  # sign Delta <= 0: along A's sign
+        along = torch.le(log_ratio.sign().to(wide) * sign, 0.0)  # sign Delta <= 0: along A's
         gap = old_log_probs - wide_log_probs  # l_old - l in float64
         divergence = _binary_kl(wide_log_probs, old_log_probs, gap)
         kept = torch.le(divergence, threshold, out=divergence)
         kept = torch.maximum(kept, along.to(wide), out=kept)
-    return kept > 0.5 if dtype == torch.bool else kept.to(dtype)
+    return kept > 0.5

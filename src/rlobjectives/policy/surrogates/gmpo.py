@@ -10,7 +10,7 @@ With :math:`\Delta` the token's bounded log-ratio and :math:`A` its advantage,
 
 :math:`\bar A_i` the mean advantage of the sequence, in the token form of GSPO (value
 :math:`\rho_i` at every token, derivative through the token's own clipped log-ratio). The
-derivative needs the whole sequence: no fused stage, no kernel, ``ratio_level="token"`` only.
+derivative needs the whole sequence (not token-local), ``ratio_level="token"`` only.
 The band is decided in log space (the log-ratio against :math:`-\epsilon_{low}` and
 :math:`\epsilon_{high}` rounded to the computation dtype): no ``exp`` is rounded before the
 decision, so it is the same on every backend (``docs/conventions.md``, "Decisions at a bound").
@@ -25,20 +25,20 @@ import torch
 
 from ..._core.reduction import clamp, masked_fill_zero
 from ..._core.validation import Scalar, validate_scalar
-from .base import FormulaTerms, SurrogateInputs, SurrogateObjective, band_sets
+from .base import PolicyTokens, Surrogate, SurrogateTerms
 
 __all__ = ["GMPO"]
 
 
 @dataclass(frozen=True)
-class GMPO(SurrogateObjective):
+class GMPO(Surrogate):
     r"""GMPO: the geometric-mean policy objective :math:`s = \bar A_i \rho_i`, clipped in log space.
 
     :math:`\rho_i` is the geometric mean of the sequence's token ratios, each clipped in log
     space to :math:`[-\epsilon_{low}, \epsilon_{high}]` on the side the sign of its advantage
     makes binding (ratio band :math:`[e^{-\epsilon_{low}}, e^{\epsilon_{high}}]`); see the module
-    docstring. A sequence-level surrogate: the autograd specification :meth:`GMPO.formula`
-    runs (no fused stage), and it forms its own sequence ratio (``ratio_level`` must be
+    docstring. A sequence-level surrogate (:meth:`GMPO.terms`, not token-local): it forms its
+    own sequence ratio (``ratio_level`` must be
     ``"token"``).
 
     Attributes:
@@ -83,10 +83,10 @@ class GMPO(SurrogateObjective):
         if self.high is not None:
             object.__setattr__(self, "high", validate_scalar(self.high, "GMPO.high", minimum=0.0))
 
-    def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
+    def terms(self, tokens: PolicyTokens) -> SurrogateTerms:
         r""":math:`\bar A_i \rho_i`, clipped in log space per token (verl ``geo_mean``)."""
-        advantages, mask, layout = inputs.advantages, inputs.mask, inputs.layout
-        log_ratio = inputs.log_ratio  # (B, T)
+        advantages, mask, layout = tokens.advantages, tokens.mask, tokens.layout
+        log_ratio = tokens.log_ratio  # (B, T)
         sign = torch.sign(advantages)  # (B, T); A = 0 contributes log-ratio 0 (verl)
         lower = upper = None
         if self.low is None:
@@ -108,8 +108,8 @@ class GMPO(SurrogateObjective):
         mean_advantage = layout.expand(advantage_sums / counts)  # (B, 1) / (1, N)
         # Token form (as GSPO): value log rho_i at every token, derivative d clipped_t / d l_t.
         ratio = torch.exp(clipped - clipped.detach() + mean_log_ratio)  # (B, T)
-        x = log_ratio.detach()
-        out_of_band, below, above = band_sets(x, advantages, lower, upper)
-        dual = torch.zeros_like(out_of_band)
-        weight = ratio.detach()
-        return FormulaTerms(mean_advantage * ratio, weight, out_of_band, below, above, dual)
+        x, none = log_ratio.detach(), torch.zeros_like(mask)
+        low = none if lower is None else x < lower  # the band is in log space
+        high = none if upper is None else x > upper
+        below, above = low & (advantages < 0), high & (advantages > 0)
+        return SurrogateTerms(mean_advantage * ratio, ratio.detach(), low | high, below, above)

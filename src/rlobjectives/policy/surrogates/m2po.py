@@ -37,7 +37,7 @@ from typing import ClassVar
 import torch
 
 from ..._core.validation import Scalar, validate_scalar
-from .base import FormulaTerms, SurrogateInputs, SurrogateObjective
+from .base import PolicyTokens, Surrogate, SurrogateTerms
 from .clip import Clip
 from .selection import m2po_kept
 
@@ -45,7 +45,7 @@ __all__ = ["M2PO"]
 
 
 @dataclass(frozen=True)
-class M2PO(SurrogateObjective):
+class M2PO(Surrogate):
     r"""M2PO: the second-moment mask, then :math:`s = rA` (or PPO's clip) on the kept tokens.
 
     The kept tokens :math:`K` are those left after masking the fewest of the largest
@@ -54,8 +54,7 @@ class M2PO(SurrogateObjective):
     masked token has value and gradient 0 and leaves the surrogate's selection (AReaL's
     denominator, the kept count; the entropy bonus keeps the call's tokens); the diagnostics
     are over the call's selected tokens, with ``selected_fraction`` the masked fraction. The
-    mask needs the whole call: the autograd specification :meth:`M2PO.formula` runs (no fused
-    stage, no kernel), ``ratio_level`` must be ``"token"``.
+    mask needs the whole call (not token-local); ``ratio_level`` must be ``"token"``.
 
     Attributes:
         threshold: :math:`\tau > 0`, the bound of the kept tokens' second moment (AReaL's
@@ -119,26 +118,22 @@ class M2PO(SurrogateObjective):
         """The kept tokens ``K`` (bool, the shape of ``mask``) of the call's raw log-ratio."""
         return m2po_kept(log_ratio.detach(), mask, self.threshold)
 
-    def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
+    def terms(self, tokens: PolicyTokens) -> SurrogateTerms:
         r""":math:`rA` (or PPO's clip) at the kept tokens, 0 at the masked ones."""
-        old = inputs.old_log_probs
-        assert old is not None  # the specification passes the (selected) old log-probs
-        mask = inputs.mask
-        kept = self.kept(inputs.log_probs.detach() - old, mask)  # (B, T)
-        ratio = inputs.ratio
+        mask, advantages = tokens.mask, tokens.advantages
+        kept = self.kept(tokens.log_probs.detach() - tokens.old_log_probs, mask)  # (B, T)
         if self.low is None:
-            values, weight = ratio * inputs.advantages, ratio.detach()
-            none = torch.zeros_like(mask)
-            band = (none, none, none, none)
+            ratio = torch.exp(tokens.log_ratio)
+            band = SurrogateTerms(ratio * advantages, ratio.detach())
         else:
-            clipped = Clip(low=self.low, high=self.high).formula(inputs)
-            values, weight = clipped.values, clipped.weight
-            band = (clipped.out_of_band, clipped.below, clipped.above, clipped.dual)
-        zero = torch.zeros((), dtype=values.dtype, device=values.device)
-        out_of_band, below, above, dual = (kept & flags for flags in band)
-        return FormulaTerms(
-            torch.where(kept, values, zero),
-            torch.where(kept, weight, zero),
+            band = Clip(low=self.low, high=self.high).surrogate(tokens.log_ratio, advantages)
+        assert band.weight is not None
+        zero = torch.zeros((), dtype=band.values.dtype, device=band.values.device)
+        sets = (band.out_of_band, band.below, band.above, band.dual)
+        out_of_band, below, above, dual = (None if f is None else kept & f for f in sets)
+        return SurrogateTerms(
+            torch.where(kept, band.values, zero),
+            torch.where(kept, band.weight, zero),
             out_of_band,
             below,
             above,

@@ -3,10 +3,9 @@ r"""SAPO (Qwen): the soft gate on the ratio, :class:`SAPO`.
 With :math:`r` the ratio after the log-ratio bound and :math:`A` the advantage,
 :math:`s = \frac{4}{\tau}\sigma(\tau(r - 1)) A`, :math:`\tau = \tau_+` for :math:`A > 0` and
 :math:`\tau_-` otherwise (:math:`A = 0` takes :math:`\tau_-`), and
-:math:`\partial s / \partial \ell = 4\sigma(x)\sigma(-x)\, r A` (:math:`x = \tau(r - 1)`) where
-the log-ratio bound did not fire, else 0 (``torch.clamp``'s closed interval); the fused stage
-uses :math:`\sigma(x)\sigma(-x)` instead of autograd's :math:`\sigma(1 - \sigma)` (no
-cancellation for large :math:`|x|`; equal to rounding otherwise). The clip diagnostics count the
+:math:`\partial s / \partial \ell = 4\sigma(x)(1 - \sigma(x))\, r A` (:math:`x = \tau(r - 1)`)
+where the log-ratio bound did not fire, else 0 (``torch.clamp``'s closed interval). The clip
+diagnostics count the
 tokens whose gradient weight :math:`4\sigma(1 - \sigma)` is below half its peak:
 :math:`|x| >` :data:`SAPO_HALF_PEAK`, a decision on :math:`r = e^{\Delta}` taken by the rule
 (``docs/conventions.md``, "Decisions at a bound"): :math:`|\tau(r - 1)| > h` in the
@@ -20,27 +19,13 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 
-from ..._core.decisions import (
-    constant_when_traced,
-    host_threshold,
-    lower_threshold,
-    upper_threshold,
-)
+from ..._core.decisions import constant_when_traced, lower_threshold, upper_threshold
 from ..._core.validation import Scalar, validate_scalar
-from .base import (
-    Bound,
-    ClipCounts,
-    FormulaTerms,
-    StageInputs,
-    StageOutputs,
-    SurrogateInputs,
-    SurrogateObjective,
-    by_sign,
-)
+from .base import Bound, Surrogate, SurrogateTerms, by_sign
 
 __all__ = ["SAPO", "SAPO_HALF_PEAK", "soft_clip_ratios", "soft_clip_thresholds"]
 
@@ -50,14 +35,12 @@ SAPO_HALF_PEAK = 2.0 * math.log1p(math.sqrt(2.0))
 
 
 @dataclass(frozen=True)
-class SAPO(SurrogateObjective):
+class SAPO(Surrogate):
     r"""SAPO: the soft-gated surrogate :math:`s = \frac{4}{\tau}\sigma(\tau(r - 1)) A`.
 
     :math:`\tau` = ``temperature_pos`` for :math:`A > 0`, ``temperature_neg`` for
     :math:`A \le 0`; at :math:`r = 1` the gate is :math:`2/\tau` with slope 1, and far from
-    :math:`r = 1` its gradient vanishes smoothly (a soft clip). Its fused stage is
-    :meth:`SAPO.stage`, its Triton kernel the ``"sapo"`` surrogate of
-    :mod:`rlobjectives.kernels.jit.token_loss`. Its soft-clip count decides
+    :math:`r = 1` its gradient vanishes smoothly (a soft clip). Its soft-clip count decides
     :math:`|\tau(r - 1)| > h` by the rule of ``docs/conventions.md`` ("Decisions at a bound").
 
     Attributes:
@@ -92,18 +75,16 @@ class SAPO(SurrogateObjective):
             value = validate_scalar(getattr(self, field), f"SAPO.{field}", minimum=0.0, strict=True)
             object.__setattr__(self, field, value)
 
-    def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
+    def surrogate(self, log_ratio: torch.Tensor, advantages: torch.Tensor) -> SurrogateTerms:
         r""":math:`\frac{4}{\tau}\sigma(\tau(r - 1)) A`, :math:`\tau_\pm` by the sign of A."""
-        advantages = inputs.advantages
         temperature = by_sign(
             advantages > 0, self.temperature_pos, self.temperature_neg, advantages
         )  # (B, T)
-        scaled = temperature * (inputs.ratio - 1.0)  # (B, T)
-        gate = torch.sigmoid(scaled) * 4.0 / temperature  # (B, T)
-        low, high = self._soft_clipped(inputs.log_ratio.detach(), advantages)
-        below, above = low & (advantages < 0), high & (advantages > 0)
-        dual = high & (advantages < 0)
-        return FormulaTerms(gate * advantages, gate.detach(), low | high, below, above, dual)
+        gate = torch.sigmoid(temperature * (torch.exp(log_ratio) - 1.0)) * 4.0 / temperature
+        low, high = self._soft_clipped(log_ratio.detach(), advantages)
+        negative = advantages < 0
+        below, above, dual = low & negative, high & (advantages > 0), high & negative
+        return SurrogateTerms(gate * advantages, gate.detach(), low | high, below, above, dual)
 
     def _soft_clipped(
         self, log_ratio: torch.Tensor, advantages: torch.Tensor
@@ -117,56 +98,12 @@ class SAPO(SurrogateObjective):
         high = torch.where(positive, _as_tensor(high_positive, log_ratio), high_negative)
         return log_ratio < low, log_ratio > high
 
-    def stage(self, inputs: StageInputs) -> StageOutputs:
-        r"""The gate :math:`\frac{4}{\tau}\sigma(\tau(r - 1))` times :math:`\tilde A`, its slope."""
-        ratio, mask, dtype = inputs.ratio, inputs.mask, inputs.dtype
-        advantages = inputs.advantages.to(dtype)
-        positive = _as_tensor(self.temperature_pos, advantages)
-        negative = _as_tensor(self.temperature_neg, advantages)
-        temperature = torch.where(advantages > 0, positive, negative)  # shape of A
-        x = (ratio - 1.0).mul_(temperature)  # (B, T)
-        sigma = torch.sigmoid(x)  # (B, T)
-        # d gate / d l = 4 sigma(x) sigma(-x) r; zero where the log-ratio bound fired.
-        slope = torch.sigmoid(-x).mul_(sigma).mul_(ratio).mul_(4.0)  # (B, T)
-        if inputs.passes is not None:  # 0 where the bound fired (a NaN log-ratio's NaN slope too)
-            slope = torch.nan_to_num_(slope, nan=0.0, posinf=math.inf, neginf=-math.inf)
-            slope = slope.mul_(inputs.passes)
-        coefficient = slope.mul_(inputs.weighted)  # (B, T), 0 at unselected tokens
-        gate = sigma.mul_(4.0).div_(temperature)  # (B, T), the advantage factor
-        values = gate * inputs.weighted  # (B, T), 0 at unselected tokens
-        low, high = self._soft_clipped(inputs.bounded_log_ratio, advantages)  # (B, T), the rule
-        clip = ClipCounts(
-            _count(low | high, mask),
-            _count(low & (advantages < 0), mask),
-            _count(high & (advantages > 0), mask),
-        )
-        unselected = ratio.numel() - inputs.selected_count
-        ratio_sum = ratio.sum() - unselected  # r = 1 at unselected tokens
-        dual = _count(high & (advantages < 0), mask)
-        zero = torch.zeros((), dtype=dtype, device=ratio.device)
-        weight_sum = torch.where(mask, gate, zero).sum()
-        return StageOutputs(coefficient, values, clip, dual, ratio_sum, weight_sum)
-
-    def kernel_flags(self) -> dict[str, Any]:
-        """The kernel's ``"sapo"`` setup: the two temperatures and the soft-clip thresholds."""
-        setup: dict[str, Any] = {
-            "surrogate": "sapo",
-            "tau_positive": float(self.temperature_pos),
-            "tau_negative": float(self.temperature_neg),
-        }
-        signs = (("positive", self.temperature_pos), ("negative", self.temperature_neg))
-        for sign, temperature in signs:
-            low, high = soft_clip_ratios(temperature, torch.float32)
-            setup[f"soft_low_{sign}"] = host_threshold(low, upper=False)
-            setup[f"soft_high_{sign}"] = host_threshold(high, upper=True)
-        return setup
-
 
 def soft_clip_ratios(temperature: Bound, dtype: torch.dtype) -> tuple[Bound, Bound]:
     r"""``(R_lo, R_hi)``: :math:`|\tau(r - 1)| > h` exactly where :math:`r \notin [R_{lo}, R_{hi}]`.
 
     :math:`\tau(r - 1)` and :math:`h` = :data:`SAPO_HALF_PEAK` in ``dtype``'s arithmetic, as
-    the stage, the formula and the kernel evaluate them (the product is non-decreasing in
+    the formula evaluates them (the product is non-decreasing in
     :math:`r`): :math:`R_{hi}` is the largest :math:`r` of ``dtype`` with
     :math:`\tau(r - 1) \le h`, :math:`R_{lo}` the smallest with :math:`\tau(r - 1) \ge -h`
     (0 when no ratio reaches :math:`-h`, :math:`\tau \le h`). A Python number is searched on
@@ -246,10 +183,6 @@ def _device_soft_ratios(
     low = torch.where((below - 1.0) * tau >= -half_peak, below, inf).amin()
     never = (0.0 - 1.0) * tau >= -half_peak  # tau <= h: no ratio is soft-clipped below
     return torch.where(never, torch.zeros_like(low), low), high
-
-
-def _count(condition: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    return (condition & mask).sum()
 
 
 def _as_tensor(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -11,8 +11,8 @@ With :math:`\ell` the log-probability and :math:`A` the advantage,
 
 :math:`(k, \lambda)` by the sign of :math:`A` and :math:`\rho^{IS}` the importance weights
 (folded into :math:`W`, not multiplied into the loss; a per-sequence weight :math:`\rho^{IS}_i`
-enters once, padded or packed). The weight needs the whole sequence: no
-fused stage, no kernel, ``ratio_level="token"`` only.
+enters once, padded or packed). The weight needs the whole sequence: it is not token-local
+(the hidden-state path composes a second pass), and ``ratio_level="token"`` only.
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 
 from ..._core.reduction import clamp, masked_fill_zero
 from ..._core.validation import Scalar, validate_scalar
-from .base import FormulaTerms, SurrogateInputs, SurrogateObjective, by_sign
+from .base import PolicyTokens, Surrogate, SurrogateTerms, by_sign, sampled_log_probs
 
 __all__ = ["VESPO", "VESPO_LOG_WEIGHT_RANGE"]
 
@@ -34,15 +34,15 @@ VESPO_LOG_WEIGHT_RANGE = (math.log(1e-8), 20.0)
 
 
 @dataclass(frozen=True)
-class VESPO(SurrogateObjective):
+class VESPO(Surrogate):
     r"""VESPO: :math:`s = \mathrm{sg}(\phi(W_i)) A \ell` with a gamma weight of the sequence ratio.
 
     :math:`\phi(W) = e^{\lambda + k\log W - \lambda W}` (:math:`\phi(1) = 1`, peak at
     :math:`W = k/\lambda`) of the clamped sequence ratio :math:`W_i`, which takes in the
     importance weights (see the module docstring); :math:`(k, \lambda)` = ``(k_pos,
     lambda_pos)`` for :math:`A \ge 0`, ``(k_neg, lambda_neg)`` for :math:`A < 0`. A
-    sequence-level surrogate: the autograd specification :meth:`VESPO.formula` runs (no fused
-    stage), and it forms its own sequence ratio (``ratio_level`` must be ``"token"``).
+    sequence-level surrogate (:meth:`VESPO.terms`, not token-local): it forms its own sequence
+    ratio (``ratio_level`` must be ``"token"``).
 
     Attributes:
         k_pos: gamma shape :math:`k \ge 0` for :math:`A \ge 0`.
@@ -89,20 +89,18 @@ class VESPO(SurrogateObjective):
             )
             object.__setattr__(self, field, value)
 
-    def formula(self, inputs: SurrogateInputs) -> FormulaTerms:
+    def terms(self, tokens: PolicyTokens) -> SurrogateTerms:
         r""":math:`\mathrm{sg}(\phi(W_i)) A \ell` with the gamma weight of :math:`W_i`."""
-        advantages = inputs.advantages
-        log_weight = _log_weight(inputs)  # (B, 1) or (1, N)
+        advantages = tokens.advantages
+        log_weight = _log_weight(tokens)  # (B, 1) or (1, N)
         nonnegative = advantages >= 0
         k = by_sign(nonnegative, self.k_pos, self.k_neg, advantages)  # (B, T)
         lam = by_sign(nonnegative, self.lambda_pos, self.lambda_neg, advantages)  # (B, T)
         phi = torch.exp(lam + k * log_weight - lam * torch.exp(log_weight))  # (B, T), constant
-        values = phi * advantages * inputs.log_probs  # (B, T)
-        none = torch.zeros_like(inputs.mask)
-        return FormulaTerms(values, phi, none, none, none, none)
+        return SurrogateTerms(phi * advantages * sampled_log_probs(tokens.log_probs), phi)
 
 
-def _log_weight(inputs: SurrogateInputs) -> torch.Tensor:
+def _log_weight(inputs: PolicyTokens) -> torch.Tensor:
     """``log W_i`` per token: the sequence's summed log-ratio and log-importance-weights."""
     layout, mask = inputs.layout, inputs.mask
     total = layout.row_sums(masked_fill_zero(inputs.log_ratio.detach(), mask))  # (S,)

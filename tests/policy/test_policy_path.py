@@ -1,14 +1,12 @@
-"""Tests of the fused policy-loss path (``rlobjectives.policy.fused``) and of the eager baselines.
+"""Tests of the one policy-loss path (the surrogate's formula under autograd) and the baselines.
 
-The fused :class:`ClippedSurrogateFunction` serves :func:`policy_loss` and
-:func:`grpo_clipped_surrogate` whenever only ``log_probs`` requires grad. It is compared with
-(a) the float64 loop reference (``tests/reference.py``) and (b) the pure-autograd path it
-replaced (``_policy_loss_autograd``), on outputs, gradients and diagnostics, for every option,
+:func:`policy_loss` and :func:`grpo_clipped_surrogate` are compared with the float64 loop
+reference (``tests/reference.py``) on outputs, gradients and diagnostics, for every option,
 reduction, advantage shape and dtype; plus NaN/inf handling, the saved-tensor budget, the tie
-conventions, double backward, one compiled call, and the eager trainer-style baselines of
-``tests/eager_reference.py`` (shared with ``benchmarks/``) against the library. Most of them
-also run on the Triton kernels (the ``backend`` fixture, ``tests/backends.py``), which take the
-fused path's place in :func:`policy_loss` and must meet the same contract.
+conventions, second-order gradients, one compiled call, and the eager trainer-style baselines of
+``tests/eager_reference.py`` (shared with ``benchmarks/``) against the library. The ``backend``
+fixture (``tests/backends.py``) runs them once more in float32 with the Triton backend chosen,
+which the policy loss (it has no kernel) must ignore.
 """
 
 from __future__ import annotations
@@ -28,9 +26,6 @@ import reference
 from backends import FIXTURE_HEALTH, dtype_for, on_kernels, triton_param
 from family_cases import FAMILY_OPTION_SETS, TOKEN_LOCAL_FAMILY
 from rlobjectives import CISPO, Clip, grpo_clipped_surrogate, kl_penalized_rewards, policy_loss
-from rlobjectives.policy.fused import ClippedSurrogateFunction
-from rlobjectives.policy.loss import _policy_loss_autograd
-from rlobjectives.policy.seeds import _grpo_clipped_surrogate_autograd
 from tolerances import assert_close
 
 F64 = torch.float64
@@ -107,9 +102,7 @@ def assert_fused_matches_autograd(
     log_probs: torch.Tensor, old: torch.Tensor, advantages: torch.Tensor, mask: Any, **kw: Any
 ) -> tuple[Any, torch.Tensor]:
     fused, fused_grad = loss_and_grad(policy_loss, log_probs, old, advantages, mask, **kw)
-    unfused, unfused_grad = loss_and_grad(
-        _policy_loss_autograd, log_probs, old, advantages, mask, **kw
-    )
+    unfused, unfused_grad = loss_and_grad(policy_loss, log_probs, old, advantages, mask, **kw)
     dtype = log_probs.dtype
     assert fused.loss.dtype == unfused.loss.dtype == dtype
     assert fused_grad.dtype == dtype
@@ -131,19 +124,6 @@ TORCH_ONLY = pytest.mark.parametrize("backend", ["torch"], indirect=True)
 def _in_turn(rows: list[dict[str, Any]], choices: tuple[Any, ...]) -> list[tuple[Any, Any]]:
     """The rows the kernels run, each with the next of ``choices`` in turn."""
     return [(row, choices[i % len(choices)]) for i, row in enumerate(filter(on_kernels, rows))]
-
-
-@TORCH_ONLY
-def test_fused_path_is_taken(backend: str) -> None:
-    log_probs, old, advantages, mask = make_batch(3, 5, seed=0, dtype=torch.float32)
-    leaf = log_probs.clone().requires_grad_(True)
-    assert (
-        "ClippedSurrogate" in type(policy_loss(leaf, old, advantages, mask).loss.grad_fn).__name__
-    )
-    seed = grpo_clipped_surrogate(leaf, old, advantages, mask, 0.2)
-    assert "ClippedSurrogate" in type(seed["loss"].grad_fn).__name__
-    unfused = _policy_loss_autograd(leaf, old, advantages, mask)
-    assert "ClippedSurrogate" not in type(unfused.loss.grad_fn).__name__
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,26 +259,24 @@ def test_gradcheck(options: dict[str, Any], reduction: str) -> None:
     def fn(x: torch.Tensor) -> torch.Tensor:
         return policy_loss(x, old, advantages, mask, **options, reduction=reduction).loss
 
-    assert "ClippedSurrogate" in type(fn(leaf).grad_fn).__name__
     assert torch.autograd.gradcheck(fn, (leaf,))
 
 
-def test_seed_function_fused_equals_autograd_including_per_sequence_grad(backend: str) -> None:
+def test_grpo_surrogate_matches_reference_including_per_sequence_grad(backend: str) -> None:
     log_probs, old, advantages, mask = make_batch(4, 6, seed=5, spread=1.0, dtype=torch.float32)
-    outputs = []
-    for fn in (grpo_clipped_surrogate, _grpo_clipped_surrogate_autograd):
-        leaf = log_probs.clone().requires_grad_(True)
-        out = fn(leaf, old, advantages, mask, 0.2)
-        weights = torch.arange(1.0, 5.0)
-        (grad,) = torch.autograd.grad(
-            out["loss"] + (weights * out["per_sequence_surrogate"]).sum(), [leaf]
-        )
-        outputs.append((out, grad))
-    (fused, fused_grad), (unfused, unfused_grad) = outputs
+    weights = torch.arange(1.0, 5.0)
+    leaf = log_probs.clone().requires_grad_(True)
+    out = grpo_clipped_surrogate(leaf, old, advantages, mask, 0.2)
+    objective = out["loss"] + (weights * out["per_sequence_surrogate"]).sum()
+    (grad,) = torch.autograd.grad(objective, [leaf])
+    wide = log_probs.double().requires_grad_(True)
+    want = reference.grpo_clipped_surrogate(wide, old.double(), advantages.double(), mask, 0.2)
+    objective = want["loss"] + (weights.double() * want["per_sequence_surrogate"]).sum()
+    (want_grad,) = torch.autograd.grad(objective, [wide])
     for key in ("loss", "per_sequence_surrogate", "clipped_fraction"):
-        assert fused[key].dtype == torch.float32
-        assert_close(fused[key], unfused[key])
-    assert_close(fused_grad, unfused_grad)
+        assert out[key].dtype == torch.float32
+        assert_close(out[key], want[key].float())
+    assert_close(grad, want_grad.float())
 
 
 # --------------------------------------------------------------------------------------------
@@ -444,7 +422,7 @@ def test_nan_at_selected_position_propagates_like_autograd(
     tensors[where][0, 2] = float("nan")
     args = (tensors["log_probs"], tensors["old_log_probs"], tensors["advantages"], mask)
     fused, grad = loss_and_grad(policy_loss, *args, **options)
-    unfused, unfused_grad = loss_and_grad(_policy_loss_autograd, *args, **options)
+    unfused, unfused_grad = loss_and_grad(policy_loss, *args, **options)
     assert torch.isnan(fused.loss) and torch.isnan(unfused.loss)
     # Every gradient entry (the NaN position included) as autograd's: with the default bound
     # the NaN log-ratio gets gradient 0 (clamp), a NaN advantage a NaN gradient.
@@ -455,14 +433,15 @@ def test_reduction_none_ignores_upstream_gradient_at_masked_positions(backend: s
     log_probs, old, advantages, mask = make_batch(3, 4, seed=1, dtype=torch.float32)
     upstream = torch.randn(3, 4)
     upstream[~mask] = float("nan")
-    grads = []
-    for fn in (policy_loss, _policy_loss_autograd):
-        leaf = log_probs.clone().requires_grad_(True)
-        out = fn(leaf, old, advantages, mask, reduction="none")
-        (grad,) = torch.autograd.grad(out.loss, [leaf], grad_outputs=upstream)
-        grads.append(grad)
-    assert torch.isfinite(grads[0]).all()
-    assert_close(grads[0], grads[1])
+    leaf = log_probs.clone().requires_grad_(True)
+    out = policy_loss(leaf, old, advantages, mask, reduction="none")
+    (grad,) = torch.autograd.grad(out.loss, [leaf], grad_outputs=upstream)
+    assert torch.isfinite(grad).all()
+    clean = torch.where(mask, upstream, 0.0)
+    (want,) = torch.autograd.grad(
+        policy_loss(leaf, old, advantages, mask, reduction="none").loss, [leaf], clean
+    )
+    assert torch.equal(grad, want)
 
 
 def test_nothing_selected_gives_zeros(backend: str) -> None:
@@ -583,34 +562,32 @@ def test_saved_tensor_budget(
     if options.get("importance_weights") == "token":  # constants: not saved for backward
         options = {"importance_weights": torch.rand(batch, tokens, dtype=dtype)}
     compute_itemsize = 8 if dtype == F64 else 4
-    # One float (B, T) tensor (the coefficient) + the bool mask, plus O(B): the (B, 1) weight
-    # and, for the seed function, the per-sequence division's (B,) denominator.
-    budget = batch * tokens * (compute_itemsize + 1) + 2 * batch * 8
+    # What autograd keeps of the formula: at most six float (B, T) tensors plus bool masks and
+    # O(B) (docs/objectives/policy.md states the measured figures).
+    budget = 6 * batch * tokens * compute_itemsize + 4 * batch * tokens + 2 * batch * 8
     used = saved_bytes(
         lambda: policy_loss(leaf, old, advantages, mask, **options, reduction=reduction)
     )
     assert 0 < used <= budget
     used_seed = saved_bytes(lambda: grpo_clipped_surrogate(leaf, old, advantages, mask, 0.2))
     assert used_seed <= budget
-    # The autograd path and the trainer-style baseline keep several (B, T) tensors.
-    unfused = saved_bytes(
-        lambda: _policy_loss_autograd(leaf, old, advantages, mask, **options, reduction=reduction)
-    )
-    assert unfused > 2 * batch * tokens * compute_itemsize
 
 
-def test_double_backward_raises(backend: str) -> None:
-    log_probs, old, advantages, mask = make_batch(2, 3, seed=0, dtype=torch.float32)
+def test_second_order_gradients(backend: str) -> None:
+    # One formula under autograd: the loss is twice differentiable. For the plain ratio
+    # surrogate (no clip) L = -sum_t M r A / N, so d2L / dl2 = -M r A / N on the diagonal.
+    log_probs, old, advantages, mask = make_batch(2, 3, seed=0, dtype=torch.float64)
     leaf = log_probs.clone().requires_grad_(True)
-    loss = policy_loss(leaf, old, advantages, mask).loss
+    loss = policy_loss(leaf, old, advantages, mask, surrogate=Clip(low=None)).loss
     (grad,) = torch.autograd.grad(loss, [leaf], create_graph=True)
-    assert grad.requires_grad
-    with pytest.raises(RuntimeError, match="supports first-order gradients only"):
-        grad.square().sum().backward()
+    (hessian_diagonal,) = torch.autograd.grad(grad.sum(), [leaf])
+    ratio = torch.exp(torch.where(mask.bool(), log_probs - old, 0.0))
+    expected = torch.where(mask.bool(), -ratio * advantages.reshape(-1, 1), 0.0) / mask.sum()
+    assert_close(hessian_diagonal, expected)
 
 
 @TORCH_ONLY
-def test_constant_inputs_get_no_gradient_and_learnable_clip_takes_autograd(backend: str) -> None:
+def test_constant_inputs_get_no_gradient_and_a_learnable_clip_one(backend: str) -> None:
     # old_log_probs and advantages are constants of the loss on every path (issue 10): an
     # undetached critic or behaviour policy never receives policy gradient.
     log_probs, old, advantages, mask = make_batch(3, 4, seed=3, dtype=torch.float32)
@@ -618,7 +595,6 @@ def test_constant_inputs_get_no_gradient_and_learnable_clip_takes_autograd(backe
     advantages_leaf = advantages.clone().requires_grad_(True)
     leaf = log_probs.clone().requires_grad_(True)
     out = policy_loss(leaf, old_leaf, advantages_leaf, mask)
-    assert "ClippedSurrogate" in type(out.loss.grad_fn).__name__
     grads = torch.autograd.grad(out.loss, [leaf, old_leaf, advantages_leaf], allow_unused=True)
     assert grads[0] is not None and grads[1] is None and grads[2] is None
     # a learnable (requires-grad) hyperparameter is differentiated by the autograd specification
@@ -626,7 +602,6 @@ def test_constant_inputs_get_no_gradient_and_learnable_clip_takes_autograd(backe
     out = policy_loss(
         log_probs.clone().requires_grad_(True), old, advantages, mask, surrogate=Clip(low=clip)
     )
-    assert "ClippedSurrogate" not in type(out.loss.grad_fn).__name__
     (clip_grad,) = torch.autograd.grad(out.loss, [clip])
     assert torch.isfinite(clip_grad)
 
@@ -639,10 +614,6 @@ def test_inputs_not_mutated(backend: str) -> None:
     )
     for original, copy in zip((log_probs, old, advantages, mask), copies, strict=True):
         assert torch.equal(original, copy)
-
-
-def test_function_rejects_nothing_it_does_not_document() -> None:
-    assert ClippedSurrogateFunction.__doc__ and "log_probs" in ClippedSurrogateFunction.__doc__
 
 
 @pytest.mark.compile

@@ -1,9 +1,9 @@
-"""Arguments and results of the policy loss: validation at the boundary, named results.
+"""The validated policy-loss call and the named results.
 
-:func:`prepare_policy_inputs` and :func:`validate_surrogate_options` run once per public call
+:func:`validate_policy_call` builds a :class:`PolicyCall` once per public call
 (:func:`rlobjectives.policy_loss`, :func:`rlobjectives.grpo_clipped_surrogate`,
-:func:`rlobjectives.fused_policy_loss_from_hidden`); everything after them works on the
-validated :class:`PolicyInputs` / :class:`SurrogateOptions` without checking again.
+:func:`rlobjectives.fused_policy_loss_from_hidden`); everything after it reads the record
+without checking again.
 """
 
 from __future__ import annotations
@@ -13,17 +13,8 @@ from typing import Literal, NamedTuple, get_args
 import torch
 
 from .._core.context import ContextGroup
-from .._core.layout import (
-    Layout,
-    sequence_layout,
-    token_matrix,
-    tokens_from_sequences,
-)
-from .._core.reduction import (
-    ReductionSpec,
-    validate_layout_reduction,
-    validate_normalizer,
-)
+from .._core.layout import Layout, sequence_layout, token_matrix, tokens_from_sequences
+from .._core.reduction import ReductionSpec, validate_layout_reduction, validate_normalizer
 from .._core.validation import (
     ArrayLike,
     Scalar,
@@ -37,25 +28,23 @@ from .._core.validation import (
     validate_context_group,
     validate_scalar,
 )
-from .surrogates import SURROGATES, SurrogateObjective
+from .surrogates import SURROGATES, Surrogate
 
 __all__ = [
+    "RATIO_LEVELS",
+    "SURROGATE_NAMES",
     "PolicyCall",
     "PolicyInputs",
     "PolicyLossDiagnostics",
     "PolicyLossOutput",
-    "RATIO_LEVELS",
     "RatioLevel",
-    "SURROGATE_NAMES",
-    "Surrogate",
+    "SurrogateChoice",
     "SurrogateName",
     "SurrogateOptions",
     "as_surrogate",
     "prepare_entropy",
     "prepare_importance_weights",
     "prepare_layout_inputs",
-    "prepare_policy_inputs",
-    "validate_diagnostics_normalizer",
     "validate_entropy_coef",
     "validate_policy_call",
     "validate_surrogate_options",
@@ -69,7 +58,7 @@ SurrogateName = Literal[
 ]
 SURROGATE_NAMES: tuple[str, ...] = get_args(SurrogateName)
 #: ``policy_loss(surrogate=...)``: a surrogate object, or its name (the object's defaults).
-Surrogate = SurrogateObjective | SurrogateName
+SurrogateChoice = Surrogate | SurrogateName
 
 
 _ZERO = torch.zeros(())  # default of a diagnostic added after version 0.1 (never modified)
@@ -198,7 +187,7 @@ class PolicyInputs(NamedTuple):
 class SurrogateOptions(NamedTuple):
     """The validated surrogate and the ratio options of one call."""
 
-    surrogate: SurrogateObjective  # a validated surrogate object (Clip(), CISPO(cap=5.0), ...)
+    surrogate: Surrogate  # a validated surrogate object (Clip(), CISPO(cap=5.0), ...)
     ratio_level: str  # "token" or "sequence" (GSPO)
     log_ratio_bound: float | torch.Tensor | None
 
@@ -212,17 +201,6 @@ class PolicyCall(NamedTuple):
     diagnostics_normalizer: float | torch.Tensor | None
     layout: Layout  # which tokens form which sequence
     entropy_coef: float | torch.Tensor = 0.0  # the entropy bonus -c reduce(H) (with inputs.entropy)
-
-
-def prepare_policy_inputs(
-    log_probs: ArrayLike,
-    old_log_probs: ArrayLike,
-    advantages: ArrayLike,
-    mask: ArrayLike,
-    names: tuple[str, str, str, str],
-) -> PolicyInputs:
-    """The padded ``(B, T)`` case of :func:`prepare_layout_inputs` (no ``cu_seqlens``)."""
-    return prepare_layout_inputs(log_probs, old_log_probs, advantages, mask, names)[0]
 
 
 def prepare_layout_inputs(
@@ -269,11 +247,11 @@ def prepare_layout_inputs(
         if advantages_t.ndim == 1 and advantages_t.numel() == 0 and shape[0] == 0:
             advantages_t = advantages_t.reshape(0)
         advantages_t = expand_per_sequence(advantages_t, advantages_name, shape, log_probs_name)
-    inputs = PolicyInputs(
-        log_probs=log_probs_t,
-        old_log_probs=old_t.detach(),
-        advantages=advantages_t.detach(),
-        mask=mask_t,
+    inputs = PolicyInputs(  # contiguous: the sums run in one order whatever the strides
+        log_probs=log_probs_t.contiguous(),
+        old_log_probs=old_t.detach().contiguous(),
+        advantages=advantages_t.detach().contiguous(),
+        mask=mask_t.contiguous(),
         output_dtype=log_probs_t.dtype,
         dtype=compute_dtype(log_probs_t, old_t, advantages_t),
     )
@@ -345,19 +323,19 @@ def validate_entropy_coef(
 #: The surrogates whose name cannot mean their defaults (a field without one), and why.
 _NO_DEFAULTS: dict[str, str] = {"dro": "DRO(beta=...): verl's dro_beta has no default"}
 #: Each name's object with its defaults, built once (the objects are immutable).
-_DEFAULTS: dict[str, SurrogateObjective] = {
+_DEFAULTS: dict[str, Surrogate] = {
     name: cls() for name, cls in SURROGATES.items() if name not in _NO_DEFAULTS
 }
 
 
-def as_surrogate(surrogate: object) -> SurrogateObjective:
+def as_surrogate(surrogate: object) -> Surrogate:
     """The surrogate object of ``policy_loss(surrogate=...)``: an object, or a name's defaults.
 
     Raises:
         ValueError: an unknown name.
         TypeError: neither a name nor a surrogate object.
     """
-    if isinstance(surrogate, SurrogateObjective):
+    if isinstance(surrogate, Surrogate):
         return surrogate
     if isinstance(surrogate, str):
         validate_choice(surrogate, "surrogate", SURROGATE_NAMES)
@@ -398,11 +376,6 @@ def validate_surrogate_options(
     return SurrogateOptions(objective, str(ratio_level), bound)
 
 
-def validate_diagnostics_normalizer(value: Scalar | None) -> float | torch.Tensor | None:
-    """A positive finite ``diagnostics_normalizer`` (used exactly as given), or None."""
-    return validate_normalizer(value, "diagnostics_normalizer")
-
-
 def validate_policy_call(
     tensors: tuple[ArrayLike, ArrayLike, ArrayLike, ArrayLike],
     names: tuple[str, str, str, str],
@@ -434,8 +407,10 @@ def validate_policy_call(
             f"docs/distributed/context-parallel.md), got surrogate={surrogate!r}"
         )
     inputs, layout = prepare_layout_inputs(*tensors, names, cu_seqlens=cu_seqlens, context=context)
-    inputs = prepare_importance_weights(inputs, importance_weights, names[0], layout)
-    inputs = prepare_entropy(inputs, entropy, names[0], cu_seqlens is not None)
+    if importance_weights is not None:
+        inputs = prepare_importance_weights(inputs, importance_weights, names[0], layout)
+    if entropy is not None:
+        inputs = prepare_entropy(inputs, entropy, names[0], cu_seqlens is not None)
     coef = validate_entropy_coef(entropy_coef, has_entropy=inputs.entropy is not None)
     spec = validate_layout_reduction(
         reduction,
@@ -444,5 +419,5 @@ def validate_policy_call(
         layout=layout,
         tokens=inputs.log_probs.shape[-1],
     )
-    diagnostics = validate_diagnostics_normalizer(diagnostics_normalizer)
+    diagnostics = validate_normalizer(diagnostics_normalizer, "diagnostics_normalizer")
     return PolicyCall(inputs, options, spec, diagnostics, layout, coef)
