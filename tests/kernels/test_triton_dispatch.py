@@ -170,10 +170,12 @@ def test_interpreter_adaptation_loads_with_an_interpreted_launch_only() -> None:
 
 def _function_names(loss: torch.Tensor) -> set[str]:
     """Names of the autograd nodes behind ``loss``."""
-    names, stack = set(), [loss.grad_fn]
+    names: set[str] = set()
+    seen, stack = set(), [loss.grad_fn]
     while stack:
         node = stack.pop()
-        if node is not None and type(node).__name__ not in names:
+        if node is not None and id(node) not in seen:
+            seen.add(id(node))
             names.add(type(node).__name__)
             stack.extend(parent for parent, _ in node.next_functions)
     return names

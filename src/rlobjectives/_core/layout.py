@@ -113,7 +113,7 @@ class Layout(NamedTuple):
     def local_row_counts(self, mask: torch.Tensor) -> torch.Tensor:
         """Selected tokens per sequence ``(S,)`` (int64) of this rank (no communication)."""
         if self.sequence_ids is None:
-            return mask.sum(dim=-1)
+            return torch.count_nonzero(mask, dim=-1)
         if self.cu_seqlens is None:
             return self.local_row_sums(mask.to(torch.int64))
         flat = mask.reshape(-1)  # (N,)

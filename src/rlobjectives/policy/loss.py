@@ -187,7 +187,7 @@ def run_policy(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutput:
     if terms.loss_mask is not None:  # M2PO: the surrogate over its kept tokens, the bonus not
         pieces = [(terms.per_token_loss, terms.loss_mask)]
         pieces += [] if bonus is None else [(bonus, mask)]
-    sums, count = terms.diagnostic_sums, mask.sum()
+    sums, count = terms.diagnostic_sums, torch.count_nonzero(mask)
     if layout.context is not None and reduction.reduction != "none":
         loss, sums, count = _reduce_over_group(pieces, sums, count, call)
     else:
@@ -325,17 +325,13 @@ def _diagnostic_sums(
         quotient = terms.values.detach() / torch.where(nonzero, tokens.advantages, 1.0)
         weight = torch.where(nonzero, quotient, excess + 1.0)
     sets = [terms.out_of_band, terms.below, terms.above, terms.dual, fired, terms.selected]
-    present = []
+    zero = torch.zeros((), dtype=torch.int64, device=x.device)
+    counts = []  # count_nonzero: a bool sum is several times slower, eager and compiled
     for flags in sets:
-        if flags is not None:
-            present.append(flags)
-    counted = iter(torch.stack(present).logical_and_(mask).flatten(1).sum(1).to(x.dtype))
-    zero = torch.zeros((), dtype=x.dtype, device=x.device)
-    counts = []
-    for flags in sets:
-        counts.append(zero if flags is None else next(counted))
+        count = zero if flags is None else torch.count_nonzero(flags & mask)
+        counts.append(count.to(x.dtype))
     totals = [
-        excess.sum() + mask.sum(),  # the sum of r over the selected tokens
+        excess.sum() + torch.count_nonzero(mask),  # the sum of r over the selected tokens
         -log_ratio.sum(),  # k1
         (kl_excess - kl_log_ratio).sum(),  # k3 = r - 1 - log r, without cancellation
         masked_fill_zero(weight.to(x.dtype), mask).sum(),
@@ -361,8 +357,9 @@ def _compiled_or_eager(function: Callable[..., TokenTerms]) -> Callable[..., Tok
     def call(*args: Any) -> TokenTerms:
         if _COMPILED.get("failed") is not None:
             return function(*args)
-        try:
-            return compiled(*args)
+        try:  # hyperparameters are constants of the graph (thresholds computed on the host)
+            with torch._dynamo.config.patch(specialize_float=True):
+                return compiled(*args)
         except Exception as error:  # no compiler: eager once, and say so once
             result = function(*args)  # an error of the call itself raises here
             _COMPILED["failed"] = function

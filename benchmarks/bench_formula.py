@@ -1,0 +1,177 @@
+"""The policy loss as one formula: eager and compiled, against verl's eager loss, same process.
+
+Usage (from the repository root; verl 0.9.1 installed: ``requirements/peers-nodeps.txt``)::
+
+    python benchmarks/bench_formula.py                  # B=64 T=4096 and B=8 T=16384, fp32
+    python benchmarks/bench_formula.py --quick          # one small shape, a smoke run
+
+Forward + backward with respect to ``log_probs``, CPU, ``--threads`` threads (default 1),
+process CPU time, the variants interleaved round by round (``harness.time_case``), medians.
+Variants:
+
+- ``verl``: verl 0.9.1's own ``compute_policy_loss_vanilla`` (its default config: clip 0.2, the
+  dual clip c = 3 always on, token-mean, three metrics read on the host), advantages ``(B, T)``;
+- ``eager (verl options)`` / ``compiled (verl options)``: ``policy_loss(...,
+  surrogate=Clip(low=0.2, dual=3.0))`` with ``RLOBJECTIVES_COMPILE`` unset / ``=1``, the ten
+  diagnostics included (a dict of tensors, nothing read on the host);
+- ``eager Clip()`` / ``compiled Clip()``: the default surrogate;
+- ``eager tanh (user's)``: ``tests/custom_surrogate.py``'s ``TanhSurrogate``, written outside
+  the library;
+- ``naive``: the trainer-style eager loss of ``tests/eager_reference.py`` (mask multiplication,
+  no diagnostics).
+
+Also printed: the bytes autograd keeps for backward (``saved_tensors_hooks``) per variant, in
+``(B, T)`` float32 tensors. Results: ``benchmarks/results/policy-formula-<threads>.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+
+import eager_reference  # noqa: E402
+import harness  # noqa: E402
+import rlobjectives as rlo  # noqa: E402
+from custom_surrogate import TanhSurrogate  # noqa: E402
+
+RESULTS = Path(__file__).resolve().parent / "results"
+VERL_CLIP = rlo.Clip(low=0.2, dual=3.0)
+
+
+class _VerlConfig:
+    """The fields of verl's ``ActorConfig`` that ``compute_policy_loss_vanilla`` reads."""
+
+    clip_ratio, clip_ratio_low, clip_ratio_high = 0.2, 0.2, 0.2
+    global_batch_info: dict[str, Any] = {}
+
+    def get(self, key: str, default: Any) -> Any:
+        return {"clip_ratio_c": 3.0}.get(key, default)
+
+
+def _inputs(batch: int, tokens: int) -> Callable[[torch.device], dict[str, torch.Tensor]]:
+    def make(device: torch.device) -> dict[str, torch.Tensor]:
+        generator = torch.Generator().manual_seed(0)
+        old = -torch.rand(batch, tokens, generator=generator) * 3
+        log_probs = old + 0.3 * torch.randn(batch, tokens, generator=generator)
+        lengths = torch.randint(int(0.4 * tokens), tokens + 1, (batch, 1), generator=generator)
+        mask = torch.arange(tokens).unsqueeze(0) < lengths  # prefix masks, ~70% selected
+        advantages = torch.randn(batch, 1, generator=generator)
+        return {
+            "log_probs": log_probs.to(device),
+            "old_log_probs": old.to(device),
+            "advantages": advantages.to(device),
+            "token_advantages": advantages.expand(batch, tokens).contiguous().to(device),
+            "mask": mask.to(device),
+        }
+
+    return make
+
+
+def _ours(surrogate: Any, compiled: bool) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+    def run(x: dict[str, torch.Tensor]) -> torch.Tensor:
+        if compiled:
+            os.environ["RLOBJECTIVES_COMPILE"] = "1"
+        try:
+            out = rlo.policy_loss(
+                x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"],
+                surrogate=surrogate,
+            )  # fmt: skip
+        finally:
+            os.environ.pop("RLOBJECTIVES_COMPILE", None)
+        return out.loss
+
+    return run
+
+
+def _verl(x: dict[str, torch.Tensor]) -> torch.Tensor:
+    from verl.trainer.ppo.core_algos import compute_policy_loss_vanilla
+
+    loss, _ = compute_policy_loss_vanilla(
+        x["old_log_probs"], x["log_probs"], x["token_advantages"], x["mask"],
+        config=_VerlConfig(),  # type: ignore[arg-type]
+    )  # fmt: skip
+    return loss
+
+
+def _naive(x: dict[str, torch.Tensor]) -> torch.Tensor:
+    return eager_reference.policy_loss(
+        x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"]
+    )
+
+
+VARIANTS: list[tuple[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]]] = [
+    ("verl", _verl),
+    ("eager (verl options)", _ours(VERL_CLIP, False)),
+    ("compiled (verl options)", _ours(VERL_CLIP, True)),
+    ("eager Clip()", _ours(rlo.Clip(), False)),
+    ("compiled Clip()", _ours(rlo.Clip(), True)),
+    ("eager tanh (user's)", _ours(TanhSurrogate(), False)),
+    ("naive", _naive),
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--shape", type=int, nargs=2, action="append", help="B T (repeatable)")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--repeats", type=int, default=25)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    shapes = [(8, 512)] if args.quick else [(64, 4096), (8, 16384)]
+    shapes = [tuple(shape) for shape in args.shape] if args.shape else shapes
+    device = torch.device("cpu")
+    machine = harness.machine_line("cpu") + " | clock: process CPU time"
+    print(machine)
+    rows = []
+    for batch, tokens in shapes:
+        variants = tuple(
+            harness.Variant(name, fn, role="reference" if name == "verl" else "candidate")
+            for name, fn in VARIANTS
+        )
+        case = harness.Case(
+            "policy_loss", f"B={batch} T={tokens}", torch.float32, _inputs(batch, tokens),
+            ("log_probs",), variants,
+        )  # fmt: skip
+        timings = harness.time_case(
+            case, device, warmup=args.warmup, repeats=args.repeats, clock="process"
+        )
+        verl = timings["verl"][0].median_ms
+        for variant in variants:
+            median = timings[variant.key][0].median_ms
+            saved = harness.saved_for_backward_mib(case, variant, device)
+            tensors = None if saved is None else saved * 2**20 / (batch * tokens * 4)
+            row = {
+                "shape": f"B={batch} T={tokens}",
+                "variant": variant.name,
+                "fwd+bwd ms": round(median, 3),
+                "verl / this": round(verl / median, 2),
+                "saved MiB": None if saved is None else round(saved, 2),
+                "saved (B,T) fp32": None if tensors is None else round(tensors, 2),
+            }
+            rows.append(row)
+            print(row, flush=True)
+    if not args.quick and not args.shape:
+        RESULTS.mkdir(exist_ok=True)
+        path = RESULTS / f"policy-formula-{args.threads}thread.csv"
+        with path.open("w", newline="") as handle:
+            handle.write(f"# {machine}\n")
+            writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+            writer.writeheader()
+            writer.writerows(rows)
+        print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
