@@ -40,6 +40,7 @@ __all__ = [
     "compute_dtype",
     "describe",
     "expand_per_sequence",
+    "scalar_number",
     "validate_bool",
     "validate_choice",
     "validate_context_group",
@@ -321,6 +322,20 @@ def validate_scalar(
     if maximum is not None and number >= maximum:
         raise ValueError(f"{name} must be < {maximum}, got {number}")
     return value if isinstance(value, torch.Tensor) else number
+
+
+def scalar_number(value: float | torch.Tensor) -> float | None:
+    """The host value of a validated scalar, for the checks that :func:`validate_scalar` leaves.
+
+    A range a field needs beyond ``validate_scalar``'s (an inclusive upper bound, an order
+    between two fields) is checked on this number, so that a 0-d tensor is held to the same
+    range as its Python number (``docs/conventions.md``: a 0-d tensor "is checked on the host:
+    it must be finite and in range"). A Python number is returned as a float; a 0-d tensor is
+    read on the host, except while ``torch.compile`` traces (None: nothing to check there).
+    """
+    if isinstance(value, torch.Tensor):
+        return None if torch.compiler.is_compiling() else float(value.detach().cpu())
+    return float(value)
 
 
 def validate_length(value: Scalar, name: str) -> int | torch.Tensor:
