@@ -660,9 +660,12 @@ def test_openrlhf_matches_reference(options: dict[str, object], token_advantages
 
 
 def test_openrlhf_errors() -> None:
-    for threshold in ([2.0, 1.0], [-0.1, 1.0], [0.5, math.inf], [0.0, 0.0], [1, 2, 3], "0.5"):
+    for threshold in ([2.0, 1.0], [-0.1, 1.0], [0.5, math.inf], [0.0, 0.0], [1, 2, 3]):
         with pytest.raises(ValueError, match="is_correction_threshold must be"):
-            openrlhf_policy_loss(is_correction_threshold=threshold)  # type: ignore[arg-type]
+            openrlhf_policy_loss(is_correction_threshold=threshold)
+    for wrong_type in ("0.5", None, torch.tensor(2.0)):  # not a number or a sequence of them
+        with pytest.raises(TypeError, match="^is_correction_threshold must be"):
+            openrlhf_policy_loss(is_correction_threshold=wrong_type)  # type: ignore[arg-type]
     assert openrlhf_policy_loss(is_correction_threshold=[2.0]).is_correction_threshold == (0, 2)
     assert openrlhf_policy_loss(is_correction_threshold=0.1).is_correction_threshold == (0, 0.1)
     log_probs, old, advantages, mask = _openrlhf_batch()
