@@ -8,6 +8,7 @@ are inspected (no host syncs), so the functions that use these helpers stay trac
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import numbers
 from collections.abc import Callable, Sequence
@@ -24,6 +25,7 @@ __all__ = [
     "ESTIMATOR_HINTS",
     "REDUCTION_ALIASES",
     "REDUCTION_HINTS",
+    "SURROGATE_FIELDS",
     "Scalar",
     "as_batch_matrix",
     "as_float_tensor",
@@ -36,6 +38,7 @@ __all__ = [
     "check_estimator_spelling",
     "check_same_device",
     "check_shape",
+    "check_surrogate_keywords",
     "checks_environment",
     "compute_dtype",
     "describe",
@@ -73,14 +76,71 @@ def check_environment() -> None:
         requested_backend()
 
 
+#: The flat surrogate keywords of earlier releases -> ``(object, field)`` of their place now.
+#: ``clip_low`` / ``clip_high`` are the band of the named surrogate (``Clip`` unless ``"cispo"``
+#: or ``"gmpo"``).
+SURROGATE_FIELDS: dict[str, tuple[str | None, str]] = {
+    "clip_low": (None, "low"),
+    "clip_high": (None, "high"),
+    "dual_clip": ("Clip", "dual"),
+    "delta": ("Clip", "delta"),
+    "cispo_cap": ("CISPO", "cap"),
+    "sapo_temperature_pos": ("SAPO", "temperature_pos"),
+    "sapo_temperature_neg": ("SAPO", "temperature_neg"),
+    "vespo_k_pos": ("VESPO", "k_pos"),
+    "vespo_lambda_pos": ("VESPO", "lambda_pos"),
+    "vespo_k_neg": ("VESPO", "k_neg"),
+    "vespo_lambda_neg": ("VESPO", "lambda_neg"),
+}
+_BANDS = {"cispo": "CISPO", "gmpo": "GMPO"}
+
+
+def check_surrogate_keywords(
+    function: str, parameters: frozenset[str], kwargs: dict[str, Any]
+) -> None:
+    """Raise a ``TypeError`` with the new spelling for a flat surrogate keyword.
+
+    ``parameters``: the keywords ``function`` takes (with a ``surrogate`` parameter). A keyword
+    it does not take that is a surrogate's field (:data:`SURROGATE_FIELDS`) names the object
+    that holds it; any other unknown keyword is left to Python's own error.
+
+    Raises:
+        TypeError: ``policy_loss(..., clip_low=0.2)`` -> ``surrogate=Clip(low=0.2)``, ...
+    """
+    for name, value in kwargs.items():
+        if name in parameters or name not in SURROGATE_FIELDS:
+            continue
+        owner, field = SURROGATE_FIELDS[name]
+        surrogate = kwargs.get("surrogate")
+        if owner is None:
+            owner = _BANDS.get(surrogate, "Clip") if isinstance(surrogate, str) else "Clip"
+        raise TypeError(
+            f"{function}() got an unexpected keyword argument {name!r}: a surrogate's options "
+            f"are the fields of its object; did you mean surrogate={owner}({field}={value!r})?"
+        )
+
+
 def checks_environment(
     function: Callable[_Parameters, _Result],
 ) -> Callable[_Parameters, _Result]:
-    """Decorator of a public function: :func:`check_environment` before each call."""
+    """Decorator of a public function: :func:`check_environment` before each call.
+
+    A function with a ``surrogate`` parameter also turns a flat surrogate keyword it does not
+    take (``clip_low=0.2``) into a ``TypeError`` naming the object field that holds it
+    (:func:`check_surrogate_keywords`).
+    """
+    signature = inspect.signature(function).parameters
+    takes_surrogate = "surrogate" in signature and not any(
+        parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in signature.values()
+    )
+    parameters = frozenset(signature)
+    name = function.__name__
 
     @functools.wraps(function)
     def checked(*args: _Parameters.args, **kwargs: _Parameters.kwargs) -> _Result:
         check_environment()
+        if takes_surrogate and kwargs:
+            check_surrogate_keywords(name, parameters, kwargs)
         return function(*args, **kwargs)
 
     return checked
