@@ -265,13 +265,19 @@ def test_item11_ctrl_c_before_the_run_exits_130_with_one_line(
     def interrupted(*args: object, **kwargs: object) -> Any:
         raise KeyboardInterrupt
 
+    def status(argv: list[str]) -> int:
+        try:
+            return cli_main(argv)
+        except KeyboardInterrupt:  # the traceback the item is about (and pytest would stop)
+            pytest.fail("KeyboardInterrupt escaped rlobjectives demo")
+
     monkeypatch.setattr(training_module, "require_extras", interrupted)
-    assert cli_main(["demo", *QUICK, "--out", str(tmp_path)]) == 130
+    assert status(["demo", *QUICK, "--out", str(tmp_path)]) == 130
     assert capsys.readouterr().err.strip() == "rlobjectives demo: interrupted (Ctrl-C)"
     import rlobjectives.demo as demo
 
     monkeypatch.setattr(demo, "main", interrupted)
-    assert cli_main(["demo", "--out", str(tmp_path)]) == 130
+    assert status(["demo", "--out", str(tmp_path)]) == 130
     assert capsys.readouterr().err.strip() == "rlobjectives demo: interrupted (Ctrl-C)"
 
 
