@@ -370,9 +370,11 @@ def openrlhf_policy_loss(
             sequence level or a divergence gating, a divergence gating with ``low > 0`` (as
             OpenRLHF), ``clip_eps_low`` outside ``[0, 1)``, a negative ``clip_eps_high``, a
             non-finite coefficient, a threshold that is not a band; at call time, a correction
-            without ``rollout_log_probs``, a ``dp_size`` that is not a positive whole number.
+            without ``rollout_log_probs``, a ``dp_size`` that is not a positive whole number, a
+            ``batch_num_tokens`` / ``global_batch_size`` that is not positive and finite.
         TypeError: naming the option: a non-number clip value, a non-bool
-            ``token_level_loss``.
+            ``token_level_loss``, an ``is_correction_threshold`` that is neither a number nor a
+            sequence of numbers (None, a string, a tensor).
 
     Examples:
         >>> import torch

@@ -690,12 +690,15 @@ def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
 
     Raises:
         ValueError: an unknown ``loss_mode``; at call time (verl passes ``config`` with the
-            tensors) an unknown ``loss_agg_mode``, ``dp_size > 1`` without the global count the
-            mode needs (as verl), or a ``config`` value that is non-finite or out of range,
-            named as verl names it (``clip_ratio_low`` outside ``[0, 1)``, ``clip_ratio_c <=
-            1``, ``tau_pos <= 0``, ``global_batch_info['dp_size']`` not a positive whole
-            number, ``policy_loss.dro_beta`` missing or not positive, ``clip_cov_ratio`` /
-            ``kl_cov_ratio`` outside ``(0, 1]``, ``clip_cov_lb >= clip_cov_ub``...).
+            tensors) an unknown ``loss_agg_mode`` (every mode, also those that force their own),
+            ``dp_size > 1`` without the global count the mode needs (as verl), or a ``config``
+            value that is non-finite or out of range, named as verl names it, in every mode
+            (``clip_ratio_low`` outside ``[0, 1)``, ``clip_ratio_c <= 1``, ``tau_pos <= 0``,
+            ``global_batch_info['dp_size']`` not a positive whole number,
+            ``policy_loss.dro_beta`` not positive (missing in ``"dro"``),
+            ``policy_loss.clip_cov_ratio`` / ``kl_cov_ratio`` outside ``(0, 1]``,
+            ``clip_cov_lb >= clip_cov_ub``; for ``"dppo_tv"`` ``clip_ratio_high``, or the
+            ``clip_ratio`` it defaults to, above 1...).
         TypeError: at call time, a ``config`` value that is not a number.
 
     Examples:
