@@ -1,6 +1,9 @@
 #!/usr/bin/env bash
 # Install everything the tests need into ./.venv and run lint, format check, type check and the
-# whole test suite. Extra arguments go to pytest, e.g. `bash scripts/test.sh -m slow`.
+# whole test suite (what CI runs: .ci/run calls this script without arguments). Extra arguments
+# go to pytest, e.g. the quick check that leaves out the multi-process and whole-run tests
+# (spawned gloo ranks, torchrun, the demo runs, the peers' real training steps, all marked
+# `slow`): `bash scripts/test.sh -m "not slow"`; or those alone: `bash scripts/test.sh -m slow`.
 #
 # Installs (torch pinned to the CPU 2.13.0 build through requirements/constraints.txt, FIRST):
 #   1. torch==2.13.0;

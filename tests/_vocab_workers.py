@@ -277,6 +277,40 @@ def _errors(group: Any) -> dict[str, str]:
     return messages
 
 
+def hostile(group: Any, world: int | None = None, rank: int | None = None) -> dict[str, Any]:
+    """Issue 31's hostile ids under vocabulary parallelism (``group`` None: one process).
+
+    ``kept-outside``: every kept id outside ``[0, V)`` (ignored, like the pad), so every row
+    keeps the whole vocabulary; ``token-outside-*``: the error a selected token id outside
+    ``[0, V)`` raises (the name of its class, "" when the call returns).
+    """
+    data = problem()
+    logits = torch.nan_to_num(data["logits"][..., vocab_slice(world, rank)])
+    tokens = data["tokens"].clamp(min=0)
+    outside = torch.tensor([VOCAB, VOCAB + 3, -5, -7]).expand(*tokens.shape, 4)
+    results: dict[str, Any] = {
+        "kept-outside": rlo.token_log_probs(logits, tokens, vocab_group=group, kept_ids=outside)
+    }
+    weight = data["weight"][vocab_slice(world, rank)]
+    hidden = torch.nan_to_num(data["hidden"])
+    for label, bad in (("above", VOCAB), ("negative", -5)):
+        wrong = tokens.clone()
+        wrong[0, 1] = bad
+        calls = {
+            "logits": lambda ids=wrong: rlo.token_log_probs(logits, ids, vocab_group=group),
+            "hidden": lambda ids=wrong: rlo.token_log_probs_from_hidden(
+                hidden, weight, ids, vocab_group=group
+            ),
+        }
+        for path, call in calls.items():
+            try:
+                call()
+                results[f"token-outside-{label}-{path}"] = ""
+            except (RuntimeError, IndexError, ValueError) as error:
+                results[f"token-outside-{label}-{path}"] = type(error).__name__
+    return results
+
+
 def worker(rank: int, world: int, store: str, out_dir: str, kernels: bool) -> None:
     """A spawned rank: every case, saved to ``rank{r}.pt``; a traceback to ``rank{r}.err``."""
     torch.set_num_threads(1)
@@ -295,6 +329,7 @@ def worker(rank: int, world: int, store: str, out_dir: str, kernels: bool) -> No
             problem()["tokens"].clamp(min=0), vocab_group=sizes,
         )  # fmt: skip
         results["errors"] = _errors(group)
+        results["hostile"] = hostile(group, world, rank)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()
     except BaseException:

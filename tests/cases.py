@@ -193,6 +193,18 @@ def scalar_wrongs(
     if above is not None:
         values.append(("value", f"above({above})", above, ValueError))
     if tensors:
+        # a 0-d tensor is held to the range of its number (checked on the host), or refused
+        # where only a Python number is taken: never accepted out of range
+        values += [
+            (
+                "value",
+                f"tensor-{label}",
+                torch.tensor(float(value), dtype=torch.float64),
+                (ValueError, TypeError),
+            )
+            for kind, label, value, _ in list(values)
+            if kind == "value" and label != "huge-int"
+        ]
         values += [
             ("type", "tensor-1d", torch.tensor([0.5]), TypeError),
             ("dtype", "tensor-bool", torch.tensor(True), TypeError),
@@ -488,6 +500,23 @@ OBJECTIVE_CASES: tuple[Case, ...] = (
                 ValueError,
                 also=lambda a: {"divergence": "tv"},
             ),
+            # the same ranges for 0-d tensors (checked on the host)
+            _named(
+                "low",
+                "DPPO.low",
+                "tv-tensor-above-1",
+                torch.tensor(1.5),
+                ValueError,
+                also=lambda a: {"divergence": "tv"},
+            ),
+            _named(
+                "high",
+                "DPPO.high",
+                "tv-tensor-above-1",
+                torch.tensor(1.5),
+                ValueError,
+                also=lambda a: {"divergence": "tv"},
+            ),
         ),  # fmt: skip
     ),
     Case("DRO", rlo.DRO, lambda: {"beta": 0.5}, field_wrongs(rlo.DRO, "beta", below=0.0)),
@@ -517,6 +546,12 @@ OBJECTIVE_CASES: tuple[Case, ...] = (
         + field_wrongs(rlo.ClipCov, "cov_ub", below=None)
         + (
             _named("cov_lb", "ClipCov.cov_lb", "above-cov_ub", 6.0, ValueError),
+            _named(
+                "cov_lb", "ClipCov.cov_lb", "tensor-above-cov_ub", torch.tensor(6.0), ValueError
+            ),  # fmt: skip
+            _named(
+                "cov_ub", "ClipCov.cov_lb", "tensor-below-cov_lb", torch.tensor(0.5), ValueError
+            ),  # fmt: skip
             _named("generator", "ClipCov.generator", "int", 0, TypeError),
             _named("selection", "ClipCov.selection", "float", torch.zeros(B, T), TypeError),
         ),
@@ -1387,6 +1422,7 @@ CASES: tuple[Case, ...] = (
         )
         for name in ("masked_mean", "masked_sum")
     ),
+    Case("use_backend", rlo.use_backend, lambda: {"backend": "torch"}, choice_wrongs("backend")),
     Case(
         "normalizer_for_reduction",
         rlo.normalizer_for_reduction,

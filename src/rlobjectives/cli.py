@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 import torch
 
+from . import __version__
 from .kl.rewards import kl_penalized_rewards
 from .policy.grpo_surrogate import grpo_clipped_surrogate
 
@@ -201,6 +202,7 @@ def _build_parser() -> _ArgumentParser:
         prog="rlobjectives",
         description="RL post-training objectives for language models.",
     )
+    parser.add_argument("--version", action="version", version=f"rlobjectives {__version__}")
     commands = parser.add_subparsers(dest="command", required=True, parser_class=_ArgumentParser)
     for command, function in _FUNCTIONS.items():
         summary = (function.__doc__ or "").strip().splitlines()[0]
@@ -220,18 +222,24 @@ def _build_parser() -> _ArgumentParser:
             help="computation dtype (default: float64)",
         )
     # Parsed by rlobjectives.demo itself (main forwards the arguments): listed here for --help.
-    commands.add_parser("demo", help="GRPO post-training demo on CPU (rlobjectives demo --help)")
+    commands.add_parser(
+        "demo", help="GRPO or PPO post-training demo on CPU (rlobjectives demo --help)"
+    )
     return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run the command line; returns the exit status (0 success, 2 user error)."""
+    """Run the command line; returns the exit status (0 success, 2 user error, 130 Ctrl-C)."""
     parser = _build_parser()
     argument_list = list(sys.argv[1:] if argv is None else argv)
     if argument_list[:1] == ["demo"]:
-        from .demo import main as demo_main  # imports tqdm/matplotlib only when a run starts
+        try:
+            from .demo import main as demo_main  # imports tqdm/matplotlib when a run starts
 
-        return demo_main(argument_list[1:])
+            return demo_main(argument_list[1:])
+        except KeyboardInterrupt:  # while the demo's modules import
+            print("rlobjectives demo: interrupted (Ctrl-C)", file=sys.stderr)
+            return 130
     try:
         arguments = parser.parse_args(argument_list)
         data = _read_json(arguments.input)
@@ -239,5 +247,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except _UsageError as error:
         print(f"rlobjectives: error: {error}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("rlobjectives: interrupted (Ctrl-C)", file=sys.stderr)
+        return 130
     print(json.dumps(outputs))
     return 0

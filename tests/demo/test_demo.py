@@ -219,6 +219,7 @@ def test_sample_responses_mask_and_padding() -> None:
 # --- runs -------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # a whole demo run
 def test_short_run_writes_sane_outputs(tmp_path: Path) -> None:
     out = tmp_path / "demo"
     assert main([*SMALL, "--out", str(out), "--seed", "3"]) == 0
@@ -250,6 +251,7 @@ def test_short_run_writes_sane_outputs(tmp_path: Path) -> None:
     assert summary["config"]["group_size"] == 4 and summary["config"]["seed"] == 3
 
 
+@pytest.mark.slow  # a whole demo run
 def test_grpo_beats_the_reference(tmp_path: Path) -> None:
     # The default task and settings, seeded, for a third of the default steps (about 25 s on 2
     # CPU cores): the warm start leaves a policy at about 14% held-out exact match; 50 GRPO steps
@@ -263,11 +265,13 @@ def test_grpo_beats_the_reference(tmp_path: Path) -> None:
     assert final >= reference + 0.3, summary
 
 
+@pytest.mark.slow  # whole demo runs
 @pytest.mark.parametrize(
     "options",
     [
         ["--reduction", "sequence_mean", "--clip-high", "0.28"],
         ["--reduction", "sequence_sum_normalized", "--beta", "0"],
+        ["--reduction", "length_weighted"],
         ["--sampler-temperature", "0.5", "--rollout-upper", "1.5"],
     ],
 )
@@ -284,6 +288,7 @@ def test_other_reductions_and_clip_ranges_run(tmp_path: Path, options: list[str]
         assert all(float(row["rollout_ratio_max"]) > 1.5 for row in rows)  # type: ignore[arg-type]
 
 
+@pytest.mark.slow  # a whole demo run
 def test_engine_at_the_trainer_temperature_gives_unit_weights(tmp_path: Path) -> None:
     assert main([*SMALL, "--steps", "1", "--sampler-temperature", "1", "--out", str(tmp_path)]) == 0
     (row,) = _read_metrics(tmp_path)
@@ -292,6 +297,7 @@ def test_engine_at_the_trainer_temperature_gives_unit_weights(tmp_path: Path) ->
     assert row["rollout_ratio_min"] == row["rollout_ratio_max"] == 1.0
 
 
+@pytest.mark.slow  # a whole demo run
 def test_run_is_reproducible(tmp_path: Path) -> None:
     for name in ("a", "b"):
         assert main([*SMALL, "--steps", "2", "--out", str(tmp_path / name)]) == 0
@@ -304,6 +310,7 @@ def test_run_is_reproducible(tmp_path: Path) -> None:
     assert strip == again
 
 
+@pytest.mark.slow  # a whole demo run
 def test_ctrl_c_keeps_what_was_written(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     real_step = train_module.grpo_step
     calls = {"n": 0}

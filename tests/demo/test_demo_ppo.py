@@ -18,6 +18,7 @@ pytest.importorskip("matplotlib")
 PPO_KEYS = {"value_loss", "value_clip_fraction", "explained_variance", "kl_coef"}
 
 
+@pytest.mark.slow  # a whole demo run
 def test_ppo_run_learns_and_logs_the_critic_and_the_kl_controller(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

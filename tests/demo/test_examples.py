@@ -78,6 +78,7 @@ def test_response_log_probs_one_token_shift(example: ModuleType) -> None:
                 assert math.isclose(float(actual[i, j]), float(expected), abs_tol=1e-6)
 
 
+@pytest.mark.slow  # a whole run of the example
 def test_example_short_run(example: ModuleType, tmp_path: Path) -> None:
     out = tmp_path / "hf"
     arguments = ["--steps", "2", "--warmup-steps", "3", "--prompts-per-step", "2"]
@@ -134,6 +135,7 @@ def test_first_step_loss_packed_equals_padded(example: ModuleType) -> None:
         assert math.isclose(packed, padded, rel_tol=1e-12, abs_tol=1e-12), reduction
 
 
+@pytest.mark.slow  # a whole run of the example
 def test_example_short_run_packed(example: ModuleType, tmp_path: Path, capsys: Any) -> None:
     out = tmp_path / "hf-packed"
     arguments = ["--steps", "2", "--warmup-steps", "3", "--prompts-per-step", "2", "--packed"]

@@ -31,6 +31,8 @@ from _selection_workers import (
 from rlobjectives import DPPO, Clip, ClipCov, cov_selection, m2po_mask, nll_loss, policy_loss
 from tolerances import assert_close
 
+pytestmark = pytest.mark.distributed  # every test reads the spawned gloo ranks below
+
 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:

@@ -101,6 +101,26 @@ def test_given_sizes_and_refusals(ranks: tuple[int, list[dict[str, Any]]]) -> No
         assert errors["sizes"].startswith("vocab_group: VocabParallel.vocab_sizes must list one")
 
 
+def test_hostile_ids_as_one_process(ranks: tuple[int, list[dict[str, Any]]]) -> None:
+    # Issue 31, items 3 and 8 under vocab_group: kept ids all outside [0, V) are ignored (the
+    # row keeps the whole vocabulary: finite, never NaN), and a selected token id outside
+    # [0, V) raises on every rank as the unsharded call's gather does (never the finite
+    # -logsumexp of the log-normaliser alone).
+    _, results = ranks
+    alone = workers.hostile(None)
+    data = workers.problem()
+    whole = rlo.token_log_probs(torch.nan_to_num(data["logits"]), data["tokens"].clamp(min=0))
+    torch.testing.assert_close(alone["kept-outside"], whole, **EXACT)
+    for key, error in alone.items():
+        if key.startswith("token-outside"):
+            assert error == "RuntimeError", (key, error)
+    for result in results:
+        torch.testing.assert_close(result["hostile"]["kept-outside"], whole, **EXACT)
+        for key, error in alone.items():
+            if key.startswith("token-outside"):
+                assert result["hostile"][key] == error, (key, result["hostile"][key])
+
+
 def test_hidden_grad_conventions_differ_by_the_sum(two_ranks: list[dict[str, Any]]) -> None:
     # "partial": rank r holds dZ_r W_r; "reduced": every rank holds the sum of the parts.
     partial = [r["hidden-none-partial"]["grads"]["hidden"] for r in two_ranks]

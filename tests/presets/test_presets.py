@@ -16,7 +16,15 @@ import pytest
 import torch
 
 import reference as ref
-from rlobjectives.presets import openrlhf_policy_loss, trl_grpo_loss, verl_policy_loss
+from rlobjectives.presets import _verl as presets_verl
+from rlobjectives.presets import (
+    openrlhf_policy_loss,
+    trl_generalized_jsd_loss,
+    trl_grpo_advantages,
+    trl_grpo_loss,
+    verl_gdpo_advantages,
+    verl_policy_loss,
+)
 from tolerances import assert_close
 
 # ---------------------------------------------------------------------------------------------
@@ -660,9 +668,12 @@ def test_openrlhf_matches_reference(options: dict[str, object], token_advantages
 
 
 def test_openrlhf_errors() -> None:
-    for threshold in ([2.0, 1.0], [-0.1, 1.0], [0.5, math.inf], [0.0, 0.0], [1, 2, 3], "0.5"):
+    for threshold in ([2.0, 1.0], [-0.1, 1.0], [0.5, math.inf], [0.0, 0.0], [1, 2, 3]):
         with pytest.raises(ValueError, match="is_correction_threshold must be"):
-            openrlhf_policy_loss(is_correction_threshold=threshold)  # type: ignore[arg-type]
+            openrlhf_policy_loss(is_correction_threshold=threshold)
+    for wrong_type in ("0.5", None, torch.tensor(2.0)):  # not a number or a sequence of them
+        with pytest.raises(TypeError, match="^is_correction_threshold must be"):
+            openrlhf_policy_loss(is_correction_threshold=wrong_type)  # type: ignore[arg-type]
     assert openrlhf_policy_loss(is_correction_threshold=[2.0]).is_correction_threshold == (0, 2)
     assert openrlhf_policy_loss(is_correction_threshold=0.1).is_correction_threshold == (0, 0.1)
     log_probs, old, advantages, mask = _openrlhf_batch()
@@ -841,3 +852,138 @@ def test_verl_global_batch_info_is_validated_at_every_call(key: str, value: obje
     config = {"global_batch_info": {key: value}}
     with pytest.raises(ValueError, match=rf"^global_batch_info\['{key}'\]"):
         verl_policy_loss()(old, log_prob, advantages, mask, "token-mean", config)
+
+
+# ---------------------------------------------------------------------------------------------
+# Issue 31: the same class in every mode and at every call. Every verl mode checks every option
+# (also those it does not read, and the ones that force their own aggregation), verl's
+# policy_loss.* numbers included; dppo_tv's high edge is a TV threshold, at most 1, named as
+# verl names it; bypass mode reads its sub-config as verl does; the call-time counts of TRL and
+# OpenRLHF and the advantage presets' weights are checked under the peers' names.
+VERL_MODES = tuple(presets_verl.VERL_LOSS_MODES)
+VERL_POLICY_OPTIONS: dict[str, tuple[float, ...]] = {
+    "clip_cov_ratio": (0.0, 1.5),
+    "kl_cov_ratio": (0.0, 1.5),
+    "clip_cov_lb": (),
+    "clip_cov_ub": (),
+    "ppo_kl_coef": (-0.1,),
+    "dro_beta": (0.0, -1.0),
+}
+
+
+def _verl_config(mode: str, **top: object) -> dict[str, object]:
+    """A config every mode accepts (dro needs its beta, bypass mode its correction)."""
+    policy: dict[str, object] = {"dro_beta": 0.1}
+    if mode == "bypass_mode":
+        policy["rollout_correction"] = {"rollout_is": "token", "rollout_is_threshold": 2.0}
+    return {"policy_loss": policy, **top}
+
+
+@pytest.mark.parametrize("mode", VERL_MODES)
+def test_verl_every_option_is_validated_in_every_mode(mode: str) -> None:
+    old, log_prob, advantages, mask = _verl_batch()
+    loss = verl_policy_loss(mode)
+    with pytest.raises(ValueError, match=r"^loss_agg_mode must be one of"):
+        loss(old, log_prob, advantages, mask, "bogus", _verl_config(mode))
+    for name, out_of_range in VERL_OPTIONS.items():
+        for value, error in _bad_values(out_of_range):
+            with pytest.raises(error, match=rf"^{name}\b"):
+                loss(
+                    old,
+                    log_prob,
+                    advantages,
+                    mask,
+                    "token-mean",
+                    _verl_config(mode, **{name: value}),
+                )
+    for name, out_of_range in VERL_POLICY_OPTIONS.items():
+        for value, error in _bad_values(out_of_range):
+            config = _verl_config(mode)
+            config["policy_loss"] = {**config["policy_loss"], name: value}  # type: ignore[dict-item]
+            with pytest.raises(error, match=rf"^policy_loss\.{name}\b"):
+                loss(old, log_prob, advantages, mask, "token-mean", config)
+    config = _verl_config(mode)
+    config["policy_loss"] = {**config["policy_loss"], "clip_cov_lb": 5.0, "clip_cov_ub": 1.0}  # type: ignore[dict-item]
+    with pytest.raises(ValueError, match=r"^policy_loss\.clip_cov_lb must be < "):
+        loss(old, log_prob, advantages, mask, "token-mean", config)
+
+
+def test_verl_dppo_tv_high_edge_is_at_most_one_under_verls_name() -> None:
+    old, log_prob, advantages, mask = _verl_batch()
+    for top, name in (({"clip_ratio_high": 1.5}, "clip_ratio_high"),
+                      ({"clip_ratio": 1.2, "clip_ratio_low": 0.2}, "clip_ratio")):  # fmt: skip
+        with pytest.raises(ValueError, match=rf"^{name} must be <= 1 for loss_mode='dppo_tv'"):
+            verl_policy_loss("dppo_tv")(old, log_prob, advantages, mask, "token-mean", top)
+    # a threshold of exactly 1 is a band no token leaves (|p - p_old| <= 1), as DPPO's own
+    verl_policy_loss("dppo_tv")(
+        old, log_prob, advantages, mask, "token-mean", {"clip_ratio_high": 1.0}
+    )
+
+
+def test_verl_bypass_sub_config_is_read_as_verl_reads_it() -> None:
+    old, log_prob, advantages, mask = _verl_batch()
+    loss_fn = verl_policy_loss("bypass_mode")
+    bad = [
+        ({"loss_type": None}, ValueError, r"^loss_type must be one of"),
+        ({"rollout_is": "token", "rollout_is_batch_normalize": "yes"}, TypeError,
+         r"^rollout_is_batch_normalize must be a bool"),
+        ({"rollout_is": "token", "rollout_is_threshold": False}, TypeError, "not a boolean"),
+        ({"rollout_is": "token", "rollout_is_threshold": " "}, ValueError,
+         r"^rollout_is_threshold must not be an empty string"),
+    ]  # fmt: skip
+    for correction, error, match in bad:
+        with pytest.raises(error, match=match):
+            loss_fn(old, log_prob, advantages, mask, "token-mean", _bypass_config(**correction))
+    # a missing threshold is verl's 2.0: the same numbers as 2.0 given
+    missing = loss_fn(old, log_prob, advantages, mask, "token-mean",
+                      _bypass_config(rollout_is="sequence", loss_type="reinforce"))  # fmt: skip
+    given = loss_fn(old, log_prob, advantages, mask, "token-mean",
+                    _bypass_config(rollout_is="sequence", rollout_is_threshold=2.0,
+                                   loss_type="reinforce"))  # fmt: skip
+    assert_close(missing.loss, given.loss)
+    assert missing.metrics.keys() == given.metrics.keys()
+
+
+@pytest.mark.parametrize("loss_type", ["dapo", "cispo", "vespo"])
+def test_trl_num_items_in_batch_is_validated_where_read(loss_type: str) -> None:
+    log_probs, old, advantages, mask = _trl_batch()
+    loss_fn = trl_grpo_loss(loss_type=loss_type)
+    wrong = ((NAN, ValueError), (-1.0, ValueError), ("26", TypeError),
+             (torch.tensor(NAN), ValueError), (torch.tensor([26.0]), TypeError))  # fmt: skip
+    for value, error in wrong:
+        with pytest.raises(error, match=r"^num_items_in_batch\b"):
+            loss_fn(log_probs, old, advantages, mask, num_items_in_batch=value)  # type: ignore[arg-type]
+    loss_fn(log_probs, old, advantages, mask, num_items_in_batch=torch.tensor(0.0))  # TRL: >= 1
+
+
+@pytest.mark.parametrize("token_level_loss", [True, False])
+def test_openrlhf_global_counts_are_validated_under_their_names(token_level_loss: bool) -> None:
+    log_probs, old, advantages, mask = _openrlhf_batch()
+    loss_fn = openrlhf_policy_loss(token_level_loss=token_level_loss)
+    name = "batch_num_tokens" if token_level_loss else "global_batch_size"
+    for value, error in ((NAN, ValueError), (0, ValueError), ("5", TypeError),
+                         (torch.tensor(-1.0), ValueError)):  # fmt: skip
+        with pytest.raises(error, match=rf"^{name}\b"):
+            loss_fn(log_probs, old, advantages, mask, **{name: value})
+
+
+def test_advantage_presets_check_weights_and_groups_under_the_peers_names() -> None:
+    rewards = torch.randn(4, 2, dtype=torch.float64)
+    for aggregation in ("sum_then_normalize", "normalize_then_sum"):
+        with pytest.raises(ValueError, match=r"^reward_weights must be finite"):
+            trl_grpo_advantages(rewards, 2, reward_weights=[1.0, NAN],
+                                multi_objective_aggregation=aggregation)  # fmt: skip
+        with pytest.raises(ValueError, match=r"^num_generations must divide"):
+            trl_grpo_advantages(rewards, 3, multi_objective_aggregation=aggregation)
+    with pytest.raises(ValueError, match=r"^gdpo_reward_weights must be finite"):
+        verl_gdpo_advantages(rewards, torch.ones(4, 3), [0, 0, 1, 1],
+                             gdpo_reward_weights=[INF, 1.0])  # fmt: skip
+    with pytest.raises(TypeError, match=r"^gdpo_reward_weights\b"):
+        verl_gdpo_advantages(rewards, torch.ones(4, 3), [0, 0, 1, 1], gdpo_reward_weights="3")
+
+
+def test_trl_jsd_num_items_in_batch_is_validated_under_its_name() -> None:
+    logits = torch.randn(2, 3, 5, dtype=torch.float64)
+    for value, error in ((0, ValueError), (NAN, ValueError), ("4", TypeError)):
+        with pytest.raises(error, match=r"^num_items_in_batch\b"):
+            trl_generalized_jsd_loss(logits, logits, num_items_in_batch=value)

@@ -25,12 +25,11 @@ import contextvars
 import functools
 import importlib
 import importlib.util
-from collections.abc import Iterator
 from typing import Literal
 
 import torch
 
-from .validation import BACKENDS, KERNELS_VARIABLE, requested_backend
+from .validation import BACKENDS, KERNELS_VARIABLE, checks_environment, requested_backend
 
 __all__ = ["Backend", "lm_head_backend", "triton_available", "use_backend"]
 
@@ -39,9 +38,23 @@ Backend = Literal["triton", "torch"]
 _CHOSEN: contextvars.ContextVar[str | None] = contextvars.ContextVar("backend", default=None)
 
 
-@contextlib.contextmanager
-def use_backend(backend: str) -> Iterator[None]:
-    """Run the LM-head functions on ``backend`` inside the block (``auto``, ``triton``, ``torch``).
+class _BackendChoice:
+    """The context manager :func:`use_backend` returns (sets and restores the choice)."""
+
+    def __init__(self, backend: str) -> None:
+        self.backend = backend
+        self._tokens: list[contextvars.Token[str | None]] = []
+
+    def __enter__(self) -> None:
+        self._tokens.append(_CHOSEN.set(self.backend))
+
+    def __exit__(self, *exc: object) -> None:
+        _CHOSEN.reset(self._tokens.pop())
+
+
+@checks_environment
+def use_backend(backend: str) -> contextlib.AbstractContextManager[None]:
+    """Run the LM-head functions on ``backend`` inside a ``with`` block.
 
     Overrides ``RLOBJECTIVES_KERNELS`` for the block (nested blocks: the innermost wins; the
     previous choice is restored on exit, also on an exception).
@@ -49,8 +62,11 @@ def use_backend(backend: str) -> Iterator[None]:
     Args:
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see the module docstring).
 
+    Returns:
+        A context manager.
+
     Raises:
-        ValueError: for any other value.
+        ValueError: for any other value (when called, before the block).
 
     Examples:
         >>> import torch, rlobjectives as rlo
@@ -59,13 +75,9 @@ def use_backend(backend: str) -> Iterator[None]:
         ...                                     torch.tensor([[1]]))
         tensor([[-0.6931]])
     """
-    if backend not in BACKENDS:
+    if not isinstance(backend, str) or backend not in BACKENDS:
         raise ValueError(f"backend must be one of {', '.join(BACKENDS)}, got {backend!r}")
-    token = _CHOSEN.set(backend)
-    try:
-        yield
-    finally:
-        _CHOSEN.reset(token)
+    return _BackendChoice(backend)
 
 
 def chosen_backend() -> str:

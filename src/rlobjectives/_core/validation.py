@@ -8,6 +8,7 @@ are inspected (no host syncs), so the functions that use these helpers stay trac
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import numbers
 import os
@@ -27,6 +28,7 @@ __all__ = [
     "ESTIMATOR_HINTS",
     "REDUCTION_ALIASES",
     "REDUCTION_HINTS",
+    "SURROGATE_FIELDS",
     "Scalar",
     "as_batch_matrix",
     "as_float_tensor",
@@ -42,10 +44,12 @@ __all__ = [
     "check_estimator_spelling",
     "check_same_device",
     "check_shape",
+    "check_surrogate_keywords",
     "checks_environment",
     "compute_dtype",
     "describe",
     "expand_per_sequence",
+    "scalar_number",
     "validate_bool",
     "validate_choice",
     "validate_context_group",
@@ -117,15 +121,72 @@ def check_environment() -> None:
         environment()
 
 
+#: The flat surrogate keywords of earlier releases -> ``(object, field)`` of their place now.
+#: ``clip_low`` / ``clip_high`` are the band of the named surrogate (``Clip`` unless ``"cispo"``
+#: or ``"gmpo"``).
+SURROGATE_FIELDS: dict[str, tuple[str | None, str]] = {
+    "clip_low": (None, "low"),
+    "clip_high": (None, "high"),
+    "dual_clip": ("Clip", "dual"),
+    "delta": ("Clip", "delta"),
+    "cispo_cap": ("CISPO", "cap"),
+    "sapo_temperature_pos": ("SAPO", "temperature_pos"),
+    "sapo_temperature_neg": ("SAPO", "temperature_neg"),
+    "vespo_k_pos": ("VESPO", "k_pos"),
+    "vespo_lambda_pos": ("VESPO", "lambda_pos"),
+    "vespo_k_neg": ("VESPO", "k_neg"),
+    "vespo_lambda_neg": ("VESPO", "lambda_neg"),
+}
+_BANDS = {"cispo": "CISPO", "gmpo": "GMPO"}
+
+
+def check_surrogate_keywords(
+    function: str, parameters: frozenset[str], kwargs: dict[str, Any]
+) -> None:
+    """Raise a ``TypeError`` with the new spelling for a flat surrogate keyword.
+
+    ``parameters``: the keywords ``function`` takes (with a ``surrogate`` parameter). A keyword
+    it does not take that is a surrogate's field (:data:`SURROGATE_FIELDS`) names the object
+    that holds it; any other unknown keyword is left to Python's own error.
+
+    Raises:
+        TypeError: ``policy_loss(..., clip_low=0.2)`` -> ``surrogate=Clip(low=0.2)``, ...
+    """
+    for name, value in kwargs.items():
+        if name in parameters or name not in SURROGATE_FIELDS:
+            continue
+        owner, field = SURROGATE_FIELDS[name]
+        surrogate = kwargs.get("surrogate")
+        if owner is None:
+            owner = _BANDS.get(surrogate, "Clip") if isinstance(surrogate, str) else "Clip"
+        raise TypeError(
+            f"{function}() got an unexpected keyword argument {name!r}: a surrogate's options "
+            f"are the fields of its object; did you mean surrogate={owner}({field}={value!r})?"
+        )
+
+
 def checks_environment(
     function: Callable[_Parameters, _Result],
 ) -> Callable[_Parameters, _Result]:
-    """Decorator of a public function: :func:`check_environment` before each call."""
+    """Decorator of a public function: :func:`check_environment` before each call.
+
+    A function with a ``surrogate`` parameter also turns a flat surrogate keyword it does not
+    take (``clip_low=0.2``) into a ``TypeError`` naming the object field that holds it
+    (:func:`check_surrogate_keywords`).
+    """
+    signature = inspect.signature(function).parameters
+    takes_surrogate = "surrogate" in signature and not any(
+        parameter.kind is inspect.Parameter.VAR_KEYWORD for parameter in signature.values()
+    )
+    parameters = frozenset(signature)
+    name = function.__name__
 
     @functools.wraps(function)
     def checked(*args: _Parameters.args, **kwargs: _Parameters.kwargs) -> _Result:
         if not torch.compiler.is_compiling():
             environment()  # check_environment, one frame fewer on every call
+        if takes_surrogate and kwargs:
+            check_surrogate_keywords(name, parameters, kwargs)
         return function(*args, **kwargs)
 
     return checked
@@ -371,6 +432,20 @@ def validate_scalar(
     if maximum is not None and number >= maximum:
         raise ValueError(f"{name} must be < {maximum}, got {number}")
     return value if isinstance(value, torch.Tensor) else number
+
+
+def scalar_number(value: float | torch.Tensor) -> float | None:
+    """The host value of a validated scalar, for the checks that :func:`validate_scalar` leaves.
+
+    A range a field needs beyond ``validate_scalar``'s (an inclusive upper bound, an order
+    between two fields) is checked on this number, so that a 0-d tensor is held to the same
+    range as its Python number (``docs/conventions.md``: a 0-d tensor "is checked on the host:
+    it must be finite and in range"). A Python number is returned as a float; a 0-d tensor is
+    read on the host, except while ``torch.compile`` traces (None: nothing to check there).
+    """
+    if isinstance(value, torch.Tensor):
+        return None if torch.compiler.is_compiling() else float(value.detach().cpu())
+    return float(value)
 
 
 def validate_length(value: Scalar, name: str) -> int | torch.Tensor:

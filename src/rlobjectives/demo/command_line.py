@@ -7,6 +7,7 @@ import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from .. import __version__
 from .config import ALGORITHMS, REDUCTIONS, DemoConfig
 from .outputs import MissingExtraError
 from .task import TASKS
@@ -35,10 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="rlobjectives demo",
         description=(
-            "GRPO post-training of a tiny transformer on a verifiable digit task, on CPU, using "
-            "rlobjectives for the math (group_relative_advantages, kl_penalized_rewards, "
+            "GRPO (or PPO, --algorithm ppo) post-training of a tiny transformer on a verifiable "
+            "digit task, on CPU, using rlobjectives for the math (GRPO: "
+            "group_relative_advantages, kl_penalized_rewards, rollout_correction; PPO: "
+            "kl_penalized_token_rewards, gae, value_loss, AdaptiveKLController; both: "
             "policy_loss, global_normalizers). A short supervised warm start makes the "
-            "reference policy; GRPO then raises its held-out exact-match accuracy. Writes "
+            "reference policy; RL then raises its held-out exact-match accuracy. Writes "
             "metrics.jsonl (one line per step), metrics.png and summary.json to --out. "
             "Data-parallel: torchrun --nproc_per_node=2 -m rlobjectives.demo [options] "
             "(add --fsdp for FSDP2's fully_shard)."
@@ -50,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_schedule_options(parser.add_argument, defaults)
     _add_objective_options(parser.add_argument, defaults)
     _add_model_and_evaluation_options(parser.add_argument, defaults)
+    parser.add_argument("--version", action="version", version=f"rlobjectives {__version__}")
     return parser
 
 
@@ -88,27 +92,43 @@ def _add_schedule_options(add: _Add, defaults: DemoConfig) -> None:
 
 def _add_objective_options(add: _Add, defaults: DemoConfig) -> None:
     """The learning rate, the objective's coefficients and the rollout correction."""
-    add("--lr", type=float, default=defaults.lr, help="GRPO learning rate (AdamW)")
-    add("--beta", type=float, default=defaults.beta, help="KL coefficient of the reward penalty")
-    add("--clip-low", type=float, default=defaults.clip_low, help="ratio clip below, 1 - eps_low")
+    add("--lr", type=float, default=defaults.lr, help="learning rate of the policy (AdamW)")
+    add(
+        "--beta",
+        type=float,
+        default=defaults.beta,
+        help="KL coefficient of the reward penalty (PPO: the adaptive controller's start)",
+    )
+    add(
+        "--clip-low",
+        type=float,
+        default=defaults.clip_low,
+        help="eps_low, not the edge: the ratio is clipped below at 1 - eps_low (0.2: at 0.8)",
+    )
     add(
         "--clip-high",
         type=_optional_float,
         default=defaults.clip_high,
-        help="ratio clip above, 1 + eps_high (None: same as --clip-low; DAPO uses 0.28)",
+        help="eps_high: the ratio is clipped above at 1 + eps_high (None: eps_high = "
+        "--clip-low; DAPO uses 0.28)",
     )
-    add("--reduction", choices=REDUCTIONS, default=defaults.reduction, help="loss reduction")
+    add(
+        "--reduction",
+        choices=REDUCTIONS,
+        default=defaults.reduction,
+        help="how the per-token losses are reduced (docs/conventions.md, Reductions)",
+    )
     add(
         "--sampler-temperature",
         type=float,
         default=defaults.sampler_temperature,
-        help="sampling temperature of the stand-in inference engine (1: same as the trainer)",
+        help="GRPO: sampling temperature of the stand-in inference engine (1: same as the trainer)",
     )
     add(
         "--rollout-upper",
         type=float,
         default=defaults.rollout_upper,
-        help="truncation of the rollout-correction importance weights (TIS)",
+        help="GRPO: truncation of the rollout-correction importance weights (TIS)",
     )
 
 
@@ -190,8 +210,10 @@ def _config(values: argparse.Namespace) -> DemoConfig:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``rlobjectives demo`` (also ``python -m rlobjectives.demo``); returns the exit status.
 
-    0 after a complete run, 130 after Ctrl-C (outputs kept), 2 on a usage error, 1 when the
-    ``demo`` extra (tqdm, matplotlib) is missing.
+    0 after a complete run, 130 after Ctrl-C (outputs kept; a Ctrl-C before the run starts,
+    while the plotting and progress-bar packages import, or while the outputs are written,
+    prints one line, no traceback), 2 on a usage error, 1 when the ``demo`` extra (tqdm,
+    matplotlib) is missing.
     """
     parser = build_parser()
     try:
@@ -204,4 +226,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MissingExtraError as error:
         print(f"rlobjectives demo: error: {error}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # outside the run's own handler (imports, setup, writing)
+        print(INTERRUPTED, file=sys.stderr)
+        return 130
     return 130 if result.interrupted else 0
+
+
+#: What ``rlobjectives demo`` prints for a Ctrl-C outside the run (the run reports its own).
+INTERRUPTED = "rlobjectives demo: interrupted (Ctrl-C)"

@@ -25,7 +25,7 @@ __all__ = [
 Forward = Callable[[nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
 # One GRPO step with the signature of grpo_step (examples/ passes a packed-sequence step).
 Step = Callable[..., dict[str, float]]
-REDUCTIONS = ("token_mean", "sequence_mean", "sequence_sum_normalized")
+REDUCTIONS = ("token_mean", "sequence_mean", "sequence_sum_normalized", "length_weighted")
 ALGORITHMS = ("grpo", "ppo")
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "MetricsLog",
     "MissingExtraError",
     "metrics_entry",
+    "figure_title",
     "require_extras",
     "write_figure",
     "write_outputs",
@@ -97,14 +98,24 @@ class MetricsLog:
 
 
 def write_figure(
-    pyplot: Any, history: Sequence[dict[str, Any]], reference_accuracy: float, path: Path
+    pyplot: Any,
+    history: Sequence[dict[str, Any]],
+    reference_accuracy: float,
+    path: Path,
+    title: str = "",
 ) -> None:
-    """Save the reward, accuracy, KL, clip-fraction and rollout-correction curves as one PNG."""
+    """Save the reward, accuracy, KL, clip-fraction and rollout-correction curves as one PNG.
+
+    ``title``: the figure's title (what was run: :func:`figure_title`). Each panel's legend
+    sits below its axes, so it never covers a curve; the step axis has integer ticks.
+    """
+    from matplotlib.ticker import MaxNLocator  # matplotlib is imported: the run started
+
     critic = "value_loss" in history[0]  # PPO: a third column for the critic and the KL coef
     corrected = "rollout_effective_sample_size" in history[0]  # GRPO: the rollout correction
     columns = 3 if critic or corrected else 2
     figure, axes = pyplot.subplots(
-        2, columns, figsize=(15 if columns == 3 else 10, 7), constrained_layout=True
+        2, columns, figsize=(15 if columns == 3 else 10, 9), layout="constrained"
     )
     if critic:
         from .ppo import plot_critic
@@ -118,10 +129,29 @@ def write_figure(
         if not axis.get_visible():
             continue
         axis.set_xlabel("PPO step" if critic else "GRPO step")
+        axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         axis.grid(alpha=0.3)
-        axis.legend(fontsize=8)
+        axis.legend(
+            fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.16), ncols=2, frameon=False
+        )
+    if title:
+        figure.suptitle(title)
     figure.savefig(path, dpi=100)
     pyplot.close(figure)
+
+
+def figure_title(config: DemoConfig, result: DemoResult) -> str:
+    """What the figure shows, for a reader who did not run it: algorithm, task, seed, settings."""
+    high = config.clip_low if config.clip_high is None else config.clip_high
+    status = ", interrupted" if result.interrupted else ""
+    return (
+        f"rlobjectives demo: {config.algorithm.upper()} on the {config.task!r} digit task "
+        f"(length {config.length}), seed {config.seed}: {result.steps_completed}/{config.steps} "
+        f"steps on {result.world_size} process(es){status}\n"
+        f"{config.prompts_per_step} prompts x {config.group_size} completions per step, "
+        f"reduction {config.reduction}, ratio clip [1 - {config.clip_low:g}, 1 + {high:g}], "
+        f"KL beta {config.beta:g}, lr {config.lr:g}"
+    )
 
 
 def _plot_training(
@@ -156,7 +186,8 @@ def write_outputs(
 ) -> None:
     """Write the figure and ``summary.json`` and print a short summary."""
     if result.history:
-        write_figure(pyplot, result.history, result.reference_accuracy, out / "metrics.png")
+        title = figure_title(config, result)
+        write_figure(pyplot, result.history, result.reference_accuracy, out / "metrics.png", title)
     last_heldout = next(
         (
             e["heldout_accuracy"]
@@ -185,9 +216,17 @@ def write_outputs(
         f"{status}: {result.steps_completed}/{config.steps} {config.algorithm.upper()} steps in "
         f"{result.wall_time_s:.1f} s on {result.world_size} process(es); held-out exact match "
         f"{_percent(reference)} (reference) -> {_percent(final)} (policy); outputs in {out}/ "
-        "(metrics.jsonl, metrics.png, summary.json)",
+        f"({_written(len(result.history))})",
         file=print_stream,
     )
+
+
+def _written(steps: int) -> str:
+    """What the run left in its folder: the figure only when a step was completed."""
+    if steps == 0:
+        return "summary.json; metrics.jsonl is empty and no metrics.png: no RL step completed"
+    lines = "line" if steps == 1 else "lines"
+    return f"metrics.jsonl ({steps} {lines}), metrics.png, summary.json"
 
 
 def _finite_or_none(value: float) -> float | None:

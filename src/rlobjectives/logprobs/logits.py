@@ -139,7 +139,8 @@ def token_log_probs(
     Args:
         logits: ``(B, T, V)`` or ``(N, V)`` floating logits (any float dtype).
         tokens: ``(B, T)`` or ``(N,)`` integer token ids, in ``[0, V)`` wherever ``mask`` is True
-            (not checked on the device: an out-of-range id raises inside ``gather``).
+            (not checked on the device: an out-of-range id raises inside ``gather``, on
+            every rank under ``vocab_group``).
         mask: optional ``(B, T)`` / ``(N,)`` bool or numeric, nonzero = compute this position.
             Unselected positions give 0, and any value there (NaN/inf logits, padding ids such
             as -100) reaches neither the output nor the gradient. Default: every position.

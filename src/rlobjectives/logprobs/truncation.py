@@ -31,14 +31,14 @@ The set, one of (:func:`validate_kept_set`):
   per-row threshold :math:`t` is computed in the forward pass and saved, so the backward pass
   replays :math:`x_v \ge t` on the recomputed logits instead of sorting again.
 
-A row without a recorded set (every id ``kept_pad``, or an all-False mask row) keeps the whole
-vocabulary (slime: "rows without a recorded nucleus stay all-True"; an empty set cannot have
-produced a sample). Under vocabulary parallelism (:mod:`rlobjectives.logprobs.vocab_parallel`)
-ids are global and each rank restricts its own slice; ``kept_mask`` is this rank's slice; the
-top-k threshold is global: each rank sends its ``k`` largest values of every row (an all-gather
-of ``N k`` floats, in the chunks of the call) and the top-p mass one all-reduce of ``N`` floats
-more. top-p alone across ranks would need the whole row sorted (``N V`` values gathered) and is
-refused.
+A row without a recorded set (every id ``kept_pad`` or outside ``[0, V)``, or an all-False mask
+row) keeps the whole vocabulary (slime: "rows without a recorded nucleus stay all-True"; an
+empty set cannot have produced a sample). Under vocabulary parallelism
+(:mod:`rlobjectives.logprobs.vocab_parallel`) ids are global and each rank restricts its own
+slice; ``kept_mask`` is this rank's slice; the top-k threshold is global: each rank sends its
+``k`` largest values of every row (an all-gather of ``N k`` floats, in the chunks of the call)
+and the top-p mass one all-reduce of ``N`` floats more. top-p alone across ranks would need the
+whole row sorted (``N V`` values gathered) and is refused.
 """
 
 from __future__ import annotations
@@ -205,7 +205,10 @@ def validate_kept_set(
         ids = as_token_ids(kept_ids, "kept_ids", device)
         _check_device(ids, "kept_ids", device, reference)
         ids = _leading(ids, "kept_ids", shape, packed, "K").reshape(-1, ids.shape[-1]).long()
-        recorded = (ids != kept_pad).any(dim=-1)  # (M,)
+        # ids outside [0, V) are ignored like the pad: a row without a valid id has no set
+        total: int | torch.Tensor = vocab if shard is None else shard.vocab_size()
+        valid = (ids != kept_pad) & (ids >= 0) & (ids < total)  # (M, K)
+        recorded = valid.any(dim=-1)  # (M,)
         return KeptSet(ids, kept_pad, None, None, None, recorded, None)
     if kept_mask is not None:
         mask = as_mask(kept_mask, "kept_mask", device)

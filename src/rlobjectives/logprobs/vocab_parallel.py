@@ -168,12 +168,21 @@ class Shard(NamedTuple):
     hidden_grad: str
 
     def local_ids(self, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(local, owned)``: ``ids - start`` (0 where not owned), whether the slice holds it."""
+        """``(local, owned)``: ``ids - start`` (0 where another slice holds the id), ownership.
+
+        An id outside the whole vocabulary ``[0, V)`` keeps ``ids - start``, which is outside
+        every slice, so the gather raises on every rank as the unsharded call's does (never a
+        finite log-probability from the log-normaliser alone; no host synchronisation).
+        """
         local = ids - self.start
         owned = (local >= 0) & (local < self.size)
-        return torch.where(
-            owned, local, torch.zeros((), dtype=local.dtype, device=ids.device)
-        ), owned
+        outside = (ids < 0) | (ids >= self.vocab_size())
+        zero = torch.zeros((), dtype=local.dtype, device=ids.device)
+        return torch.where(owned | outside, local, zero), owned
+
+    def vocab_size(self) -> int | torch.Tensor:
+        """``V``, the whole vocabulary: the sum of the slices' sizes (a tensor when gathered)."""
+        return sum(self.sizes) if isinstance(self.sizes, tuple) else self.sizes.sum()
 
     def largest(self) -> int:
         """The largest shard size (a host read of the gathered sizes when they were not given).

@@ -51,6 +51,26 @@ def _rewards_matrix(rewards: Any, name: str) -> torch.Tensor:
     return tensor
 
 
+def _reward_weights(weights: Any, name: str, count: int, device: torch.device) -> torch.Tensor:
+    """The ``(R,)`` weights of the reward functions, finite, checked under the peer's name."""
+    tensor = as_float_tensor(weights, name, device)
+    if tensor.ndim != 1 or tensor.shape[0] != count:
+        raise ValueError(
+            f"{name} must have shape (R,) = ({count},), got shape {tuple(tensor.shape)}"
+        )
+    if not bool(torch.isfinite(tensor).all()):  # a config value: one host read of R numbers
+        raise ValueError(f"{name} must be finite, got {tensor.tolist()}")
+    return tensor
+
+
+def _check_groups(rows: int, generations: int) -> None:
+    if rows % generations:
+        raise ValueError(
+            f"num_generations must divide the number of completions: rewards_per_func has {rows} "
+            f"rows (B), not a multiple of num_generations={generations}"
+        )
+
+
 @checks_environment
 def trl_grpo_advantages(
     rewards_per_func: Any,
@@ -109,17 +129,17 @@ def trl_grpo_advantages(
     scale = TRL_SCALE_REWARDS[scale_name]
     generations = preset_count(num_generations, "num_generations")
     rewards = _rewards_matrix(rewards_per_func, "rewards_per_func")
+    _check_groups(rewards.shape[0], generations)
+    weights = None
+    if reward_weights is not None:
+        weights = _reward_weights(
+            reward_weights, "reward_weights", rewards.shape[1], rewards.device
+        )
     if aggregation == "normalize_then_sum":
-        return gdpo_advantages(rewards, generations, weights=reward_weights, eps=TRL_EPS)
-    if reward_weights is None:
+        return gdpo_advantages(rewards, generations, weights=weights, eps=TRL_EPS)
+    if weights is None:
         total = rewards.sum(dim=1)
     else:
-        weights = as_float_tensor(reward_weights, "reward_weights", rewards.device)
-        if weights.ndim != 1 or weights.shape[0] != rewards.shape[1]:
-            raise ValueError(
-                f"reward_weights must have shape (R,) = ({rewards.shape[1]},), got shape "
-                f"{tuple(weights.shape)}"
-            )
         total = (rewards * weights.to(rewards.dtype)).sum(dim=1)
     return group_relative_advantages(total, generations, scale=scale, eps=TRL_EPS)  # type: ignore[arg-type]
 
@@ -182,12 +202,9 @@ def verl_gdpo_advantages(
     by_std = preset_flag(norm_adv_by_std_in_grpo, "norm_adv_by_std_in_grpo")
     weights = torch.ones(values.shape[1], dtype=torch.float32, device=values.device)
     if gdpo_reward_weights is not None:
-        weights = torch.as_tensor(gdpo_reward_weights, dtype=torch.float32, device=values.device)
-        if weights.ndim != 1 or weights.shape[0] != values.shape[1]:
-            raise ValueError(
-                f"gdpo_reward_weights must have shape (R,) = ({values.shape[1]},), got shape "
-                f"{tuple(weights.shape)}"
-            )
+        weights = _reward_weights(
+            gdpo_reward_weights, "gdpo_reward_weights", values.shape[1], values.device
+        ).to(torch.float32)  # verl's float32 weights
     _, groups = grouped_rewards(values[:, 0], None, index, name="scores")
     alone = groups.size == 1  # (B,) verl: mu = 0, sigma = 1 for a group of one
     total = torch.zeros(values.shape[0], dtype=values.dtype, device=values.device)

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 
 from .._core.reduction import aggregate, masked_fill_zero
-from .._core.validation import checks_environment, validate_choice
+from .._core.validation import checks_environment, validate_choice, validate_scalar
 from ..distillation.jsd import generalized_jsd_loss
 from ..distillation.topk import teacher_slot_log_probs, topk_forward_kl
 from ..kl.loss import kl_estimate
@@ -422,8 +422,8 @@ def trl_generalized_jsd_loss(
         mask = torch.as_tensor(labels, device=student_logits.device) != -100
     vocab = student_logits.shape[-1]
     normalizer: Any
-    if num_items_in_batch is not None:
-        normalizer = num_items_in_batch
+    if num_items_in_batch is not None:  # TRL's count, checked under its name
+        normalizer = validate_scalar(num_items_in_batch, "num_items_in_batch", strict=True)
     elif reduction == "batchmean":
         normalizer = mask.sum().clamp(min=1) if labels is not None else max(batch_shape[0], 1)
     elif reduction == "sum":

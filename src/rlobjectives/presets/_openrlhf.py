@@ -52,14 +52,15 @@ empty local batch gives 0 here, NaN there.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+import numbers
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
 from .._core.reduction import masked_mean, mean_selected
-from .._core.validation import checks_environment, compute_dtype, validate_choice
+from .._core.validation import checks_environment, compute_dtype, validate_choice, validate_scalar
 from ..policy.surrogates import Clip
 from ._common import (
     ReductionArgs,
@@ -255,7 +256,10 @@ class OpenRLHFPolicyLoss:
         old_log_probs = old_log_probs.detach()
         rollout = None if rollout_log_probs is None else rollout_log_probs.detach().to(dtype)
         token_level = self.token_level_loss and not row.sample_mode
+        count_name = "batch_num_tokens" if token_level else "global_batch_size"
         count = batch_num_tokens if token_level else global_batch_size
+        if count is not None:  # checked under OpenRLHF's name where it is read
+            count = validate_scalar(count, count_name, strict=True)
         args = ReductionArgs(
             "token_mean" if token_level else "sequence_mean",
             normalizer=None if count is None else count / dp_size,
@@ -366,9 +370,11 @@ def openrlhf_policy_loss(
             sequence level or a divergence gating, a divergence gating with ``low > 0`` (as
             OpenRLHF), ``clip_eps_low`` outside ``[0, 1)``, a negative ``clip_eps_high``, a
             non-finite coefficient, a threshold that is not a band; at call time, a correction
-            without ``rollout_log_probs``, a ``dp_size`` that is not a positive whole number.
+            without ``rollout_log_probs``, a ``dp_size`` that is not a positive whole number, a
+            ``batch_num_tokens`` / ``global_batch_size`` that is not positive and finite.
         TypeError: naming the option: a non-number clip value, a non-bool
-            ``token_level_loss``.
+            ``token_level_loss``, an ``is_correction_threshold`` that is neither a number nor a
+            sequence of numbers (None, a string, a tensor).
 
     Examples:
         >>> import torch
@@ -411,19 +417,33 @@ def openrlhf_policy_loss(
     return loss
 
 
+def _is_number(value: object) -> bool:
+    """A real number (Python or NumPy scalar), not a bool."""
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
 def _threshold(value: Sequence[float] | float) -> tuple[float, float]:
-    """``is_correction_threshold`` as ``(low, high)``: finite, ``0 <= low <= high``, high > 0."""
-    band = (0.0, value) if isinstance(value, (int, float)) else tuple(value)
+    """``is_correction_threshold`` as ``(low, high)``: finite, ``0 <= low <= high``, high > 0.
+
+    One number (a Python or NumPy scalar) or a sequence of one or two (a list, a tuple, a NumPy
+    array: what OpenRLHF's CLI and configs hold).
+    """
+    if _is_number(value):
+        band: tuple[object, ...] = (0.0, value)
+    elif isinstance(value, (str, bytes, torch.Tensor)) or not isinstance(value, Iterable):
+        raise TypeError(
+            "is_correction_threshold must be [low, high] or one upper bound (numbers), got "
+            f"{type(value).__name__} ({value!r})"
+        )
+    else:
+        band = tuple(value)
     if len(band) == 1:  # the CLI's single value: an upper bound
         band = (0.0, band[0])
-    numbers = len(band) == 2 and all(
-        isinstance(v, (int, float)) and not isinstance(v, bool) for v in band
-    )
-    if not numbers:
+    if not (len(band) == 2 and all(_is_number(v) for v in band)):
         raise ValueError(
             f"is_correction_threshold must be [low, high] or one upper bound, got {value!r}"
         )
-    low, high = float(band[0]), float(band[1])
+    low, high = float(band[0]), float(band[1])  # type: ignore[arg-type]
     if not (math.isfinite(low) and math.isfinite(high) and 0.0 <= low <= high and high > 0.0):
         raise ValueError(
             "is_correction_threshold must be finite with 0 <= low <= high and high > 0, "

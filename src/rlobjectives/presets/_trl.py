@@ -258,7 +258,9 @@ class TRLGRPOLoss:
         if self.top_entropy_quantile < 1.0:
             assert entropy is not None  # checked in _check_call
             quantile = 1.0 - self.top_entropy_quantile  # TRL's threshold = 1 - rho
-            high_entropy = global_top_entropy_mask(entropy, selected, quantile=quantile)
+            # TRL takes the quantile of entropies[mask].float() whatever the other inputs'
+            # dtypes: in float32 here too, not in the (float64) computation dtype
+            high_entropy = global_top_entropy_mask(entropy.float(), selected, quantile=quantile)
         return _Filters(off_policy, high_entropy)
 
     def _weights(
@@ -386,7 +388,8 @@ def trl_grpo_loss(
             default since 1.10).
         top_entropy_quantile: :math:`\rho \in [0, 1]`: only the tokens at or above the
             :math:`1-\rho` quantile of the selected entropies (over every rank of an initialised
-            process group, as TRL) keep their policy loss; 1 = off.
+            process group, as TRL; in float32, as TRL's ``entropies[mask].float()``, whatever
+            the other inputs' dtypes) keep their policy loss; 1 = off.
         entropy_coef: the entropy bonus coefficient (TRL's static ``entropy_coef``).
         off_policy_mask_threshold: DeepSeek-V3.2's off-policy sequence mask, or None.
 

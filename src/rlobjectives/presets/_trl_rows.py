@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
-from .._core.validation import Scalar
+from .._core.validation import Scalar, validate_scalar
 from ..policy.surrogates import CISPO, SAPO, VESPO, Clip
 from ._common import ReductionArgs
 from ._trl_metrics import MetricInputs, cispo_metrics, clip_metrics, no_metrics, vespo_metrics
@@ -51,7 +51,8 @@ def _generation_token_mean(batch: Batch) -> ReductionArgs:
     window = batch.accumulation / batch.steps_per_generation  # TRL >= 1.10: GA / spg
     if batch.num_items is None:  # this call holds the whole generation batch
         return ReductionArgs("token_mean", divisor=batch.processes**-1 * window)
-    items = batch.num_items
+    # TRL's count (a 0-d tensor or a number), checked under its name where it is read
+    items = validate_scalar(batch.num_items, "num_items_in_batch", minimum=0.0)
     items = items.clamp(min=1) if isinstance(items, torch.Tensor) else max(items, 1)
     return ReductionArgs("token_mean", normalizer=items / batch.processes * window)
 

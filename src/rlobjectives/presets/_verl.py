@@ -128,21 +128,31 @@ VERL_AGGREGATIONS: dict[str, Callable[[torch.Tensor, dict[str, Any]], ReductionA
 }
 
 
-def _check_config(config: object) -> None:
+def _check_config(config: object, loss_mode: str) -> None:
     """The config values under verl's names, checked like the library's hyperparameters.
 
     verl passes ``config`` with the tensors, so they are checked at every call (before any
-    tensor work): the clip band (``clip_ratio_low`` or, without it, ``clip_ratio`` in
-    ``[0, 1)``; ``clip_ratio_high``, ``clip_ratio`` >= 0), ``clip_ratio_c > 1``, ``tau_pos``,
-    ``tau_neg`` > 0, and ``global_batch_info``'s ``dp_size`` (a positive whole number),
-    ``batch_num_tokens``, ``global_batch_size`` and ``loss_scale_factor`` (positive, finite).
+    tensor work), whichever mode reads them: the clip band (``clip_ratio_low`` or, without it,
+    ``clip_ratio`` in ``[0, 1)``; ``clip_ratio_high``, ``clip_ratio`` >= 0; for ``dppo_tv``,
+    whose band is a threshold on ``|p - p_old| <= 1``, the high edge at most 1),
+    ``clip_ratio_c > 1``, ``tau_pos``, ``tau_neg`` > 0, ``global_batch_info``'s ``dp_size``
+    (a positive whole number), ``batch_num_tokens``, ``global_batch_size`` and
+    ``loss_scale_factor`` (positive, finite), and ``policy_loss``'s numbers
+    (:func:`_check_policy_options`).
     """
     ratio = preset_number(option(config, "clip_ratio", 0.2), "clip_ratio")
     if option(config, "clip_ratio_low", None) is None:
         preset_number(ratio, "clip_ratio", maximum=1.0)  # it is the low edge too
     else:
         preset_number(option(config, "clip_ratio_low", None), "clip_ratio_low", maximum=1.0)
-    preset_number(option(config, "clip_ratio_high", ratio), "clip_ratio_high")
+    given_high = option(config, "clip_ratio_high", None) is not None
+    high_name = "clip_ratio_high" if given_high else "clip_ratio"
+    high = preset_number(option(config, "clip_ratio_high", ratio), high_name)
+    if loss_mode == "dppo_tv" and high > 1.0:
+        raise ValueError(
+            f"{high_name} must be <= 1 for loss_mode='dppo_tv' (the high edge is a threshold on "
+            f"|p - p_old| <= 1), got {high}"
+        )
     preset_number(option(config, "clip_ratio_c", 3.0), "clip_ratio_c", minimum=1.0, strict=True)
     for name, default in (("tau_pos", 1.0), ("tau_neg", 1.05)):
         preset_number(option(config, name, default), name, strict=True)
@@ -152,6 +162,39 @@ def _check_config(config: object) -> None:
     for key in ("batch_num_tokens", "global_batch_size", "loss_scale_factor"):
         if info.get(key) is not None:
             validate_scalar(info[key], f"global_batch_info[{key!r}]", strict=True)
+    _check_policy_options(_policy_options(config))
+
+
+def _check_policy_options(policy: object) -> None:
+    """``config.policy_loss``'s numbers, named ``policy_loss.<name>`` as verl names them.
+
+    ``clip_cov_ratio`` and ``kl_cov_ratio`` in ``(0, 1]``, ``clip_cov_lb < clip_cov_ub``
+    (finite), ``ppo_kl_coef >= 0`` and ``dro_beta > 0`` when given (finite); missing values
+    take verl's defaults.
+    """
+    for name in ("clip_cov_ratio", "kl_cov_ratio"):
+        _selection_ratio(policy, name)
+    _clip_cov_bounds(policy)
+    preset_number(option(policy, "ppo_kl_coef", 1.0), "policy_loss.ppo_kl_coef")
+    beta = option(policy, "dro_beta", None)
+    if beta is not None:
+        preset_number(beta, "policy_loss.dro_beta", strict=True)
+
+
+def _clip_cov_bounds(policy: object) -> tuple[float, float]:
+    """``(policy_loss.clip_cov_lb, policy_loss.clip_cov_ub)`` (verl's 1.0 and 5.0), lb < ub."""
+    lower = preset_number(
+        option(policy, "clip_cov_lb", 1.0), "policy_loss.clip_cov_lb", minimum=None
+    )
+    upper = preset_number(
+        option(policy, "clip_cov_ub", 5.0), "policy_loss.clip_cov_ub", minimum=None
+    )
+    if lower >= upper:
+        raise ValueError(
+            f"policy_loss.clip_cov_lb must be < policy_loss.clip_cov_ub, got clip_cov_lb={lower} "
+            f"and clip_cov_ub={upper}"
+        )
+    return lower, upper
 
 
 def _clip_band(config: object) -> tuple[float, float]:
@@ -391,16 +434,7 @@ def _clip_cov(call: _Call, args: ReductionArgs) -> VerlLossOutput:
     low, high = _clip_band(call.config)
     policy = _policy_options(call.config)
     ratio = _selection_ratio(policy, "clip_cov_ratio")
-    lower = preset_number(
-        option(policy, "clip_cov_lb", 1.0), "policy_loss.clip_cov_lb", minimum=None
-    )
-    upper = preset_number(
-        option(policy, "clip_cov_ub", 5.0), "policy_loss.clip_cov_ub", minimum=None
-    )
-    if lower >= upper:
-        raise ValueError(
-            f"policy_loss.clip_cov_lb must be < policy_loss.clip_cov_ub, got {lower} and {upper}"
-        )
+    lower, upper = _clip_cov_bounds(policy)
     clip_cov = ClipCov(
         ratio=ratio,
         low=low,
@@ -552,11 +586,12 @@ class VerlPolicyLoss:
         rollout_is_weights: torch.Tensor | None = None,
     ) -> VerlLossOutput:
         """The ``(pg_loss, pg_metrics)`` of verl for these tensors (:func:`verl_policy_loss`)."""
-        _check_config(config)
+        _check_config(config, self.loss_mode)
         mode = VERL_LOSS_MODES[self.loss_mode]
-        aggregation = mode.forced_aggregation
-        if aggregation is None:
-            aggregation = validate_choice(loss_agg_mode, "loss_agg_mode", tuple(VERL_AGGREGATIONS))
+        # checked for every mode, also those that force their own aggregation (verl's
+        # ActorConfig refuses an unknown loss_agg_mode whatever the loss_mode)
+        validate_choice(loss_agg_mode, "loss_agg_mode", tuple(VERL_AGGREGATIONS))
+        aggregation = mode.forced_aggregation or loss_agg_mode
         wide = float64_if_any(old_log_prob, log_prob, advantages, rollout_is_weights)
         old_log_prob, log_prob, advantages = (
             promote(t, wide) for t in (old_log_prob, log_prob, advantages)
@@ -655,12 +690,15 @@ def verl_policy_loss(loss_mode: str = "vanilla") -> VerlPolicyLoss:
 
     Raises:
         ValueError: an unknown ``loss_mode``; at call time (verl passes ``config`` with the
-            tensors) an unknown ``loss_agg_mode``, ``dp_size > 1`` without the global count the
-            mode needs (as verl), or a ``config`` value that is non-finite or out of range,
-            named as verl names it (``clip_ratio_low`` outside ``[0, 1)``, ``clip_ratio_c <=
-            1``, ``tau_pos <= 0``, ``global_batch_info['dp_size']`` not a positive whole
-            number, ``policy_loss.dro_beta`` missing or not positive, ``clip_cov_ratio`` /
-            ``kl_cov_ratio`` outside ``(0, 1]``, ``clip_cov_lb >= clip_cov_ub``...).
+            tensors) an unknown ``loss_agg_mode`` (every mode, also those that force their own),
+            ``dp_size > 1`` without the global count the mode needs (as verl), or a ``config``
+            value that is non-finite or out of range, named as verl names it, in every mode
+            (``clip_ratio_low`` outside ``[0, 1)``, ``clip_ratio_c <= 1``, ``tau_pos <= 0``,
+            ``global_batch_info['dp_size']`` not a positive whole number,
+            ``policy_loss.dro_beta`` not positive (missing in ``"dro"``),
+            ``policy_loss.clip_cov_ratio`` / ``kl_cov_ratio`` outside ``(0, 1]``,
+            ``clip_cov_lb >= clip_cov_ub``; for ``"dppo_tv"`` ``clip_ratio_high``, or the
+            ``clip_ratio`` it defaults to, above 1...).
         TypeError: at call time, a ``config`` value that is not a number.
 
     Examples:

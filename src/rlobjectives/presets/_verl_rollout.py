@@ -28,7 +28,7 @@ numbers (0, or an infinite effective sample size).
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import NamedTuple
 
 import torch
@@ -37,7 +37,7 @@ import torch.distributed as dist
 from .._core.reduction import mean_selected, safe_divide, sum_selected
 from .._core.validation import compute_dtype
 from ..rollout.correction import LOG_RATIO_BOUND, Level, rollout_correction
-from ._common import option
+from ._common import option, preset_flag
 
 __all__ = ["BYPASS_LOSS_TYPES", "RS_OPTIONS", "BypassCorrection", "RolloutOptions"]
 __all__ += ["bypass_correction", "rollout_options"]
@@ -101,10 +101,17 @@ class RolloutOptions(NamedTuple):
 
 def _is_threshold(spec: object) -> tuple[float, float | None]:
     """``rollout_is_threshold`` as verl parses it: ``U`` (TIS) or ``"L_U"`` (IcePop)."""
-    if isinstance(spec, bool) or not isinstance(spec, (int, float, str)):
+    if isinstance(spec, bool):  # verl's wording, which its own tests read
+        raise TypeError(
+            "rollout_is_threshold must be specified as a float or a string threshold "
+            f"specification, not a boolean, got {spec!r}"
+        )
+    if not isinstance(spec, (int, float, str)):
         raise TypeError(f"rollout_is_threshold must be a float or a threshold string, got {spec!r}")
     lower: float | None = None
     text = str(spec).strip() if isinstance(spec, str) else None
+    if text == "":
+        raise ValueError("rollout_is_threshold must not be an empty string")
     try:
         if text is not None and "_" in text:
             low_text, high_text = text.split("_", 1)
@@ -174,13 +181,29 @@ def _rejections(options: object, spec: object) -> tuple[Rejection, ...]:
     return tuple(rejections)
 
 
+def _get(correction: object, name: str, default: object) -> object:
+    """``correction.get(name, default)`` as verl reads it: the default only for a missing key.
+
+    A key given as None stays None (verl's ``rollout_is_threshold=None`` turns the IS weights
+    off, a missing one is verl's default 2.0).
+    """
+    if isinstance(correction, Mapping):
+        return correction.get(name, default)
+    return getattr(correction, name, default)
+
+
 def rollout_options(config: object) -> RolloutOptions:
     """``config.policy_loss.rollout_correction`` read and checked as verl reads it.
+
+    Missing keys take the defaults of verl's ``compute_policy_loss_bypass_mode``
+    (``loss_type="ppo_clip"``, ``rollout_is=None``, ``rollout_is_threshold=2.0``,
+    ``rollout_is_batch_normalize=False``, ``rollout_rs=None``); a key given as None is None.
 
     Raises:
         ValueError: no ``rollout_correction``, an unknown ``rollout_is`` / ``rollout_rs`` /
             ``loss_type``, or a malformed threshold (verl's messages).
-        TypeError: a threshold that is neither a number nor a string.
+        TypeError: a threshold that is neither a number nor a string (a bool: verl's "not a
+            boolean"), a ``rollout_is_batch_normalize`` that is not a bool.
     """
     policy = option(config, "policy_loss", None)
     correction = option(policy, "rollout_correction", None)
@@ -189,11 +212,11 @@ def rollout_options(config: object) -> RolloutOptions:
             "loss_mode='bypass_mode' needs config.policy_loss.rollout_correction "
             "(verl's RolloutCorrectionConfig)"
         )
-    loss_type = option(correction, "loss_type", "ppo_clip")
+    loss_type = _get(correction, "loss_type", "ppo_clip")
     if loss_type not in BYPASS_LOSS_TYPES:
         raise ValueError(f"loss_type must be one of {list(BYPASS_LOSS_TYPES)}, got {loss_type!r}")
-    level = option(correction, "rollout_is", None)
-    threshold = option(correction, "rollout_is_threshold", None)
+    level = _get(correction, "rollout_is", None)
+    threshold = _get(correction, "rollout_is_threshold", 2.0)
     upper, lower = 1.0, None
     if level is not None and threshold is not None:
         if level not in ("token", "sequence"):
@@ -201,11 +224,12 @@ def rollout_options(config: object) -> RolloutOptions:
         upper, lower = _is_threshold(threshold)
     else:
         level = None
-    normalize = option(correction, "rollout_is_batch_normalize", False)
+    normalize = _get(correction, "rollout_is_batch_normalize", False)
+    normalize = False if normalize is None else preset_flag(normalize, "rollout_is_batch_normalize")
     rejections = _rejections(
-        option(correction, "rollout_rs", None), option(correction, "rollout_rs_threshold", None)
+        _get(correction, "rollout_rs", None), _get(correction, "rollout_rs_threshold", None)
     )
-    return RolloutOptions(level, upper, lower, bool(normalize), rejections, loss_type)
+    return RolloutOptions(level, upper, lower, normalize, rejections, str(loss_type))
 
 
 class BypassCorrection(NamedTuple):

@@ -50,6 +50,7 @@ from .._core.validation import (
     check_shape,
     checks_environment,
     compute_dtype,
+    scalar_number,
     validate_choice,
     validate_context_group,
     validate_scalar,
@@ -223,13 +224,6 @@ def check_pair(
     return Pair(first_t, other_t, mask_t, layout, flat)
 
 
-def _number(value: float | torch.Tensor) -> float | None:
-    """The value of a validated bound, or None while ``torch.compile`` traces a tensor."""
-    if isinstance(value, torch.Tensor):
-        return None if torch.compiler.is_compiling() else float(value.detach().cpu())
-    return value
-
-
 def _validate_bounds(
     upper: Scalar | None, lower: Scalar | None, veto: Scalar | None
 ) -> tuple[Bound, Bound, Bound]:
@@ -238,7 +232,7 @@ def _validate_bounds(
     lower_v = None if lower is None else validate_scalar(lower, "lower")
     veto_v = None if veto is None else validate_scalar(veto, "veto", strict=True)
     if upper_v is not None and lower_v is not None:
-        high, low = _number(upper_v), _number(lower_v)
+        high, low = scalar_number(upper_v), scalar_number(lower_v)
         if high is not None and low is not None and low > high:
             raise ValueError(f"lower must be <= upper, got lower={low} and upper={high}")
     return upper_v, lower_v, veto_v

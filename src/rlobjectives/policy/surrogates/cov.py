@@ -42,7 +42,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
-from ..._core.validation import Scalar, validate_scalar
+from ..._core.validation import Scalar, scalar_number, validate_scalar
 from .base import PolicyTokens, Surrogate, SurrogateTerms
 from .clip import Clip
 from .selection import centered_covariance, draw_seed, random_subset, selection_count, top_k
@@ -69,8 +69,9 @@ class CovSelection(NamedTuple):
 def validate_ratio(value: Scalar, name: str) -> float | torch.Tensor:
     r"""A selection ratio :math:`0 < \rho \le 1` (a real number or a 0-d tensor)."""
     ratio = validate_scalar(value, name, minimum=0.0, strict=True)
-    if not isinstance(ratio, torch.Tensor) and ratio > 1.0:
-        raise ValueError(f"{name} must be <= 1 (a fraction of the selected tokens), got {ratio}")
+    number = scalar_number(ratio)  # a 0-d tensor is held to the same range
+    if number is not None and number > 1.0:
+        raise ValueError(f"{name} must be <= 1 (a fraction of the selected tokens), got {number}")
     return ratio
 
 
@@ -176,10 +177,11 @@ class ClipCov(Surrogate):
             object.__setattr__(self, "high", high)
         lower = validate_scalar(self.cov_lb, "ClipCov.cov_lb", minimum=None)
         upper = validate_scalar(self.cov_ub, "ClipCov.cov_ub", minimum=None)
-        both = not isinstance(lower, torch.Tensor) and not isinstance(upper, torch.Tensor)
-        if both and lower >= upper:
+        low_number, high_number = scalar_number(lower), scalar_number(upper)  # tensors too
+        if low_number is not None and high_number is not None and low_number >= high_number:
             raise ValueError(
-                f"ClipCov.cov_lb must be < ClipCov.cov_ub, got cov_lb={lower} and cov_ub={upper}"
+                f"ClipCov.cov_lb must be < ClipCov.cov_ub, got cov_lb={low_number} and "
+                f"cov_ub={high_number}"
             )
         object.__setattr__(self, "cov_lb", lower)
         object.__setattr__(self, "cov_ub", upper)

@@ -47,7 +47,7 @@ from typing import ClassVar
 import torch
 
 from ..._core.decisions import ratio_above
-from ..._core.validation import Scalar, validate_scalar
+from ..._core.validation import Scalar, scalar_number, validate_scalar
 from .base import PolicyTokens, Surrogate, SurrogateTerms
 
 __all__ = ["BINARY_KL_EPSILON", "DIVERGENCES", "DPPO", "binary_kl", "dppo_trust_region"]
@@ -139,7 +139,7 @@ class DPPO(Surrogate):
 
     def _threshold(self, value: Scalar, field: str) -> float | torch.Tensor:
         checked = validate_scalar(value, f"DPPO.{field}", minimum=0.0)
-        number = float(checked) if not isinstance(checked, torch.Tensor) else None
+        number = scalar_number(checked)  # a 0-d tensor is held to the same range
         if self.divergence == "tv" and number is not None and number > 1.0:
             raise ValueError(
                 f"DPPO.{field} must be <= 1 for divergence='tv' (|p - p_old| <= 1), got {number}"
