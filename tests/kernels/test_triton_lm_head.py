@@ -157,3 +157,18 @@ def test_backward_in_vocabulary_chunks_equals_one_chunk() -> None:
     for whole, chunked in zip(grads[0], grads[1], strict=True):  # hidden, weight, bias
         assert whole is not None and chunked is not None
         torch.testing.assert_close(chunked, whole, **FP32)
+
+
+def test_a_selected_id_outside_the_vocabulary_raises_as_on_pytorch() -> None:
+    import rlobjectives as rlo
+
+    hidden, weight = torch.randn(1, 2, 3), torch.randn(5, 3)
+    for backend in ("torch", "triton"):
+        with rlo.use_backend(backend), pytest.raises(RuntimeError):
+            rlo.token_log_probs_from_hidden(hidden, weight, torch.tensor([[1, 7]]))
+    # an unselected position may hold any id (padding)
+    with rlo.use_backend("triton"):
+        out = rlo.token_log_probs_from_hidden(
+            hidden, weight, torch.tensor([[1, -100]]), mask=torch.tensor([[True, False]])
+        )
+    assert torch.isfinite(out[0, 0]) and out[0, 1] == 0.0

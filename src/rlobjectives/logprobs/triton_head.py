@@ -36,6 +36,10 @@ def _forward(
     """``(log_probs, entropy, lse, local_tokens)``, ``(N,)`` float32, zeros at masked rows."""
     from ..kernels.head_forward import lm_head_forward, lm_head_slice_stats
 
+    # a selected id outside [0, V) raises, as the PyTorch path's gather does (no host read)
+    vocab = weight.shape[0] if shard is None else shard.vocab_size()
+    inside = (tokens >= 0) & (tokens < vocab)
+    torch._assert_async(torch.all(inside | ~mask), "tokens must be ids in [0, V)")
     if shard is None:
         out = lm_head_forward(
             hidden, weight, tokens, mask, bias=bias, temperature=temperature,
