@@ -287,6 +287,13 @@ def _call_nll(
     return ({"loss": out}, {}) if out.ndim == 0 else ({}, {"loss": out})
 
 
+def _call_dft(
+    p: Problem, leaves: dict[str, torch.Tensor], group: Any, o: dict[str, Any]
+) -> Outputs:
+    out = rlo.dft_loss(leaves["log_probs"], p.mask, **o, **_packing(p), context_group=group)
+    return ({"loss": out}, {}) if out.ndim == 0 else ({}, {"loss": out})
+
+
 def _call_kl_loss(
     p: Problem, leaves: dict[str, torch.Tensor], group: Any, o: dict[str, Any]
 ) -> Outputs:
@@ -446,6 +453,7 @@ CALLS: dict[str, Call] = {
     "policy_loss": _call_policy,
     "aggregate": _call_aggregate,
     "nll_loss": _call_nll,
+    "dft_loss": _call_dft,
     "kl_loss": _call_kl_loss,
     "kl_penalized_rewards": _call_kl_rewards,
     "kl_penalized_token_rewards": _call_kl_token_rewards,
@@ -463,6 +471,7 @@ LEAVES: dict[str, tuple[str, ...]] = {
     "policy_loss": ("log_probs", "entropy"),
     "aggregate": ("values",),
     "nll_loss": ("log_probs",),
+    "dft_loss": ("log_probs",),
     "kl_loss": ("log_probs",),
     "kl_penalized_rewards": ("log_probs",),
     "kl_penalized_token_rewards": (),
@@ -725,6 +734,30 @@ def _other_cases() -> list[Case]:
             "pair",
         ),
         ("fused_policy_loss_from_hidden", "gmpo", {"surrogate": "gmpo"}, "chunks", "trio"),
+        # "prompt_mean": prompts {0, 2 (empty)}, {1, 4}, {3} by label; contiguous pairs can't
+        # split 5 sequences, so the labels everywhere
+        (
+            "aggregate",
+            "prompt",
+            {"reduction": "prompt_mean", "group_ids": [7, 8, 7, 9, 8]},
+            "chunks",
+            "trio",
+        ),
+        (
+            "nll_loss",
+            "prompt",
+            {"reduction": "prompt_mean", "group_ids": [0, 1, 0, 2, 1], "normalizer": 5.0},
+            "scatter",
+            "pair",
+        ),
+        (
+            "dft_loss",
+            "prompt",
+            {"reduction": "prompt_mean", "group_ids": [0, 0, 1, 1, 1]},
+            "slices",
+            "trio",
+        ),
+        ("dft_loss", "token", {"reduction": "token_mean"}, "chunks", "pair"),
     ]
     for layout in ("padded", "packed"):
         for function, name, options, split, group in rows:

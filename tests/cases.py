@@ -756,6 +756,28 @@ def group_ids_wrongs(*, size_argument: str | None = "group_size") -> tuple[Wrong
     return rows  # fmt: skip
 
 
+def prompt_group_wrongs() -> tuple[Wrong, ...]:
+    """``"prompt_mean"``'s groups on a ``(B, T)`` reduction: ``group_size`` (contiguous) or
+    ``group_ids`` (one label per sequence), and ``"prompt_mean"`` without either."""
+
+    def wrong(argument: str, kind: str, label: str, value: Any, error: Any, **kw: Any) -> Wrong:
+        return Wrong(argument, kind, label, lambda a, v=value: v, error, subject(argument), **kw)
+
+    return int_wrongs("group_size", minimum=1) + (
+        wrong("group_size", "value", "not-dividing", B + 1, ValueError),
+        wrong("group_ids", "shape", "one-too-many", list(range(B + 1)), ValueError),
+        wrong("group_ids", "shape", "2-d", torch.zeros(B, 2, dtype=torch.int64), ValueError),
+        wrong("group_ids", "dtype", "float", torch.zeros(B), TypeError),
+        wrong("group_ids", "dtype", "float-label", [0.5, 1.5], TypeError),
+        wrong("group_ids", "device", "meta", torch.zeros(B, dtype=torch.int64, device="meta"),
+              ValueError),
+        wrong("group_ids", "type", "str", "ab", TypeError),
+        Wrong("group_ids", "value", "with-group_size", lambda a: [0, 0], ValueError,
+              mention("group_ids"), also=lambda a: {"group_size": 1}),
+        wrong("reduction", "value", "prompt_mean-without-groups", "prompt_mean", ValueError),
+    )  # fmt: skip
+
+
 def _group_arguments() -> Arguments:
     return {"rewards": torch.randn(B * G, dtype=torch.float64), "group_size": G}
 
@@ -1079,6 +1101,16 @@ ISSUE25_CASES: tuple[Case, ...] = (
         + hyper("eps", below=-0.1),
     ),
     Case(
+        "gpg_advantages",
+        rlo.gpg_advantages,
+        lambda: {"rewards": torch.rand(B * G, dtype=torch.float64), "group_size": G,
+                 "f_norm": 0.5},
+        tensor_wrongs("rewards", shapes=((B * G, 1),), reference=True, kinds="shape dtype type")
+        + int_wrongs("group_size", minimum=1)
+        + group_ids_wrongs()
+        + hyper("f_norm", below=0.0),
+    ),
+    Case(
         "length_adaptive_lambda",
         rlo.length_adaptive_lambda,
         lambda: {"lengths": torch.tensor([0, 10, 100]), "alpha": 0.05},
@@ -1115,6 +1147,7 @@ CASES: tuple[Case, ...] = (
         per_token_wrongs("values", reference=True)
         + mask_wrongs()
         + reduction_wrongs()
+        + prompt_group_wrongs()
         + cu_seqlens_wrongs()
         + context_group_wrongs(),
     ),
@@ -1621,15 +1654,20 @@ CASES: tuple[Case, ...] = (
             Wrong("group", "type", "str", lambda a: "x", (TypeError, ValueError), subject("group")),
         ),
     ),
-    Case(
-        "nll_loss",
-        rlo.nll_loss,
-        lambda: {"log_probs": per_token(), "mask": token_mask(), "reduction": "sequence_mean"},
-        per_token_wrongs("log_probs", reference=True)
-        + mask_wrongs()
-        + reduction_wrongs()
-        + cu_seqlens_wrongs()
-        + context_group_wrongs(),
+    *(
+        Case(
+            name,
+            function,
+            lambda: {"log_probs": -per_token().abs(), "mask": token_mask(),
+                     "reduction": "sequence_mean"},
+            per_token_wrongs("log_probs", reference=True)
+            + mask_wrongs()
+            + reduction_wrongs()
+            + prompt_group_wrongs()
+            + cu_seqlens_wrongs()
+            + context_group_wrongs(),
+        )
+        for name, function in (("nll_loss", rlo.nll_loss), ("dft_loss", rlo.dft_loss))
     ),
     Case(
         "m2po_mask",

@@ -200,10 +200,24 @@ def _policy(fn: Callable[..., Any] = rlo.policy_loss, **options: Any) -> Callabl
     return run
 
 
-def _aggregate(reduction: str) -> Callable[[View], Outputs]:
+def _prompts(v: View, reduction: str) -> dict[str, Any]:
+    """``"prompt_mean"``'s groups: sequences 0-1, 2-3, ... share a prompt (labels per sequence)."""
+    if reduction != "prompt_mean":
+        return {}
+    return {"group_ids": torch.arange(v.batch.attention.shape[0]) // 2}
+
+
+def _aggregate(
+    reduction: str, function: Callable[..., Any] = rlo.aggregate
+) -> Callable[[View], Outputs]:
     def run(v: View) -> Outputs:
-        out = rlo.aggregate(
-            v["log_probs"], v["mask"], reduction=reduction, max_response_length=9, **v.layout
+        out = function(
+            v["log_probs"],
+            v["mask"],
+            reduction=reduction,
+            max_response_length=9,
+            **_prompts(v, reduction),
+            **v.layout,
         )
         return {"loss": v.tokens(out) if out.ndim else out}
 
@@ -413,13 +427,7 @@ def _clip_cov_drawn(**options: Any) -> Callable[[View], Outputs]:
 
 
 def _nll(reduction: str) -> Callable[[View], Outputs]:
-    def run(v: View) -> Outputs:
-        out = rlo.nll_loss(
-            v["log_probs"], v["mask"], reduction=reduction, max_response_length=9, **v.layout
-        )
-        return {"loss": v.tokens(out) if out.ndim else out}
-
-    return run
+    return _aggregate(reduction, rlo.nll_loss)
 
 
 def _distillation(kind: str, hidden: bool, **options: Any) -> Callable[[View], Outputs]:
@@ -716,6 +724,7 @@ CASES: list[Case] = [
         ("log_probs_leaf", "values_leaf"),
     ),
     *(Case(f"nll_loss-{r}", _nll(r)) for r in rlo.Reduction.__args__),  # type: ignore[attr-defined]
+    *(Case(f"dft_loss-{r}", _aggregate(r, rlo.dft_loss)) for r in ("token_mean", "prompt_mean")),
     Case("m2po_mask", _m2po_mask, ()),
     Case("cov_selection-kl_cov", _cov_selection(KLCov(ratio=0.3)), ()),
     Case(

@@ -331,8 +331,10 @@ def reduce_losses(
     reduction: str,
     normalizer: float | None = None,
     max_response_length: int | None = None,
+    labels: list[object] | None = None,
 ) -> Tensor:
-    """Reduce {(i, t): loss} with the named reduction, as the docs define it."""
+    """Reduce {(i, t): loss} with the named reduction, as the docs define it (``labels``: the
+    prompt of each row, for ``"prompt_mean"``)."""
     batch, tokens = shape
     zero = torch.zeros((), dtype=torch.float64)
     if reduction == "none":
@@ -367,6 +369,17 @@ def reduce_losses(
                 total = total + len(values) * (sum(values, zero) / len(values))
         rows = batch if normalizer is None else normalizer
         return total / rows if rows else zero
+    if reduction == "prompt_mean":  # mean over prompts of the token mean of their responses
+        assert labels is not None and len(labels) == batch
+        total = zero
+        non_empty = 0
+        for rows_of_prompt in _members(labels).values():
+            values = [v for (j, _), v in losses.items() if j in rows_of_prompt]
+            if values:
+                total = total + sum(values, zero) / len(values)
+                non_empty += 1
+        count = non_empty if normalizer is None else normalizer
+        return total / count if count else zero
     raise ValueError(reduction)
 
 
@@ -2429,12 +2442,13 @@ def nll_loss(
     reduction: str = "token_mean",
     normalizer: float | None = None,
     max_response_length: int | None = None,
+    labels: list[object] | None = None,
 ) -> Tensor:
     """Reference of rlobjectives.nll_loss: reduce(-log_probs) over the selected tokens."""
     losses = {(i, t): -log_probs[i, t] for i, t in _selected_tokens(mask)}
     return reduce_losses(
         losses, tuple(mask.shape), reduction=reduction, normalizer=normalizer,  # type: ignore[arg-type]
-        max_response_length=max_response_length,
+        max_response_length=max_response_length, labels=labels,
     )  # fmt: skip
 
 
@@ -2949,3 +2963,39 @@ def truncated_log_probs_from_hidden(
     if bias is not None:
         logits = logits + bias.double()
     return truncated_log_probs(logits, tokens, mask, temperature, **kept)  # type: ignore[arg-type]
+
+
+# --- issue 35: prompt_mean, DFT, decoupled PPO, GPG, IW-OPD and the rest ------------------------
+
+
+def dft_loss(
+    log_probs: Tensor,
+    mask: Tensor,
+    *,
+    reduction: str = "token_mean",
+    normalizer: float | None = None,
+    max_response_length: int | None = None,
+    labels: list[object] | None = None,
+) -> Tensor:
+    """Reference of rlobjectives.dft_loss: reduce(-sg(exp(l)) l) over the selected tokens."""
+    losses = {
+        (i, t): -math.exp(float(log_probs[i, t].detach())) * log_probs[i, t]
+        for i, t in _selected_tokens(mask)
+    }
+    return reduce_losses(
+        losses, tuple(mask.shape), reduction=reduction, normalizer=normalizer,  # type: ignore[arg-type]
+        max_response_length=max_response_length, labels=labels,
+    )  # fmt: skip
+
+
+def gpg_advantages(rewards: Tensor, labels: list[object], *, f_norm: float = 1.0) -> Tensor:
+    """GPG: alpha (r - mean of the group) / f_norm, alpha = B / max(#{r != 0}, 1); 0 alone."""
+    batch = rewards.shape[0]
+    alpha = batch / max(sum(1 for k in range(batch) if float(rewards[k].detach()) != 0.0), 1)
+    out = [torch.zeros((), dtype=torch.float64)] * batch
+    for members in _members(labels).values():
+        mean = sum((rewards[k] for k in members), torch.zeros((), dtype=torch.float64))
+        mean = mean / len(members)
+        for k in members:
+            out[k] = alpha * (rewards[k] - mean) / f_norm if len(members) > 1 else 0.0 * rewards[k]
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)

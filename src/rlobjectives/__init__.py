@@ -11,6 +11,7 @@ from ._core.packing import PackedTokens, UnpackedTokens, pack, unpack
 from ._core.reduction import Reduction, aggregate, masked_mean, masked_sum
 from .advantages.gae import GAEOutput, gae, reinforce_plus_plus_advantages
 from .advantages.gdpo import gdpo_advantages
+from .advantages.gpg import gpg_advantages
 from .advantages.length import length_adaptive_lambda, overlong_penalty
 from .advantages.maxrl import maxrl_advantages
 from .advantages.outcome import (
@@ -58,7 +59,7 @@ from .logprobs.vocab_parallel import VocabParallel
 from .policy.entropy import top_entropy_mask
 from .policy.inputs import PolicyLossDiagnostics, PolicyLossOutput
 from .policy.loss import policy_loss
-from .policy.nll import nll_loss
+from .policy.nll import dft_loss, nll_loss
 from .policy.seeds import grpo_clipped_surrogate, kl_penalized_rewards
 from .policy.selection import CovSelection, cov_selection, m2po_mask
 from .policy.surrogates import (
@@ -120,11 +121,13 @@ __all__ = [
     "aggregate",
     "cov_selection",
     "data_parallel_loss_scale",
+    "dft_loss",
     "full_vocab_kl",
     "full_vocab_kl_loss",
     "fused_policy_loss_from_hidden",
     "gae",
     "gdpo_advantages",
+    "gpg_advantages",
     "generalized_jsd_loss",
     "generalized_jsd_loss_from_hidden",
     "global_cov_selection",
