@@ -1117,6 +1117,25 @@ ISSUE25_CASES: tuple[Case, ...] = (
         length_wrongs() + scalar_wrongs("alpha", below=0.0, tensors=False),
     ),
     Case(
+        "relative_position_lambda",
+        rlo.relative_position_lambda,
+        lambda: {"lengths": torch.tensor([0, 1, 5]), "q": 0.5},
+        length_wrongs() + scalar_wrongs("q", below=0.0, above=1.5, tensors=False),
+    ),
+    Case(
+        "group_length_penalty",
+        rlo.group_length_penalty,
+        lambda: {"rewards": torch.rand(B * G, dtype=torch.float64),
+                 "quantities": torch.rand(B * G, 3, dtype=torch.float64) * 9,
+                 "weights": torch.tensor([0.25, 0.1, 0.1], dtype=torch.float64),
+                 "group_size": G},
+        tensor_wrongs("rewards", shapes=((B * G, 1),), reference=True, kinds="shape dtype type")
+        + tensor_wrongs("quantities", shapes=((B * G + 1, 3), (B * G, 3, 1)))
+        + tensor_wrongs("weights", shapes=((2,), (3, 1)))
+        + int_wrongs("group_size", minimum=1)
+        + group_ids_wrongs(),
+    ),
+    Case(
         "overlong_penalty",
         rlo.overlong_penalty,
         lambda: {"lengths": torch.tensor([10.0, 17.0, 22.0], dtype=torch.float64),

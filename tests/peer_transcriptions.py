@@ -192,11 +192,81 @@ class AReaLPromptMean:
         )
 
 
+# ------------------------------------------------------------------------------------------------
+# AReaL, areal-project/AReaL @ cbff54d645d2cd8ee1f1c358a82f3f473588433d,
+# areal/trainer/ppo/lambda_fn.py, relative_position_gae_lambda (the context's
+# "timestep_lengths" passed as ``lengths``).
+# ------------------------------------------------------------------------------------------------
+
+
+def areal_relative_position_gae_lambda(lengths: torch.Tensor, *, q: float) -> torch.Tensor:
+    if (
+        isinstance(q, bool)
+        or not isinstance(q, int | float)
+        or not math.isfinite(q)
+        or not 0 < q <= 1
+    ):
+        raise ValueError(f"q must be a finite number in (0, 1], got {q!r}")
+
+    decay_steps = (lengths - 1).clamp_min(1).to(dtype=torch.float32)
+    step_lambdas = torch.exp(math.log(float(q)) / decay_steps)
+    return torch.where(
+        lengths > 1,
+        step_lambdas,
+        torch.where(
+            lengths == 1,
+            torch.ones_like(step_lambdas),
+            torch.zeros_like(step_lambdas),
+        ),
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# prime-rl, PrimeIntellect-ai/prime-rl @ 559b44772e471d1538537b8805cc77f3824a5e64,
+# src/prime_rl/orchestrator/algo/grpo.py, GRPOAlgorithm.score_group (one group; the traces'
+# fields passed as tensors, the config's weights as numbers, the dtype an argument).
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class LinearLengthPenalty:
+    num_output_tokens_weight: float = 0.25
+    num_input_tokens_weight: float = 0.1
+    num_turns_weight: float = 0.1
+
+
+def prime_rl_score_group(
+    reward: list[float],
+    num_output_tokens: list[int],
+    num_total_tokens: list[int],
+    num_turns: list[int],
+    length_penalty: LinearLengthPenalty | None,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    rewards = torch.tensor(reward, dtype=dtype)
+    if length_penalty is None:
+        advantages = rewards - rewards.mean()
+    else:
+        output = torch.tensor(num_output_tokens, dtype=rewards.dtype)
+        total = torch.tensor(num_total_tokens, dtype=rewards.dtype)
+        turns = torch.tensor(num_turns, dtype=rewards.dtype)
+        input = total - output
+        penalty_frac = (
+            length_penalty.num_output_tokens_weight * (output / output.max().clamp(min=1))
+            + length_penalty.num_input_tokens_weight * (input / input.max().clamp(min=1))
+            + length_penalty.num_turns_weight * (turns / turns.max().clamp(min=1))
+        )
+        penalty = rewards.mean() * penalty_frac
+        shaped_rewards = rewards - penalty
+        advantages = shaped_rewards - shaped_rewards.mean()
+    return advantages
+
+
 __all__ = [
     "AReaLPromptMean",
+    "LinearLengthPenalty",
+    "areal_relative_position_gae_lambda",
+    "prime_rl_score_group",
     "skyrl_apply_loss_reduction_to_advantages_minibatch",
     "skyrl_reduce_loss",
 ]
-
-# Kept for the transcriptions added below (math, dataclass are used by the AReaL functions).
-_UNUSED = (math, dataclass)

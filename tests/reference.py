@@ -2999,3 +2999,29 @@ def gpg_advantages(rewards: Tensor, labels: list[object], *, f_norm: float = 1.0
         for k in members:
             out[k] = alpha * (rewards[k] - mean) / f_norm if len(members) > 1 else 0.0 * rewards[k]
     return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def relative_position_lambda(lengths: list[float], *, q: float) -> list[float]:
+    """lambda = q ** (1 / (L - 1)) for L >= 2, 1 for L = 1, 0 for L = 0 (float64)."""
+    return [q ** (1.0 / (n - 1)) if n >= 2 else (1.0 if n == 1 else 0.0) for n in lengths]
+
+
+def group_length_penalty(
+    rewards: Tensor, quantities: Tensor, weights: list[float], labels: list[object]
+) -> Tensor:
+    """r - mean_g(r) sum_k w_k x_k / max(max_g x_k, 1), minus its group mean (loops)."""
+    out = [torch.zeros((), dtype=torch.float64)] * rewards.shape[0]
+    for members in _members(labels).values():
+        mean = sum((rewards[k] for k in members), torch.zeros((), dtype=torch.float64))
+        mean = mean / len(members)
+        shaped = {}
+        for k in members:
+            penalty = torch.zeros((), dtype=torch.float64)
+            for column, weight in enumerate(weights):
+                longest = max(max(float(quantities[j, column].detach()) for j in members), 1.0)
+                penalty = penalty + weight * quantities[k, column] / longest
+            shaped[k] = rewards[k] - mean * penalty
+        shaped_mean = sum(shaped.values(), torch.zeros((), dtype=torch.float64)) / len(members)
+        for k in members:
+            out[k] = shaped[k] - shaped_mean
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)

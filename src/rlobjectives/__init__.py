@@ -12,7 +12,12 @@ from ._core.reduction import Reduction, aggregate, masked_mean, masked_sum
 from .advantages.gae import GAEOutput, gae, reinforce_plus_plus_advantages
 from .advantages.gdpo import gdpo_advantages
 from .advantages.gpg import gpg_advantages
-from .advantages.length import length_adaptive_lambda, overlong_penalty
+from .advantages.length import (
+    group_length_penalty,
+    length_adaptive_lambda,
+    overlong_penalty,
+    relative_position_lambda,
+)
 from .advantages.maxrl import maxrl_advantages
 from .advantages.outcome import (
     group_relative_advantages,
@@ -135,6 +140,7 @@ __all__ = [
     "global_masked_whiten",
     "global_normalizers",
     "global_top_entropy_mask",
+    "group_length_penalty",
     "group_relative_advantages",
     "grpo_clipped_surrogate",
     "kl_estimate",
@@ -156,6 +162,7 @@ __all__ = [
     "pack",
     "policy_loss",
     "reinforce_plus_plus_advantages",
+    "relative_position_lambda",
     "remax_advantages",
     "response_alignment",
     "response_log_probs",
