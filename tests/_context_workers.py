@@ -387,6 +387,16 @@ def _call_off_policy(
     return {}, {"mask": out.double()}
 
 
+def _call_rejection(
+    p: Problem, leaves: dict[str, torch.Tensor], group: Any, o: dict[str, Any]
+) -> Outputs:
+    out = rlo.rejection_mask(
+        p.tokens["log_probs"], p.tokens["old_log_probs"], p.mask, **o, **_packing(p),
+        context_group=group,
+    )  # fmt: skip
+    return {}, {"mask": out.double()}
+
+
 def _call_entropy_mask(
     p: Problem, leaves: dict[str, torch.Tensor], group: Any, o: dict[str, Any]
 ) -> Outputs:
@@ -460,6 +470,7 @@ CALLS: dict[str, Call] = {
     "value_loss": _call_value,
     "rollout_correction": _call_rollout,
     "off_policy_sequence_mask": _call_off_policy,
+    "rejection_mask": _call_rejection,
     "top_entropy_mask": _call_entropy_mask,
     "gae": _call_gae,
     "reinforce_plus_plus_advantages": _call_reinforce,
@@ -478,6 +489,7 @@ LEAVES: dict[str, tuple[str, ...]] = {
     "value_loss": ("values",),
     "rollout_correction": (),
     "off_policy_sequence_mask": (),
+    "rejection_mask": (),
     "top_entropy_mask": (),
     "gae": ("rewards", "values"),
     "reinforce_plus_plus_advantages": ("rewards",),
@@ -758,6 +770,27 @@ def _other_cases() -> list[Case]:
             "trio",
         ),
         ("dft_loss", "token", {"reduction": "token_mean"}, "chunks", "pair"),
+        (
+            "rejection_mask",
+            "sum",
+            {"upper": 2.0, "level": "sequence", "aggregate": "sum"},
+            "chunks",
+            "trio",
+        ),
+        (
+            "rejection_mask",
+            "max-k2",
+            {"upper": 0.08, "level": "sequence", "aggregate": "max", "estimator": "k2"},
+            "scatter",
+            "pair",
+        ),
+        (
+            "rejection_mask",
+            "mean-binary",
+            {"upper": 0.02, "level": "sequence", "symmetric": True},
+            "slices",
+            "trio",
+        ),
     ]
     for layout in ("padded", "packed"):
         for function, name, options, split, group in rows:

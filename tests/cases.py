@@ -1373,6 +1373,60 @@ CASES: tuple[Case, ...] = (
         + context_group_wrongs(),
     ),
     Case(
+        "proximal_log_probs",
+        rlo.proximal_log_probs,
+        lambda: {
+            "log_probs": -per_token().abs(),
+            "behavior_log_probs": -per_token().abs(),
+            "versions": torch.tensor([[3, 4, -1], [5, 2, 4]]),
+            "current_version": 5,
+            "method": "linear",
+        },
+        per_token_wrongs("log_probs", reference=True)
+        + per_token_wrongs("behavior_log_probs")
+        + tensor_wrongs("versions", shapes=MATRIX_SHAPES, dtype=torch.int64)
+        + (
+            Wrong("versions", "dtype", "bool", lambda a: torch.ones(B, T, dtype=torch.bool),
+                  TypeError, subject("versions")),
+            Wrong("current_version", "type", "float", lambda a: 5.0, TypeError,
+                  subject("current_version")),
+            Wrong("current_version", "type", "bool", lambda a: True, TypeError,
+                  subject("current_version")),
+            Wrong("current_version", "type", "tensor", lambda a: torch.tensor(5), TypeError,
+                  subject("current_version")),
+        )
+        + choice_wrongs("method"),
+    ),
+    Case(
+        "rejection_mask",
+        rlo.rejection_mask,
+        lambda: {
+            "proximal_log_probs": -per_token().abs(),
+            "behavior_log_probs": -per_token().abs(),
+            "mask": token_mask(),
+            "upper": 5.0,
+            "lower": 0.5,
+            "level": "sequence",
+            "estimator": "ratio",
+            "aggregate": "max",
+            "symmetric": False,
+        },
+        per_token_wrongs("proximal_log_probs", reference=True)
+        + per_token_wrongs("behavior_log_probs")
+        + mask_wrongs()
+        + hyper("upper", below=0.0)
+        + hyper("lower", below=0.0)
+        + (
+            Wrong("lower", "value", "above-upper", lambda a: 6.0, ValueError, subject("lower")),
+        )
+        + choice_wrongs("level")
+        + choice_wrongs("estimator")
+        + choice_wrongs("aggregate")
+        + flag_wrongs("symmetric")
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
+    ),
+    Case(
         "kl_penalized_rewards",
         rlo.kl_penalized_rewards,
         lambda: {

@@ -387,6 +387,25 @@ def _off_policy_sequence_mask(draw: Draw) -> Batch:
     )
 
 
+def _rejection_mask(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    options = {
+        "upper": draw(st.sampled_from((0.3, 2.0))),
+        "level": draw(st.sampled_from(("token", "sequence"))),
+        "estimator": draw(st.sampled_from(("ratio", "k1", "k2", "k3"))),
+        "aggregate": draw(st.sampled_from(("sum", "mean", "max"))),
+        "symmetric": draw(st.booleans()),
+    }
+    arguments = {
+        "proximal_log_probs": t.log_probs(),
+        "behavior_log_probs": t.log_probs(),
+        "mask": t.mask,
+        **options,
+    }
+    poison = {"proximal_log_probs": t.unselected, "behavior_log_probs": t.unselected}
+    return Batch(arguments, poison, ())
+
+
 def _kl_penalized_rewards(draw: Draw) -> Batch:
     t = draw_tokens(draw)
     return Batch(
@@ -739,6 +758,7 @@ NAN_CASES: tuple[NanCase, ...] = (
     NanCase("kl_estimate", rlo.kl_estimate, _kl(with_reduction=False)),
     NanCase("kl_loss", rlo.kl_loss, _kl(with_reduction=True), max_examples=20),
     NanCase("kl_penalized_rewards", rlo.kl_penalized_rewards, _kl_penalized_rewards),
+    NanCase("rejection_mask", rlo.rejection_mask, _rejection_mask, max_examples=16),
     NanCase("rollout_correction", rlo.rollout_correction, _rollout_correction, max_examples=20),
     NanCase("off_policy_sequence_mask", rlo.off_policy_sequence_mask, _off_policy_sequence_mask, 8),
     NanCase(

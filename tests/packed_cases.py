@@ -413,6 +413,16 @@ def _off_policy(advantages: str = "advantages") -> Callable[[View], Outputs]:
     return run
 
 
+def _rejection(**options: Any) -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        out = rlo.rejection_mask(
+            v["log_probs"], v["old_log_probs"], v["mask"], **options, **v.layout
+        )
+        return {"mask": v.tokens(out.double())}
+
+    return run
+
+
 def _clip_cov_drawn(**options: Any) -> Callable[[View], Outputs]:
     """Clip-Cov with a random draw: a fresh generator of one seed for every call (the draw is
     keyed by each token's ordinal among the selected tokens, the same in both layouts)."""
@@ -752,6 +762,18 @@ CASES: list[Case] = [
     Case("rollout_correction-sequence-mask", _rollout("sequence", "mask"), ()),
     Case("rollout_correction-geometric-reject", _rollout("geometric", "reject"), ()),
     Case("off_policy_sequence_mask", _off_policy(), ()),
+    Case("rejection_mask-token", _rejection(upper=1.3, lower=0.8), ()),
+    Case(
+        "rejection_mask-sequence-max-k3",
+        _rejection(upper=0.05, level="sequence", estimator="k3", aggregate="max"),
+        (),
+    ),
+    Case(
+        "rejection_mask-sequence-sum-binary",
+        _rejection(upper=0.02, level="sequence", aggregate="sum", symmetric=True),
+        (),
+    ),
+    Case("rejection_mask-sequence-mean", _rejection(upper=1.1, level="sequence"), ()),
     Case("value_loss-sequence_mean", _value_loss("sequence_mean"), ("values_leaf",)),
     Case("value_loss-none", _value_loss("none"), ("values_leaf",)),
     Case("opo_advantages", _opo, ()),

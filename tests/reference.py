@@ -3025,3 +3025,93 @@ def group_length_penalty(
         for k in members:
             out[k] = shaped[k] - shaped_mean
     return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def proximal_log_probs(
+    log_probs: Tensor,
+    behavior: Tensor,
+    versions: Tensor,
+    current_version: int,
+    method: str = "loglinear",
+) -> Tensor:
+    """AReaL's proximal policy, element by element (float64, differentiable)."""
+    flat_lp, flat_b = log_probs.reshape(-1), behavior.reshape(-1)
+    out = []
+    for k, v in enumerate(versions.reshape(-1).tolist()):
+        ahead = current_version - v
+        alpha = min(max((ahead - 1) / ahead, 0.0), 1.0) if ahead > 0 and v >= 0 else 0.0
+        if method == "loglinear":
+            out.append(flat_b[k] + alpha * (flat_lp[k] - flat_b[k]))
+        else:
+            out.append(
+                torch.log((1 - alpha) * torch.exp(flat_b[k]) + alpha * torch.exp(flat_lp[k]))
+            )
+    if not out:
+        return torch.zeros(log_probs.shape, dtype=torch.float64)
+    return torch.stack(out).reshape(log_probs.shape)
+
+
+def _binary_kl_value(log_p: float, log_q: float) -> float:
+    eps = 1e-8
+    p = min(max(math.exp(log_p), eps), 1 - eps)
+    q = min(max(math.exp(log_q), eps), 1 - eps)
+    return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+
+
+def rejection_mask(
+    proximal: Tensor,
+    behavior: Tensor,
+    mask: Tensor,
+    *,
+    upper: float,
+    lower: float | None = None,
+    level: str = "token",
+    estimator: str = "ratio",
+    aggregate: str = "mean",
+    symmetric: bool = False,
+) -> list[list[bool]]:
+    """AReaL's kept mask by loops: per-token metrics, the sequence aggregate, both bounds."""
+
+    def metric(i: int, t: int) -> float:
+        a, b = float(proximal[i, t]), float(behavior[i, t])
+        d = a - b
+        if symmetric:
+            return max(_binary_kl_value(a, b), _binary_kl_value(b, a))
+        if estimator == "ratio":
+            return d  # the log-ratio; the bounds compare its correctly rounded exp
+        if estimator == "k1":
+            return d
+        if estimator == "k2":
+            return d * d / 2
+        return math.exp(-d) - 1 + d
+
+    def inside(value: float) -> bool:
+        if math.isnan(value):
+            return False
+        if estimator == "ratio" and not symmetric:
+            dtype = torch.float64
+            return rule_compare(value, upper, dtype) <= 0 and (
+                lower is None or rule_compare(value, lower, dtype) >= 0
+            )
+        return value <= upper and (lower is None or value >= lower)
+
+    rows, tokens = mask.shape
+    keep = [[False] * tokens for _ in range(rows)]
+    for i in range(rows):
+        selected = [t for t in range(tokens) if bool(mask[i, t])]
+        values = [metric(i, t) for t in selected]
+        if level == "sequence":
+            if not values:
+                continue
+            if aggregate == "sum":
+                value = sum(values)
+            elif aggregate == "mean":
+                value = sum(values) / len(values)
+            else:
+                value = max(values)
+            for t in selected:
+                keep[i][t] = inside(value)
+        else:
+            for t, value in zip(selected, values, strict=True):
+                keep[i][t] = inside(value)
+    return keep

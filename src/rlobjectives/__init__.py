@@ -81,6 +81,7 @@ from .policy.surrogates import (
     SurrogateObjective,
 )
 from .rollout.correction import RolloutCorrection, rollout_correction
+from .rollout.decoupled import proximal_log_probs, rejection_mask
 from .rollout.metrics import RolloutCorrectionMetrics
 from .rollout.off_policy import off_policy_sequence_mask
 from .value.loss import ValueLossDiagnostics, ValueLossOutput, value_loss
@@ -161,7 +162,9 @@ __all__ = [
     "passk_advantages",
     "pack",
     "policy_loss",
+    "proximal_log_probs",
     "reinforce_plus_plus_advantages",
+    "rejection_mask",
     "relative_position_lambda",
     "remax_advantages",
     "response_alignment",
