@@ -1101,6 +1101,18 @@ ISSUE25_CASES: tuple[Case, ...] = (
         + hyper("eps", below=-0.1),
     ),
     Case(
+        "iw_opd_advantages",
+        rlo.iw_opd_advantages,
+        lambda: {"teacher_log_probs": -per_token().abs(), "rollout_log_probs": -per_token().abs(),
+                 "mask": token_mask(), "gamma": 0.5, "eps": 1e-6},
+        per_token_wrongs("teacher_log_probs", reference=True)
+        + per_token_wrongs("rollout_log_probs")
+        + mask_wrongs()
+        + hyper("gamma", below=-0.1)
+        + hyper("eps", below=0.0)
+        + cu_seqlens_wrongs(),
+    ),
+    Case(
         "gpg_advantages",
         rlo.gpg_advantages,
         lambda: {"rewards": torch.rand(B * G, dtype=torch.float64), "group_size": G,

@@ -406,6 +406,18 @@ def _rejection_mask(draw: Draw) -> Batch:
     return Batch(arguments, poison, ())
 
 
+def _iw_opd_advantages(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    arguments = {
+        "teacher_log_probs": t.log_probs(),
+        "rollout_log_probs": t.log_probs(),
+        "mask": t.mask,
+        "gamma": draw(st.sampled_from((0.0, 0.5, 3.0))),
+    }
+    poison = {"teacher_log_probs": t.unselected, "rollout_log_probs": t.unselected}
+    return Batch(arguments, poison, ())
+
+
 def _kl_penalized_rewards(draw: Draw) -> Batch:
     t = draw_tokens(draw)
     return Batch(
@@ -759,6 +771,7 @@ NAN_CASES: tuple[NanCase, ...] = (
     NanCase("kl_loss", rlo.kl_loss, _kl(with_reduction=True), max_examples=20),
     NanCase("kl_penalized_rewards", rlo.kl_penalized_rewards, _kl_penalized_rewards),
     NanCase("rejection_mask", rlo.rejection_mask, _rejection_mask, max_examples=16),
+    NanCase("iw_opd_advantages", rlo.iw_opd_advantages, _iw_opd_advantages, max_examples=8),
     NanCase("rollout_correction", rlo.rollout_correction, _rollout_correction, max_examples=20),
     NanCase("off_policy_sequence_mask", rlo.off_policy_sequence_mask, _off_policy_sequence_mask, 8),
     NanCase(

@@ -489,6 +489,12 @@ def _reverse_rewards(v: View) -> Outputs:
     return {"rewards": v.tokens(out)}
 
 
+def _iw_opd(v: View) -> Outputs:
+    out = rlo.iw_opd_advantages(v["ref_log_probs"], v["old_log_probs"], v["mask"], gamma=0.7,
+                                **v.layout)  # fmt: skip
+    return {"advantages": v.tokens(out)}
+
+
 HIDDEN_LEAVES = ("hidden_leaf", "weight")
 DR_GRPO = {"reduction": "sequence_sum_normalized", "max_response_length": 9}
 
@@ -763,6 +769,7 @@ CASES: list[Case] = [
     Case("rollout_correction-geometric-reject", _rollout("geometric", "reject"), ()),
     Case("off_policy_sequence_mask", _off_policy(), ()),
     Case("rejection_mask-token", _rejection(upper=1.3, lower=0.8), ()),
+    Case("iw_opd_advantages", _iw_opd, ()),
     Case(
         "rejection_mask-sequence-max-k3",
         _rejection(upper=0.05, level="sequence", estimator="k3", aggregate="max"),

@@ -3115,3 +3115,19 @@ def rejection_mask(
             for t, value in zip(selected, values, strict=True):
                 keep[i][t] = inside(value)
     return keep
+
+
+def iw_opd_advantages(
+    teacher: Tensor, rollout: Tensor, mask: Tensor, *, gamma: float, eps: float = 1e-8
+) -> Tensor:
+    """IW-OPD: w_t A_t, w_t = 1 + gamma (1 - prefix |A| / max(total |A|, eps)), row by row."""
+    out = torch.zeros(teacher.shape, dtype=torch.float64)
+    for i in range(teacher.shape[0]):
+        selected = [t for t in range(teacher.shape[1]) if bool(mask[i, t])]
+        advantage = {t: float(teacher[i, t]) - float(rollout[i, t]) for t in selected}
+        total = max(sum(abs(a) for a in advantage.values()), eps)
+        before = 0.0
+        for t in selected:
+            out[i, t] = (1 + gamma * (1 - before / total)) * advantage[t]
+            before += abs(advantage[t])
+    return out

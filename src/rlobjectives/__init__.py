@@ -30,6 +30,7 @@ from .advantages.whitening import masked_whiten
 from .distillation import (
     generalized_jsd_loss,
     generalized_jsd_loss_from_hidden,
+    iw_opd_advantages,
     reverse_kl_loss,
     reverse_kl_loss_from_hidden,
     reverse_kl_rewards,
@@ -143,6 +144,7 @@ __all__ = [
     "global_top_entropy_mask",
     "group_length_penalty",
     "group_relative_advantages",
+    "iw_opd_advantages",
     "grpo_clipped_surrogate",
     "kl_estimate",
     "kl_loss",
