@@ -3131,3 +3131,15 @@ def iw_opd_advantages(
             out[i, t] = (1 + gamma * (1 - before / total)) * advantage[t]
             before += abs(advantage[t])
     return out
+
+
+def adaptive_entropy_values(
+    init: float, target: float, delta: float, low: float, high: float, entropies: list[float]
+) -> list[float]:
+    """The applied coefficients after each update (TRL's rule and gate, in Python floats)."""
+    coef, last, out = init, math.inf, []
+    for entropy in entropies:
+        coef = min(coef + delta, high) if entropy <= target else max(coef - delta, low)
+        last = entropy
+        out.append(coef if last <= target else 0.0)
+    return out

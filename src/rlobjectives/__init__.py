@@ -48,7 +48,7 @@ from .distributed import (
     normalizer_for_reduction,
     sum_diagnostics,
 )
-from .kl.control import AdaptiveKLController, FixedKLController
+from .kl.control import AdaptiveEntropyController, AdaptiveKLController, FixedKLController
 from .kl.estimators import BiasedGradientWarning
 from .kl.loss import kl_estimate, kl_loss
 from .kl.rewards import kl_penalized_token_rewards
@@ -100,6 +100,7 @@ __all__ = [
     "M2PO",
     "SAPO",
     "VESPO",
+    "AdaptiveEntropyController",
     "AdaptiveKLController",
     "Clip",
     "ClipCov",
