@@ -7,8 +7,9 @@ Masks have the shape of the log-probabilities and True/nonzero selects a token.
 
 from importlib.metadata import PackageNotFoundError, version
 
+from ._core.masked import aggregate, masked_mean, masked_sum
 from ._core.packing import PackedTokens, UnpackedTokens, pack, unpack
-from ._core.reduction import Reduction, aggregate, masked_mean, masked_sum
+from ._core.reduction import Reduction
 from .advantages.gae import GAEOutput, gae, reinforce_plus_plus_advantages
 from .advantages.gdpo import gdpo_advantages
 from .advantages.gpg import gpg_advantages

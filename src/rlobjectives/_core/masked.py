@@ -1,75 +1,180 @@
-r"""Selection by ``torch.where``, clamps with tensor bounds, and the public masked reductions.
+r"""The public masked reductions: :func:`aggregate`, :func:`masked_sum`, :func:`masked_mean`.
 
-The primitives every reduction and loss is written with: :func:`masked_fill_zero` (the NaN-proof
-selection), :func:`safe_divide` (counts raised to 1), :func:`sum_selected` /
-:func:`mean_selected` and the public :func:`masked_sum` / :func:`masked_mean`.
+:func:`aggregate` reduces per-token values under one of the named reductions of
+:mod:`rlobjectives._core.reduction` (which holds their math, shared by every path);
+:func:`validate_token_reduction` is the boundary of every ``aggregate``-like call
+(:func:`rlobjectives.nll_loss`, :func:`rlobjectives.dft_loss`). :func:`masked_sum` and
+:func:`masked_mean` reduce any shape over the selected entries.
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
+from .layout import Layout, sequence_layout, token_matrix, token_output
+from .reduction import (
+    Reduction,
+    ReductionSpec,
+    mean_selected,
+    reduce,
+    sum_selected,
+    validate_layout_reduction,
+)
 from .validation import (
     ArrayLike,
+    Scalar,
     as_float_tensor,
     as_mask,
     check_same_device,
     check_shape,
     checks_environment,
+    validate_context_group,
 )
 
 __all__ = [
-    "clamp",
-    "masked_fill_zero",
+    "TokenReduction",
+    "aggregate",
     "masked_mean",
     "masked_sum",
-    "mean_selected",
-    "safe_divide",
-    "sum_selected",
+    "validate_token_reduction",
 ]
-
 
 _HALF = (torch.float16, torch.bfloat16)
 
 
-def masked_fill_zero(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """``values`` where ``mask`` is True, exact zero elsewhere (NaN-proof in value and grad)."""
-    return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
-
-
-def clamp(
-    values: torch.Tensor, low: float | torch.Tensor, high: float | torch.Tensor
+@checks_environment
+def aggregate(
+    values: ArrayLike,
+    mask: ArrayLike,
+    *,
+    reduction: Reduction = "token_mean",
+    normalizer: Scalar | None = None,
+    max_response_length: Scalar | None = None,
+    group_size: int | None = None,
+    group_ids: ArrayLike | None = None,
+    cu_seqlens: ArrayLike | None = None,
+    context_group: object = None,
 ) -> torch.Tensor:
-    """``values.clamp(low, high)`` for Python-number or 0-d-tensor bounds (inclusive)."""
-    if isinstance(low, torch.Tensor) or isinstance(high, torch.Tensor):
-        low_t = torch.as_tensor(low, dtype=values.dtype, device=values.device)
-        high_t = torch.as_tensor(high, dtype=values.dtype, device=values.device)
-        return torch.clamp(values, low_t, high_t)
-    return values.clamp(low, high)
+    r"""Reduce per-token values ``(B, T)`` to the loss under one of the named reductions.
 
+    With :math:`M` the mask, :math:`n_i = \sum_t M_{it}`, :math:`L` the per-token values and
+    :math:`D` the given ``normalizer`` or the default count (DAPO arXiv:2503.14476 Eq. 8; GRPO
+    arXiv:2402.03300 Eq. 3; Dr. GRPO arXiv:2503.20783 Sec. 3.1; LUSPO arXiv:2602.05261):
 
-def safe_divide(numerator: torch.Tensor, denominator: torch.Tensor | float) -> torch.Tensor:
-    """``numerator / max(denominator, 1)`` for counts: 0/0 gives 0.
+    - ``"token_mean"``: :math:`\sum_{it} M L / D`, :math:`D = \sum M` (DAPO, BNPO).
+    - ``"sequence_mean"``: :math:`\sum_i (\sum_t M L / n_i) / D`, :math:`D` = the sequences
+      with :math:`n_i > 0` (GRPO).
+    - ``"sequence_sum_normalized"``: :math:`\sum_{it} M L / (D C)`, :math:`D = B`,
+      :math:`C` = ``max_response_length`` (default ``T``) (Dr. GRPO).
+    - ``"length_weighted"``: :math:`\sum_{it} M L / D`, :math:`D = B` (TRL ``luspo``).
+    - ``"prompt_mean"``: :math:`\sum_p (\sum_{i \in p, t} M L / N_p) / D`, :math:`N_p =
+      \sum_{i \in p} n_i`, :math:`D` = the prompts with :math:`N_p > 0` (AReaL PR #1546;
+      SkyRL counts every prompt: ``normalizer=P``); the groups are ``group_size`` or
+      ``group_ids`` (one per sequence; a micro-batch must hold whole groups).
+    - ``"none"``: :math:`M \odot L`, ``(B, T)`` (zeros at unselected tokens).
 
-    ``denominator`` is a count (>= 0); counts below 1 are raised to 1, which turns the empty
-    case 0/0 into 0 and leaves every nonzero count unchanged. Never use it for a user-given
-    normaliser, which is honoured exactly (see :mod:`rlobjectives._core.reduction`).
+    Packed (``cu_seqlens``): ``values``/``mask`` ``(N,)`` or ``(1, N)``, the :math:`S` sequences
+    in place of the rows, default :math:`C` the longest; equal to the padded call. With the
+    global count as ``normalizer`` the micro-batch losses sum to the full-batch loss; it is
+    used exactly as given, counts are raised to 1 (nothing selected gives 0). With
+    ``context_group`` (``docs/distributed/context-parallel.md``) every rank holds some tokens
+    of the same sequences and returns the whole sequences' loss (one all-reduce).
+
+    Args:
+        values: per-token values, ``(B, T)``.
+        mask: bool ``(B, T)``; True selects the token.
+        reduction: one of the names above.
+        normalizer: optional positive denominator :math:`D` (number or 0-d tensor).
+        max_response_length: the Dr. GRPO constant :math:`C`, a positive integer (int or 0-d
+            tensor); ``None`` uses ``T`` (packed: the longest sequence).
+        group_size: ``"prompt_mean"``'s prompts: contiguous groups of this many sequences.
+        group_ids: or one group label per sequence ``(B,)`` / ``(S,)`` (ints or hashables).
+        cu_seqlens: optional ``(S + 1,)`` integer boundaries of a packed row.
+        context_group: the process group of the ranks holding the other tokens of the same
+            sequences (context parallelism), or None.
+
+    Returns:
+        A scalar, or ``(B, T)`` for ``"none"`` (packed: the shape of ``values``), in the dtype of
+        ``values`` (half precision reduced in float32, rounded once).
+
+    Raises:
+        ValueError: a wrong shape or device, an unknown ``reduction``, a non-positive
+            ``normalizer``, a fractional ``max_response_length``, ``"prompt_mean"`` without
+            (or with both of) ``group_size`` / ``group_ids``, a ``group_size`` that does not
+            divide the sequences, malformed ``cu_seqlens``, or no initialised process group.
+        TypeError: non-numeric inputs, float ``group_ids``, or a ``context_group`` that is not a
+            process group.
     """
-    if isinstance(denominator, torch.Tensor):
-        return numerator / denominator.to(numerator.dtype).clamp(min=1)
-    return numerator / max(float(denominator), 1.0)
+    call = validate_token_reduction(
+        values,
+        mask,
+        "values",
+        reduction=reduction,
+        normalizer=normalizer,
+        max_response_length=max_response_length,
+        cu_seqlens=cu_seqlens,
+        context_group=context_group,
+        group_size=group_size,
+        group_ids=group_ids,
+    )
+    return call.finish(call.values)
 
 
-def sum_selected(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Unchecked :func:`masked_sum` in the dtype of ``values`` (``mask`` bool, same shape)."""
-    selected = masked_fill_zero(values, mask)
-    return selected.sum() if dim is None else selected.sum(dim=dim)
+class TokenReduction(NamedTuple):
+    """A validated reduction call of per-token values (:func:`validate_token_reduction`)."""
+
+    values: torch.Tensor  # (B, T) / (1, N), the caller's dtype
+    mask: torch.Tensor  # bool, the shape of values
+    spec: ReductionSpec
+    layout: Layout
+    flat: bool  # packed (N,) values: a per-token result is returned as (N,)
+
+    def finish(self, values: torch.Tensor) -> torch.Tensor:
+        """``reduce`` of ``values`` (the shape of :attr:`values`) in float32 or wider.
+
+        Half-precision values are reduced in float32 and rounded once to their dtype.
+        """
+        dtype = self.values.dtype
+        wide = values.float() if dtype in (torch.float16, torch.bfloat16) else values
+        result = reduce(wide, self.mask, self.spec, self.layout).to(dtype)
+        return token_output(result, self.flat and result.ndim == 2)
 
 
-def mean_selected(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
-    """Unchecked :func:`masked_mean` in the dtype of ``values`` (``mask`` bool, same shape)."""
-    count = mask.sum() if dim is None else mask.sum(dim=dim)
-    return safe_divide(sum_selected(values, mask, dim), count)
+def validate_token_reduction(
+    values: ArrayLike,
+    mask: ArrayLike,
+    name: str,
+    *,
+    reduction: object,
+    normalizer: Scalar | None,
+    max_response_length: Scalar | None,
+    cu_seqlens: ArrayLike | None,
+    context_group: object,
+    group_size: object = None,
+    group_ids: object = None,
+) -> TokenReduction:
+    """The boundary checks of :func:`aggregate`-like calls, ``values`` named ``name``."""
+    packed = cu_seqlens is not None
+    values_t = as_float_tensor(values, name)
+    flat = values_t.ndim == 1
+    values_t = token_matrix(values_t, name, packed)
+    mask_t = token_matrix(as_mask(mask, "mask", values_t.device), "mask", packed)
+    check_same_device({name: values_t, "mask": mask_t})
+    check_shape(mask_t, "mask", tuple(values_t.shape), name)
+    layout = sequence_layout(cu_seqlens, values_t, validate_context_group(context_group))
+    spec = validate_layout_reduction(
+        reduction,
+        normalizer=normalizer,
+        max_response_length=max_response_length,
+        layout=layout,
+        tokens=values_t.shape[-1],
+        group_size=group_size,
+        group_ids=group_ids,
+        device=values_t.device,
+    )
+    return TokenReduction(values_t, mask_t, spec, layout, flat)
 
 
 def _prepare(

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .._core.reduction import Reduction, masked_fill_zero, validate_token_reduction
+from .._core.masked import validate_token_reduction
+from .._core.reduction import Reduction, masked_fill_zero
 from .._core.validation import ArrayLike, Scalar, checks_environment, compute_dtype
 
 __all__ = ["dft_loss", "nll_loss"]
