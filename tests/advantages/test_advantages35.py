@@ -205,3 +205,19 @@ def test_group_length_penalty_equals_prime_rl(dtype: torch.dtype) -> None:
     )  # fmt: skip
     tol = {"rtol": 1e-14, "atol": 1e-15} if dtype == D else {"rtol": 1e-6, "atol": 1e-6}
     torch.testing.assert_close(ours, theirs, **tol)
+
+
+@pytest.mark.compile
+def test_under_torch_compile() -> None:
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.5, 2.0, 1.0])
+    sizes = torch.tensor([[10.0, 3.0], [20.0, 1.0], [5.0, 2.0], [8.0, 2.0], [1.0, 1.0], [9.0, 4.0]])
+    ids = torch.tensor([3, 3, 0, 0, 7, 7])
+
+    def step(r: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        gpg = rlo.gpg_advantages(r, group_ids=ids, f_norm=0.5)
+        shaped = rlo.group_length_penalty(r, x, weights=torch.tensor([0.25, 0.1]), group_size=2)
+        lam = rlo.relative_position_lambda(x[:, 0], q=0.3)
+        return gpg + shaped + lam
+
+    compiled = torch.compile(step, fullgraph=True)
+    torch.testing.assert_close(compiled(rewards, sizes), step(rewards, sizes))

@@ -248,3 +248,19 @@ def test_refusals_name_the_groups() -> None:
         rlo.normalizer_for_reduction(rlo.global_normalizers(mask), reduction="prompt_mean")
     # the groups are validated (and unused) under another reduction
     assert torch.equal(rlo.aggregate(values, mask, group_size=2), rlo.aggregate(values, mask))
+
+
+@pytest.mark.compile
+def test_under_torch_compile() -> None:
+    values, mask, sizes = _prompt_batch(35005)
+    values = values.float()
+    ids = torch.tensor([p for p, size in enumerate(sizes) for _ in range(size)])
+
+    def step(x: torch.Tensor) -> torch.Tensor:
+        by_ids = rlo.aggregate(x, mask, reduction="prompt_mean", group_ids=ids)
+        nll = rlo.nll_loss(-x.abs(), mask, reduction="prompt_mean", group_size=5, normalizer=7.0)
+        dft = rlo.dft_loss(-x.abs(), mask, reduction="prompt_mean", group_size=3)
+        return by_ids + nll + dft
+
+    compiled = torch.compile(step, fullgraph=True)
+    torch.testing.assert_close(compiled(values), step(values))

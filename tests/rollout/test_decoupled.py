@@ -278,3 +278,25 @@ def test_decoupled_recipe_equals_areal_ppo_actor_loss(
     (theirs_grad,) = torch.autograd.grad(theirs, theirs_leaf)
     (ours_grad,) = torch.autograd.grad(out.loss, ours_leaf)
     torch.testing.assert_close(ours_grad, theirs_grad, rtol=1e-13, atol=1e-15)
+
+
+@pytest.mark.compile
+def test_under_torch_compile() -> None:
+    prox, behavior, mask = _problem(35043, 4, 6, torch.float32)
+    versions = torch.randint(0, 6, (4, 6), generator=torch.Generator().manual_seed(1))
+
+    def step(lp: torch.Tensor, lb: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        proximal = rlo.proximal_log_probs(lp, lb, versions=versions, current_version=6)
+        linear = rlo.proximal_log_probs(
+            lp, lb, versions=versions, current_version=6, method="linear"
+        )
+        token = rlo.rejection_mask(proximal, lb, mask, upper=1.5, lower=0.7)
+        sequence = rlo.rejection_mask(
+            proximal, lb, mask, upper=0.2, level="sequence", estimator="k3", aggregate="max"
+        )
+        opd = rlo.iw_opd_advantages(lp, lb, mask, gamma=0.5)
+        return proximal, linear, token, sequence, opd
+
+    compiled = torch.compile(step, fullgraph=True)
+    for got, want in zip(compiled(prox, behavior), step(prox, behavior), strict=True):
+        torch.testing.assert_close(got, want)
