@@ -288,6 +288,13 @@ def _call_nll(
     return ({"loss": out}, {}) if out.ndim == 0 else ({}, {"loss": out})
 
 
+def _call_dft(
+    p: Problem, leaves: dict[str, torch.Tensor], group: Any, o: dict[str, Any]
+) -> Outputs:
+    out = rlo.dft_loss(leaves["log_probs"], p.mask, **o, **_packing(p), context_group=group)
+    return ({"loss": out}, {}) if out.ndim == 0 else ({}, {"loss": out})
+
+
 def _call_kl_loss(
     p: Problem, leaves: dict[str, torch.Tensor], group: Any, o: dict[str, Any]
 ) -> Outputs:
@@ -381,6 +388,16 @@ def _call_off_policy(
     return {}, {"mask": out.double()}
 
 
+def _call_rejection(
+    p: Problem, leaves: dict[str, torch.Tensor], group: Any, o: dict[str, Any]
+) -> Outputs:
+    out = rlo.rejection_mask(
+        p.tokens["log_probs"], p.tokens["old_log_probs"], p.mask, **o, **_packing(p),
+        context_group=group,
+    )  # fmt: skip
+    return {}, {"mask": out.double()}
+
+
 def _call_entropy_mask(
     p: Problem, leaves: dict[str, torch.Tensor], group: Any, o: dict[str, Any]
 ) -> Outputs:
@@ -447,12 +464,14 @@ CALLS: dict[str, Call] = {
     "policy_loss": _call_policy,
     "aggregate": _call_aggregate,
     "nll_loss": _call_nll,
+    "dft_loss": _call_dft,
     "kl_loss": _call_kl_loss,
     "kl_penalized_rewards": _call_kl_rewards,
     "kl_penalized_token_rewards": _call_kl_token_rewards,
     "value_loss": _call_value,
     "rollout_correction": _call_rollout,
     "off_policy_sequence_mask": _call_off_policy,
+    "rejection_mask": _call_rejection,
     "top_entropy_mask": _call_entropy_mask,
     "gae": _call_gae,
     "reinforce_plus_plus_advantages": _call_reinforce,
@@ -464,12 +483,14 @@ LEAVES: dict[str, tuple[str, ...]] = {
     "policy_loss": ("log_probs", "entropy"),
     "aggregate": ("values",),
     "nll_loss": ("log_probs",),
+    "dft_loss": ("log_probs",),
     "kl_loss": ("log_probs",),
     "kl_penalized_rewards": ("log_probs",),
     "kl_penalized_token_rewards": (),
     "value_loss": ("values",),
     "rollout_correction": (),
     "off_policy_sequence_mask": (),
+    "rejection_mask": (),
     "top_entropy_mask": (),
     "gae": ("rewards", "values"),
     "reinforce_plus_plus_advantages": ("rewards",),
@@ -727,6 +748,51 @@ def _other_cases() -> list[Case]:
             "pair",
         ),
         ("fused_policy_loss_from_hidden", "gmpo", {"surrogate": "gmpo"}, "chunks", "trio"),
+        # "prompt_mean": prompts {0, 2 (empty)}, {1, 4}, {3} by label; contiguous pairs can't
+        # split 5 sequences, so the labels everywhere
+        (
+            "aggregate",
+            "prompt",
+            {"reduction": "prompt_mean", "group_ids": [7, 8, 7, 9, 8]},
+            "chunks",
+            "trio",
+        ),
+        (
+            "nll_loss",
+            "prompt",
+            {"reduction": "prompt_mean", "group_ids": [0, 1, 0, 2, 1], "normalizer": 5.0},
+            "scatter",
+            "pair",
+        ),
+        (
+            "dft_loss",
+            "prompt",
+            {"reduction": "prompt_mean", "group_ids": [0, 0, 1, 1, 1]},
+            "slices",
+            "trio",
+        ),
+        ("dft_loss", "token", {"reduction": "token_mean"}, "chunks", "pair"),
+        (
+            "rejection_mask",
+            "sum",
+            {"upper": 2.0, "level": "sequence", "aggregate": "sum"},
+            "chunks",
+            "trio",
+        ),
+        (
+            "rejection_mask",
+            "max-k2",
+            {"upper": 0.08, "level": "sequence", "aggregate": "max", "estimator": "k2"},
+            "scatter",
+            "pair",
+        ),
+        (
+            "rejection_mask",
+            "mean-binary",
+            {"upper": 0.02, "level": "sequence", "symmetric": True},
+            "slices",
+            "trio",
+        ),
     ]
     for layout in ("padded", "packed"):
         for function, name, options, split, group in rows:

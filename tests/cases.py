@@ -791,6 +791,28 @@ def group_ids_wrongs(*, size_argument: str | None = "group_size") -> tuple[Wrong
     return rows  # fmt: skip
 
 
+def prompt_group_wrongs() -> tuple[Wrong, ...]:
+    """``"prompt_mean"``'s groups on a ``(B, T)`` reduction: ``group_size`` (contiguous) or
+    ``group_ids`` (one label per sequence), and ``"prompt_mean"`` without either."""
+
+    def wrong(argument: str, kind: str, label: str, value: Any, error: Any, **kw: Any) -> Wrong:
+        return Wrong(argument, kind, label, lambda a, v=value: v, error, subject(argument), **kw)
+
+    return int_wrongs("group_size", minimum=1) + (
+        wrong("group_size", "value", "not-dividing", B + 1, ValueError),
+        wrong("group_ids", "shape", "one-too-many", list(range(B + 1)), ValueError),
+        wrong("group_ids", "shape", "2-d", torch.zeros(B, 2, dtype=torch.int64), ValueError),
+        wrong("group_ids", "dtype", "float", torch.zeros(B), TypeError),
+        wrong("group_ids", "dtype", "float-label", [0.5, 1.5], TypeError),
+        wrong("group_ids", "device", "meta", torch.zeros(B, dtype=torch.int64, device="meta"),
+              ValueError),
+        wrong("group_ids", "type", "str", "ab", TypeError),
+        Wrong("group_ids", "value", "with-group_size", lambda a: [0, 0], ValueError,
+              mention("group_ids"), also=lambda a: {"group_size": 1}),
+        wrong("reduction", "value", "prompt_mean-without-groups", "prompt_mean", ValueError),
+    )  # fmt: skip
+
+
 def _group_arguments() -> Arguments:
     return {"rewards": torch.randn(B * G, dtype=torch.float64), "group_size": G}
 
@@ -1114,10 +1136,51 @@ ISSUE25_CASES: tuple[Case, ...] = (
         + hyper("eps", below=-0.1),
     ),
     Case(
+        "iw_opd_advantages",
+        rlo.iw_opd_advantages,
+        lambda: {"teacher_log_probs": -per_token().abs(), "rollout_log_probs": -per_token().abs(),
+                 "mask": token_mask(), "gamma": 0.5, "eps": 1e-6},
+        per_token_wrongs("teacher_log_probs", reference=True)
+        + per_token_wrongs("rollout_log_probs")
+        + mask_wrongs()
+        + hyper("gamma", below=-0.1)
+        + hyper("eps", below=0.0)
+        + cu_seqlens_wrongs(),
+    ),
+    Case(
+        "gpg_advantages",
+        rlo.gpg_advantages,
+        lambda: {"rewards": torch.rand(B * G, dtype=torch.float64), "group_size": G,
+                 "f_norm": 0.5},
+        tensor_wrongs("rewards", shapes=((B * G, 1),), reference=True, kinds="shape dtype type")
+        + int_wrongs("group_size", minimum=1)
+        + group_ids_wrongs()
+        + hyper("f_norm", below=0.0),
+    ),
+    Case(
         "length_adaptive_lambda",
         rlo.length_adaptive_lambda,
         lambda: {"lengths": torch.tensor([0, 10, 100]), "alpha": 0.05},
         length_wrongs() + scalar_wrongs("alpha", below=0.0, tensors=False),
+    ),
+    Case(
+        "relative_position_lambda",
+        rlo.relative_position_lambda,
+        lambda: {"lengths": torch.tensor([0, 1, 5]), "q": 0.5},
+        length_wrongs() + scalar_wrongs("q", below=0.0, above=1.5, tensors=False),
+    ),
+    Case(
+        "group_length_penalty",
+        rlo.group_length_penalty,
+        lambda: {"rewards": torch.rand(B * G, dtype=torch.float64),
+                 "quantities": torch.rand(B * G, 3, dtype=torch.float64) * 9,
+                 "weights": torch.tensor([0.25, 0.1, 0.1], dtype=torch.float64),
+                 "group_size": G},
+        tensor_wrongs("rewards", shapes=((B * G, 1),), reference=True, kinds="shape dtype type")
+        + tensor_wrongs("quantities", shapes=((B * G + 1, 3), (B * G, 3, 1)))
+        + tensor_wrongs("weights", shapes=((2,), (3, 1)))
+        + int_wrongs("group_size", minimum=1)
+        + group_ids_wrongs(),
     ),
     Case(
         "overlong_penalty",
@@ -1150,6 +1213,7 @@ CASES: tuple[Case, ...] = (
         per_token_wrongs("values", reference=True)
         + mask_wrongs()
         + reduction_wrongs()
+        + prompt_group_wrongs()
         + cu_seqlens_wrongs()
         + context_group_wrongs(),
     ),
@@ -1352,6 +1416,60 @@ CASES: tuple[Case, ...] = (
         + tensor_wrongs("advantages", shapes=PER_SEQUENCE_SHAPES)
         + mask_wrongs()
         + hyper("threshold", below=None)
+        + cu_seqlens_wrongs()
+        + context_group_wrongs(),
+    ),
+    Case(
+        "proximal_log_probs",
+        rlo.proximal_log_probs,
+        lambda: {
+            "log_probs": -per_token().abs(),
+            "behavior_log_probs": -per_token().abs(),
+            "versions": torch.tensor([[3, 4, -1], [5, 2, 4]]),
+            "current_version": 5,
+            "method": "linear",
+        },
+        per_token_wrongs("log_probs", reference=True)
+        + per_token_wrongs("behavior_log_probs")
+        + tensor_wrongs("versions", shapes=MATRIX_SHAPES, dtype=torch.int64)
+        + (
+            Wrong("versions", "dtype", "bool", lambda a: torch.ones(B, T, dtype=torch.bool),
+                  TypeError, subject("versions")),
+            Wrong("current_version", "type", "float", lambda a: 5.0, TypeError,
+                  subject("current_version")),
+            Wrong("current_version", "type", "bool", lambda a: True, TypeError,
+                  subject("current_version")),
+            Wrong("current_version", "type", "tensor", lambda a: torch.tensor(5), TypeError,
+                  subject("current_version")),
+        )
+        + choice_wrongs("method"),
+    ),
+    Case(
+        "rejection_mask",
+        rlo.rejection_mask,
+        lambda: {
+            "proximal_log_probs": -per_token().abs(),
+            "behavior_log_probs": -per_token().abs(),
+            "mask": token_mask(),
+            "upper": 5.0,
+            "lower": 0.5,
+            "level": "sequence",
+            "estimator": "ratio",
+            "aggregate": "max",
+            "symmetric": False,
+        },
+        per_token_wrongs("proximal_log_probs", reference=True)
+        + per_token_wrongs("behavior_log_probs")
+        + mask_wrongs()
+        + hyper("upper", below=0.0)
+        + hyper("lower", below=0.0)
+        + (
+            Wrong("lower", "value", "above-upper", lambda a: 6.0, ValueError, subject("lower")),
+        )
+        + choice_wrongs("level")
+        + choice_wrongs("estimator")
+        + choice_wrongs("aggregate")
+        + flag_wrongs("symmetric")
         + cu_seqlens_wrongs()
         + context_group_wrongs(),
     ),
@@ -1657,15 +1775,20 @@ CASES: tuple[Case, ...] = (
             Wrong("group", "type", "str", lambda a: "x", (TypeError, ValueError), subject("group")),
         ),
     ),
-    Case(
-        "nll_loss",
-        rlo.nll_loss,
-        lambda: {"log_probs": per_token(), "mask": token_mask(), "reduction": "sequence_mean"},
-        per_token_wrongs("log_probs", reference=True)
-        + mask_wrongs()
-        + reduction_wrongs()
-        + cu_seqlens_wrongs()
-        + context_group_wrongs(),
+    *(
+        Case(
+            name,
+            function,
+            lambda: {"log_probs": -per_token().abs(), "mask": token_mask(),
+                     "reduction": "sequence_mean"},
+            per_token_wrongs("log_probs", reference=True)
+            + mask_wrongs()
+            + reduction_wrongs()
+            + prompt_group_wrongs()
+            + cu_seqlens_wrongs()
+            + context_group_wrongs(),
+        )
+        for name, function in (("nll_loss", rlo.nll_loss), ("dft_loss", rlo.dft_loss))
     ),
     Case(
         "m2po_mask",

@@ -109,6 +109,21 @@ def draw_reduction(draw: Draw, t: Tokens, *, none: bool = True) -> dict[str, Any
     return options
 
 
+def draw_prompt_reduction(draw: Draw, t: Tokens) -> dict[str, Any]:
+    """:func:`draw_reduction`, or ``"prompt_mean"`` with ``group_size`` / ``group_ids``."""
+    options = draw_reduction(draw, t)
+    if draw(st.booleans()):
+        return options
+    batch = t.shape[0]
+    options["reduction"] = "prompt_mean"
+    options.pop("max_response_length", None)
+    if draw(st.booleans()):
+        options["group_size"] = draw(st.sampled_from([g for g in (1, 2, 3, 4) if batch % g == 0]))
+    else:
+        options["group_ids"] = torch.randint(0, batch, (batch,), generator=t.generator)
+    return options
+
+
 def draw_advantages(draw: Draw, t: Tokens) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-sequence ``(B,)``/``(B, 1)`` or per-token advantages, and their poison."""
     batch, tokens = t.shape
@@ -233,7 +248,7 @@ def draw_kl_options(draw: Draw, *, straight_through: bool = True) -> dict[str, A
 def _aggregate(draw: Draw) -> Batch:
     t = draw_tokens(draw)
     return Batch(
-        {"values": t.randn(*t.shape), "mask": t.mask, **draw_reduction(draw, t)},
+        {"values": t.randn(*t.shape), "mask": t.mask, **draw_prompt_reduction(draw, t)},
         {"values": t.unselected},
         ("values",),
     )
@@ -370,6 +385,37 @@ def _off_policy_sequence_mask(draw: Draw) -> Batch:
         },
         (),
     )
+
+
+def _rejection_mask(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    options = {
+        "upper": draw(st.sampled_from((0.3, 2.0))),
+        "level": draw(st.sampled_from(("token", "sequence"))),
+        "estimator": draw(st.sampled_from(("ratio", "k1", "k2", "k3"))),
+        "aggregate": draw(st.sampled_from(("sum", "mean", "max"))),
+        "symmetric": draw(st.booleans()),
+    }
+    arguments = {
+        "proximal_log_probs": t.log_probs(),
+        "behavior_log_probs": t.log_probs(),
+        "mask": t.mask,
+        **options,
+    }
+    poison = {"proximal_log_probs": t.unselected, "behavior_log_probs": t.unselected}
+    return Batch(arguments, poison, ())
+
+
+def _iw_opd_advantages(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    arguments = {
+        "teacher_log_probs": t.log_probs(),
+        "rollout_log_probs": t.log_probs(),
+        "mask": t.mask,
+        "gamma": draw(st.sampled_from((0.0, 0.5, 3.0))),
+    }
+    poison = {"teacher_log_probs": t.unselected, "rollout_log_probs": t.unselected}
+    return Batch(arguments, poison, ())
 
 
 def _kl_penalized_rewards(draw: Draw) -> Batch:
@@ -592,7 +638,7 @@ def _entropy_mask(draw: Draw) -> Batch:
 
 def _nll_loss(draw: Draw) -> Batch:
     t = draw_tokens(draw)
-    arguments = {"log_probs": t.log_probs(), "mask": t.mask, **draw_reduction(draw, t)}
+    arguments = {"log_probs": t.log_probs(), "mask": t.mask, **draw_prompt_reduction(draw, t)}
     return Batch(arguments, {"log_probs": t.unselected}, ("log_probs",))
 
 
@@ -724,6 +770,8 @@ NAN_CASES: tuple[NanCase, ...] = (
     NanCase("kl_estimate", rlo.kl_estimate, _kl(with_reduction=False)),
     NanCase("kl_loss", rlo.kl_loss, _kl(with_reduction=True), max_examples=20),
     NanCase("kl_penalized_rewards", rlo.kl_penalized_rewards, _kl_penalized_rewards),
+    NanCase("rejection_mask", rlo.rejection_mask, _rejection_mask, max_examples=16),
+    NanCase("iw_opd_advantages", rlo.iw_opd_advantages, _iw_opd_advantages, max_examples=8),
     NanCase("rollout_correction", rlo.rollout_correction, _rollout_correction, max_examples=20),
     NanCase("off_policy_sequence_mask", rlo.off_policy_sequence_mask, _off_policy_sequence_mask, 8),
     NanCase(
@@ -758,6 +806,7 @@ NAN_CASES: tuple[NanCase, ...] = (
     NanCase("global_top_entropy_mask", rlo.global_top_entropy_mask, _entropy_mask),
     NanCase("pack", rlo.pack, _pack, max_examples=8),
     NanCase("nll_loss", rlo.nll_loss, _nll_loss, max_examples=8),
+    NanCase("dft_loss", rlo.dft_loss, _nll_loss, max_examples=8),
     NanCase("m2po_mask", rlo.m2po_mask, _m2po_mask, max_examples=8),
     NanCase("global_m2po_mask", rlo.global_m2po_mask, _m2po_mask, max_examples=4),
     NanCase("cov_selection", rlo.cov_selection, _cov_selection, max_examples=8),

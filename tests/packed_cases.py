@@ -198,10 +198,24 @@ def _policy(fn: Callable[..., Any] = rlo.policy_loss, **options: Any) -> Callabl
     return run
 
 
-def _aggregate(reduction: str) -> Callable[[View], Outputs]:
+def _prompts(v: View, reduction: str) -> dict[str, Any]:
+    """``"prompt_mean"``'s groups: sequences 0-1, 2-3, ... share a prompt (labels per sequence)."""
+    if reduction != "prompt_mean":
+        return {}
+    return {"group_ids": torch.arange(v.batch.attention.shape[0]) // 2}
+
+
+def _aggregate(
+    reduction: str, function: Callable[..., Any] = rlo.aggregate
+) -> Callable[[View], Outputs]:
     def run(v: View) -> Outputs:
-        out = rlo.aggregate(
-            v["log_probs"], v["mask"], reduction=reduction, max_response_length=9, **v.layout
+        out = function(
+            v["log_probs"],
+            v["mask"],
+            reduction=reduction,
+            max_response_length=9,
+            **_prompts(v, reduction),
+            **v.layout,
         )
         return {"loss": v.tokens(out) if out.ndim else out}
 
@@ -397,6 +411,16 @@ def _off_policy(advantages: str = "advantages") -> Callable[[View], Outputs]:
     return run
 
 
+def _rejection(**options: Any) -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        out = rlo.rejection_mask(
+            v["log_probs"], v["old_log_probs"], v["mask"], **options, **v.layout
+        )
+        return {"mask": v.tokens(out.double())}
+
+    return run
+
+
 def _clip_cov_drawn(**options: Any) -> Callable[[View], Outputs]:
     """Clip-Cov with a random draw: a fresh generator of one seed for every call (the draw is
     keyed by each token's ordinal among the selected tokens, the same in both layouts)."""
@@ -411,13 +435,7 @@ def _clip_cov_drawn(**options: Any) -> Callable[[View], Outputs]:
 
 
 def _nll(reduction: str) -> Callable[[View], Outputs]:
-    def run(v: View) -> Outputs:
-        out = rlo.nll_loss(
-            v["log_probs"], v["mask"], reduction=reduction, max_response_length=9, **v.layout
-        )
-        return {"loss": v.tokens(out) if out.ndim else out}
-
-    return run
+    return _aggregate(reduction, rlo.nll_loss)
 
 
 def _distillation(kind: str, hidden: bool, **options: Any) -> Callable[[View], Outputs]:
@@ -467,6 +485,12 @@ def _reverse_rewards(v: View) -> Outputs:
         v["log_probs"], v["ref_log_probs"], v["mask"], coef=0.5, **v.layout
     )
     return {"rewards": v.tokens(out)}
+
+
+def _iw_opd(v: View) -> Outputs:
+    out = rlo.iw_opd_advantages(v["ref_log_probs"], v["old_log_probs"], v["mask"], gamma=0.7,
+                                **v.layout)  # fmt: skip
+    return {"advantages": v.tokens(out)}
 
 
 HIDDEN_LEAVES = ("hidden_leaf", "weight")
@@ -711,6 +735,7 @@ CASES: list[Case] = [
         ("log_probs_leaf", "values_leaf"),
     ),
     *(Case(f"nll_loss-{r}", _nll(r)) for r in rlo.Reduction.__args__),  # type: ignore[attr-defined]
+    *(Case(f"dft_loss-{r}", _aggregate(r, rlo.dft_loss)) for r in ("token_mean", "prompt_mean")),
     Case("m2po_mask", _m2po_mask, ()),
     Case("cov_selection-kl_cov", _cov_selection(KLCov(ratio=0.3)), ()),
     Case(
@@ -738,6 +763,19 @@ CASES: list[Case] = [
     Case("rollout_correction-sequence-mask", _rollout("sequence", "mask"), ()),
     Case("rollout_correction-geometric-reject", _rollout("geometric", "reject"), ()),
     Case("off_policy_sequence_mask", _off_policy(), ()),
+    Case("rejection_mask-token", _rejection(upper=1.3, lower=0.8), ()),
+    Case("iw_opd_advantages", _iw_opd, ()),
+    Case(
+        "rejection_mask-sequence-max-k3",
+        _rejection(upper=0.05, level="sequence", estimator="k3", aggregate="max"),
+        (),
+    ),
+    Case(
+        "rejection_mask-sequence-sum-binary",
+        _rejection(upper=0.02, level="sequence", aggregate="sum", symmetric=True),
+        (),
+    ),
+    Case("rejection_mask-sequence-mean", _rejection(upper=1.1, level="sequence"), ()),
     Case("value_loss-sequence_mean", _value_loss("sequence_mean"), ("values_leaf",)),
     Case("value_loss-none", _value_loss("none"), ("values_leaf",)),
     Case("opo_advantages", _opo, ()),

@@ -331,8 +331,10 @@ def reduce_losses(
     reduction: str,
     normalizer: float | None = None,
     max_response_length: int | None = None,
+    labels: list[object] | None = None,
 ) -> Tensor:
-    """Reduce {(i, t): loss} with the named reduction, as the docs define it."""
+    """Reduce {(i, t): loss} with the named reduction, as the docs define it (``labels``: the
+    prompt of each row, for ``"prompt_mean"``)."""
     batch, tokens = shape
     zero = torch.zeros((), dtype=torch.float64)
     if reduction == "none":
@@ -367,6 +369,17 @@ def reduce_losses(
                 total = total + len(values) * (sum(values, zero) / len(values))
         rows = batch if normalizer is None else normalizer
         return total / rows if rows else zero
+    if reduction == "prompt_mean":  # mean over prompts of the token mean of their responses
+        assert labels is not None and len(labels) == batch
+        total = zero
+        non_empty = 0
+        for rows_of_prompt in _members(labels).values():
+            values = [v for (j, _), v in losses.items() if j in rows_of_prompt]
+            if values:
+                total = total + sum(values, zero) / len(values)
+                non_empty += 1
+        count = non_empty if normalizer is None else normalizer
+        return total / count if count else zero
     raise ValueError(reduction)
 
 
@@ -2429,12 +2442,13 @@ def nll_loss(
     reduction: str = "token_mean",
     normalizer: float | None = None,
     max_response_length: int | None = None,
+    labels: list[object] | None = None,
 ) -> Tensor:
     """Reference of rlobjectives.nll_loss: reduce(-log_probs) over the selected tokens."""
     losses = {(i, t): -log_probs[i, t] for i, t in _selected_tokens(mask)}
     return reduce_losses(
         losses, tuple(mask.shape), reduction=reduction, normalizer=normalizer,  # type: ignore[arg-type]
-        max_response_length=max_response_length,
+        max_response_length=max_response_length, labels=labels,
     )  # fmt: skip
 
 
@@ -2949,3 +2963,183 @@ def truncated_log_probs_from_hidden(
     if bias is not None:
         logits = logits + bias.double()
     return truncated_log_probs(logits, tokens, mask, temperature, **kept)  # type: ignore[arg-type]
+
+
+# --- issue 35: prompt_mean, DFT, decoupled PPO, GPG, IW-OPD and the rest ------------------------
+
+
+def dft_loss(
+    log_probs: Tensor,
+    mask: Tensor,
+    *,
+    reduction: str = "token_mean",
+    normalizer: float | None = None,
+    max_response_length: int | None = None,
+    labels: list[object] | None = None,
+) -> Tensor:
+    """Reference of rlobjectives.dft_loss: reduce(-sg(exp(l)) l) over the selected tokens."""
+    losses = {
+        (i, t): -math.exp(float(log_probs[i, t].detach())) * log_probs[i, t]
+        for i, t in _selected_tokens(mask)
+    }
+    return reduce_losses(
+        losses, tuple(mask.shape), reduction=reduction, normalizer=normalizer,  # type: ignore[arg-type]
+        max_response_length=max_response_length, labels=labels,
+    )  # fmt: skip
+
+
+def gpg_advantages(rewards: Tensor, labels: list[object], *, f_norm: float = 1.0) -> Tensor:
+    """GPG: alpha (r - mean of the group) / f_norm, alpha = B / max(#{r != 0}, 1); 0 alone."""
+    batch = rewards.shape[0]
+    alpha = batch / max(sum(1 for k in range(batch) if float(rewards[k].detach()) != 0.0), 1)
+    out = [torch.zeros((), dtype=torch.float64)] * batch
+    for members in _members(labels).values():
+        mean = sum((rewards[k] for k in members), torch.zeros((), dtype=torch.float64))
+        mean = mean / len(members)
+        for k in members:
+            out[k] = alpha * (rewards[k] - mean) / f_norm if len(members) > 1 else 0.0 * rewards[k]
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def relative_position_lambda(lengths: list[float], *, q: float) -> list[float]:
+    """lambda = q ** (1 / (L - 1)) for L >= 2, 1 for L = 1, 0 for L = 0 (float64)."""
+    return [q ** (1.0 / (n - 1)) if n >= 2 else (1.0 if n == 1 else 0.0) for n in lengths]
+
+
+def group_length_penalty(
+    rewards: Tensor, quantities: Tensor, weights: list[float], labels: list[object]
+) -> Tensor:
+    """r - mean_g(r) sum_k w_k x_k / max(max_g x_k, 1), minus its group mean (loops)."""
+    out = [torch.zeros((), dtype=torch.float64)] * rewards.shape[0]
+    for members in _members(labels).values():
+        mean = sum((rewards[k] for k in members), torch.zeros((), dtype=torch.float64))
+        mean = mean / len(members)
+        shaped = {}
+        for k in members:
+            penalty = torch.zeros((), dtype=torch.float64)
+            for column, weight in enumerate(weights):
+                longest = max(max(float(quantities[j, column].detach()) for j in members), 1.0)
+                penalty = penalty + weight * quantities[k, column] / longest
+            shaped[k] = rewards[k] - mean * penalty
+        shaped_mean = sum(shaped.values(), torch.zeros((), dtype=torch.float64)) / len(members)
+        for k in members:
+            out[k] = shaped[k] - shaped_mean
+    return torch.stack(out) if out else torch.zeros(0, dtype=torch.float64)
+
+
+def proximal_log_probs(
+    log_probs: Tensor,
+    behavior: Tensor,
+    versions: Tensor,
+    current_version: int,
+    method: str = "loglinear",
+) -> Tensor:
+    """AReaL's proximal policy, element by element (float64, differentiable)."""
+    flat_lp, flat_b = log_probs.reshape(-1), behavior.reshape(-1)
+    out = []
+    for k, v in enumerate(versions.reshape(-1).tolist()):
+        ahead = current_version - v
+        alpha = min(max((ahead - 1) / ahead, 0.0), 1.0) if ahead > 0 and v >= 0 else 0.0
+        if method == "loglinear":
+            out.append(flat_b[k] + alpha * (flat_lp[k] - flat_b[k]))
+        else:
+            out.append(
+                torch.log((1 - alpha) * torch.exp(flat_b[k]) + alpha * torch.exp(flat_lp[k]))
+            )
+    if not out:
+        return torch.zeros(log_probs.shape, dtype=torch.float64)
+    return torch.stack(out).reshape(log_probs.shape)
+
+
+def _binary_kl_value(log_p: float, log_q: float) -> float:
+    eps = 1e-8
+    p = min(max(math.exp(log_p), eps), 1 - eps)
+    q = min(max(math.exp(log_q), eps), 1 - eps)
+    return p * math.log(p / q) + (1 - p) * math.log((1 - p) / (1 - q))
+
+
+def rejection_mask(
+    proximal: Tensor,
+    behavior: Tensor,
+    mask: Tensor,
+    *,
+    upper: float,
+    lower: float | None = None,
+    level: str = "token",
+    estimator: str = "ratio",
+    aggregate: str = "mean",
+    symmetric: bool = False,
+) -> list[list[bool]]:
+    """AReaL's kept mask by loops: per-token metrics, the sequence aggregate, both bounds."""
+
+    def metric(i: int, t: int) -> float:
+        a, b = float(proximal[i, t]), float(behavior[i, t])
+        d = a - b
+        if symmetric:
+            return max(_binary_kl_value(a, b), _binary_kl_value(b, a))
+        if estimator == "ratio":
+            return d  # the log-ratio; the bounds compare its correctly rounded exp
+        if estimator == "k1":
+            return d
+        if estimator == "k2":
+            return d * d / 2
+        return math.exp(-d) - 1 + d
+
+    def inside(value: float) -> bool:
+        if math.isnan(value):
+            return False
+        if estimator == "ratio" and not symmetric:
+            dtype = torch.float64
+            return rule_compare(value, upper, dtype) <= 0 and (
+                lower is None or rule_compare(value, lower, dtype) >= 0
+            )
+        return value <= upper and (lower is None or value >= lower)
+
+    rows, tokens = mask.shape
+    keep = [[False] * tokens for _ in range(rows)]
+    for i in range(rows):
+        selected = [t for t in range(tokens) if bool(mask[i, t])]
+        values = [metric(i, t) for t in selected]
+        if level == "sequence":
+            if not values:
+                continue
+            if aggregate == "sum":
+                value = sum(values)
+            elif aggregate == "mean":
+                value = sum(values) / len(values)
+            else:
+                value = max(values)
+            for t in selected:
+                keep[i][t] = inside(value)
+        else:
+            for t, value in zip(selected, values, strict=True):
+                keep[i][t] = inside(value)
+    return keep
+
+
+def iw_opd_advantages(
+    teacher: Tensor, rollout: Tensor, mask: Tensor, *, gamma: float, eps: float = 1e-8
+) -> Tensor:
+    """IW-OPD: w_t A_t, w_t = 1 + gamma (1 - prefix |A| / max(total |A|, eps)), row by row."""
+    out = torch.zeros(teacher.shape, dtype=torch.float64)
+    for i in range(teacher.shape[0]):
+        selected = [t for t in range(teacher.shape[1]) if bool(mask[i, t])]
+        advantage = {t: float(teacher[i, t]) - float(rollout[i, t]) for t in selected}
+        total = max(sum(abs(a) for a in advantage.values()), eps)
+        before = 0.0
+        for t in selected:
+            out[i, t] = (1 + gamma * (1 - before / total)) * advantage[t]
+            before += abs(advantage[t])
+    return out
+
+
+def adaptive_entropy_values(
+    init: float, target: float, delta: float, low: float, high: float, entropies: list[float]
+) -> list[float]:
+    """The applied coefficients after each update (TRL's rule and gate, in Python floats)."""
+    coef, last, out = init, math.inf, []
+    for entropy in entropies:
+        coef = min(coef + delta, high) if entropy <= target else max(coef - delta, low)
+        last = entropy
+        out.append(coef if last <= target else 0.0)
+    return out

@@ -8,11 +8,18 @@ Masks have the shape of the log-probabilities and True/nonzero selects a token.
 from importlib.metadata import PackageNotFoundError, version
 
 from ._core.backend import use_backend
+from ._core.masked import aggregate, masked_mean, masked_sum
 from ._core.packing import PackedTokens, UnpackedTokens, pack, unpack
-from ._core.reduction import Reduction, aggregate, masked_mean, masked_sum
+from ._core.reduction import Reduction
 from .advantages.gae import GAEOutput, gae, reinforce_plus_plus_advantages
 from .advantages.gdpo import gdpo_advantages
-from .advantages.length import length_adaptive_lambda, overlong_penalty
+from .advantages.gpg import gpg_advantages
+from .advantages.length import (
+    group_length_penalty,
+    length_adaptive_lambda,
+    overlong_penalty,
+    relative_position_lambda,
+)
 from .advantages.maxrl import maxrl_advantages
 from .advantages.outcome import (
     group_relative_advantages,
@@ -25,6 +32,7 @@ from .advantages.whitening import masked_whiten
 from .distillation import (
     generalized_jsd_loss,
     generalized_jsd_loss_from_hidden,
+    iw_opd_advantages,
     reverse_kl_loss,
     reverse_kl_loss_from_hidden,
     reverse_kl_rewards,
@@ -42,7 +50,7 @@ from .distributed import (
     normalizer_for_reduction,
     sum_diagnostics,
 )
-from .kl.control import AdaptiveKLController, FixedKLController
+from .kl.control import AdaptiveEntropyController, AdaptiveKLController, FixedKLController
 from .kl.estimators import BiasedGradientWarning
 from .kl.loss import kl_estimate, kl_loss
 from .kl.rewards import kl_penalized_rewards, kl_penalized_token_rewards
@@ -60,7 +68,7 @@ from .policy.entropy import top_entropy_mask
 from .policy.from_hidden import FusedPolicyLossOutput, fused_policy_loss_from_hidden
 from .policy.grpo_surrogate import grpo_clipped_surrogate
 from .policy.loss import policy_loss
-from .policy.nll import nll_loss
+from .policy.nll import dft_loss, nll_loss
 from .policy.selection import CovSelection, cov_selection, m2po_mask
 from .policy.surrogates import (
     CISPO,
@@ -78,6 +86,7 @@ from .policy.surrogates import (
     SurrogateTerms,
 )
 from .rollout.correction import RolloutCorrection, rollout_correction
+from .rollout.decoupled import proximal_log_probs, rejection_mask
 from .rollout.metrics import RolloutCorrectionMetrics
 from .rollout.off_policy import off_policy_sequence_mask
 from .value.loss import ValueLossDiagnostics, ValueLossOutput, value_loss
@@ -95,6 +104,7 @@ __all__ = [
     "M2PO",
     "SAPO",
     "VESPO",
+    "AdaptiveEntropyController",
     "AdaptiveKLController",
     "Clip",
     "ClipCov",
@@ -125,11 +135,13 @@ __all__ = [
     "aggregate",
     "cov_selection",
     "data_parallel_loss_scale",
+    "dft_loss",
     "full_vocab_kl",
     "full_vocab_kl_loss",
     "fused_policy_loss_from_hidden",
     "gae",
     "gdpo_advantages",
+    "gpg_advantages",
     "generalized_jsd_loss",
     "generalized_jsd_loss_from_hidden",
     "global_cov_selection",
@@ -137,7 +149,9 @@ __all__ = [
     "global_masked_whiten",
     "global_normalizers",
     "global_top_entropy_mask",
+    "group_length_penalty",
     "group_relative_advantages",
+    "iw_opd_advantages",
     "grpo_clipped_surrogate",
     "kl_estimate",
     "kl_loss",
@@ -157,7 +171,10 @@ __all__ = [
     "passk_advantages",
     "pack",
     "policy_loss",
+    "proximal_log_probs",
     "reinforce_plus_plus_advantages",
+    "rejection_mask",
+    "relative_position_lambda",
     "remax_advantages",
     "response_alignment",
     "response_log_probs",

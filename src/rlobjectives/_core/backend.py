@@ -63,7 +63,8 @@ def use_backend(backend: str) -> contextlib.AbstractContextManager[None]:
         backend: ``"auto"``, ``"triton"`` or ``"torch"`` (see the module docstring).
 
     Returns:
-        A context manager.
+        A context manager; inside it the LM-head functions run their ``(B, T, H)`` hidden
+        states (packed ``(N, H)``) on ``backend``.
 
     Raises:
         ValueError: for any other value (when called, before the block).

@@ -1,25 +1,39 @@
-r"""Terms that depend on the response length: VAPO's GAE lambda and DAPO's overlong penalty.
+r"""Terms that depend on the response length: GAE lambdas, the overlong and group length penalties.
 
 - :func:`length_adaptive_lambda`: VAPO's :math:`\lambda = 1 - 1/(\alpha\,l)` per sequence, to
   pass to :func:`rlobjectives.gae` as a per-sequence ``lam``;
+- :func:`relative_position_lambda`: AReaL's :math:`\lambda = q^{1/(L-1)}` per sequence (the same
+  retention at the same relative position of every length);
 - :func:`overlong_penalty`: DAPO's soft punishment of responses that approach or pass the
-  maximum length, to add to the task reward.
+  maximum length, to add to the task reward;
+- :func:`group_length_penalty`: prime-rl's length-shaped group advantage (rewards minus the
+  group's pass rate times the lengths relative to the group's longest, then centred).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from .._core.validation import (
     ArrayLike,
+    as_float_tensor,
     as_tensor,
+    check_same_device,
     checks_environment,
     compute_dtype,
     describe,
     validate_scalar,
 )
+from .groups import group_centered, grouped_rewards, segment_amax, segment_sum
 
-__all__ = ["length_adaptive_lambda", "overlong_penalty"]
+__all__ = [
+    "group_length_penalty",
+    "length_adaptive_lambda",
+    "overlong_penalty",
+    "relative_position_lambda",
+]
 
 
 def _lengths(lengths: ArrayLike) -> torch.Tensor:
@@ -161,3 +175,139 @@ def overlong_penalty(
     else:
         ramp = ((longest - buffer - lengths_t) / buffer).clamp(min=-1.0, max=0.0)
     return ramp * scale + 0.0  # + 0.0: no -0.0 where there is no penalty
+
+
+@checks_environment
+def relative_position_lambda(lengths: ArrayLike, *, q: float) -> torch.Tensor:
+    r"""AReaL's relative-position GAE :math:`\lambda` per sequence: :math:`q^{1/(L-1)}`.
+
+    .. math::
+
+        \lambda_i = q^{1/(L_i - 1)} \ (L_i \ge 2), \qquad \lambda_i = 1 \ (L_i = 1), \qquad
+        \lambda_i = 0 \ (L_i = 0),
+
+    so that with :math:`\gamma = 1` a terminal reward keeps the fraction
+    :math:`\lambda^{L-k} = q^{(L-k)/(L-1)}` at step :math:`k`: exactly :math:`q` at the first
+    step and 1 at the last, the same at every relative position :math:`(k-1)/(L-1)` whatever
+    the length (a one-step trajectory has nothing to decay over). Pass it as ``lam`` of
+    :func:`rlobjectives.gae` (per sequence). Computed as AReaL does,
+    :math:`\exp(\ln q / \max(L - 1, 1))`. Lengths are not checked on the device (counts
+    :math:`\ge 0`; a length in ``(1, 2)`` gives :math:`q`, a negative one 0).
+
+    Peer: AReaL ``gae_lambda="areal.trainer.ppo.lambda_fn.relative_position_gae_lambda"``
+    (``q`` its keyword; the length is the effective token count, or the turn count with
+    ``gae_timestep_unit=turn``): equal, both in float32 for integer lengths.
+
+    Args:
+        lengths: ``(B,)`` trajectory lengths :math:`L_i` (integer or floating counts).
+        q: the retained fraction at the first step, :math:`0 < q \le 1` (a Python number).
+
+    Returns:
+        ``(B,)`` :math:`\lambda` in ``[0, 1]``, float32 (float64 for float64 lengths).
+
+    Raises:
+        ValueError: ``lengths`` not 1-D, or ``q`` not in ``(0, 1]``.
+        TypeError: non-numeric or bool ``lengths``, a non-number ``q``.
+
+    References:
+        AReaL (inclusionAI), ``areal/trainer/ppo/lambda_fn.py``, PR #1600 (flexible GAE lambda
+        strategies); GAE: Schulman et al. 2016, arXiv:1506.02438 Eq. 16.
+
+    Examples:
+        >>> relative_position_lambda([0, 1, 2, 3, 5], q=0.25)
+        tensor([0.0000, 1.0000, 0.2500, 0.5000, 0.7071])
+
+    .. versionadded:: 0.4.0
+    """
+    lengths_t = _lengths(lengths)
+    retained = float(validate_scalar(q, "q", minimum=0.0, strict=True, allow_tensor=False))
+    if retained > 1.0:
+        raise ValueError(f"q must be <= 1 (the fraction retained at the first step), got {q}")
+    steps = (lengths_t - 1).clamp(min=1.0)  # (B,) the transitions to decay over
+    lam = torch.exp(math.log(retained) / steps)
+    one, zero = torch.ones_like(lam), torch.zeros_like(lam)
+    return torch.where(lengths_t > 1, lam, torch.where(lengths_t == 1, one, zero))
+
+
+@checks_environment
+def group_length_penalty(
+    rewards: ArrayLike,
+    quantities: ArrayLike,
+    *,
+    weights: ArrayLike,
+    group_size: int | None = None,
+    group_ids: ArrayLike | None = None,
+) -> torch.Tensor:
+    r"""prime-rl's length-shaped GRPO advantage: a pass-rate-scaled length penalty, centred.
+
+    With :math:`\bar r_g` the mean reward of the group of sequence :math:`i` (its pass rate
+    for 0/1 rewards), :math:`x_{ik}` the quantities (output tokens, input tokens, turns) and
+    :math:`w_k` their weights,
+
+    .. math::
+
+        \tilde r_i = r_i - \bar r_g \sum_k w_k \frac{x_{ik}}{\max(\max_{j \in g} x_{jk},\ 1)},
+        \qquad A_i = \tilde r_i - \operatorname{mean}_{j \in g} \tilde r_j :
+
+    a group that mostly succeeds pays for the length of each response relative to the group's
+    longest, so shorter correct answers win; a group that fails pays nothing. A group of one
+    sequence gives 0. The group maximum is a constant (no gradient); rewards and quantities are
+    differentiable otherwise.
+
+    Peer: prime-rl ``GRPOAlgorithm.score_group`` with ``length_penalty`` (linear; per group,
+    float32): ``num_output_tokens_weight`` (0.25), ``num_input_tokens_weight`` (0.1),
+    ``num_turns_weight`` (0.1) on ``num_output_tokens``, ``num_total_tokens -
+    num_output_tokens`` and ``num_turns``: ``weights=[0.25, 0.1, 0.1]`` with those columns.
+
+    Args:
+        rewards: ``(B,)`` rewards, the groups' responses contiguous with ``group_size``.
+        quantities: ``(B, K)`` non-negative quantities per response (``(B,)``: one).
+        weights: ``(K,)`` weights :math:`w_k`, one per column of ``quantities``.
+        group_size: :math:`G`, the responses per prompt (``B`` divisible by it), or None with
+            ``group_ids``.
+        group_ids: ``(B,)`` one group label per sequence (ints or strings).
+
+    Returns:
+        ``(B,)`` advantages, float32 (float64 when an input is float64).
+
+    Raises:
+        ValueError: ``rewards`` not 1-D, ``quantities`` not ``(B, K)``, ``weights`` not
+            ``(K,)``, neither or both of ``group_size`` / ``group_ids``, a bad grouping.
+        TypeError: non-numeric inputs or labels, a non-int ``group_size``.
+
+    References:
+        prime-rl (PrimeIntellect), ``src/prime_rl/orchestrator/algo/grpo.py`` (length-penalty
+        shaping of the GRPO baseline).
+
+    Examples:
+        >>> group_length_penalty([1.0, 1.0], [[10.0], [20.0]], weights=[0.5], group_size=2)
+        tensor([ 0.1250, -0.1250])
+
+    .. versionadded:: 0.4.0
+    """
+    values, groups = grouped_rewards(rewards, group_size, group_ids)
+    sizes = as_float_tensor(quantities, "quantities", values.device)
+    sizes = sizes.unsqueeze(-1) if sizes.ndim == 1 else sizes
+    if sizes.ndim != 2 or sizes.shape[0] != values.shape[0]:
+        raise ValueError(
+            f"quantities must have shape (B, K) with B = {values.shape[0]} (one row per reward), "
+            f"got shape {tuple(sizes.shape)}"
+        )
+    weights_t = as_float_tensor(weights, "weights", values.device)
+    check_same_device({"rewards": values, "quantities": sizes, "weights": weights_t})
+    if weights_t.ndim != 1 or weights_t.shape[0] != sizes.shape[1]:
+        raise ValueError(
+            f"weights must have shape (K,) = ({sizes.shape[1]},) (one weight per column of "
+            f"quantities), got shape {tuple(weights_t.shape)}"
+        )
+    given = [weights_t] if isinstance(weights, torch.Tensor) else []  # a list: exact numbers
+    dtype = compute_dtype(values, sizes, *given)
+    if not given:
+        weights_t = torch.as_tensor(weights, dtype=torch.float64, device=values.device)
+    values, sizes, weights_t = values.to(dtype), sizes.to(dtype), weights_t.to(dtype)
+    size = groups.size.to(dtype)  # (B,) sequences in the group
+    pass_rate = segment_sum(values, groups) / size  # (B,) the group's mean reward
+    longest = [segment_amax(sizes[:, k], groups).clamp(min=1.0) for k in range(sizes.shape[1])]
+    relative = sizes / torch.stack(longest, dim=-1) if longest else sizes  # (B, K)
+    shaped = values - pass_rate * (relative * weights_t).sum(dim=-1)  # (B,)
+    return group_centered(shaped, groups)

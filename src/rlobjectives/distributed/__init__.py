@@ -214,7 +214,8 @@ def normalizer_for_reduction(normalizers: Normalizers, *, reduction: str) -> tor
         A 0-d ``int64`` tensor :math:`\max(\text{count}, 1)`, on the device of ``normalizers``.
 
     Raises:
-        ValueError: for an unknown reduction, or ``"none"`` (which takes no normalizer).
+        ValueError: for an unknown reduction, ``"none"`` (which takes no normalizer) or
+            ``"prompt_mean"`` (its count is of prompts, not given by the masks).
         TypeError: if ``normalizers`` is not a :class:`Normalizers`.
 
     Examples:
@@ -237,6 +238,12 @@ def normalizer_for_reduction(normalizers: Normalizers, *, reduction: str) -> tor
             "reduction='none' takes no normalizer (it returns the (B, T) per-token values); "
             "expected one of ['token_mean', 'sequence_mean', 'sequence_sum_normalized', "
             "'length_weighted']"
+        )
+    if name == "prompt_mean":
+        raise ValueError(
+            "reduction='prompt_mean' divides by prompt counts, which the masks alone do not "
+            "give: pass as normalizer the number of prompts with a selected token over every "
+            "micro-batch and rank (an all_reduce of the local counts), or every prompt (SkyRL)"
         )
     count = {
         "token_mean": normalizers.tokens,

@@ -1,9 +1,11 @@
-r"""KL-coefficient controllers: the adaptive controller of Ziegler et al. (2019) and a fixed one.
+r"""Coefficient controllers: adaptive and fixed KL coefficients, the adaptive entropy coefficient.
 
-Plain Python classes (no tensors, no trainer state): they hold one float, update it once per
-optimizer step from the measured KL, pickle, and checkpoint through ``state_dict()`` /
-``load_state_dict()`` like a ``torch.optim`` object. The measured KL is read once per step on
-the host (``float(current_kl)``), outside any hot path.
+The adaptive KL controller of Ziegler et al. (2019), a fixed one, and the adaptive entropy
+controller of Skywork-OR1 (TRL's ``use_adaptive_entropy``). Plain Python classes (no tensors,
+no trainer state): they hold a few floats, update them once per optimizer step from the
+measured KL or entropy, pickle, and checkpoint through ``state_dict()`` /
+``load_state_dict()`` like a ``torch.optim`` object. The measurement is read once per step on
+the host (``float(...)``), outside any hot path.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["AdaptiveKLController", "FixedKLController"]
+__all__ = ["AdaptiveEntropyController", "AdaptiveKLController", "FixedKLController"]
 
 # The proportional error is clipped to +-0.2 (Ziegler et al. 2019, Sec. 2.2; verl, OpenRLHF, TRL).
 _ERROR_CLIP = 0.2
@@ -196,3 +198,141 @@ class FixedKLController:
 
     def __repr__(self) -> str:
         return f"FixedKLController(value={self.value!r})"
+
+
+class AdaptiveEntropyController:
+    r"""Adaptive entropy coefficient with its gate (Skywork-OR1; TRL ``use_adaptive_entropy``).
+
+    After each optimizer step with measured mean token entropy :math:`H`,
+
+    .. math::
+
+        c \leftarrow \begin{cases} \min(c + \delta,\ c_{max}) & H \le H^* \\
+        \max(c - \delta,\ c_{min}) & H > H^* \end{cases}, \qquad
+        \text{value} = \begin{cases} c & H_{last} \le H^* \\ 0 & \text{otherwise,} \end{cases}
+
+    so the bonus :math:`-\text{value} \cdot H` acts only while the entropy is at or below the
+    target, with a coefficient that grows while it stays there and decays otherwise.
+    :math:`H_{last}` starts at :math:`+\infty`: the applied coefficient is 0 until a measured
+    entropy is at or below the target. Use :attr:`value` as ``entropy_coef`` of the next step's
+    loss (every micro-batch of an accumulation window the same), then :meth:`update` with the
+    window's global token-mean entropy.
+
+    Equal to TRL 1.16's ``GRPOTrainer`` (``use_adaptive_entropy=True``: ``entropy_coef``,
+    ``entropy_target``, ``entropy_coef_delta``, ``entropy_coef_min``, ``entropy_coef_max``;
+    its ``entropy_ctrl_state.json`` is :meth:`state_dict`'s ``coef`` and ``last_entropy``).
+
+    Args:
+        init_coef: initial :math:`c` (TRL ``entropy_coef``).
+        target: :math:`H^*` in nats (TRL ``entropy_target``, 0.2).
+        delta: :math:`\delta \ge 0` (``entropy_coef_delta``, 0.005).
+        min_coef: :math:`c_{min}` (``entropy_coef_min``, 0).
+        max_coef: :math:`c_{max} \ge c_{min}` (``entropy_coef_max``, 1).
+
+    Attributes:
+        coef: :math:`c` (a float), the coefficient before the gate.
+        last_entropy: :math:`H_{last}` (a float, ``inf`` before the first update).
+        value: the applied coefficient (read-only).
+
+    Raises:
+        ValueError: a non-finite value, ``delta < 0`` or ``min_coef > max_coef``.
+        TypeError: a non-numeric argument.
+
+    References:
+        He et al. 2025, "Skywork Open Reasoner 1 Technical Report", arXiv:2505.22312 Sec. 4
+        (adaptive entropy control).
+
+    Examples:
+        >>> controller = AdaptiveEntropyController(0.01, target=0.5, delta=0.01)
+        >>> controller.value  # gated: no entropy measured yet
+        0.0
+        >>> controller.update(0.4)  # at or below the target: c = 0.02, applied
+        0.02
+        >>> controller.update(0.9)  # above: c = 0.01, gated
+        0.0
+
+    .. versionadded:: 0.4.0
+    """
+
+    def __init__(
+        self,
+        init_coef: float,
+        *,
+        target: float = 0.2,
+        delta: float = 0.005,
+        min_coef: float = 0.0,
+        max_coef: float = 1.0,
+    ) -> None:
+        self.coef = _real(init_coef, "init_coef", minimum=-math.inf)
+        self.target = _real(target, "target", minimum=-math.inf)
+        self.delta = _real(delta, "delta")
+        self.min_coef, self.max_coef = _coefficient_range(min_coef, max_coef, "")
+        self.last_entropy = math.inf
+
+    @property
+    def value(self) -> float:
+        """The coefficient to apply: :attr:`coef` while the last entropy is <= the target."""
+        return self.coef if self.last_entropy <= self.target else 0.0
+
+    def update(self, entropy: float | torch.Tensor) -> float:
+        """Move :attr:`coef` by the entropy of the last step; return the new :attr:`value`.
+
+        Args:
+            entropy: the step's mean token entropy (a number or 0-d tensor, read on the host).
+
+        Returns:
+            The applied coefficient for the next step.
+
+        Raises:
+            ValueError: a non-finite ``entropy``.
+            TypeError: a non-numeric ``entropy``.
+        """
+        measured = _real(entropy, "entropy", minimum=-math.inf)
+        if measured <= self.target:
+            self.coef = min(self.coef + self.delta, self.max_coef)
+        else:
+            self.coef = max(self.coef - self.delta, self.min_coef)
+        self.last_entropy = measured
+        return self.value
+
+    def state_dict(self) -> dict[str, float]:
+        """Everything needed to resume: the coefficient, the last entropy and the options."""
+        return {
+            "coef": self.coef,
+            "last_entropy": self.last_entropy,
+            "target": self.target,
+            "delta": self.delta,
+            "min_coef": self.min_coef,
+            "max_coef": self.max_coef,
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict` (validated like the constructor's arguments)."""
+        keys = ("coef", "last_entropy", "target", "delta", "min_coef", "max_coef")
+        state = _check_state(state_dict, keys, "AdaptiveEntropyController")
+        coef = _real(state["coef"], "state_dict['coef']", minimum=-math.inf)
+        last = state["last_entropy"]
+        if not (isinstance(last, float) and last == math.inf):
+            last = _real(last, "state_dict['last_entropy']", minimum=-math.inf)
+        target = _real(state["target"], "state_dict['target']", minimum=-math.inf)
+        delta = _real(state["delta"], "state_dict['delta']")
+        low, high = _coefficient_range(state["min_coef"], state["max_coef"], "state_dict")
+        self.coef, self.last_entropy, self.target, self.delta = coef, last, target, delta
+        self.min_coef, self.max_coef = low, high
+
+    def __repr__(self) -> str:
+        return (
+            f"AdaptiveEntropyController(coef={self.coef!r}, last_entropy={self.last_entropy!r}, "
+            f"target={self.target!r}, delta={self.delta!r}, min_coef={self.min_coef!r}, "
+            f"max_coef={self.max_coef!r})"
+        )
+
+
+def _coefficient_range(low: object, high: object, owner: str) -> tuple[float, float]:
+    """``(min_coef, max_coef)`` validated, ``min_coef <= max_coef``."""
+    names = (f"{owner}['min_coef']", f"{owner}['max_coef']") if owner else ("min_coef", "max_coef")
+    low_v = _real(low, names[0], minimum=-math.inf)
+    high_v = _real(high, names[1], minimum=-math.inf)
+    if low_v > high_v:
+        raise ValueError(f"{names[0]} must be <= {names[1]} ({high_v}), got {low_v}")
+    return low_v, high_v

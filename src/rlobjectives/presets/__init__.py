@@ -16,17 +16,25 @@ equals the peer's loss, value and gradient, for the same tensors, with the peer'
   :mod:`rlobjectives.integrations.openrlhf` installs it in the actor).
 - :func:`trl_grpo_advantages`: TRL's advantages with ``multi_objective_aggregation``
   (``sum_then_normalize``, ``normalize_then_sum``) and ``scale_rewards``;
-  :func:`verl_gdpo_advantages`: verl's ``adv_estimator="gdpo"``.
+  :func:`verl_gdpo_advantages`: verl's ``adv_estimator="gdpo"``; :func:`verl_gpg_advantages`:
+  verl's ``adv_estimator="gpg"``.
 - :func:`verl_distillation_loss`: verl's distillation losses (``forward_kl_topk``, the
   estimators, ``use_policy_gradient``, the clamps); :func:`trl_generalized_jsd_loss` (TRL GKD /
   GOLD) and :func:`trl_server_forward_kl_loss` (TRL server distillation, ``loss_add_tail``).
+- :func:`trl_sft_loss`: TRL's ``SFTTrainer`` loss for ``SFTConfig.loss_type`` ``"nll"`` and
+  ``"dft"`` (:func:`rlobjectives.dft_loss`).
 
 The presets import torch only (never the peers). Each is a table of peer options -> calls of
 the public API; see ``docs/objectives/drop-in.md`` for what is covered and the peer options
 left out.
 """
 
-from ._advantages import VerlAdvantageOutput, trl_grpo_advantages, verl_gdpo_advantages
+from ._advantages import (
+    VerlAdvantageOutput,
+    trl_grpo_advantages,
+    verl_gdpo_advantages,
+    verl_gpg_advantages,
+)
 from ._distillation import (
     VerlDistillationLoss,
     trl_generalized_jsd_loss,
@@ -34,6 +42,7 @@ from ._distillation import (
     verl_distillation_loss,
 )
 from ._openrlhf import OpenRLHFPolicyLoss, OpenRLHFPolicyLossOutput, openrlhf_policy_loss
+from ._sft import TRLSFTLoss, trl_sft_loss
 from ._trl import TRLGRPOLoss, TRLLossOutput, trl_grpo_loss
 from ._verl import VerlLossOutput, VerlPolicyLoss, verl_policy_loss
 
@@ -42,6 +51,7 @@ __all__ = [
     "OpenRLHFPolicyLossOutput",
     "TRLGRPOLoss",
     "TRLLossOutput",
+    "TRLSFTLoss",
     "VerlAdvantageOutput",
     "VerlDistillationLoss",
     "VerlLossOutput",
@@ -50,8 +60,10 @@ __all__ = [
     "trl_generalized_jsd_loss",
     "trl_grpo_advantages",
     "trl_grpo_loss",
+    "trl_sft_loss",
     "trl_server_forward_kl_loss",
     "verl_distillation_loss",
     "verl_gdpo_advantages",
+    "verl_gpg_advantages",
     "verl_policy_loss",
 ]

@@ -1,13 +1,16 @@
-r"""The peers' multi-reward advantages: TRL's ``multi_objective_aggregation``, verl's ``gdpo``.
+r"""The peers' advantages: TRL's ``multi_objective_aggregation``, verl's ``gdpo`` and ``gpg``.
 
 - :func:`trl_grpo_advantages`: the advantages of TRL 1.16's ``GRPOTrainer``
   (``_generate_and_score_completions``) from the per-function rewards, for both values of
   ``GRPOConfig.multi_objective_aggregation`` and every ``scale_rewards``;
 - :func:`verl_gdpo_advantages`: verl 0.9.1's ``compute_gdpo_outcome_advantage``
-  (``algorithm.adv_estimator="gdpo"``), token-level ``(B, T)``.
+  (``algorithm.adv_estimator="gdpo"``), token-level ``(B, T)``;
+- :func:`verl_gpg_advantages`: verl 0.9.1's ``compute_gpg_outcome_advantage``
+  (``algorithm.adv_estimator="gpg"``), token-level ``(B, T)``.
 
-Both are tables onto :func:`rlobjectives.group_relative_advantages`,
-:func:`rlobjectives.gdpo_advantages` and :func:`rlobjectives.masked_whiten`.
+They are tables onto :func:`rlobjectives.group_relative_advantages`,
+:func:`rlobjectives.gdpo_advantages`, :func:`rlobjectives.gpg_advantages` and
+:func:`rlobjectives.masked_whiten`.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import torch
 
 from .._core.validation import as_float_tensor, as_mask, checks_environment, validate_choice
 from ..advantages.gdpo import gdpo_advantages
+from ..advantages.gpg import gpg_advantages
 from ..advantages.groups import grouped_rewards
 from ..advantages.outcome import group_relative_advantages
 from ..advantages.whitening import masked_whiten
@@ -29,6 +33,7 @@ __all__ = [
     "VerlAdvantageOutput",
     "trl_grpo_advantages",
     "verl_gdpo_advantages",
+    "verl_gpg_advantages",
 ]
 
 #: TRL ``scale_rewards`` -> :func:`rlobjectives.group_relative_advantages`'s ``scale``.
@@ -217,3 +222,60 @@ def verl_gdpo_advantages(
         total = total + weights[k].to(values.dtype) * torch.where(alone, singleton, scaled)
     advantages = masked_whiten(total.unsqueeze(-1).expand(mask.shape), mask)
     return VerlAdvantageOutput(advantages, advantages)
+
+
+@checks_environment
+def verl_gpg_advantages(
+    token_level_rewards: Any,
+    response_mask: Any,
+    index: Any,
+    *,
+    f_norm: float = 1.0,
+) -> VerlAdvantageOutput:
+    r"""The ``compute_gpg_outcome_advantage`` of verl 0.9.1 (``adv_estimator="gpg"``).
+
+    verl sums each row of ``token_level_rewards`` into a score :math:`s_i`, forms
+    :math:`\alpha = B / \max(\#\{s \ne 0\}, 1)` in **float32**, and returns
+    :math:`\alpha (s_i - \mu_g) / F_{norm}` times the mask, with its group-of-one convention
+    :math:`\mu = 0` (the raw :math:`\alpha s_i / F_{norm}`; :func:`rlobjectives.gpg_advantages`
+    gives 0 there). verl's ``epsilon`` and ``alpha`` arguments are unused by it (``alpha`` is
+    recomputed), so they are not options here.
+
+    Args:
+        token_level_rewards: ``(B, T)`` verl's token-level rewards (the score on the last token).
+        response_mask: ``(B, T)`` response mask (0/1, bool).
+        index: ``(B,)`` group labels (verl's ``uid``: strings or ints, any order).
+        f_norm: verl's ``f_norm`` (algorithm config, default 1.0), positive.
+
+    Returns:
+        :class:`VerlAdvantageOutput` ``(advantages, returns)``, each ``(B, T)`` (the same
+        tensor, as verl), zeros off the mask, float32 (float64 for float64 rewards).
+
+    Raises:
+        ValueError: ``token_level_rewards`` not ``(B, T)``, a mask of another shape, labels not
+            one per response, a non-positive ``f_norm``.
+        TypeError: non-numeric inputs.
+    """
+    rewards = as_float_tensor(token_level_rewards, "token_level_rewards")
+    if rewards.ndim != 2:
+        raise ValueError(
+            "token_level_rewards must have shape (B, T) (verl's token-level rewards), got shape "
+            f"{tuple(rewards.shape)}"
+        )
+    mask = as_mask(response_mask, "response_mask", rewards.device)
+    if tuple(mask.shape) != tuple(rewards.shape):
+        raise ValueError(
+            f"response_mask must have the shape of token_level_rewards {tuple(rewards.shape)}, "
+            f"got shape {tuple(mask.shape)}"
+        )
+    norm = preset_number(f_norm, "f_norm", strict=True)
+    scores, groups = grouped_rewards(rewards.sum(dim=-1), None, index, name="token_level_rewards")
+    ours = gpg_advantages(scores, group_ids=groups.ids, f_norm=norm)  # alpha exact, mu_1 = r
+    batch = scores.shape[0]
+    nonzero = (scores != 0).sum().clamp(min=1)
+    alpha = batch / nonzero.to(scores.dtype)  # gpg_advantages' alpha
+    alpha32 = (batch / nonzero).to(scores.dtype)  # verl: int / int64 tensor -> float32
+    singleton = alpha32 * scores / norm  # verl: mu = 0 for a group of one
+    advantages = torch.where(groups.size == 1, singleton, ours * (alpha32 / alpha))
+    per_token = torch.where(mask, advantages.unsqueeze(-1), torch.zeros_like(rewards))
+    return VerlAdvantageOutput(per_token, per_token)

@@ -12,7 +12,8 @@ from typing import Any, NamedTuple, TypeVar
 
 import torch
 
-from .._core.reduction import aggregate, masked_fill_zero
+from .._core.masked import aggregate
+from .._core.reduction import masked_fill_zero
 from .._core.validation import (
     Scalar,
     compute_dtype,

@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from .._core.reduction import aggregate, masked_fill_zero
+from .._core.masked import aggregate
+from .._core.reduction import masked_fill_zero
 from .._core.validation import checks_environment, validate_choice, validate_scalar
 from ..distillation.jsd import generalized_jsd_loss
 from ..distillation.topk import teacher_slot_log_probs, topk_forward_kl

@@ -59,7 +59,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._core.reduction import masked_mean, mean_selected
+from .._core.masked import masked_mean
+from .._core.reduction import mean_selected
 from .._core.validation import checks_environment, compute_dtype, validate_choice, validate_scalar
 from ..policy.surrogates import Clip
 from ._common import (

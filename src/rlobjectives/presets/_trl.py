@@ -40,7 +40,8 @@ from typing import NamedTuple
 
 import torch
 
-from .._core.reduction import aggregate, masked_mean, mean_selected
+from .._core.masked import aggregate, masked_mean
+from .._core.reduction import mean_selected
 from .._core.validation import Scalar, checks_environment, validate_choice, validate_scalar
 from ..distributed import global_top_entropy_mask
 from ..kl.loss import kl_loss

@@ -23,7 +23,8 @@ from typing import NamedTuple
 
 import torch
 
-from .._core.reduction import masked_fill_zero, masked_mean
+from .._core.masked import masked_mean
+from .._core.reduction import masked_fill_zero
 from ..policy.surrogates.vespo import VESPO_LOG_WEIGHT_RANGE
 
 __all__ = [

@@ -33,7 +33,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._core.reduction import clamp, masked_fill_zero, masked_mean, mean_selected
+from .._core.masked import masked_mean
+from .._core.reduction import clamp, masked_fill_zero, mean_selected
 from .._core.validation import checks_environment, compute_dtype, validate_choice, validate_scalar
 from ..policy.call import PolicyLossDiagnostics
 from ..policy.selection import cov_selection
