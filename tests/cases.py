@@ -1268,7 +1268,8 @@ CASES: tuple[Case, ...] = (
         + flag_wrongs("kl_straight_through")
         + cu_seqlens_wrongs()
         + context_group_wrongs()
-        + kept_wrongs(),
+        + kept_wrongs()
+        + prompt_group_wrongs(),
     ),
     Case(
         "gae",
@@ -1570,7 +1571,8 @@ CASES: tuple[Case, ...] = (
         + hyper("entropy_coef", below=None)
         + flag_wrongs("return_per_token")
         + cu_seqlens_wrongs()
-        + context_group_wrongs(),
+        + context_group_wrongs()
+        + prompt_group_wrongs(),
     ),
     Case(
         "reinforce_plus_plus_advantages",

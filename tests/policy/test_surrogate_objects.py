@@ -102,6 +102,8 @@ def test_signatures() -> None:
     # The process-group keywords of issue 23 and the sampler's kept set of issue 25 (inputs the
     # engine hands over, named by that issue) are not options of the loss: not counted.
     groups = {"context_group", "vocab_group"}
+    # the prompt groups of issue 35 (prompt_mean, REAL): inputs of the batch, not loss options
+    groups |= {"group_size", "group_ids"}
     kept = {"kept_ids", "kept_pad", "kept_mask", "top_k", "top_p"}
     assert kept <= set(fused)
     assert len(set(policy) - groups) <= 16 and len(set(fused) - groups - kept) <= 23

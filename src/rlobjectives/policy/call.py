@@ -182,6 +182,7 @@ class PolicyInputs(NamedTuple):
     # Whether the importance weights were given one per sequence ((B,) / (B, 1); packed (S,) /
     # (S, 1), broadcast to the (1, N) row): VESPO takes such a weight once per sequence.
     sequence_weights: bool = False
+    groups: torch.Tensor | None = None  # (S,) int64 prompt group of each sequence, or None
 
 
 class SurrogateOptions(NamedTuple):
@@ -390,6 +391,8 @@ def validate_policy_call(
     entropy_coef: Scalar = 0.0,
     cu_seqlens: ArrayLike | None = None,
     context_group: object = None,
+    group_size: object = None,
+    group_ids: object = None,
 ) -> PolicyCall:
     """Validate every tensor argument of a policy-loss call once (named as in ``names``).
 
@@ -418,6 +421,11 @@ def validate_policy_call(
         max_response_length=max_response_length,
         layout=layout,
         tokens=inputs.log_probs.shape[-1],
+        group_size=group_size,
+        group_ids=group_ids,
+        device=inputs.mask.device,
     )
+    if spec.groups is not None:
+        inputs = inputs._replace(groups=spec.groups.ids)
     diagnostics = validate_normalizer(diagnostics_normalizer, "diagnostics_normalizer")
     return PolicyCall(inputs, options, spec, diagnostics, layout, coef)

@@ -81,6 +81,8 @@ def fused_policy_loss_from_hidden(
     reduction: Reduction = "token_mean",
     normalizer: Scalar | None = None,
     max_response_length: Scalar | None = None,
+    group_size: int | None = None,
+    group_ids: ArrayLike | None = None,
     diagnostics_normalizer: Scalar | None = None,
     ref_log_probs: ArrayLike | None = None,
     kl_coef: float = 0.0,
@@ -185,6 +187,8 @@ def fused_policy_loss_from_hidden(
         reduction: as :func:`policy_loss`.
         normalizer: as :func:`policy_loss` (applies to the KL and entropy terms too).
         max_response_length: as :func:`policy_loss`.
+        group_size: as :func:`policy_loss` (``"prompt_mean"``, group-level surrogates).
+        group_ids: as :func:`policy_loss`.
         diagnostics_normalizer: as :func:`policy_loss`.
         ref_log_probs: optional ``(B, T)`` reference-policy log-probabilities for the KL term.
         kl_coef: :math:`\beta \ge 0`; the KL term is added only with ``ref_log_probs``.
@@ -263,6 +267,8 @@ def fused_policy_loss_from_hidden(
         importance_weights=importance_weights,
         cu_seqlens=cu_seqlens,
         context_group=context_group,
+        group_size=group_size,
+        group_ids=group_ids,
     )
     coef = validate_entropy_coef(entropy_coef, has_entropy=True, allow_tensor=False)
     kl = validate_kl_term(

@@ -83,6 +83,8 @@ def policy_loss(
     cu_seqlens: ArrayLike | None = None,
     return_per_token: bool = False,
     context_group: ProcessGroup | None = None,
+    group_size: int | None = None,
+    group_ids: ArrayLike | None = None,
 ) -> PolicyLossOutput:
     r"""Policy-gradient loss: PPO/GRPO/DAPO/GSPO clip, CISPO, SAPO, DPPO, ... or your own.
 
@@ -115,13 +117,17 @@ def policy_loss(
         entropy: ``(B, T)`` per-token entropies for the bonus (differentiable), or None.
         entropy_coef: :math:`\beta`; nonzero needs ``entropy``.
         reduction: ``"token_mean"``, ``"sequence_mean"``, ``"sequence_sum_normalized"``,
-            ``"length_weighted"`` or ``"none"`` (:func:`rlobjectives.aggregate`).
+            ``"length_weighted"``, ``"prompt_mean"`` or ``"none"`` (:func:`rlobjectives.aggregate`).
         normalizer: the denominator of micro-batch / rank-additive losses (global counts).
         max_response_length: Dr. GRPO's constant (default ``T``).
         diagnostics_normalizer: the denominator of the token diagnostics, used as given.
         cu_seqlens: ``(S + 1,)`` boundaries of packed sequences, or None (padded).
         return_per_token: also return the per-token loss.
         context_group: the process group holding the other tokens of the same sequences.
+        group_size: the prompt groups (contiguous, of this size) of ``"prompt_mean"`` and of
+            the group-level surrogates (:class:`~rlobjectives.REAL`), or ``group_ids``: one
+            label per sequence ``(S,)``.
+        group_ids: see ``group_size``.
 
     Returns:
         :class:`PolicyLossOutput` ``(loss, per_token_loss, diagnostics)`` in the dtype of
@@ -158,6 +164,8 @@ def policy_loss(
         entropy_coef=entropy_coef,
         cu_seqlens=cu_seqlens,
         context_group=context_group,
+        group_size=group_size,
+        group_ids=group_ids,
     )
     validate_bool(return_per_token, "return_per_token")
     output = run_policy(call, return_per_token=return_per_token)
@@ -269,7 +277,7 @@ def policy_tokens(
     weights = inputs.importance_weights
     tokens = PolicyTokens(
         bounded, advantages, log_probs, old_log_probs, mask, layout,
-        None if weights is None else weights.to(dtype), inputs.sequence_weights,
+        None if weights is None else weights.to(dtype), inputs.sequence_weights, inputs.groups,
     )  # fmt: skip
     return tokens, log_ratio, log_ratio if x is log_ratio else x.detach()
 

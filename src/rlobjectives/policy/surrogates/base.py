@@ -66,6 +66,8 @@ class PolicyTokens(NamedTuple):
         layout: which tokens form which sequence (:class:`~rlobjectives._core.layout.Layout`).
         importance_weights: ``(B, 1)`` or ``(B, T)`` constants, not selected, or None.
         sequence_weights: the weights were given one per sequence.
+        groups: ``(S,)`` int64 prompt group of each sequence (``group_size=`` /
+            ``group_ids=`` of the call), or None.
     """
 
     log_ratio: torch.Tensor
@@ -76,6 +78,7 @@ class PolicyTokens(NamedTuple):
     layout: Layout
     importance_weights: torch.Tensor | None = None
     sequence_weights: bool = False
+    groups: torch.Tensor | None = None
 
 
 class SurrogateTerms(NamedTuple):
