@@ -12,7 +12,8 @@ wins) or else by ``RLOBJECTIVES_KERNELS`` (the documented default; both validate
 - ``torch``: always PyTorch;
 - ``triton``: always the kernels (on CPU tensors through Triton's interpreter: slow, for tests).
   A call they cannot take raises a ``ValueError`` saying why (float64, a kept set, another
-  device, code being traced), and a missing ``triton`` a ``RuntimeError``: an explicit request
+  device, code being traced by ``torch.compile``: there only a :func:`use_backend` block is
+  read, not the environment), and a missing ``triton`` a ``RuntimeError``: an explicit request
   is never dropped silently.
 
 Nothing here imports ``triton`` (:func:`triton_available` does, once, on its first call).
@@ -21,7 +22,6 @@ Nothing here imports ``triton`` (:func:`triton_available` does, once, on its fir
 from __future__ import annotations
 
 import contextlib
-import contextvars
 import functools
 import importlib
 import importlib.util
@@ -35,7 +35,9 @@ __all__ = ["Backend", "lm_head_backend", "triton_available", "use_backend"]
 
 Backend = Literal["triton", "torch"]
 
-_CHOSEN: contextvars.ContextVar[str | None] = contextvars.ContextVar("backend", default=None)
+#: The choices of the open :func:`use_backend` blocks, innermost last (a plain list:
+#: ``torch.compile`` reads it while it traces, which a ``ContextVar`` would forbid).
+_CHOSEN: list[str] = []
 
 
 class _BackendChoice:
@@ -43,13 +45,12 @@ class _BackendChoice:
 
     def __init__(self, backend: str) -> None:
         self.backend = backend
-        self._tokens: list[contextvars.Token[str | None]] = []
 
     def __enter__(self) -> None:
-        self._tokens.append(_CHOSEN.set(self.backend))
+        _CHOSEN.append(self.backend)
 
     def __exit__(self, *exc: object) -> None:
-        _CHOSEN.reset(self._tokens.pop())
+        _CHOSEN.pop()
 
 
 @checks_environment
@@ -83,8 +84,7 @@ def use_backend(backend: str) -> contextlib.AbstractContextManager[None]:
 
 def chosen_backend() -> str:
     """The validated choice: the innermost :func:`use_backend`, else ``RLOBJECTIVES_KERNELS``."""
-    chosen = _CHOSEN.get()
-    return requested_backend() if chosen is None else chosen
+    return _CHOSEN[-1] if _CHOSEN else requested_backend()
 
 
 def lm_head_backend(
@@ -97,7 +97,10 @@ def lm_head_backend(
             an invalid ``RLOBJECTIVES_KERNELS``.
         RuntimeError: an explicit ``triton`` without an importable ``triton``.
     """
-    choice = chosen_backend()
+    if torch.compiler.is_compiling():  # the environment is not read while tracing
+        choice = _CHOSEN[-1] if _CHOSEN else "auto"
+    else:
+        choice = chosen_backend()
     if choice == "torch":
         return "torch"
     kind = torch.device(device).type

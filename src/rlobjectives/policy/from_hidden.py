@@ -339,6 +339,7 @@ def _needs_composition(head: Head, call: PolicyCall) -> bool:
     )
     return (
         not wants_grad
+        or torch.compiler.is_compiling()  # autograd.grad inside a Function's forward: untraceable
         or head.shard is not None  # the normaliser needs every slice before any gradient
         or call.reduction.reduction == "none"
         or call.options.ratio_level == "sequence"
