@@ -64,12 +64,9 @@ from .logprobs.hidden import TokenLogProbsOutput, token_log_probs_from_hidden
 from .logprobs.logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, token_log_probs
 from .logprobs.vocab_parallel import VocabParallel
 from .policy.call import PolicyLossDiagnostics, PolicyLossOutput
-from .policy.entropy import top_entropy_mask
 from .policy.from_hidden import FusedPolicyLossOutput, fused_policy_loss_from_hidden
 from .policy.grpo_surrogate import grpo_clipped_surrogate
 from .policy.loss import policy_loss
-from .policy.nll import dft_loss, nll_loss
-from .policy.selection import CovSelection, cov_selection, m2po_mask
 from .policy.surrogates import (
     CISPO,
     DPPO,
@@ -89,6 +86,9 @@ from .rollout.correction import RolloutCorrection, rollout_correction
 from .rollout.decoupled import proximal_log_probs, rejection_mask
 from .rollout.metrics import RolloutCorrectionMetrics
 from .rollout.off_policy import off_policy_sequence_mask
+from .selection.batch import CovSelection, cov_selection, m2po_mask
+from .selection.entropy import top_entropy_mask
+from .supervised.losses import dft_loss, nll_loss
 from .value.loss import ValueLossDiagnostics, ValueLossOutput, value_loss
 
 try:

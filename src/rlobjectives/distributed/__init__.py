@@ -52,8 +52,8 @@ from .._core.validation import (
     checks_environment,
     validate_choice,
 )
-from ..policy.selection import cov_selection, m2po_mask
 from ..policy.surrogates.cov import ClipCov, CovSelection, KLCov
+from ..selection.batch import cov_selection, m2po_mask
 from .collectives import (
     count_over_ranks,
     process_group_active,

@@ -8,7 +8,7 @@ call, each token's centred covariance is
 
     \mathrm{cov}_t = (A_t - \bar A)(\ell_t - \bar\ell),
 
-(:func:`~rlobjectives.policy.surrogates.selection.centered_covariance`) and
+(:func:`~rlobjectives._core.selection.centered_covariance`) and
 :math:`k = \max(\lfloor \rho N \rfloor, 1)` tokens are selected (:math:`\rho` = ``ratio``):
 
 - **Clip-Cov** (:class:`ClipCov`, verl ``clip_cov``): PPO's clip without the dual clip,
@@ -29,7 +29,7 @@ hands a precomputed one to the object.
 
 Clip-Cov's draw is reproducible and device-side: one int64 seed per call from ``generator``
 (or the default generator), then a counter-based hash of each token's ordinal among the
-selected tokens (:func:`~rlobjectives.policy.surrogates.selection.random_subset`): the same
+selected tokens (:func:`~rlobjectives._core.selection.random_subset`): the same
 draw on every device and in the padded and the packed layout, with no host sync. It is not
 verl's draw (verl's ``torch.randperm(n)`` over the row-major candidates needs ``n`` on the
 host); the verl preset reproduces verl's own draw through ``selection=``.
@@ -42,10 +42,10 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
+from ..._core.selection import centered_covariance, draw_seed, random_subset, selection_count, top_k
 from ..._core.validation import Scalar, scalar_number, validate_scalar
 from .base import PolicyTokens, Surrogate, SurrogateTerms
 from .clip import Clip
-from .selection import centered_covariance, draw_seed, random_subset, selection_count, top_k
 
 __all__ = ["ClipCov", "CovSelection", "KLCov", "check_selection", "validate_ratio"]
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from ..._core.validation import Scalar
+from .validation import Scalar
 
 __all__ = [
     "INT64_MAX",
