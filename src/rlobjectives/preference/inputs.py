@@ -44,24 +44,33 @@ __all__ = [
     "SideInputs",
     "SideSums",
     "check_objective",
+    "Denominators",
     "denominators",
+    "ld_weights",
+    "nll_counts",
+    "nll_sums",
+    "wpo_weights",
     "finish",
+    "pair_losses",
     "pair_quantities",
+    "pair_weights",
+    "reference_sums",
     "side_sums",
     "validate_ld_alpha",
     "validate_pair_call",
+    "validate_reference",
 ]
 
 
 class PreferenceLossOutput(NamedTuple):
-    """Result of :func:`rlobjectives.preference_loss` (and its hidden-state form).
+    r"""Result of :func:`rlobjectives.preference_loss` (and its hidden-state form).
 
     Attributes:
-        loss: the scalar loss :math:`\\frac{1}{D}\\sum_i w_i L_i` (dtype of the chosen
+        loss: the scalar loss :math:`\frac{1}{D}\sum_i w_i L_i` (dtype of the chosen
             log-probabilities; the hidden-state form: the computation dtype).
         pair_losses: ``(B,)`` :math:`w_i L_i`, 0 for a pair with an empty response.
         chosen_rewards: ``(B,)`` the objective's implicit reward of the chosen responses
-            (:math:`\\beta x_c` for the reference-based ones), detached.
+            (:math:`\beta x_c` for the reference-based ones), detached.
         rejected_rewards: ``(B,)`` the same for the rejected responses.
         margins: ``(B,)`` ``chosen_rewards - rejected_rewards``.
         accuracy: ``(B,)`` 1.0 where ``chosen_rewards > rejected_rewards``, else 0.0.
@@ -152,7 +161,7 @@ def _per_token(
     return token_matrix(as_float_tensor(value, name, device), name, packed)
 
 
-def _reference(
+def validate_reference(
     value: ArrayLike | None, name: str, log_probs: torch.Tensor, layout: Layout, side: str
 ) -> torch.Tensor | None:
     """Per-token reference log-probabilities (the log-probs' shape) or per-sequence sums."""
@@ -196,7 +205,7 @@ def _side(
     check_same_device({lp_name: values, mask_name: mask_t})
     check_shape(mask_t, mask_name, values.shape, lp_name)
     layout = sequence_layout(cu_seqlens, values)
-    ref_t = _reference(ref, ref_name, values, layout, lp_name)
+    ref_t = validate_reference(ref, ref_name, values, layout, lp_name)
     sq_t = None
     if log_sum_sq is not None:
         sq_t = _per_token(log_sum_sq, sq_name, packed, values.device)
@@ -321,6 +330,18 @@ def ld_weights(
     return masked_fill_zero(weight, mask)
 
 
+def reference_sums(
+    side: SideInputs, dtype: torch.dtype, weights: torch.Tensor | None
+) -> torch.Tensor | None:
+    """``(B,)`` :math:`R`: the reference's sums under the side's mask (or the given sums)."""
+    if side.ref is None:
+        return None
+    if side.ref.ndim == 1:  # per-sequence sums, given
+        return side.ref.detach().to(dtype)
+    selected = masked_fill_zero(side.ref.detach().to(dtype), side.mask)
+    return side.layout.row_sums(selected if weights is None else selected * weights)
+
+
 def side_sums(
     side: SideInputs, dtype: torch.dtype, weights: torch.Tensor | None, log_probs: torch.Tensor
 ) -> SideSums:
@@ -329,19 +350,12 @@ def side_sums(
     selected = masked_fill_zero(log_probs.to(dtype), mask)  # (rows, T)
     plain = layout.row_sums(selected)
     sums = plain if weights is None else layout.row_sums(selected * weights)
-    ref = None
-    if side.ref is not None:
-        if side.ref.ndim == 1:  # per-sequence sums, given
-            ref = side.ref.detach().to(dtype)
-        else:
-            ref_selected = masked_fill_zero(side.ref.detach().to(dtype), mask)
-            ref = layout.row_sums(ref_selected if weights is None else ref_selected * weights)
     wpo = None
     if side.log_sum_sq is not None:
         aligned = masked_fill_zero((log_probs.detach() - side.log_sum_sq.detach()).to(dtype), mask)
         wpo = layout.row_sums(aligned)
     lengths = layout.row_counts(mask).to(dtype)
-    return SideSums(sums, lengths, ref, plain, wpo)
+    return SideSums(sums, lengths, reference_sums(side, dtype, weights), plain, wpo)
 
 
 def pair_weights(call: PairCall) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -423,12 +437,29 @@ def pair_quantities(
 
 
 def wpo_weights(chosen: SideSums, rejected: SideSums) -> torch.Tensor | None:
-    r"""WPO's pair weight :math:`w_c w_r`, :math:`w = \exp(\sum_t (\ell_t - \log\sum_v \pi_v^2) / \max(n, 1))`."""
+    r"""WPO's pair weight :math:`w_c w_r`.
+
+    :math:`w = \exp(\sum_t M_t(\ell_t - \log\sum_v \pi_v^2) / \max(n, 1))`, detached.
+    """
     if chosen.wpo is None or rejected.wpo is None:
         return None
     log_w_c = chosen.wpo / chosen.lengths.clamp(min=1)
     log_w_r = rejected.wpo / rejected.lengths.clamp(min=1)
     return torch.exp(log_w_c + log_w_r).detach()
+
+
+def pair_losses(
+    objective: PreferenceObjective,
+    q: PairQuantities,
+    totals: Denominators,
+    weights: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(loss, per-pair losses)``: the objective's formula, WPO's weights, the reduction."""
+    losses = objective.loss(q)  # (B,)
+    if weights is not None:
+        losses = losses * weights
+    losses = masked_fill_zero(losses, q.valid)
+    return losses.sum() / totals.pairs, losses
 
 
 def finish(
@@ -438,11 +469,7 @@ def finish(
     weights: torch.Tensor | None,
 ) -> PreferenceLossOutput:
     """Reduce the objective's per-pair losses; the rewards, margins and accuracy."""
-    losses = call.objective.loss(q)  # (B,)
-    if weights is not None:
-        losses = losses * weights
-    losses = masked_fill_zero(losses, q.valid)
-    loss = losses.sum() / totals.pairs
+    loss, losses = pair_losses(call.objective, q, totals, weights)
     with torch.no_grad():
         chosen_rewards, rejected_rewards = call.objective.rewards(q)
         chosen_rewards = masked_fill_zero(chosen_rewards.detach(), q.valid)

@@ -131,4 +131,3 @@ def preference_loss(
     )
     out = run_pair_call(call)
     return out._replace(loss=out.loss.to(call.output_dtype))
-

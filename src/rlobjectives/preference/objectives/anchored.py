@@ -32,8 +32,9 @@ class _Anchored(PreferenceObjective):
 
 @dataclass(frozen=True)
 class NCA(_Anchored):
-    r"""NCA (pairwise): :math:`L = -\log\sigma(r_c) - \tfrac12\log\sigma(-r_c) - \tfrac12\log\sigma(-r_r)`.
+    r"""NCA (pairwise): noise-contrastive alignment of the pair.
 
+    :math:`L = -\log\sigma(r_c) - \tfrac12\log\sigma(-r_c) - \tfrac12\log\sigma(-r_r)`.
     Noise-contrastive alignment with :math:`K = 2`: raises the chosen response's likelihood
     itself, not only the margin.
 
@@ -117,8 +118,9 @@ class BCO(_Anchored):
 
 @dataclass(frozen=True)
 class SPPOHard(_Anchored):
-    r"""SPPO with hard labels: :math:`L = \big(x_c - \frac{1}{2\beta}\big)^2 + \big(x_r + \frac{1}{2\beta}\big)^2`.
+    r"""SPPO with hard labels: squared distances of the log-ratios to :math:`\pm\frac{1}{2\beta}`.
 
+    :math:`L = \big(x_c - \frac{1}{2\beta}\big)^2 + \big(x_r + \frac{1}{2\beta}\big)^2`.
     Self-play preference optimisation with the winner's probability set to 1 and the loser's to
     0 (Eq. 4.7 of the paper with :math:`\eta = \beta^{-1}`).
 

@@ -83,7 +83,9 @@ class AOT(PreferenceObjective):
         ranks = torch.arange(q.valid.shape[0], device=q.valid.device)
         filled = ranks < q.valid.sum()  # (B,) the first ranks hold the valid pairs
         zero = torch.zeros((), dtype=first.dtype, device=first.device)
-        d = torch.where(filled, _sorted_valid(first, q.valid) - _sorted_valid(second, q.valid), zero)
+        d = torch.where(
+            filled, _sorted_valid(first, q.valid) - _sorted_valid(second, q.valid), zero
+        )
         return _smoothed(self.beta * d, self.label_smoothing)
 
     def rewards(self, q: PairQuantities) -> tuple[torch.Tensor, torch.Tensor]:

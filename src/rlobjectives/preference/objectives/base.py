@@ -219,9 +219,7 @@ class Combination(PreferenceObjective):
                 )
             weight, objective = part
             validate_scalar(weight, "Combination weight", minimum=None)
-            if not isinstance(objective, PreferenceObjective) or isinstance(
-                objective, Combination
-            ):
+            if not isinstance(objective, PreferenceObjective) or isinstance(objective, Combination):
                 raise TypeError(
                     "Combination.parts must hold single preference objectives (DPO, BCO, ...), "
                     f"got {describe(objective)}"

@@ -1,5 +1,4 @@
-r"""The reference-margin objectives: DPO (with conservative DPO and f-DPO), IPO, hinge, robust
-DPO, EXO and DiscoPOP.
+r"""The reference-margin objectives: DPO (cDPO, f-DPO), IPO, hinge, robust DPO, EXO, DiscoPOP.
 
 Each is a function of the margin of the f-DPO scores :math:`s = f'(e^{x})` of the log-ratios
 :math:`x_c = S_c - R_c`, :math:`x_r = S_r - R_r` (policy minus reference, summed over the
@@ -39,7 +38,7 @@ __all__ = ["DPO", "EXO", "IPO", "DiscoPOP", "Hinge", "RobustDPO"]
 
 
 class _MarginObjective(PreferenceObjective):
-    """The shared margin :math:`u` and rewards :math:`\\beta x` of the margin family."""
+    r"""The shared margin :math:`u` and rewards :math:`\beta x` of the margin family."""
 
     beta: Scalar
     f_divergence: str
@@ -99,8 +98,9 @@ class DPO(_MarginObjective):
     label_smoothing)``; Liger ``LigerFusedLinearDPOLoss(loss_type="sigmoid")``.
 
     Examples:
-        >>> DPO(beta=0.1)
-        DPO(beta=0.1, label_smoothing=0.0, f_divergence='reverse_kl', alpha=0.5, length_normalized=False)
+        >>> DPO(beta=0.1)  # doctest: +NORMALIZE_WHITESPACE
+        DPO(beta=0.1, label_smoothing=0.0, f_divergence='reverse_kl', alpha=0.5,
+            length_normalized=False)
 
     .. versionadded:: 0.3.0
     """
@@ -210,9 +210,13 @@ class Hinge(_MarginObjective):
 
 @dataclass(frozen=True)
 class RobustDPO(_MarginObjective):
-    r"""Robust DPO: :math:`L = \frac{-(1-\epsilon)\log\sigma(\beta u) + \epsilon\log\sigma(-\beta u)}{1 - 2\epsilon}`.
+    r"""Robust DPO: the unbiased DPO loss under flipped labels.
 
-    The unbiased loss under labels flipped with probability :math:`\epsilon` (rDPO).
+    .. math::
+
+        L = \frac{-(1-\epsilon)\log\sigma(\beta u) + \epsilon\log\sigma(-\beta u)}{1 - 2\epsilon},
+
+    the unbiased loss under labels flipped with probability :math:`\epsilon` (rDPO).
 
     Attributes:
         beta: :math:`\beta > 0`.
@@ -306,7 +310,7 @@ class EXO(_MarginObjective):
         object.__setattr__(self, "epsilon", epsilon)
 
     def loss(self, q: PairQuantities) -> torch.Tensor:
-        r""":math:`\sigma(z)(\log\sigma(z) - \log(1-\epsilon)) + \sigma(-z)(\log\sigma(-z) - \log\epsilon)`."""
+        """The per-pair loss :math:`L` of the class docstring, ``(B,)``."""
         z = self.beta * self.margin(q)
         eps = self.epsilon
         log_keep = torch.log1p(-eps) if isinstance(eps, torch.Tensor) else math.log1p(-eps)

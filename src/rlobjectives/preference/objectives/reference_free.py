@@ -31,8 +31,10 @@ __all__ = ["CPO", "ORPO", "SFT", "SimPO"]
 
 @dataclass(frozen=True)
 class SimPO(PreferenceObjective):
-    r"""SimPO: :math:`L = -(1-\epsilon)\log\sigma(z) - \epsilon\log\sigma(-z)`, :math:`z = \beta(m_c - m_r) - \gamma`.
+    r"""SimPO: the length-normalised margin without a reference, minus a target margin.
 
+    :math:`L = -(1-\epsilon)\log\sigma(z) - \epsilon\log\sigma(-z)`,
+    :math:`z = \beta(m_c - m_r) - \gamma`.
     The length-normalised log-likelihood margin, without a reference, minus the target margin
     :math:`\gamma`.
 
@@ -73,7 +75,7 @@ class SimPO(PreferenceObjective):
         object.__setattr__(self, "label_smoothing", smoothing)
 
     def loss(self, q: PairQuantities) -> torch.Tensor:
-        r""":math:`-(1-\epsilon)\log\sigma(z) - \epsilon\log\sigma(-z)`, :math:`z = \beta(m_c - m_r) - \gamma`."""
+        """The per-pair loss :math:`L` of the class docstring, ``(B,)``."""
         z = self.beta * (q.chosen_mean - q.rejected_mean) - self.gamma
         return smoothed_sigmoid_loss(z, self.label_smoothing)
 
@@ -84,7 +86,12 @@ class SimPO(PreferenceObjective):
 
 @dataclass(frozen=True)
 class ORPO(PreferenceObjective):
-    r"""ORPO: :math:`L = \mathrm{nll} - \beta\log\sigma\big(\log\frac{\mathrm{odds}(m_c)}{\mathrm{odds}(m_r)}\big)`.
+    r"""ORPO: the SFT term plus the log odds ratio of the chosen over the rejected response.
+
+    .. math::
+
+        L = \mathrm{nll}
+            - \beta\log\sigma\Big(\log\frac{\mathrm{odds}(m_c)}{\mathrm{odds}(m_r)}\Big).
 
     With :math:`\mathrm{odds}(m) = e^{m}/(1 - e^{m})` of the mean log-probabilities,
     :math:`\log\frac{\mathrm{odds}(m_c)}{\mathrm{odds}(m_r)} = (m_c - m_r) - (\log(1 - e^{m_c})
@@ -123,7 +130,7 @@ class ORPO(PreferenceObjective):
         object.__setattr__(self, "beta", check_beta(self.beta, "ORPO"))
 
     def loss(self, q: PairQuantities) -> torch.Tensor:
-        r""":math:`\mathrm{nll} - \beta\log\sigma((m_c - m_r) - (\log(1-e^{m_c}) - \log(1-e^{m_r})))`."""
+        """The per-pair loss :math:`L` of the class docstring, ``(B,)``."""
         m_c, m_r = q.chosen_mean, q.rejected_mean
         log_odds = (m_c - m_r) - (log1mexp(m_c) - log1mexp(m_r))
         return q.nll - self.beta * F.logsigmoid(log_odds)
@@ -135,8 +142,10 @@ class ORPO(PreferenceObjective):
 
 @dataclass(frozen=True)
 class CPO(PreferenceObjective):
-    r"""CPO: :math:`L = -(1-\epsilon)\log\sigma(\beta(S_c - S_r)) - \epsilon\log\sigma(-\beta(S_c - S_r)) + \lambda\,\mathrm{nll}`.
+    r"""CPO: the reference-free DPO margin plus the NLL of the chosen responses.
 
+    :math:`L = -(1-\epsilon)\log\sigma(\beta(S_c - S_r)) - \epsilon\log\sigma(-\beta(S_c - S_r))
+    + \lambda\,\mathrm{nll}`.
     DPO without the reference (its :math:`\beta \to 0` limit argument) plus the NLL of the
     chosen responses with weight :math:`\lambda` = ``nll_coef``.
 
@@ -178,7 +187,7 @@ class CPO(PreferenceObjective):
         object.__setattr__(self, "label_smoothing", smoothing)
 
     def loss(self, q: PairQuantities) -> torch.Tensor:
-        r""":math:`-(1-\epsilon)\log\sigma(\beta(S_c - S_r)) - \epsilon\log\sigma(-\beta(S_c - S_r)) + \lambda\,\mathrm{nll}`."""
+        """The per-pair loss :math:`L` of the class docstring, ``(B,)``."""
         z = self.beta * (q.chosen - q.rejected)
         return smoothed_sigmoid_loss(z, self.label_smoothing) + self.nll_coef * q.nll
 
