@@ -32,8 +32,8 @@ class AOT(PreferenceObjective):
         d = \mathrm{sort}(x_c) - \mathrm{sort}(x_r) \ \text{(unpaired)},
 
     and :math:`L_k = -(1-\epsilon)\log\sigma(\beta d_k) - \epsilon\log\sigma(-\beta d_k)` for
-    the :math:`k`-th smallest (the pair index of :math:`L` is the rank, not a pair: the loss
-    of a batch is their mean). It depends on the whole batch: a micro-batch's sorted batch is
+    the :math:`k`-th smallest, reported at the :math:`k`-th valid pair (a rank, not that pair's
+    own loss: only their mean is meaningful). It depends on the whole batch: a micro-batch's sorted batch is
     not the full batch's, so the loss is not additive over micro-batches (an option of the
     objective, not a normaliser, can change that).
 
@@ -83,10 +83,11 @@ class AOT(PreferenceObjective):
         ranks = torch.arange(q.valid.shape[0], device=q.valid.device)
         filled = ranks < q.valid.sum()  # (B,) the first ranks hold the valid pairs
         zero = torch.zeros((), dtype=first.dtype, device=first.device)
-        d = torch.where(
-            filled, _sorted_valid(first, q.valid) - _sorted_valid(second, q.valid), zero
-        )
-        return _smoothed(self.beta * d, self.label_smoothing)
+        gap = _sorted_valid(first, q.valid) - _sorted_valid(second, q.valid)
+        by_rank = _smoothed(self.beta * torch.where(filled, gap, zero), self.label_smoothing)
+        # the k-th smallest goes to the k-th valid pair (the reduction selects the valid pairs)
+        rank_of_pair = (q.valid.cumsum(0) - 1).clamp(min=0)
+        return by_rank.gather(0, rank_of_pair)
 
     def rewards(self, q: PairQuantities) -> tuple[torch.Tensor, torch.Tensor]:
         r""":math:`(\beta x_c, \beta x_r)` of each pair (not sorted)."""
