@@ -113,8 +113,8 @@ def kto_loss_from_hidden(
         >>> out = kto_loss_from_hidden(torch.zeros(2, 3, 4), torch.zeros(5, 4),
         ...     torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3), torch.tensor([True, False]),
         ...     ref_log_probs=torch.zeros(2, 3))
-        >>> out.example_losses  # x = 3 log(1/5) < 0: 1 - sigmoid(-0.48), 1 - sigmoid(0.48)
-        tensor([0.6185, 0.3815])
+        >>> out.example_losses  # beta x = 0.1 * 3 log(1/5) = -0.483: 1 - sigmoid(-+0.483)
+        tensor([0.6184, 0.3816])
 
     .. versionadded:: 0.3.0
     """

@@ -33,9 +33,9 @@ class AOT(PreferenceObjective):
 
     and :math:`L_k = -(1-\epsilon)\log\sigma(\beta d_k) - \epsilon\log\sigma(-\beta d_k)` for
     the :math:`k`-th smallest, reported at the :math:`k`-th valid pair (a rank, not that pair's
-    own loss: only their mean is meaningful). It depends on the whole batch: a micro-batch's sorted batch is
-    not the full batch's, so the loss is not additive over micro-batches (an option of the
-    objective, not a normaliser, can change that).
+    own loss: only their mean is meaningful). It depends on the whole batch: a micro-batch's
+    sorted batch is not the full batch's, so the loss is not additive over micro-batches (no
+    normaliser can change that).
 
     Attributes:
         beta: :math:`\beta > 0`.
