@@ -250,7 +250,8 @@ CASES: dict[str, tuple[Case, tuple[str, ...], torch.dtype]] = {
     "hidden-ids-partial": (_hidden_case("ids", "partial"), HEAD, F64),
     **{f"fused-{kind}-{grad}": (_fused_case(kind, grad), HEAD, F64)
        for kind, grad in (("none", "partial"), ("none", "reduced"), ("ids", "partial"))},
-    **{f"preference-{grad}": (_preference_case(grad), HEAD, F64) for grad in ("partial", "reduced")},
+    **{f"preference-{grad}": (_preference_case(grad), HEAD, F64)
+       for grad in ("partial", "reduced")},
 }  # fmt: skip
 # Through the Triton interpreter (float32, the 2-rank run only: the interpreter is slow).
 KERNEL_CASES: dict[str, tuple[Case, tuple[str, ...], torch.dtype]] = {

@@ -2974,9 +2974,7 @@ def _f_score(x: Tensor, kind: str, alpha: float) -> Tensor:
     return (torch.exp(t) - 1.0) / (alpha - 1.0)
 
 
-def preference_pair_loss(
-    name: str, o: dict[str, Any], p: dict[str, Tensor], nll: Tensor
-) -> Tensor:
+def preference_pair_loss(name: str, o: dict[str, Any], p: dict[str, Tensor], nll: Tensor) -> Tensor:
     """One pair's loss. ``p``: S_c, S_r, n_c, n_r (floats), R_c, R_r (None for reference-free)."""
     s_c, s_r, n_c, n_r = p["S_c"], p["S_r"], max(p["n_c"], 1.0), max(p["n_r"], 1.0)
     beta = o.get("beta", 0.1)

@@ -16,13 +16,13 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from test_preference_loss import gradients, terms
 
 import reference
 import rlobjectives as rlo
-from rlobjectives import AOT, CPO, DPO, NCA, ORPO, SFT, IPO, SimPO, kto_loss_from_hidden
+from rlobjectives import AOT, CPO, DPO, IPO, NCA, ORPO, SFT, SimPO, kto_loss_from_hidden
 from rlobjectives import preference_loss_from_hidden as from_hidden
 from rlobjectives.preference.hidden import pairs as pair_module
-from test_preference_loss import gradients, terms
 from tolerances import LAYOUT_TOLERANCE, assert_close
 
 D = torch.float64
