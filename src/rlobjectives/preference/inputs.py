@@ -197,10 +197,18 @@ def _side(
     log_sum_sq: ArrayLike | None,
     cu_seqlens: ArrayLike | None,
     names: tuple[str, str, str, str],
+    other: torch.Tensor | None = None,
 ) -> SideInputs:
     lp_name, mask_name, ref_name, sq_name = names
     packed = cu_seqlens is not None
     values = _per_token(log_probs, lp_name, packed, None)
+    if other is not None:  # the rejected side: the chosen side's device and rows first
+        check_same_device({"chosen_log_probs": other, lp_name: values})
+        if not packed and values.shape[0] != other.shape[0]:
+            raise ValueError(
+                f"{lp_name} must hold as many rows as chosen_log_probs (one pair each): "
+                f"{other.shape[0]} chosen, got shape {tuple(values.shape)}"
+            )
     mask_t = token_matrix(as_mask(mask, mask_name, values.device), mask_name, packed)
     check_same_device({lp_name: values, mask_name: mask_t})
     check_shape(mask_t, mask_name, values.shape, lp_name)
@@ -233,7 +241,7 @@ def validate_pair_call(
     checked = check_objective(objective)
     chosen_cu, rejected_cu = _boundaries(cu_seqlens)
     c = _side(*chosen, chosen_cu, _NAMES["chosen"])
-    r = _side(*rejected, rejected_cu, _NAMES["rejected"])
+    r = _side(*rejected, rejected_cu, _NAMES["rejected"], c.log_probs)
     check_same_device({"chosen_log_probs": c.log_probs, "rejected_log_probs": r.log_probs})
     if c.layout.num_sequences != r.layout.num_sequences:
         what = "sequences" if c.layout.sequence_ids is not None else "rows"
@@ -255,7 +263,8 @@ def validate_pair_call(
         )
         check_same_device({"chosen_log_probs": c.log_probs, "nll_mask": nll_t})
         check_shape(nll_t, "nll_mask", c.log_probs.shape, "chosen_log_probs")
-    floating = [t for t in (c.log_probs, r.log_probs, c.ref, r.ref) if t is not None]
+    sides = (c.log_probs, r.log_probs, c.ref, r.ref, c.log_sum_sq, r.log_sum_sq)
+    floating = [t for t in sides if t is not None]
     packed_flat = chosen_cu is not None and token_ndim(chosen[0]) == 1
     return PairCall(
         chosen=c,
@@ -352,7 +361,8 @@ def side_sums(
     sums = plain if weights is None else layout.row_sums(selected * weights)
     wpo = None
     if side.log_sum_sq is not None:
-        aligned = masked_fill_zero((log_probs.detach() - side.log_sum_sq.detach()).to(dtype), mask)
+        squares = side.log_sum_sq.detach().to(dtype)
+        aligned = masked_fill_zero(log_probs.detach().to(dtype) - squares, mask)
         wpo = layout.row_sums(aligned)
     lengths = layout.row_counts(mask).to(dtype)
     return SideSums(sums, lengths, reference_sums(side, dtype, weights), plain, wpo)

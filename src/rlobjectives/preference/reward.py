@@ -96,7 +96,12 @@ def reward_model_loss(
     .. versionadded:: 0.3.0
     """
     chosen = as_float_tensor(chosen_rewards, "chosen_rewards")
-    batch = chosen.shape[0] if chosen.ndim else -1
+    if chosen.ndim not in (1, 2):
+        raise ValueError(
+            "chosen_rewards must have shape (B,) or (B, 1) (one score per pair), got shape "
+            f"{tuple(chosen.shape)}"
+        )
+    batch = chosen.shape[0]
     chosen = as_per_sequence(chosen, "chosen_rewards", batch, "chosen_rewards")
     rejected = as_float_tensor(rejected_rewards, "rejected_rewards", chosen.device)
     rejected = as_per_sequence(rejected, "rejected_rewards", batch, "chosen_rewards")

@@ -22,9 +22,17 @@ from ..._core.validation import (
     check_shape,
 )
 from ...logprobs.head import Head, prepare_head
-from ...logprobs.vocab_parallel import VocabGroup
+from ...logprobs.passes import LogProbsFromHidden
+from ...logprobs.vocab_parallel import VocabGroup, reduce_hidden_gradient
 
-__all__ = ["HiddenRows", "per_token_or_sequence", "prepare_rows", "split_sides"]
+__all__ = [
+    "HiddenRows",
+    "head_log_probs",
+    "per_token_or_sequence",
+    "prepare_rows",
+    "side_layouts",
+    "split_sides",
+]
 
 
 class HiddenRows(NamedTuple):
@@ -121,3 +129,20 @@ def side_layouts(rows: HiddenRows, pairs: int) -> tuple[Layout, Layout]:
     rejected = torch.tensor([b - cut for b in bounds[pairs:]], dtype=torch.int64, device=device)
     total = rows.batch_shape[1]
     return layout_from_cu_seqlens(chosen, cut), layout_from_cu_seqlens(rejected, total - cut)
+
+
+def head_log_probs(rows: HiddenRows, active: torch.Tensor) -> torch.Tensor:
+    """The token log-probabilities ``batch_shape`` of the chunked pass (recompute in backward).
+
+    :class:`~rlobjectives.logprobs.passes.LogProbsFromHidden`, the pass of
+    :func:`rlobjectives.token_log_probs_from_hidden`, in the head's computation dtype; 0 where
+    ``active`` is False. Under vocabulary parallelism with ``hidden_grad="reduced"`` the hidden
+    states pass through Megatron's copy to the tensor-parallel region first.
+    """
+    head = rows.head
+    if head.shard is not None:
+        head = head._replace(hidden=reduce_hidden_gradient(head.hidden, head.shard))
+    outputs: tuple[torch.Tensor, torch.Tensor] = LogProbsFromHidden.apply(  # type: ignore[no-untyped-call]
+        head.hidden, head.weight, head.bias, head, active.reshape(-1), False
+    )
+    return outputs[0].reshape(rows.batch_shape)

@@ -15,12 +15,11 @@ from ..._core.validation import (
     validate_choice,
     validate_scalar,
 )
-from ...logprobs.hidden import token_log_probs_from_hidden
 from ...logprobs.vocab_parallel import VocabGroup
 from ..inputs import SideInputs, reference_sums
 from ..kto import _KINDS, KTOCall, KTOKind, KTOLossOutput, kto_finish, kto_formula, reference_point
 from .driver import Sums, TokenWeights, UnitPlan, UnitsFromHidden, needs_split, plan_units
-from .inputs import HiddenRows, per_token_or_sequence, prepare_rows
+from .inputs import HiddenRows, head_log_probs, per_token_or_sequence, prepare_rows
 from .pairs import PARTIALS_SHARE
 
 __all__ = ["kto_loss_from_hidden"]
@@ -131,6 +130,7 @@ def kto_loss_from_hidden(
     labels = per_sequence(labels, "desirable", rows.layout, "hidden")
     validate_choice(kind, "kind", _KINDS)
     dtype = compute_dtype(rows.head.hidden, ref)
+    rows = rows._replace(head=rows.head._replace(dtype=dtype))  # the softmax in that dtype
     placeholder = torch.zeros(rows.batch_shape, dtype=dtype, device=device)
     side = SideInputs(placeholder, rows.mask, ref, None, rows.layout)
     call = KTOCall(
@@ -161,10 +161,7 @@ def kto_loss_from_hidden(
     partials_fit = not head.weight.requires_grad or width <= PARTIALS_SHARE * count
     split = needs_split(plan, head.chunk_size)
     if vocab_group is not None or not wants_grad or (split and not partials_fit):
-        log_probs = token_log_probs_from_hidden(
-            hidden, weight, tokens, bias=bias, temperature=temperature, chunk_size=chunk_size,
-            mask=rows.mask, cu_seqlens=cu_seqlens, vocab_group=vocab_group,
-        ).reshape(rows.batch_shape)  # fmt: skip
+        log_probs = head_log_probs(rows, rows.mask)
         sums = rows.layout.row_sums(torch.where(rows.mask, log_probs.to(dtype), 0.0))
         return kto_finish(call, sums, lengths, ref_sums)
     return _fused(rows, call, plan, lengths, ref_sums)

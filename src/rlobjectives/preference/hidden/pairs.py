@@ -9,11 +9,12 @@ from ..._core.validation import (
     ArrayLike,
     Scalar,
     as_mask,
+    check_same_device,
     check_shape,
     checks_environment,
+    compute_dtype,
     validate_scalar,
 )
-from ...logprobs.hidden import token_log_probs_from_hidden
 from ...logprobs.vocab_parallel import VocabGroup
 from ..inputs import (
     Denominators,
@@ -35,7 +36,14 @@ from ..loss import run_pair_call
 from ..objectives.base import PreferenceObjective
 from ..objectives.margin import DPO
 from .driver import Sums, TokenWeights, UnitsFromHidden, needs_split, plan_units
-from .inputs import HiddenRows, per_token_or_sequence, prepare_rows, side_layouts, split_sides
+from .inputs import (
+    HiddenRows,
+    head_log_probs,
+    per_token_or_sequence,
+    prepare_rows,
+    side_layouts,
+    split_sides,
+)
 
 __all__ = ["preference_loss_from_hidden"]
 
@@ -88,12 +96,9 @@ def _pair_call(
     )
 
 
-def _composed(
-    rows: HiddenRows, call: PairCall, arguments: dict[str, object]
-) -> PreferenceLossOutput:
+def _composed(rows: HiddenRows, call: PairCall) -> PreferenceLossOutput:
     """Log-probabilities from the head (recompute in backward), then the formula by autograd."""
-    log_probs = token_log_probs_from_hidden(**arguments)  # type: ignore[call-overload]
-    log_probs = log_probs.reshape(rows.batch_shape)
+    log_probs = head_log_probs(rows, _active(rows, call))
     pairs = rows.layout.num_sequences // 2
     chosen, rejected = split_sides(log_probs, rows, pairs)
     call = call._replace(
@@ -245,8 +250,11 @@ def preference_loss_from_hidden(
       hold at most 1/8 of the logits' bytes (``2 H <= N / 8``) and the sums carry one weight per
       token (no ``ld_alpha`` together with ``nll_mask``);
     - otherwise (``AOT``, ``vocab_group``, no gradient, large ``H``), the log-probabilities
-      come from :func:`rlobjectives.token_log_probs_from_hidden` (recompute in backward: four
-      products) and the formula runs on them by autograd.
+      come from the chunked pass of :func:`rlobjectives.token_log_probs_from_hidden`
+      (recompute in backward: four products) and the formula runs on them by autograd.
+
+    The softmax runs in float32, or float64 when ``hidden``, ``ref_log_probs`` or
+    ``log_sum_sq_probs`` is float64 (the head's product in the weight's dtype).
 
     Args:
         hidden: ``(2B, T, H)`` hidden states (packed: ``(N, H)`` / ``(1, N, H)``).
@@ -305,6 +313,7 @@ def preference_loss_from_hidden(
     if nll_mask is not None:
         nll = as_mask(nll_mask, "nll_mask", rows.head.hidden.device)
         nll = token_matrix(nll, "nll_mask", rows.packed)
+        check_same_device({"hidden": rows.head.hidden, "nll_mask": nll})
         check_shape(nll, "nll_mask", rows.batch_shape, "tokens")
     squares = None
     if log_sum_sq_probs is not None:
@@ -314,15 +323,12 @@ def preference_loss_from_hidden(
                 f"log_sum_sq_probs must be per token, the shape of tokens {rows.batch_shape}, "
                 f"got shape {tuple(squares.shape)}"
             )
+    dtype = compute_dtype(*(t for t in (rows.head.hidden, ref, squares) if t is not None))
+    rows = rows._replace(head=rows.head._replace(dtype=dtype))  # the softmax in that dtype
     call = _pair_call(rows, checked, ref, nll, squares, (ld_alpha, normalizer, nll_normalizer))
     if _path(rows, call, vocab_group) == "fused":
         return _fused(rows, call)
-    arguments: dict[str, object] = {
-        "hidden": hidden, "weight": weight, "tokens": tokens, "bias": bias,
-        "temperature": temperature, "chunk_size": chunk_size, "mask": _active(rows, call),
-        "cu_seqlens": cu_seqlens, "vocab_group": vocab_group,
-    }  # fmt: skip
-    return _composed(rows, call, arguments)
+    return _composed(rows, call)
 
 
 def _active(rows: HiddenRows, call: PairCall) -> torch.Tensor:
