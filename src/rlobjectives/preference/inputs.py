@@ -68,7 +68,8 @@ class PreferenceLossOutput(NamedTuple):
     Attributes:
         loss: the scalar loss :math:`\frac{1}{D}\sum_i w_i L_i` (dtype of the chosen
             log-probabilities; the hidden-state form: the computation dtype).
-        pair_losses: ``(B,)`` :math:`w_i L_i`, 0 for a pair with an empty response.
+        pair_losses: ``(B,)`` :math:`w_i L_i`, 0 for a pair with an empty response (detached
+            in the hidden-state form, whose gradient is the loss's only).
         chosen_rewards: ``(B,)`` the objective's implicit reward of the chosen responses
             (:math:`\beta x_c` for the reference-based ones), detached.
         rejected_rewards: ``(B,)`` the same for the rejected responses.

@@ -47,7 +47,8 @@ class KTOLossOutput(NamedTuple):
 
     Attributes:
         loss: the scalar loss.
-        example_losses: ``(B,)`` :math:`L_i`, 0 for an empty response.
+        example_losses: ``(B,)`` :math:`L_i`, 0 for an empty response (detached in the
+            hidden-state form).
         rewards: ``(B,)`` :math:`\beta x_i` (detached; 0 for an empty response).
         kl: ``()`` the reference point :math:`z_0` used (``max(kl, 0)``).
         log_probs: ``(B,)`` :math:`S_i`, the summed log-probabilities (detached).

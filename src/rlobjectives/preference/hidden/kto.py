@@ -163,7 +163,8 @@ def kto_loss_from_hidden(
     if vocab_group is not None or not wants_grad or (split and not partials_fit):
         log_probs = head_log_probs(rows, rows.mask)
         sums = rows.layout.row_sums(torch.where(rows.mask, log_probs.to(dtype), 0.0))
-        return kto_finish(call, sums, lengths, ref_sums)
+        out = kto_finish(call, sums, lengths, ref_sums)
+        return out._replace(example_losses=out.example_losses.detach())  # as the fused path's
     return _fused(rows, call, plan, lengths, ref_sums)
 
 

@@ -105,7 +105,8 @@ def _composed(rows: HiddenRows, call: PairCall) -> PreferenceLossOutput:
         chosen=call.chosen._replace(log_probs=chosen),
         rejected=call.rejected._replace(log_probs=rejected),
     )
-    return run_pair_call(call)
+    out = run_pair_call(call)
+    return out._replace(pair_losses=out.pair_losses.detach())  # as the fused path's
 
 
 def _flat(side_c: torch.Tensor, side_r: torch.Tensor) -> torch.Tensor:
