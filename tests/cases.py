@@ -1106,7 +1106,8 @@ def _diagnostics() -> Any:
 # --- issue 34: the preference and reward-model losses ----------------------------------------
 
 _PAIR_TENSORS = ("chosen_log_probs", "rejected_log_probs", "ref_chosen_log_probs",
-                 "ref_rejected_log_probs", "chosen_log_sum_sq_probs", "rejected_log_sum_sq_probs")  # fmt: skip
+                 "ref_rejected_log_probs", "chosen_log_sum_sq_probs",
+                 "rejected_log_sum_sq_probs")  # fmt: skip
 
 
 def _pair_arguments() -> Arguments:
