@@ -375,16 +375,15 @@ def run_units(
         partials = [
             Grads(
                 scratch.hidden,
-                torch.zeros(vocab, width, dtype=accumulate, device=device) if needs[1] else None,
-                torch.zeros(vocab, dtype=accumulate, device=device)
+                # overwritten by each unit's first chunk (beta = 0), never read before
+                torch.empty(vocab, width, dtype=accumulate, device=device) if needs[1] else None,
+                torch.empty(vocab, dtype=accumulate, device=device)
                 if needs[2] and head.bias is not None
                 else None,
             )
             for _ in range(largest)
         ]
-    grads = new_grads(head, needs)
-    if grads.hidden is not None:
-        grads.hidden.zero_()
+    grads = new_grads(head, needs)  # every row of grad_hidden belongs to one sequence: written
     state = _State(grads, new_buffers(head, with_entropy=False, rows=rows), outputs, partials)
     for kind, members in steps:
         if kind == "group":
