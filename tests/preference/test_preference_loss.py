@@ -363,3 +363,19 @@ def test_combination_flags_and_rewards() -> None:
     assert mix.needs_reference and mix.uses_nll and mix.pair_local
     assert not (AOT() + DPO()).pair_local
     assert not (SimPO() + SFT()).needs_reference
+
+
+@pytest.mark.slow
+def test_compiles_without_graph_breaks() -> None:
+    def loss(*tensors: torch.Tensor) -> torch.Tensor:
+        c, r, mc, mr, rc, rr = tensors
+        objective = 0.5 * DPO(beta=0.2, f_divergence="js_divergence") + SFT()
+        return preference_loss(c, r, mc, mr, ref_chosen_log_probs=rc, ref_rejected_log_probs=rr,
+                               objective=objective, normalizer=torch.tensor(3.0)).loss  # fmt: skip
+
+    g = torch.Generator().manual_seed(9)
+    c, r = -torch.rand(3, 5, generator=g), -torch.rand(3, 4, generator=g)
+    tensors = (c, r, torch.rand(3, 5, generator=g) < 0.7, torch.rand(3, 4, generator=g) < 0.7,
+               c * 0.9, r * 1.1)  # fmt: skip
+    compiled = torch.compile(loss, fullgraph=True)
+    torch.testing.assert_close(compiled(*tensors), loss(*tensors))

@@ -23,7 +23,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from .._core.layout import Layout, sequence_layout, token_matrix, token_ndim
+from .._core.layout import Layout, sequence_layout, token_matrix
 from .._core.reduction import masked_fill_zero
 from .._core.validation import (
     ArrayLike,
@@ -115,7 +115,6 @@ class PairCall(NamedTuple):
     nll_normalizer: float | torch.Tensor | None
     dtype: torch.dtype  # computation dtype
     output_dtype: torch.dtype
-    flat: bool  # packed inputs given as (N,)
 
 
 def check_objective(objective: object, name: str = "objective") -> PreferenceObjective:
@@ -266,7 +265,6 @@ def validate_pair_call(
         check_shape(nll_t, "nll_mask", c.log_probs.shape, "chosen_log_probs")
     sides = (c.log_probs, r.log_probs, c.ref, r.ref, c.log_sum_sq, r.log_sum_sq)
     floating = [t for t in sides if t is not None]
-    packed_flat = chosen_cu is not None and token_ndim(chosen[0]) == 1
     return PairCall(
         chosen=c,
         rejected=r,
@@ -277,7 +275,6 @@ def validate_pair_call(
         nll_normalizer=_positive(nll_normalizer, "nll_normalizer"),
         dtype=compute_dtype(*floating),
         output_dtype=c.log_probs.dtype,
-        flat=packed_flat,
     )
 
 

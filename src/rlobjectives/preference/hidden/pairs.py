@@ -92,7 +92,6 @@ def _pair_call(
         nll_normalizer=_positive(nll_normalizer, "nll_normalizer"),
         dtype=dtype,
         output_dtype=dtype,
-        flat=False,
     )
 
 
