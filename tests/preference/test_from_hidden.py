@@ -51,6 +51,7 @@ def _path(monkeypatch: pytest.MonkeyPatch, path: str, steps: int) -> dict[str, A
     if path == "group":
         return {"chunk_size": 2 * steps + 1}
     monkeypatch.setattr(pair_module, "PARTIALS_SHARE", 100.0 if path == "split" else 0.0)
+    monkeypatch.setattr(pair_module, "WHOLE_UNITS", False)  # larger pairs split, not whole
     return {"chunk_size": 3}
 
 
@@ -151,8 +152,14 @@ def test_kto_from_hidden_equals_the_reference(chunk: int | None) -> None:
 
 def test_paths_and_their_conditions(monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[str] = []
-    original = pair_module._path
-    monkeypatch.setattr(pair_module, "_path", lambda *a: seen.append(original(*a)) or seen[-1])
+    original = pair_module._plan
+
+    def spy(*args: Any) -> Any:
+        plan = original(*args)
+        seen.append("composed" if plan is None else f"whole<={plan.whole_rows}")
+        return plan
+
+    monkeypatch.setattr(pair_module, "_plan", spy)
     b = _head(2, 4, 1)
     hidden = b["hidden"].requires_grad_(True)
     refs = {"ref_log_probs": b["ref"]}
@@ -162,8 +169,13 @@ def test_paths_and_their_conditions(monkeypatch: pytest.MonkeyPatch) -> None:
     with torch.no_grad():
         from_hidden(hidden, b["weight"], b["tokens"], b["mask"], **refs)
     weight = b["weight"].requires_grad_(True)
-    from_hidden(hidden, weight, b["tokens"], b["mask"], chunk_size=3, **refs)  # 2H > N / 8
-    assert seen == ["fused", "fused", "composed", "composed", "composed"]
+    from_hidden(hidden, weight, b["tokens"], b["mask"], chunk_size=3, **refs)  # 2T > N / 8
+    monkeypatch.setattr(pair_module, "PARTIALS_SHARE", 1.0)
+    from_hidden(hidden, weight, b["tokens"], b["mask"], chunk_size=3, **refs)  # whole: 2T <= 2H
+    monkeypatch.setattr(pair_module, "WHOLE_UNITS", False)
+    from_hidden(hidden, weight, b["tokens"], b["mask"], chunk_size=3, **refs)  # split
+    assert seen == ["whole<=8", "whole<=3", "composed", "composed", "composed", "whole<=10",
+                    "whole<=3"]  # fmt: skip
 
 
 def test_low_precision_head_and_one_backward() -> None:

@@ -17,10 +17,12 @@ the same as every LM-head pass) and :math:`g` comes from **autograd** on the obj
 its unit's sums (a pair: chosen and rejected; KTO: the sequence), so the driver processes the
 batch one **unit** at a time, never forming the ``(N, V)`` logits:
 
-- **whole units** (:func:`_group_step`): units whose rows fit in one chunk are grouped; the
-  chunk's logits, softmax and log-probabilities give the units' sums, autograd their
-  :math:`g`, and the same buffer becomes :math:`\partial\mathcal{L}/\partial z`: three matrix
-  products per token (logits, ``grad_hidden``, ``grad_weight``);
+- **whole units** (:func:`_group_step`): units whose rows fit in one chunk are grouped (a
+  unit larger than a chunk is also taken whole when its ``(rows, V)`` buffer is no larger than
+  the partials below would be, :func:`plan_units`); the chunk's logits, softmax and
+  log-probabilities give the units' sums, autograd their :math:`g`, and the same buffer becomes
+  :math:`\partial\mathcal{L}/\partial z`: three matrix products per token (logits,
+  ``grad_hidden``, ``grad_weight``);
 - **split units** (:func:`_split_unit`), a unit larger than a chunk: its tokens are processed
   in chunks with the coefficient :math:`a_t` alone (the unit's :math:`g` unknown yet), the
   ``grad_hidden`` rows written unscaled and the ``grad_weight`` / ``grad_bias`` contributions
@@ -97,13 +99,46 @@ class UnitPlan(NamedTuple):
     starts: list[int]  # per global sequence: its first flat row
     ends: list[int]  # one past its last row
     units: list[list[int]]  # each unit's global sequence ids (a pair: [chosen, rejected])
+    whole_rows: int  # units of at most this many rows are processed whole (grouped), else split
+
+
+def _unit_rows(starts: Sequence[int], ends: Sequence[int], unit: Sequence[int]) -> int:
+    return sum(ends[s] - starts[s] for s in unit)
 
 
 def plan_units(
-    starts: Sequence[int], ends: Sequence[int], units: Sequence[Sequence[int]]
-) -> UnitPlan:
-    """The :class:`UnitPlan` of the given host ranges and units."""
-    return UnitPlan(list(starts), list(ends), [list(unit) for unit in units])
+    head: Head,
+    starts: Sequence[int],
+    ends: Sequence[int],
+    units: Sequence[Sequence[int]],
+    *,
+    share: float,
+    single: bool,
+    whole_units: bool = True,
+) -> UnitPlan | None:
+    r"""The plan of the three-product passes, or None where they would not pay.
+
+    A unit is processed whole when its rows fit the chunk, or (``weight`` with gradient) when
+    its ``(rows, V)`` buffer is no larger than the per-sequence ``(V, H)`` partials it would
+    otherwise need and at most ``share`` of the ``(N, V)`` logits; a larger unit is split with
+    partials, which needs ``single`` (one weight per token: :math:`b_t \in \{0, a_t\}`) and
+    partials of at most ``share`` of the logits. None: the caller composes instead (recompute).
+    ``whole_units=False`` splits every unit larger than a chunk (the tests' way to reach the
+    split path on small shapes).
+    """
+    chunk, width = head.chunk_size, head.weight.shape[1]
+    limit = int(share * head.hidden.shape[0])  # rows' worth of the logits
+    members = max([len(unit) for unit in units] + [1])
+    weight_grad = head.weight.requires_grad
+    whole = chunk
+    if weight_grad and whole_units:
+        whole = max(chunk, min(members * width, limit))
+    plan = UnitPlan(list(starts), list(ends), [list(unit) for unit in units], whole)
+    largest = max([_unit_rows(starts, ends, unit) for unit in units] + [0])
+    if largest <= whole:
+        return plan
+    partials_fit = not weight_grad or members * width <= limit
+    return plan if single and partials_fit else None
 
 
 class _State(NamedTuple):
@@ -321,12 +356,12 @@ def _apply_partial(
 
 
 def _groups(plan: UnitPlan, chunk: int) -> list[tuple[str, list[int]]]:
-    """``("group", sequences)`` of whole units that fit a chunk, ``("split", unit)`` otherwise."""
+    """``("group", sequences)`` of whole units within ``chunk`` rows, ``("split", unit)`` else."""
     out: list[tuple[str, list[int]]] = []
     current: list[int] = []
     rows = 0
     for unit in plan.units:
-        size = sum(plan.ends[s] - plan.starts[s] for s in unit)
+        size = _unit_rows(plan.starts, plan.ends, unit)
         if size > chunk:
             if current:
                 out.append(("group", current))
@@ -343,11 +378,6 @@ def _groups(plan: UnitPlan, chunk: int) -> list[tuple[str, list[int]]]:
     return out
 
 
-def needs_split(plan: UnitPlan, chunk: int) -> bool:
-    """Whether some unit has more rows than a chunk (the split path with its partials)."""
-    return any(sum(plan.ends[s] - plan.starts[s] for s in unit) > chunk for unit in plan.units)
-
-
 def run_units(
     head: Head,
     plan: UnitPlan,
@@ -359,10 +389,12 @@ def run_units(
     device, dtype = head.hidden.device, head.dtype
     sequences = len(plan.starts)
     outputs = [torch.zeros(sequences, dtype=dtype, device=device) for _ in range(4)]
-    steps = _groups(plan, head.chunk_size)
+    steps = _groups(plan, plan.whole_rows)
     largest = max([len(unit) for unit in plan.units] + [1])
     split = any(kind == "split" for kind, _ in steps)
-    rows = min(head.chunk_size, max(head.hidden.shape[0], 1))
+    grouped = [_unit_rows(plan.starts, plan.ends, members) for kind, members in steps
+               if kind == "group"]  # fmt: skip
+    rows = min(max([head.chunk_size, *grouped]), max(head.hidden.shape[0], 1))
     accumulate = torch.float64 if dtype == torch.float64 else torch.float32
     vocab, width = head.weight.shape
     scratch = Grads(

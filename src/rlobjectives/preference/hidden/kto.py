@@ -18,7 +18,7 @@ from ..._core.validation import (
 from ...logprobs.vocab_parallel import VocabGroup
 from ..inputs import SideInputs, reference_sums
 from ..kto import _KINDS, KTOCall, KTOKind, KTOLossOutput, kto_finish, kto_formula, reference_point
-from .driver import Sums, TokenWeights, UnitPlan, UnitsFromHidden, needs_split, plan_units
+from .driver import Sums, TokenWeights, UnitPlan, UnitsFromHidden, plan_units
 from .inputs import HiddenRows, head_log_probs, per_token_or_sequence, prepare_rows
 from .pairs import PARTIALS_SHARE
 
@@ -156,11 +156,9 @@ def kto_loss_from_hidden(
     wants_grad = torch.is_grad_enabled() and any(
         t.requires_grad for t in (head.hidden, head.weight, head.bias) if t is not None
     )
-    plan = plan_units(rows.starts, rows.ends, [[s] for s in range(len(rows.starts))])
-    width, count = head.weight.shape[1], head.hidden.shape[0]
-    partials_fit = not head.weight.requires_grad or width <= PARTIALS_SHARE * count
-    split = needs_split(plan, head.chunk_size)
-    if vocab_group is not None or not wants_grad or (split and not partials_fit):
+    units = [[s] for s in range(len(rows.starts))]
+    plan = plan_units(head, rows.starts, rows.ends, units, share=PARTIALS_SHARE, single=True)
+    if vocab_group is not None or not wants_grad or plan is None:
         log_probs = head_log_probs(rows, rows.mask)
         sums = rows.layout.row_sums(torch.where(rows.mask, log_probs.to(dtype), 0.0))
         out = kto_finish(call, sums, lengths, ref_sums)

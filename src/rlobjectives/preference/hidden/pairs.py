@@ -35,7 +35,7 @@ from ..inputs import (
 from ..loss import run_pair_call
 from ..objectives.base import PreferenceObjective
 from ..objectives.margin import DPO
-from .driver import Sums, TokenWeights, UnitsFromHidden, needs_split, plan_units
+from .driver import Sums, TokenWeights, UnitPlan, UnitsFromHidden, plan_units
 from .inputs import (
     HiddenRows,
     head_log_probs,
@@ -159,7 +159,7 @@ class _PairLoss:
         return pair_losses(self.call.objective, q, totals, wpo_weights(sides[0], sides[1]))[0]
 
 
-def _fused(rows: HiddenRows, call: PairCall) -> PreferenceLossOutput:
+def _fused(rows: HiddenRows, call: PairCall, plan: UnitPlan) -> PreferenceLossOutput:
     """Three matrix products: the gradients formed in forward, one unit (pair) at a time."""
     head, pairs = rows.head, rows.layout.num_sequences // 2
     weights_c, weights_r = pair_weights(call)
@@ -174,7 +174,6 @@ def _fused(rows: HiddenRows, call: PairCall) -> PreferenceLossOutput:
     totals = denominators(call, lengths[0], lengths[1])
     weights = _token_weights(call, rows)
     loss_fn = _PairLoss(call, totals, lengths, refs, weights.log_sum_sq is not None)
-    plan = plan_units(rows.starts, rows.ends, [[i, pairs + i] for i in range(pairs)])
     anchor, sums, nll, plain, wpo = UnitsFromHidden.apply(  # type: ignore[no-untyped-call]
         head.hidden, head.weight, head.bias, head, plan, weights, loss_fn
     )
@@ -188,28 +187,27 @@ def _fused(rows: HiddenRows, call: PairCall) -> PreferenceLossOutput:
     return out._replace(loss=out.loss.detach() + anchor, pair_losses=out.pair_losses.detach())
 
 
-#: The split path's ``(V, H)`` float32 partials (one per sequence of a pair) are used when they
-#: hold at most this share of the ``(N, V)`` logits of the call (``2 H <= N / 8``); otherwise a
-#: pair larger than a chunk is computed with recompute (four matrix products, no partials).
+#: The extra buffers of the three-product passes (a pair's ``(rows, V)`` scores beyond a chunk,
+#: or its sequences' ``(V, H)`` float32 partials) may hold at most this share of the ``(N, V)``
+#: logits of the call (the partials: ``2 H <= N / 8``); otherwise a pair larger than a chunk is
+#: computed with recompute (four matrix products, no such buffer).
 PARTIALS_SHARE = 1 / 8
+#: Take a pair larger than a chunk whole when its buffer is no larger than its partials.
+WHOLE_UNITS = True
 
 
-def _path(rows: HiddenRows, call: PairCall, vocab_group: VocabGroup) -> str:
-    """``"fused"`` (three matrix products) or ``"composed"`` (log-probs, then the formula)."""
+def _plan(rows: HiddenRows, call: PairCall, vocab_group: VocabGroup) -> UnitPlan | None:
+    """The three-product plan, or None for the composition (log-probs, then the formula)."""
     head = rows.head
     tensors = [head.hidden, head.weight] + ([head.bias] if head.bias is not None else [])
     wants_grad = torch.is_grad_enabled() and any(t.requires_grad for t in tensors)
     if vocab_group is not None or not call.objective.pair_local or not wants_grad:
-        return "composed"
-    plan_rows = [end - start for start, end in zip(rows.starts, rows.ends, strict=True)]
-    pairs = len(plan_rows) // 2
-    plan = plan_units(rows.starts, rows.ends, [[i, pairs + i] for i in range(pairs)])
-    if not needs_split(plan, head.chunk_size):
-        return "fused"
+        return None
+    pairs = len(rows.starts) // 2
     single = call.ld_alpha is None and (not call.objective.uses_nll or call.nll_mask is None)
-    width = head.weight.shape[1]
-    small = not head.weight.requires_grad or 2 * width <= PARTIALS_SHARE * head.hidden.shape[0]
-    return "fused" if single and small else "composed"
+    units = [[i, pairs + i] for i in range(pairs)]
+    return plan_units(head, rows.starts, rows.ends, units, share=PARTIALS_SHARE, single=single,
+                      whole_units=WHOLE_UNITS)  # fmt: skip
 
 
 @checks_environment
@@ -248,7 +246,8 @@ def preference_loss_from_hidden(
       at once; a pair larger than a chunk is processed in chunks with per-sequence ``(V, H)``
       float32 partials of ``grad_weight`` (scaled by :math:`g` once the pair is done), when they
       hold at most 1/8 of the logits' bytes (``2 H <= N / 8``) and the sums carry one weight per
-      token (no ``ld_alpha`` together with ``nll_mask``);
+      token (no ``ld_alpha`` together with ``nll_mask``) -- or whole, in one ``(2T, V)`` buffer,
+      when that is no larger than the partials and at most 1/8 of the logits;
     - otherwise (``AOT``, ``vocab_group``, no gradient, large ``H``), the log-probabilities
       come from the chunked pass of :func:`rlobjectives.token_log_probs_from_hidden`
       (recompute in backward: four products) and the formula runs on them by autograd.
@@ -326,8 +325,9 @@ def preference_loss_from_hidden(
     dtype = compute_dtype(*(t for t in (rows.head.hidden, ref, squares) if t is not None))
     rows = rows._replace(head=rows.head._replace(dtype=dtype))  # the softmax in that dtype
     call = _pair_call(rows, checked, ref, nll, squares, (ld_alpha, normalizer, nll_normalizer))
-    if _path(rows, call, vocab_group) == "fused":
-        return _fused(rows, call)
+    plan = _plan(rows, call, vocab_group)
+    if plan is not None:
+        return _fused(rows, call, plan)
     return _composed(rows, call)
 
 
