@@ -64,26 +64,20 @@ def preference_loss(
         \mathrm{nll}_i = -\frac{D}{N_{nll}}\sum_{t} N_t \ell_{c,t},
 
     :math:`D` = ``normalizer`` (default: the valid pairs, both responses non-empty),
-    :math:`w_i = w_c w_r` WPO's constant weight when the per-token :math:`\log\sum_v\pi_v^2` are
-    given (:math:`w = e^{\sum_t M(\ell - \log\sum_v\pi_v^2)/\max(n,1)}`), 1 otherwise;
-    ``nll`` is the NLL share of ORPO / CPO / SFT over the tokens :math:`N` = ``nll_mask``
-    (default the chosen mask) with :math:`N_{nll}` = ``nll_normalizer`` (default their count).
-    Autograd gives the gradient of every formula. NaN/inf at unselected tokens reach nothing;
-    a pair with an empty response gives 0 everywhere.
+    :math:`w_i` WPO's constant weight (given the :math:`\log\sum_v\pi_v^2`, else 1), ``nll``
+    the NLL share of ORPO / CPO / SFT over ``nll_mask`` (default the chosen mask), :math:`N_{nll}`
+    = ``nll_normalizer`` (default their count); ``docs/objectives/preference.md``. NaN/inf at
+    unselected tokens reach nothing; a pair with an empty response gives 0 everywhere.
 
     Args:
-        chosen_log_probs: ``(B, T_c)`` per-token log-probabilities of the chosen responses
-            (packed: ``(N_c,)`` / ``(1, N_c)``), with gradient.
+        chosen_log_probs: ``(B, T_c)`` per-token log-probabilities (packed ``(N_c,)``).
         rejected_log_probs: ``(B, T_r)`` of the rejected responses (packed ``(N_r,)``).
         chosen_mask: bool/numeric, ``chosen_log_probs``' shape: the response tokens.
         rejected_mask: the same for the rejected responses.
-        ref_chosen_log_probs: the reference model's, per token (the chosen shape) or already
-            summed per sequence ``(B,)``; required by the reference-based objectives, refused by
-            the reference-free ones (SimPO, ORPO, CPO, SFT).
+        ref_chosen_log_probs: the reference's, per token or summed ``(B,)``; required by the
+            reference-based objectives, refused by SimPO, ORPO, CPO, SFT.
         ref_rejected_log_probs: the same for the rejected responses.
-        objective: the formula: ``DPO(...)``, ``IPO``, ``Hinge``, ``RobustDPO``, ``EXO``,
-            ``NCA``, ``BCO``, ``SPPOHard``, ``AOT``, ``APOZero``, ``APODown``, ``DiscoPOP``,
-            ``SimPO``, ``ORPO``, ``CPO``, ``SFT`` or a weighted sum of them.
+        objective: ``DPO(...)``, ``IPO``, ..., ``SFT`` or a weighted sum of them.
         nll_mask: the chosen responses' NLL tokens (e.g. prompt and response for TRL's ORPO).
         ld_alpha: LD-DPO's :math:`\alpha \in [0, 1]` (TRL ``ld_alpha``), or None.
         chosen_log_sum_sq_probs: per-token :math:`\log\sum_v\pi_v^2` of the chosen responses
@@ -100,14 +94,12 @@ def preference_loss(
         chosen log-probabilities' dtype, ``(B,)`` per-pair values in the computation dtype.
 
     Raises:
-        ValueError: shapes, devices, a missing (or, reference-free, a given) reference, one
-            side's ``log_sum_sq_probs`` without the other's, ``ld_alpha`` outside ``[0, 1]``,
-            non-positive normalisers, malformed ``cu_seqlens``; each naming the argument.
+        ValueError: shapes, devices, a missing (or refused) reference, one side's
+            ``log_sum_sq_probs`` alone, values out of range, malformed ``cu_seqlens`` (named).
         TypeError: non-numeric inputs, ``objective`` not a preference objective.
 
     References:
-        Rafailov et al. 2023, arXiv:2305.18290; LD-DPO, Liu et al. 2024, arXiv:2409.06411
-        Eq. 9; WPO, Zhou et al. 2024, arXiv:2406.11827 Eq. 2. The objects' own references.
+        DPO arXiv:2305.18290; LD-DPO arXiv:2409.06411 Eq. 9; WPO arXiv:2406.11827 Eq. 2.
 
     Examples:
         >>> import torch

@@ -239,19 +239,12 @@ def preference_loss_from_hidden(
     :func:`rlobjectives.preference_loss` of those log-probabilities (the same formula, sums,
     normalisers and named results). Gradients to ``hidden``, ``weight`` and ``bias`` are exact:
 
-    - a pair-local objective (all but ``AOT``) takes **three matrix products** per token: a
-      pair's tokens (pairs grouped while they fit a chunk of ``chunk_size`` rows) give its
-      sums, autograd on the objective's formula their derivative :math:`g`, and the chunk's
-      probabilities become :math:`\partial\mathcal{L}/\partial z = g\,a_t(\mathbb{1}_y - p)/\tau`
-      at once; a pair larger than a chunk is processed in chunks with per-sequence ``(V, H)``
-      float32 partials of ``grad_weight`` (scaled by :math:`g` once the pair is done), when they
-      hold at most 1/8 of the logits' bytes (``2 H <= N / 8``) and the sums carry one weight per
-      token (no ``ld_alpha`` together with ``nll_mask``) -- or whole, in one ``(2T, V)`` buffer,
-      when that is no larger than the partials and at most 1/8 of the logits;
-    - otherwise (``AOT``, ``vocab_group``, no gradient, large ``H``), the log-probabilities
-      come from the chunked pass of :func:`rlobjectives.token_log_probs_from_hidden`
-      (recompute in backward: four products) and the formula runs on them by autograd.
-
+    a pair-local objective (all but ``AOT``) takes three matrix products per token: each pair's
+    sums, autograd on the formula their derivative, the chunk's probabilities the gradient at
+    once (a pair larger than a chunk: whole in one ``(2T, V)`` buffer, or with per-sequence
+    ``(V, H)`` partials, within 1/8 of the logits' bytes); otherwise (``AOT``, ``vocab_group``,
+    no gradient) the chunked pass of :func:`rlobjectives.token_log_probs_from_hidden` (four
+    products) and the formula by autograd. ``docs/objectives/preference.md`` has the details.
     The softmax runs in float32, or float64 when ``hidden``, ``ref_log_probs`` or
     ``log_sum_sq_probs`` is float64 (the head's product in the weight's dtype).
 
