@@ -82,6 +82,30 @@ from .policy.surrogates import (
     Surrogate,
     SurrogateTerms,
 )
+from .preference import (
+    AOT,
+    BCO,
+    CPO,
+    DPO,
+    EXO,
+    IPO,
+    NCA,
+    ORPO,
+    SFT,
+    APODown,
+    APOZero,
+    DiscoPOP,
+    Hinge,
+    PreferenceLossOutput,
+    PreferenceObjective,
+    RobustDPO,
+    SimPO,
+    SPPOHard,
+    preference_loss,
+)
+from .preference.hidden import kto_loss_from_hidden, preference_loss_from_hidden
+from .preference.kto import KTOLossOutput, kto_loss
+from .preference.reward import RewardModelLossOutput, reward_model_loss
 from .rollout.correction import RolloutCorrection, rollout_correction
 from .rollout.decoupled import proximal_log_probs, rejection_mask
 from .rollout.metrics import RolloutCorrectionMetrics
@@ -97,6 +121,26 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
+    "AOT",
+    "BCO",
+    "CPO",
+    "DPO",
+    "EXO",
+    "IPO",
+    "NCA",
+    "ORPO",
+    "SFT",
+    "APODown",
+    "APOZero",
+    "DiscoPOP",
+    "Hinge",
+    "KTOLossOutput",
+    "PreferenceLossOutput",
+    "PreferenceObjective",
+    "RewardModelLossOutput",
+    "RobustDPO",
+    "SPPOHard",
+    "SimPO",
     "CISPO",
     "DPPO",
     "DRO",
@@ -157,6 +201,8 @@ __all__ = [
     "kl_loss",
     "kl_penalized_rewards",
     "kl_penalized_token_rewards",
+    "kto_loss",
+    "kto_loss_from_hidden",
     "length_adaptive_lambda",
     "masked_mean",
     "masked_sum",
@@ -172,6 +218,8 @@ __all__ = [
     "pack",
     "policy_loss",
     "proximal_log_probs",
+    "preference_loss",
+    "preference_loss_from_hidden",
     "reinforce_plus_plus_advantages",
     "rejection_mask",
     "relative_position_lambda",
@@ -181,6 +229,7 @@ __all__ = [
     "reverse_kl_loss",
     "reverse_kl_loss_from_hidden",
     "reverse_kl_rewards",
+    "reward_model_loss",
     "rloo_advantages",
     "rollout_correction",
     "sum_diagnostics",
