@@ -8,12 +8,11 @@ Variants: the eager trainer-style reference (``tests/eager_reference.py``), the 
 verl's eager ``compute_policy_loss_vanilla`` with its default config (dual clip on, three
 metrics read on the host; ``eager_reference.verl_vanilla_policy_loss``) and ours with verl's
 options (``Clip(low=0.2, dual=3.0)``),
-our fused path (``policy_loss`` and the seed ``grpo_clipped_surrogate``), our pure-autograd path
-(``_policy_loss_autograd``, what the fused path replaced) and our fused path compiled; the fused
-path with ``(B, T)`` importance weights (which must add at most one ``(B, T)`` pass) and with
-the CISPO and SAPO surrogates (plain-torch fused stages). ``policy_loss-objectives``: issue 24's
-surrogates (DPPO, DRO: fused stages; M2PO, Clip-Cov, KL-Cov: the autograd specification with
-their batch-level selections) against the fused clip surrogate in the same run.
+``policy_loss`` (one formula per surrogate, autograd its gradient) and the seed
+``grpo_clipped_surrogate``, eager and compiled; ``policy_loss`` with ``(B, T)`` importance weights
+(which must add at most one ``(B, T)`` pass) and with the CISPO and SAPO surrogates.
+``policy_loss-objectives``: the DPPO, DRO, M2PO, Clip-Cov and KL-Cov surrogates (the last three
+with their batch-level selections) against ``Clip()`` in the same run.
 Floor: one copy of the bytes a single pass must move: ``log_probs`` and ``old_log_probs`` (input
 dtype), the mask (1 byte) read, the gradient (input dtype) written.
 """
@@ -25,7 +24,6 @@ import torch
 import eager_reference as eager
 import harness
 import rlobjectives
-from rlobjectives.policy import loss as _policy
 
 Inputs = harness.Inputs
 VERL_CLIP = rlobjectives.Clip(low=0.2, dual=3.0)  # verl's vanilla loss: the dual clip always on
@@ -101,20 +99,14 @@ def _ours_surrogate(surrogate: object):  # type: ignore[no-untyped-def]
     return run
 
 
-def _ours_autograd(x: Inputs) -> torch.Tensor:
-    return _policy._policy_loss_autograd(
-        x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"]
-    ).loss
-
-
 def _ours_seed(x: Inputs) -> torch.Tensor:
     return rlobjectives.grpo_clipped_surrogate(
         x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"], 0.2
     )["loss"]
 
 
-# Issue 24: the new surrogates against the clip surrogate in the same run (the token-local ones
-# must stay within 1.2x of it on the fused path; the selection-based ones: their cost, stated).
+# The surrogates against Clip() in the same run (the token-local ones within 1.2x of it; the
+# selection-based ones: their cost, stated).
 OBJECTIVES24 = (
     ("DPPO(tv)", rlobjectives.DPPO("tv")),
     ("DPPO(kl)", rlobjectives.DPPO("kl")),
@@ -127,7 +119,7 @@ OBJECTIVES24 = (
 
 
 def _objective_cases(quick: bool) -> list[harness.Case]:
-    """``policy_loss-objectives``: the fused clip surrogate (the reference) and issue 24's."""
+    """``policy_loss-objectives``: ``Clip()`` (the reference) and the selection-based surrogates."""
     shapes = [(16, 1024)] if quick else [(64, 4096), (8, 16384)]
     dtypes = [torch.float32] if quick else [torch.float32, torch.bfloat16]
     result: list[harness.Case] = []
@@ -137,8 +129,6 @@ def _objective_cases(quick: bool) -> list[harness.Case]:
             forward_bytes = batch * tokens * (2 * element + 1)
             variants = [
                 harness.Variant("ours Clip()", _ours, role="reference"),
-                # the path the selection-based objects take: their cost over it is the selection's
-                harness.Variant("ours Clip() autograd (unfused)", _ours_autograd),
             ]
             variants += [
                 harness.Variant(f"ours {name}", _ours_surrogate(surrogate))  # type: ignore[arg-type]
@@ -177,7 +167,6 @@ def cases(*, quick: bool, device: str) -> list[harness.Case]:
                 harness.Variant("ours + importance_weights (B, T)", _ours_weighted),
                 harness.Variant("ours surrogate=cispo", _ours_surrogate("cispo")),
                 harness.Variant("ours surrogate=sapo", _ours_surrogate("sapo")),
-                harness.Variant("ours autograd (unfused)", _ours_autograd),
                 harness.Variant("eager reference", _reference, compile=True),
                 harness.Variant("ours", _ours, compile=True),
             ]

@@ -452,7 +452,10 @@ def peak_memory_mib(
 
 # ----------------------------------------------------------------------------------- running all
 def load_cases(module: str, *, quick: bool, device: str) -> list[Case]:
+    """The cases of a ``bench_*`` module; none for a standalone script (no ``cases``)."""
     bench = importlib.import_module(module)
+    if not hasattr(bench, "cases"):
+        return []  # e.g. bench_formula.py: one process, its own table (run it directly)
     return list(bench.cases(quick=quick, device=device))
 
 
