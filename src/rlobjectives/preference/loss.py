@@ -94,9 +94,8 @@ def preference_loss(
         chosen log-probabilities' dtype, ``(B,)`` per-pair values in the computation dtype.
 
     Raises:
-        ValueError: shapes, devices, a missing (or refused) reference, one side's
-            ``log_sum_sq_probs`` alone, values out of range, malformed ``cu_seqlens`` (named).
-        TypeError: non-numeric inputs, ``objective`` not a preference objective.
+        ValueError: shapes, devices, a missing or refused reference, one side's
+            ``log_sum_sq_probs``, values out of range, bad ``cu_seqlens``; TypeError: types.
 
     References:
         DPO arXiv:2305.18290; LD-DPO arXiv:2409.06411 Eq. 9; WPO arXiv:2406.11827 Eq. 2.

@@ -46,15 +46,17 @@ from ._distillation import (
     verl_distillation_loss,
 )
 from ._openrlhf import OpenRLHFPolicyLoss, OpenRLHFPolicyLossOutput, openrlhf_policy_loss
-from ._preference import (
+from ._openrlhf_preference import (
     OpenRLHFDPOLoss,
     OpenRLHFPairwiseLoss,
-    TRLDPOLoss,
-    TRLPreferenceOutput,
-    TRLRewardLoss,
     openrlhf_dpo_loss,
     openrlhf_log_exp_loss,
     openrlhf_pairwise_loss,
+)
+from ._preference import (
+    TRLDPOLoss,
+    TRLPreferenceOutput,
+    TRLRewardLoss,
     trl_dpo_loss,
     trl_reward_loss,
 )
