@@ -77,94 +77,42 @@ def gae(
                  = \sum_{l \ge 0} (\gamma\lambda)^l \delta_{t+l}, \qquad
         \hat R_t = \hat A_t + V_t .
 
-    ``holes`` says what an unselected token *between* two selected ones (a hole: a tool
-    observation, a masked turn) is:
-
-    - ``"skip"`` (default): not part of the trajectory. Its reward and value are ignored
-      (NaN/inf there is harmless) and the chain jumps over it: :math:`n(t)` is the next
-      *selected* token, with no extra discount. verl's ``compute_gae_advantage_return`` does
-      the same (it carries ``nextvalues`` and ``lastgaelam`` through masked tokens).
-    - ``"zero"``: a step with reward 0 and value 0 that the recursion runs through (so
-      :math:`n(t) = t + 1` and every hole costs one factor :math:`\gamma\lambda`, and the token
-      before a hole bootstraps from :math:`V = 0`): OpenRLHF's
-      ``get_advantages_and_returns``, which multiplies rewards and values by the mask and runs
-      the recursion over every position. Equal to ``"skip"`` when the mask has no holes.
-
-    Trailing unselected tokens (padding) never matter: the bootstrap after the last selected
-    token is 0 (the response ended). Packed sequences (``cu_seqlens``): the tensors are
-    ``(N,)`` or ``(1, N)`` and the recursion restarts at every sequence boundary (a sequence
-    never bootstraps from the next one), equal to the padded call on the same sequences. With
-    :math:`\gamma = \lambda = 1`, :math:`\hat A_t = \sum_{s \ge t} M_s r_s - V_t`
-    (reward-to-go minus value).
-
-    Per-sequence :math:`\lambda` (VAPO's length-adaptive GAE): ``lam`` may be a ``(B,)``
-    tensor (packed: ``(S,)``, one per sequence of ``cu_seqlens``); row :math:`i` then runs
-    :math:`\hat A_t = \delta_t + \gamma\lambda_i \hat A_{n(t)}` with its own
-    :math:`\lambda_i` (:func:`rlobjectives.length_adaptive_lambda` gives VAPO's
-    :math:`\lambda_i = 1 - 1/(\alpha\,l_i)`). The values are not range-checked on the device
-    (keep them in [0, 1]). ``value_lam`` (a number or the same kind of tensor) decouples the
-    critic's :math:`\lambda`: the returns are then :math:`\hat A(\lambda_V) + V` while the
-    advantages use ``lam`` (VAPO's decoupled GAE, :math:`\lambda_{critic} = 1`,
-    :math:`\lambda_{policy}` length-adaptive; NeMo-RL ``gae_lambda_value`` /
-    ``gae_lambda_policy`` / ``length_adaptive_alpha``, which runs its GAE twice). The scan
-    multiplies discounts in [0, 1] only (a log-depth doubling scan for per-sequence and tiny
-    :math:`\gamma\lambda`), so :math:`\lambda = 0` and :math:`\gamma\lambda = 10^{-40}` are
-    exact.
-
-    Context parallelism (``context_group``): each rank holds a contiguous chunk of every
-    sequence, chunks in group-rank order (rank 0 the first tokens; a chunk may be empty; with
-    ``holes="zero"`` every local position is a step, so the local rows must be contiguous
-    slices of the padded rows, as Megatron CP's split gives). The recursion carries
-    :math:`V_{n(t)}` and :math:`\hat A_{n(t)}` across the chunk boundaries (one
-    ``all_gather`` of each rank's ``(S, 4)`` boundary state, composed locally) and
-    ``whiten=True`` takes the statistics of every rank's tokens, so each rank gets its tokens'
-    outputs of the unsplit call; the backward of the collectives is their adjoint. A zigzag
-    (load-balanced ring attention) split: see ``docs/distributed/context-parallel.md``.
-
-    ``whiten=True`` whitens the advantages over the selected tokens of the batch with
-    :func:`rlobjectives.masked_whiten` (unbiased variance, :math:`\epsilon = 10^{-8}`) and keeps
-    the returns of the raw advantages: exactly verl's ``compute_gae_advantage_return``
-    (``adv_estimator="gae"``), i.e. the composition
-    ``out = gae(...); masked_whiten(out.advantages, mask)``. OpenRLHF whitens its GAE
-    advantages over the rollout batch with the population variance
-    (``masked_whiten(out.advantages, mask, unbiased=False)``); across data-parallel ranks use
-    :func:`rlobjectives.distributed.global_masked_whiten`.
+    ``holes``: ``"skip"`` (default, verl) jumps over an unselected token between selected ones,
+    ``"zero"`` (OpenRLHF) runs through it as a step with reward and value 0. ``lam`` /
+    ``value_lam`` may be per sequence (VAPO); ``whiten=True`` is verl's whitening (the returns
+    stay raw). Packed and context-parallel calls equal the unsplit call. In detail:
+    ``docs/objectives/advantages.md`` ("gae in detail").
 
     Args:
-        rewards: ``(B, T)`` per-token rewards (e.g. from
-            :func:`rlobjectives.kl_penalized_token_rewards`).
+        rewards: ``(B, T)`` per-token rewards (:func:`rlobjectives.kl_penalized_token_rewards`).
         values: ``(B, T)`` value estimates :math:`V_t`.
         mask: ``(B, T)``, bool or numeric; nonzero selects the token.
         gamma: discount :math:`\gamma \in [0, 1]`.
         lam: GAE :math:`\lambda \in [0, 1]`: a number, or a ``(B,)`` floating tensor of
             per-sequence values (packed: ``(S,)``).
-        value_lam: optional :math:`\lambda_V` of the returns (number or per-sequence tensor);
-            None: the returns use ``lam``.
+        value_lam: optional :math:`\lambda_V` of the returns (as ``lam``); None: ``lam``.
         whiten: whiten the advantages (verl); the returns are not whitened.
         holes: ``"skip"`` (verl) or ``"zero"`` (OpenRLHF), see above.
         cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
             non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
-        context_group: the process group of the ranks holding the other chunks of the same
-            sequences (context parallelism, see above), or None.
+        context_group: the context-parallel group of the sequences' other chunks, or None.
 
     Returns:
         :class:`GAEOutput` ``(advantages, returns)``, each ``(B, T)`` (packed: the shape of
-        ``rewards``), on the device of ``rewards``, float32 (float64 if an input is float64),
-        zeros at unselected tokens.
-        Differentiable in ``rewards`` and ``values`` (detach ``values`` for PPO targets).
+        ``rewards``) on its device, float32 (float64 if an input is float64), zeros at unselected
+        tokens; differentiable in ``rewards`` and ``values`` (detach ``values`` for PPO targets).
 
     Raises:
         ValueError: on mismatched shapes/devices, inputs that are not ``(B, T)``, ``gamma`` or
             a number ``lam``/``value_lam`` outside [0, 1], a per-sequence ``lam``/``value_lam``
-            of another shape or device, an unknown ``holes`` or a malformed ``cu_seqlens``.
+            of another shape or device, an unknown ``holes``, a malformed ``cu_seqlens``, or a
+            ``context_group`` without this rank or a process group.
         TypeError: on non-numeric inputs, a tensor-valued ``gamma``, a non-floating
-            ``lam``/``value_lam`` tensor or a non-bool ``whiten``.
-        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
-            group; ValueError if this rank is not in it or no process group is initialised.
+            ``lam``/``value_lam`` tensor, a non-bool ``whiten`` or a ``context_group`` that is
+            not a ``torch.distributed`` process group.
 
     References:
-        Schulman et al. 2016, GAE, arXiv:1506.02438 Eq. 16; Ouyang et al. 2022,
-        arXiv:2203.02155 (PPO for LMs).
+        Schulman et al. 2016, GAE, arXiv:1506.02438 Eq. 16; Ouyang et al. 2022, arXiv:2203.02155.
 
     Examples:
         >>> out = gae([[0.0, 1.0]], [[0.5, 0.5]], [[1, 1]], gamma=1.0, lam=1.0)

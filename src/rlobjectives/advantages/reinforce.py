@@ -82,9 +82,8 @@ def reinforce_plus_plus_advantages(
 ) -> torch.Tensor:
     r"""REINFORCE++ token advantages: discounted token returns, whitened over the whole batch.
 
-    The token reward puts the sequence score on the last selected token and adds the optional
-    per-token rewards :math:`c_{it}` (typically the KL penalty
-    :math:`-\beta\,\log(\pi_{old}/\pi_{ref})`, see :func:`rlobjectives.kl_estimate`):
+    The token reward puts the score on the last selected token and adds the optional per-token
+    rewards :math:`c_{it}` (typically the KL penalty, see :func:`rlobjectives.kl_estimate`):
 
     .. math::
 
@@ -92,62 +91,29 @@ def reinforce_plus_plus_advantages(
         G_{it} = \sum_{s \ge t,\ M_{is}=1} \gamma^{\,n_{ts}} R_{is}, \qquad
         A_{it} = \frac{G_{it} - \mu}{\sigma + \epsilon},
 
-    where :math:`n_{ts} = |\{u : t < u \le s,\ M_{iu} = 1\}|` counts selected tokens only (the
-    discount skips unselected ones; ``holes="zero"`` counts every position, :math:`n_{ts} = s - t`,
-    see below), :math:`b_i` is 0, or with ``group_size`` / ``group_ids``
-    the mean score of the sequence's group (REINFORCE++-baseline), and :math:`\mu`,
-    :math:`\sigma` are the mean and standard deviation of :math:`G` over **all selected tokens
-    of the batch** (global normalization): the population standard deviation (divisor
-    :math:`N`, as OpenRLHF) by default, the Bessel-corrected one (divisor :math:`N - 1`, as
-    verl's ``masked_whiten``) with ``unbiased=True``. With :math:`\gamma = 1`,
-    :math:`G_{it} = r_i - \beta\sum_{s \ge t} \mathrm{KL}_s` (the paper's Eq. for
-    :math:`A_{q,o_t}`). For global normalization across data-parallel ranks, call it on the
-    gathered batch. An empty mask gives all zeros; unselected tokens get 0. Returns are
-    computed on the inputs divided by a power of two near their largest magnitude, so scores of
-    :math:`10^{20}` or :math:`10^{-20}` in float32 neither overflow nor underflow. Packed
-    sequences (``cu_seqlens``): ``mask`` and ``token_rewards`` are ``(N,)`` or ``(1, N)``,
-    ``rewards`` ``(S,)``; each score lands on the last selected token of its sequence and the
-    discounted sum restarts at every boundary (the whitening is over the whole batch anyway).
-
-    Context parallelism (``context_group``): each rank holds a contiguous chunk of every
-    sequence, chunks in group-rank order (rank 0 the first tokens; a chunk may be empty), and
-    every rank the same ``rewards``. The score lands on the last selected token of the whole
-    sequence, the returns carry across the chunk boundaries (one ``all_gather`` of each rank's
-    ``(S, 3)`` boundary state) and the whitening statistics are those of every rank's tokens, so
-    each rank gets its tokens' advantages of the unsplit call; the backward of the collectives
-    is their adjoint (each rank's advantages are its own tokens). A zigzag (load-balanced ring
-    attention) split is not contiguous: see ``docs/distributed/context-parallel.md``.
-
-    Peers: OpenRLHF ``reinforce`` / ``reinforce_baseline`` whiten with
-    :math:`(G - \mu)\,\mathrm{rsqrt}(\max(\sigma^2, 10^{-8}))` (population variance); verl
-    ``reinforce_plus_plus`` / ``reinforce_plus_plus_baseline`` with
-    :math:`(G - \mu)\,\mathrm{rsqrt}(\sigma^2 + 10^{-8})` (unbiased variance: ``unbiased=True``).
-    Both equal this to a relative :math:`\epsilon/\sigma` (:math:`10^{-8}/\sigma`). verl's
-    baseline variant broadcasts the baselined score to every selected token, i.e. its token
-    rewards are 0 and :math:`\gamma = 1` here.
+    :math:`n_{ts}`: the selected tokens in :math:`(t, s]` (``holes="zero"``: every position);
+    :math:`b_i`: 0, or the group-mean score with ``group_size`` / ``group_ids``; :math:`\mu`,
+    :math:`\sigma` over **all selected tokens of the batch**. Unselected tokens are ignored
+    and get 0. Peers: OpenRLHF ``reinforce`` / ``reinforce_baseline``, verl
+    ``reinforce_plus_plus`` / ``_baseline`` (``unbiased=True``), to a relative
+    :math:`\epsilon/\sigma`; packing, context parallelism: ``docs/objectives/advantages.md``.
 
     Args:
         rewards: ``(B,)`` or ``(B, 1)`` sequence scores.
         mask: ``(B, T)``, bool or numeric; nonzero selects the token.
-        token_rewards: optional ``(B, T)`` per-token rewards :math:`c_{it}` (ignored at
-            unselected tokens).
+        token_rewards: optional ``(B, T)`` per-token rewards :math:`c_{it}`.
         gamma: discount :math:`\gamma \in [0, 1]` (REINFORCE++ uses 1).
         group_size: optional :math:`G \ge 1`: subtract the group-mean score first (groups
             contiguous, ``B`` divisible by ``G``), the paper's "REINFORCE++ w/ baseline".
         group_ids: optional ``(B,)`` group label per sequence instead of ``group_size`` (verl's
             ``index``; see :func:`rlobjectives.group_relative_advantages`).
-        unbiased: whiten with the Bessel-corrected variance (verl) instead of the population
-            variance (OpenRLHF, the default).
+        unbiased: whiten with the Bessel-corrected variance (verl); False: the population one.
         eps: :math:`\epsilon \ge 0` added to :math:`\sigma`.
-        holes: what an unselected token between two selected ones (a hole: a tool output, an
-            observation turn) does to the discount: ``"skip"`` (verl; the default) jumps over
-            it, ``"zero"`` (OpenRLHF's ``get_cumulative_returns``) runs the recursion through
-            it with reward 0, one factor of :math:`\gamma` per position. The same without
-            holes or with :math:`\gamma = 1`.
+        holes: ``"skip"`` (verl, the default) jumps over an unselected token between selected
+            ones, ``"zero"`` (OpenRLHF) steps through it with reward 0.
         cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
             non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
-        context_group: the process group of the ranks holding the other chunks of the same
-            sequences (context parallelism, see above), or None.
+        context_group: the context-parallel group of the sequences' other chunks, or None.
 
     Returns:
         ``(B, T)`` advantages (packed: the shape of ``mask``) on the device of ``mask``,
@@ -156,16 +122,14 @@ def reinforce_plus_plus_advantages(
     Raises:
         ValueError: on mismatched shapes/devices, an invalid grouping (``B`` not divisible by
             ``group_size``, both ``group_size`` and ``group_ids``, labels not one per row),
-            ``gamma`` outside [0, 1], a negative ``eps``, an unknown ``holes`` or a malformed
-            ``cu_seqlens``.
-        TypeError: on non-numeric inputs or a non-bool ``unbiased``.
-        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
-            group; ValueError if this rank is not in it or no process group is initialised.
+            ``gamma`` outside [0, 1], a negative ``eps``, an unknown ``holes``, a malformed
+            ``cu_seqlens``, or a ``context_group`` without this rank or a process group.
+        TypeError: on non-numeric inputs, a non-bool ``unbiased`` or a ``context_group`` that is
+            not a ``torch.distributed`` process group.
 
     References:
-        Hu et al. 2025, REINFORCE++, arXiv:2501.03262: token advantage
-        :math:`r - \beta\sum_{i \ge t}\mathrm{KL}(i)` with :math:`\mathrm{KL}(t) =
-        \log(\pi_{old}/\pi_{SFT})` (Eq. 8-9) and global batch normalization (Eq. 10).
+        Hu et al. 2025, REINFORCE++, arXiv:2501.03262 Eq. 8-9 (token advantage), Eq. 10
+            (global batch normalization).
 
     Examples:
         >>> reinforce_plus_plus_advantages([1.0, 0.0], [[1, 1], [1, 0]])
