@@ -200,6 +200,28 @@ def _fused_case(kind: str, hidden_grad: str, surrogate: Any = "clip") -> Case:
     return run
 
 
+def _preference_case(hidden_grad: str) -> Case:
+    """Issue 34: the preference and KTO losses from hidden states (one pair: rows 0 and 1)."""
+
+    def run(data: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor], group: Any,
+            part: slice) -> list[torch.Tensor]:  # fmt: skip
+        vocab_group = None if group is None else rlo.VocabParallel(group, hidden_grad=hidden_grad)
+        head = {"bias": leaves["bias"], "temperature": 0.7, "chunk_size": 3,
+                "vocab_group": vocab_group}  # fmt: skip
+        out = rlo.preference_loss_from_hidden(
+            leaves["hidden"], leaves["weight"], data["tokens"], data["mask"],
+            objective=0.7 * rlo.DPO(beta=0.5) + 0.3 * rlo.SFT(),
+            ref_log_probs=data["ref_log_probs"], **head,
+        )  # fmt: skip
+        kto = rlo.kto_loss_from_hidden(
+            leaves["hidden"], leaves["weight"], data["tokens"], data["mask"],
+            torch.tensor([True, False]), ref_log_probs=data["ref_log_probs"], kl=0.1, **head,
+        )  # fmt: skip
+        return [out.loss, out.chosen_rewards, out.rejected_rewards, kto.loss, kto.rewards]
+
+    return run
+
+
 def _with_kernels(case: Case) -> Case:
     def run(data: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor], group: Any,
             part: slice) -> list[torch.Tensor]:  # fmt: skip
@@ -231,6 +253,8 @@ CASES: dict[str, tuple[Case, tuple[str, ...], torch.dtype]] = {
        for kind, grad in (("none", "partial"), ("none", "reduced"), ("ids", "partial"))},
     # a user's own surrogate, written outside the library (tests/custom_surrogate.py)
     "fused-custom-ids-partial": (_fused_case("ids", "partial", TanhSurrogate()), HEAD, F64),
+    **{f"preference-{grad}": (_preference_case(grad), HEAD, F64)
+       for grad in ("partial", "reduced")},
 }  # fmt: skip
 # Through the Triton interpreter (float32, the 2-rank run only: the interpreter is slow).
 KERNEL_CASES: dict[str, tuple[Case, tuple[str, ...], torch.dtype]] = {

@@ -1201,6 +1201,117 @@ def _diagnostics() -> Any:
     return rlo.policy_loss(torch.zeros(B, T), torch.zeros(B, T), torch.ones(B), token_mask())[2]
 
 
+# --- issue 34: the preference and reward-model losses ----------------------------------------
+
+_PAIR_TENSORS = ("chosen_log_probs", "rejected_log_probs", "ref_chosen_log_probs",
+                 "ref_rejected_log_probs", "chosen_log_sum_sq_probs",
+                 "rejected_log_sum_sq_probs")  # fmt: skip
+
+
+def _pair_arguments() -> Arguments:
+    arguments: Arguments = {name: -per_token().abs() for name in _PAIR_TENSORS}
+    return arguments | {
+        "chosen_mask": token_mask(), "rejected_mask": token_mask().flip(-1),
+        "nll_mask": token_mask(), "objective": rlo.DPO(beta=0.1) + rlo.SFT(), "ld_alpha": 0.5,
+    }  # fmt: skip
+
+
+OBJECTIVE_WRONGS = (
+    Wrong("objective", "type", "str", lambda a: "dpo", TypeError, subject("objective")),
+    Wrong("objective", "type", "int", lambda a: 3, TypeError, subject("objective")),
+)
+SIDE_SHAPES = ((B + 1, T), (B, T, 1))  # the other side may have another T
+
+
+def _reference_shapes(argument: str) -> tuple[Wrong, ...]:
+    return tensor_wrongs(argument, shapes=((B, T + 1), (B + 1,), (B, T, 1)))
+
+
+PAIR_WRONGS = (
+    per_token_wrongs("chosen_log_probs", reference=True)
+    + tensor_wrongs("rejected_log_probs", shapes=SIDE_SHAPES)
+    + mask_wrongs("chosen_mask")
+    + mask_wrongs("rejected_mask")
+    + _reference_shapes("ref_chosen_log_probs")
+    + _reference_shapes("ref_rejected_log_probs")
+    + OBJECTIVE_WRONGS
+    + mask_wrongs("nll_mask")
+    + scalar_wrongs("ld_alpha", below=-0.1, above=1.5)
+    + per_token_wrongs("chosen_log_sum_sq_probs")
+    + per_token_wrongs("rejected_log_sum_sq_probs")
+    + scalar_wrongs("normalizer", below=0.0)
+    + scalar_wrongs("nll_normalizer", below=0.0)
+    + cu_seqlens_wrongs(listed=True)
+)
+
+
+def _kto_arguments() -> Arguments:
+    return {"log_probs": -per_token().abs(), "mask": token_mask(),
+            "desirable": torch.tensor([True, False]), "ref_log_probs": -per_token().abs(),
+            "kl": 0.1}  # fmt: skip
+
+
+KTO_WRONGS = (
+    tensor_wrongs("desirable", shapes=((B + 1,), (B, T)), dtype=torch.bool)
+    + _reference_shapes("ref_log_probs")
+    + scalar_wrongs("kl", below=None)
+    + scalar_wrongs("beta", below=0.0)
+    + scalar_wrongs("desirable_weight", below=-1.0)
+    + scalar_wrongs("undesirable_weight", below=-1.0)
+    + choice_wrongs("kind")
+    + scalar_wrongs("normalizer", below=0.0)
+    + cu_seqlens_wrongs()
+)
+
+
+def _pair_head_arguments() -> Arguments:
+    return {
+        **_hidden_arguments(), "mask": token_mask(), "ref_log_probs": -per_token().abs(),
+        "objective": rlo.DPO(beta=0.1) + rlo.SFT(), "nll_mask": token_mask(), "ld_alpha": 0.5,
+        "log_sum_sq_probs": -per_token().abs(),
+    }  # fmt: skip
+
+
+PAIR_HEAD_WRONGS = (
+    HIDDEN_WRONGS
+    + mask_wrongs()
+    + _reference_shapes("ref_log_probs")
+    + OBJECTIVE_WRONGS
+    + mask_wrongs("nll_mask")
+    + scalar_wrongs("ld_alpha", below=-0.1, above=1.5)
+    + per_token_wrongs("log_sum_sq_probs")
+    + scalar_wrongs("normalizer", below=0.0)
+    + scalar_wrongs("nll_normalizer", below=0.0)
+    + cu_seqlens_wrongs()
+    + VOCAB_GROUP
+)
+
+PREFERENCE_CASES: tuple[Case, ...] = (
+    Case("preference_loss", rlo.preference_loss, _pair_arguments, PAIR_WRONGS),
+    Case("preference_loss_from_hidden", rlo.preference_loss_from_hidden, _pair_head_arguments,
+         PAIR_HEAD_WRONGS),
+    Case("kto_loss", rlo.kto_loss, _kto_arguments,
+         per_token_wrongs("log_probs", reference=True) + mask_wrongs() + KTO_WRONGS),
+    Case("kto_loss_from_hidden", rlo.kto_loss_from_hidden,
+         lambda: {**_hidden_arguments(),
+                  **{k: v for k, v in _kto_arguments().items() if k != "log_probs"}},
+         HIDDEN_WRONGS + mask_wrongs() + KTO_WRONGS + VOCAB_GROUP),
+    Case(
+        "reward_model_loss",
+        rlo.reward_model_loss,
+        lambda: {"chosen_rewards": torch.randn(B, dtype=torch.float64),
+                 "rejected_rewards": torch.randn(B, dtype=torch.float64),
+                 "margin": torch.rand(B, dtype=torch.float64), "center_coefficient": 0.01},
+        tensor_wrongs("chosen_rewards", shapes=((B, T), ()), reference=True)
+        + tensor_wrongs("rejected_rewards", shapes=((B + 1,), (B, T)))
+        + tensor_wrongs("margin", shapes=((B + 1,), (B, T)))
+        + choice_wrongs("kind")
+        + scalar_wrongs("center_coefficient", below=-0.1)
+        + scalar_wrongs("normalizer", below=0.0),
+    ),
+)  # fmt: skip
+
+
 CASES: tuple[Case, ...] = (
     Case(
         "aggregate",
@@ -1810,6 +1921,7 @@ CASES: tuple[Case, ...] = (
          COV_SELECTION_WRONGS + GROUP_WRONGS),
     *PACKING_CASES,
     *ISSUE25_CASES,
+    *PREFERENCE_CASES,
     *SURROGATE_CASES,
     *OBJECTIVE_CASES,
 )  # fmt: skip

@@ -761,6 +761,104 @@ ISSUE25_NAN_CASES: tuple[NanCase, ...] = (
 )  # fmt: skip
 
 
+# --- issue 34: the preference and KTO losses --------------------------------------------------
+
+
+def _preference_objective(draw: Draw) -> Any:
+    choices = [rlo.DPO(beta=0.5), rlo.IPO(beta=0.5), rlo.NCA(), rlo.AOT(beta=0.3),
+               0.5 * rlo.DPO(f_divergence="js_divergence") + 0.5 * rlo.SFT(),
+               rlo.ORPO(beta=0.2), rlo.CPO(beta=0.3, nll_coef=0.5),
+               rlo.SimPO(beta=1.0)]  # fmt: skip
+    return draw(st.sampled_from(choices))
+
+
+def _preference_options(
+    draw: Draw, t: Tokens, objective: Any
+) -> tuple[dict[str, Any], torch.Tensor]:
+    """``ld_alpha``, ``nll_mask``, normalisers; the chosen tokens a sum reads."""
+    options: dict[str, Any] = {"objective": objective,
+                               "ld_alpha": draw(st.sampled_from((None, 0.5)))}  # fmt: skip
+    read = t.mask.clone()
+    if objective.uses_nll and draw(st.booleans()):
+        options["nll_mask"] = torch.rand(*t.shape, generator=t.generator) < 0.6
+        read |= options["nll_mask"]
+    if draw(st.booleans()):
+        options |= {"normalizer": 3.0, "nll_normalizer": 5.0}
+    return options, read
+
+
+def _preference_loss(draw: Draw) -> Batch:
+    t = draw_tokens(draw)
+    batch = t.shape[0]
+    rejected_mask = torch.rand(batch, draw(st.integers(1, 5)), generator=t.generator) < 0.7
+    objective = _preference_objective(draw)
+    options, read = _preference_options(draw, t, objective)
+    rejected_shape = tuple(rejected_mask.shape)
+    arguments: dict[str, Any] = {
+        "chosen_log_probs": t.log_probs(), "chosen_mask": t.mask,
+        "rejected_log_probs": -2 * torch.rand(rejected_shape, generator=t.generator, dtype=F64),
+        "rejected_mask": rejected_mask, **options,
+    }  # fmt: skip
+    poison = {"chosen_log_probs": ~read, "rejected_log_probs": ~rejected_mask}
+    if objective.needs_reference:
+        arguments["ref_chosen_log_probs"] = t.log_probs()
+        arguments["ref_rejected_log_probs"] = arguments["rejected_log_probs"] * 0.9
+        poison |= {"ref_chosen_log_probs": t.unselected, "ref_rejected_log_probs": ~rejected_mask}
+    if draw(st.booleans()):  # WPO
+        arguments["chosen_log_sum_sq_probs"] = t.log_probs() - 1
+        arguments["rejected_log_sum_sq_probs"] = arguments["rejected_log_probs"] - 1
+        poison |= {"chosen_log_sum_sq_probs": t.unselected,
+                   "rejected_log_sum_sq_probs": ~rejected_mask}  # fmt: skip
+    return Batch(arguments, poison, ("chosen_log_probs", "rejected_log_probs"))
+
+
+def _preference_loss_from_hidden(draw: Draw) -> Batch:
+    t = draw_tokens(draw, batch_multiple=2)
+    arguments, poison = _hidden(draw, t)
+    objective = _preference_objective(draw)
+    options, read = _preference_options(draw, t, objective)
+    arguments |= {"mask": t.mask, **options}
+    poison["hidden"] = poison["hidden"] & ~read.unsqueeze(-1)
+    if objective.needs_reference:
+        arguments["ref_log_probs"] = t.log_probs()
+        poison["ref_log_probs"] = t.unselected
+    differentiate = ("hidden", "weight") + (("bias",) if arguments["bias"] is not None else ())
+    return Batch(arguments, poison, differentiate)
+
+
+def _kto(hidden: bool) -> Callable[[Draw], Batch]:
+    def draw_batch(draw: Draw) -> Batch:
+        t = draw_tokens(draw)
+        arguments: dict[str, Any] = {
+            "mask": t.mask, "ref_log_probs": t.log_probs(),
+            "desirable": torch.rand(t.shape[0], generator=t.generator) < 0.5,
+            "kl": draw(st.sampled_from((None, 0.2, -0.1))),
+            "kind": draw(st.sampled_from(("kto", "apo_zero_unpaired"))),
+        }  # fmt: skip
+        poison = {"ref_log_probs": t.unselected}
+        if hidden:
+            head, head_poison = _hidden(draw, t)
+            arguments |= head
+            poison |= head_poison
+            differentiate = ("hidden", "weight") + (("bias",) if head["bias"] is not None else ())
+        else:
+            arguments["log_probs"] = t.log_probs()
+            poison["log_probs"] = t.unselected
+            differentiate = ("log_probs",)
+        return Batch(arguments, poison, differentiate)
+
+    return draw_batch
+
+
+PREFERENCE_NAN_CASES: tuple[NanCase, ...] = (
+    NanCase("preference_loss", rlo.preference_loss, _preference_loss, 16),
+    NanCase("preference_loss_from_hidden", rlo.preference_loss_from_hidden,
+            _preference_loss_from_hidden, 12),
+    NanCase("kto_loss", rlo.kto_loss, _kto(False), 8),
+    NanCase("kto_loss_from_hidden", rlo.kto_loss_from_hidden, _kto(True), 8),
+)  # fmt: skip
+
+
 NAN_CASES: tuple[NanCase, ...] = (
     NanCase("aggregate", rlo.aggregate, _aggregate),
     NanCase("masked_sum", rlo.masked_sum, _masked_reduction, max_examples=8),
@@ -812,6 +910,7 @@ NAN_CASES: tuple[NanCase, ...] = (
     NanCase("cov_selection", rlo.cov_selection, _cov_selection, max_examples=8),
     NanCase("global_cov_selection", rlo.global_cov_selection, _cov_selection, max_examples=4),
     *ISSUE25_NAN_CASES,
+    *PREFERENCE_NAN_CASES,
 )
 
 EXEMPT: tuple[Exempt, ...] = (

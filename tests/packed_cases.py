@@ -645,6 +645,93 @@ ISSUE25_CASES: list[Case] = [
          ("values_leaf", "token_rewards_leaf")),
 ]  # fmt: skip
 
+# issue 34: the preference losses pair the first half of the sequences (chosen) with the second
+# half (rejected); packed, each half is cut out of the row with its own boundaries.
+
+
+def _halves(v: View, name: str) -> tuple[torch.Tensor, torch.Tensor, Any]:
+    """``(chosen, rejected, cu_seqlens pair or None)`` of a per-token input."""
+    value, pairs = v.row(name), v.batch.attention.shape[0] // 2  # (1, N) packed: per token
+    if not v.packed:
+        return value[:pairs], value[pairs : 2 * pairs], None
+    assert v.cu_seqlens is not None
+    cu = v.cu_seqlens.tolist()
+    chosen = torch.tensor(cu[: pairs + 1])
+    rejected = torch.tensor([b - cu[pairs] for b in cu[pairs : 2 * pairs + 1]])
+    return value[:, : cu[pairs]], value[:, cu[pairs] : cu[2 * pairs]], (chosen, rejected)
+
+
+def _preference(objective: Any, **options: Any) -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        lp_c, lp_r, cu = _halves(v, "log_probs")
+        mask_c, mask_r, _ = _halves(v, "mask")
+        ref_c, ref_r, _ = _halves(v, "ref_log_probs")
+        refs = {"ref_chosen_log_probs": ref_c, "ref_rejected_log_probs": ref_r}
+        out = rlo.preference_loss(lp_c, lp_r, mask_c, mask_r, objective=objective,
+                                  **(refs if objective.needs_reference else {}), **options,
+                                  cu_seqlens=cu)  # fmt: skip
+        return {name: getattr(out, name) for name in ("loss", "pair_losses", "margins",
+                                                      "chosen_log_probs")}  # fmt: skip
+
+    return run
+
+
+def _preference_hidden(objective: Any) -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        pairs = v.batch.attention.shape[0] // 2
+        arguments = {name: v[name] for name in ("hidden", "tokens", "mask")}
+        arguments["ref_log_probs"] = v.row("ref_log_probs")  # (1, N) packed: per token
+        if v.packed:
+            assert v.cu_seqlens is not None
+            end = int(v.cu_seqlens[2 * pairs])
+            arguments = {name: value[:end] for name, value in arguments.items()}
+            arguments["ref_log_probs"] = v.row("ref_log_probs")[:, :end]
+            layout = {"cu_seqlens": v.cu_seqlens[: 2 * pairs + 1]}
+        else:
+            arguments = {name: value[: 2 * pairs] for name, value in arguments.items()}
+            layout = {}
+        ref = arguments.pop("ref_log_probs")
+        refs = {"ref_log_probs": ref} if objective.needs_reference else {}
+        tokens = torch.where(arguments["mask"], arguments.pop("tokens"), 0)
+        out = rlo.preference_loss_from_hidden(
+            arguments["hidden"], v["weight"], tokens, arguments["mask"], objective=objective,
+            chunk_size=3, **refs, **layout,
+        )  # fmt: skip
+        return {"loss": out.loss, "pair_losses": out.pair_losses, "margins": out.margins}
+
+    return run
+
+
+def _kto(hidden: bool) -> Callable[[View], Outputs]:
+    def run(v: View) -> Outputs:
+        desirable = v["advantages"] > 0
+        options = {"ref_log_probs": v.row("ref_log_probs"), "kl": 0.1, **v.layout}
+        if hidden:
+            tokens = torch.where(v["mask"], v["tokens"], 0)
+            out = rlo.kto_loss_from_hidden(v["hidden"], v["weight"], tokens, v["mask"], desirable,
+                                           chunk_size=2, **options)  # fmt: skip
+        else:
+            out = rlo.kto_loss(v["log_probs"], v["mask"], desirable, **options)
+        return {"loss": out.loss, "example_losses": out.example_losses, "rewards": out.rewards}
+
+    return run
+
+
+PREFERENCE_CASES: list[Case] = [
+    Case("preference_loss-dpo", _preference(rlo.DPO(beta=0.4), ld_alpha=0.5)),
+    Case("preference_loss-mpo", _preference(0.8 * rlo.DPO() + 0.2 * rlo.BCO() + rlo.SFT(),
+                                            normalizer=3.0)),
+    Case("preference_loss-aot", _preference(rlo.AOT(beta=0.3, unpaired=True))),
+    Case("preference_loss-orpo", _preference(rlo.ORPO(beta=0.2))),
+    Case("preference_loss_from_hidden-dpo", _preference_hidden(rlo.DPO() + rlo.SFT()),
+         HIDDEN_LEAVES, heavy=True, kernels=False),
+    Case("preference_loss_from_hidden-simpo", _preference_hidden(rlo.SimPO()), HIDDEN_LEAVES,
+         heavy=True, kernels=False),
+    Case("kto_loss", _kto(False)),
+    Case("kto_loss_from_hidden", _kto(True), HIDDEN_LEAVES, heavy=True, kernels=False),
+]  # fmt: skip
+
+
 CASES: list[Case] = [
     *(Case(f"aggregate-{r}", _aggregate(r)) for r in rlo.Reduction.__args__),  # type: ignore[attr-defined]
     Case("policy_loss-token_mean", _policy(surrogate=Clip(high=0.28, dual=3.0))),
@@ -801,4 +888,5 @@ CASES: list[Case] = [
         ("token_rewards_leaf",),
     ),
     *ISSUE25_CASES,
+    *PREFERENCE_CASES,
 ]

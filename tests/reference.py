@@ -3143,3 +3143,254 @@ def adaptive_entropy_values(
         last = entropy
         out.append(coef if last <= target else 0.0)
     return out
+
+
+# --- preference objectives (issue 34) -------------------------------------------------------------
+
+
+def _log_sigmoid(z: Tensor) -> Tensor:
+    """log(1 / (1 + e^{-z})), written both ways so that neither side overflows."""
+    if float(z.detach()) >= 0:
+        return -torch.log1p(torch.exp(-z))
+    return z - torch.log1p(torch.exp(z))
+
+
+def _f_score(x: Tensor, kind: str, alpha: float) -> Tensor:
+    if kind == "reverse_kl":
+        return x
+    if kind == "forward_kl":
+        return 1 - torch.exp(-x)
+    if kind == "js_divergence":
+        return math.log(2.0) + _log_sigmoid(x)
+    if abs(alpha - 1.0) < 1e-6:
+        return x
+    t = torch.clamp((alpha - 1.0) * x, max=80.0)
+    return (torch.exp(t) - 1.0) / (alpha - 1.0)
+
+
+def preference_pair_loss(name: str, o: dict[str, Any], p: dict[str, Tensor], nll: Tensor) -> Tensor:
+    """One pair's loss. ``p``: S_c, S_r, n_c, n_r (floats), R_c, R_r (None for reference-free)."""
+    s_c, s_r, n_c, n_r = p["S_c"], p["S_r"], max(p["n_c"], 1.0), max(p["n_r"], 1.0)
+    beta = o.get("beta", 0.1)
+    if name in ("simpo", "orpo", "cpo", "sft"):
+        m_c, m_r = s_c / n_c, s_r / n_r
+        if name == "simpo":
+            z = beta * (m_c - m_r) - o["gamma"]
+            eps = o["label_smoothing"]
+            return -(1 - eps) * _log_sigmoid(z) - eps * _log_sigmoid(-z)
+        if name == "orpo":
+            log_odds = (m_c - m_r) - (torch.log(1 - torch.exp(m_c)) - torch.log(1 - torch.exp(m_r)))
+            return nll - beta * _log_sigmoid(log_odds)
+        if name == "cpo":
+            z = beta * (s_c - s_r)
+            eps = o["label_smoothing"]
+            return -(1 - eps) * _log_sigmoid(z) - eps * _log_sigmoid(-z) + o["nll_coef"] * nll
+        return nll
+    x_c, x_r = s_c - p["R_c"], s_r - p["R_r"]
+    if name in ("dpo", "ipo", "hinge", "robust", "exo", "discopop"):
+        f_c = _f_score(x_c, o["f_divergence"], o["alpha"])
+        f_r = _f_score(x_r, o["f_divergence"], o["alpha"])
+        if o.get("length_normalized", False):
+            f_c, f_r = f_c / n_c, f_r / n_r
+        u = f_c - f_r
+        z = beta * u
+        if name == "dpo":
+            eps = o["label_smoothing"]
+            return -(1 - eps) * _log_sigmoid(z) - eps * _log_sigmoid(-z)
+        if name == "ipo":
+            return (u - 1 / (2 * beta)) ** 2
+        if name == "hinge":
+            return torch.clamp(1 - z, min=0.0)
+        if name == "robust":
+            eps = o["label_smoothing"]
+            return (-(1 - eps) * _log_sigmoid(z) + eps * _log_sigmoid(-z)) / (1 - 2 * eps)
+        if name == "exo":
+            eps = o["epsilon"]
+            q_w, q_l = torch.sigmoid(z), torch.sigmoid(-z)
+            return q_w * (_log_sigmoid(z) - math.log(1 - eps)) + q_l * (
+                _log_sigmoid(-z) - math.log(eps)
+            )
+        m = torch.sigmoid(z / o["tau"])
+        return (1 - m) * (-_log_sigmoid(z)) + m * torch.exp(-z)
+    r_c, r_r = beta * x_c, beta * x_r
+    if name == "nca":
+        return -_log_sigmoid(r_c) - 0.5 * _log_sigmoid(-r_c) - 0.5 * _log_sigmoid(-r_r)
+    if name == "bco":
+        return -_log_sigmoid(r_c - o["delta"]) - _log_sigmoid(-(r_r - o["delta"]))
+    if name == "sppo_hard":
+        return (x_c - 0.5 / beta) ** 2 + (x_r + 0.5 / beta) ** 2
+    if name == "apo_zero":
+        return 1 - torch.sigmoid(r_c) + torch.sigmoid(r_r)
+    if name == "apo_down":
+        return torch.sigmoid(r_c) + 1 - torch.sigmoid(r_c - r_r)
+    raise ValueError(name)
+
+
+def _side_sum(
+    values: Tensor, mask: list[list[bool]], i: int, weights: list[float] | None = None
+) -> Tensor:
+    total = values.new_zeros(())
+    k = 0
+    for t, selected in enumerate(mask[i]):
+        if selected:
+            total = total + (1.0 if weights is None else weights[k]) * values[i, t]
+            k += 1
+    return total
+
+
+def _ld(count: int, shared: int, alpha: float | None) -> list[float] | None:
+    if alpha is None:
+        return None
+    return [1.0 if k < shared else alpha for k in range(count)]
+
+
+def preference_loss(
+    chosen: Tensor,
+    rejected: Tensor,
+    chosen_mask: Tensor,
+    rejected_mask: Tensor,
+    terms: list[tuple[float, str, dict[str, Any]]],
+    *,
+    ref_chosen: Tensor | None = None,
+    ref_rejected: Tensor | None = None,
+    nll_mask: Tensor | None = None,
+    ld_alpha: float | None = None,
+    chosen_sq: Tensor | None = None,
+    rejected_sq: Tensor | None = None,
+    normalizer: float | None = None,
+    nll_normalizer: float | None = None,
+) -> dict[str, Any]:
+    """Pair by pair, term by term: sums, the terms' formulas, WPO's weight, the reduction.
+
+    ``ref_*`` per token ``(B, T)`` or per sequence ``(B,)``. Returns ``loss`` and per-pair
+    ``pair_losses`` and the sums ``S_c``, ``S_r``.
+    """
+    cm, rm = _as_list_mask(chosen_mask), _as_list_mask(rejected_mask)
+    nm = cm if nll_mask is None else _as_list_mask(nll_mask)
+    pairs = chosen.shape[0]
+    n_c = [sum(row) for row in cm]
+    n_r = [sum(row) for row in rm]
+    valid = [n_c[i] > 0 and n_r[i] > 0 for i in range(pairs)]
+    d = float(sum(valid)) if normalizer is None else normalizer
+    d = max(d, 1.0) if normalizer is None else d
+    nll_count = sum(sum(nm[i]) for i in range(pairs) if valid[i])
+    n_nll = max(float(nll_count), 1.0) if nll_normalizer is None else nll_normalizer
+    losses, sums_c, sums_r = [], [], []
+    for i in range(pairs):
+        if not valid[i]:
+            losses.append(chosen.new_zeros(()))
+            sums_c.append(chosen.new_zeros(()))
+            sums_r.append(chosen.new_zeros(()))
+            continue
+        shared = min(n_c[i], n_r[i])
+        w_c, w_r = _ld(n_c[i], shared, ld_alpha), _ld(n_r[i], shared, ld_alpha)
+        p: dict[str, Any] = {
+            "S_c": _side_sum(chosen, cm, i, w_c),
+            "S_r": _side_sum(rejected, rm, i, w_r),
+            "n_c": float(n_c[i]),
+            "n_r": float(n_r[i]),
+        }
+        for key, ref, mask, w in (("R_c", ref_chosen, cm, w_c), ("R_r", ref_rejected, rm, w_r)):
+            if ref is not None:
+                p[key] = ref[i] if ref.ndim == 1 else _side_sum(ref, mask, i, w)
+        nll = -_side_sum(chosen, nm, i) * d / n_nll
+        loss = chosen.new_zeros(())
+        for weight, name, options in terms:
+            loss = loss + weight * preference_pair_loss(name, options, p, nll)
+        if chosen_sq is not None and rejected_sq is not None:
+            log_w = _side_sum(chosen.detach() - chosen_sq, cm, i) / n_c[i]
+            log_w = log_w + _side_sum(rejected.detach() - rejected_sq, rm, i) / n_r[i]
+            loss = loss * torch.exp(log_w)
+        losses.append(loss)
+        sums_c.append(p["S_c"])
+        sums_r.append(p["S_r"])
+    total = sum(losses, chosen.new_zeros(())) / d
+    return {
+        "loss": total,
+        "pair_losses": torch.stack(losses) if losses else chosen.new_zeros(0),
+        "S_c": sums_c,
+        "S_r": sums_r,
+        "valid": valid,
+    }
+
+
+def aot_loss(
+    chosen: Tensor,
+    rejected: Tensor,
+    chosen_mask: Tensor,
+    rejected_mask: Tensor,
+    ref_chosen: Tensor,
+    ref_rejected: Tensor,
+    *,
+    beta: float,
+    label_smoothing: float,
+    unpaired: bool,
+) -> Tensor:
+    """AOT: sorted (over the valid pairs) margins, the smoothed DPO loss of each rank, mean."""
+    cm, rm = _as_list_mask(chosen_mask), _as_list_mask(rejected_mask)
+    first, second = [], []
+    for i in range(chosen.shape[0]):
+        if not (any(cm[i]) and any(rm[i])):
+            continue
+        s_c, s_r = _side_sum(chosen, cm, i), _side_sum(rejected, rm, i)
+        r_c, r_r = _side_sum(ref_chosen, cm, i), _side_sum(ref_rejected, rm, i)
+        if unpaired:
+            first.append(s_c - r_c)
+            second.append(s_r - r_r)
+        else:
+            first.append(s_c - s_r)
+            second.append(r_c - r_r)
+    if not first:
+        return chosen.new_zeros(())
+    a = torch.sort(torch.stack(first)).values
+    b = torch.sort(torch.stack(second)).values
+    total = chosen.new_zeros(())
+    for k in range(len(first)):
+        z = beta * (a[k] - b[k])
+        total = total - (1 - label_smoothing) * _log_sigmoid(z) - label_smoothing * _log_sigmoid(-z)
+    return total / len(first)
+
+
+def kto_loss(
+    log_probs: Tensor,
+    mask: Tensor,
+    desirable: list[bool],
+    ref: Tensor,
+    *,
+    kl: float | None,
+    beta: float,
+    weights: tuple[float, float],
+    kind: str,
+    normalizer: float | None = None,
+) -> Tensor:
+    """KTO / unpaired APO-zero, response by response."""
+    m = _as_list_mask(mask)
+    z0 = 0.0 if kl is None or kind != "kto" else max(kl, 0.0)
+    total, count = log_probs.new_zeros(()), 0
+    for i in range(log_probs.shape[0]):
+        if not any(m[i]):
+            continue
+        count += 1
+        x = _side_sum(log_probs, m, i) - (ref[i] if ref.ndim == 1 else _side_sum(ref, m, i))
+        if kind == "kto":
+            value = 1 - torch.sigmoid(beta * (x - z0 if desirable[i] else z0 - x))
+        else:
+            value = 1 - torch.sigmoid(beta * x) if desirable[i] else torch.sigmoid(beta * x)
+        total = total + (weights[0] if desirable[i] else weights[1]) * value
+    d = max(count, 1) if normalizer is None else normalizer
+    return total / d
+
+
+def reward_model_loss(
+    chosen: Tensor, rejected: Tensor, margin: Tensor | None, center: float, kind: str
+) -> Tensor:
+    """Bradley-Terry (or its log(1 + e^x) form) plus the centring term, mean over pairs."""
+    total = chosen.new_zeros(())
+    for i in range(chosen.shape[0]):
+        m = 0.0 if margin is None else margin[i]
+        if kind == "bradley_terry":
+            value = -_log_sigmoid(chosen[i] - rejected[i] - m)
+        else:
+            value = torch.log1p(torch.exp(rejected[i] - chosen[i] + m))
+        total = total + value + center * (chosen[i] + rejected[i]) ** 2
+    return total / max(chosen.shape[0], 1)

@@ -98,6 +98,8 @@ DTYPE_GROUPS: dict[str, tuple[tuple[str, ...], ...]] = {
     "fused_policy_loss_from_hidden": (("hidden", "weight", "bias"),),
     "topk_forward_kl_from_hidden": (("hidden", "weight", "bias"),),
     "reverse_kl_loss_from_hidden": (("hidden", "weight", "bias"),),
+    "preference_loss_from_hidden": (("hidden", "weight", "bias"),),
+    "kto_loss_from_hidden": (("hidden", "weight", "bias"),),
     "generalized_jsd_loss_from_hidden": (
         ("hidden", "weight", "bias"),
         ("teacher_hidden", "teacher_weight", "teacher_bias"),

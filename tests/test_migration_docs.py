@@ -55,3 +55,23 @@ def test_trl_loss_functions_run() -> None:
         loss.backward()
         grad = tensors[0].grad  # type: ignore[union-attr]
         assert grad is not None and torch.isfinite(grad).all() and grad.abs().sum() > 0
+
+
+def test_trl_dpo_loss_function_runs() -> None:
+    blocks = [b for b in python_blocks(DOCS / "migration" / "trl.md") if "def dpo_loss_fn" in b]
+    assert len(blocks) == 1
+    code = "\n".join(line for line in blocks[0].splitlines() if not line.startswith("trainer"))
+    namespace: dict[str, object] = {}
+    exec(compile(code, "trl.md", "exec"), namespace)
+    generator = torch.Generator().manual_seed(4)
+    chosen = (-torch.rand(3, 5, generator=generator)).requires_grad_(True)
+    rejected = -torch.rand(3, 4, generator=generator)
+    masks = torch.ones(3, 5, dtype=torch.bool), torch.ones(3, 4, dtype=torch.bool)
+    loss, metrics = namespace["dpo_loss_fn"](  # type: ignore[operator]
+        chosen, rejected, *masks, ref_chosen_log_probs=torch.zeros(3),
+        ref_rejected_log_probs=torch.zeros(3), chosen_log_sum_sq_probs=None,
+        rejected_log_sum_sq_probs=None,
+    )  # fmt: skip
+    assert torch.isfinite(loss) and all(torch.isfinite(v) for v in metrics.values())
+    loss.backward()
+    assert chosen.grad is not None and chosen.grad.abs().sum() > 0

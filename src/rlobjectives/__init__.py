@@ -65,12 +65,9 @@ from .logprobs.hidden import TokenLogProbsOutput, token_log_probs_from_hidden
 from .logprobs.logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, token_log_probs
 from .logprobs.vocab_parallel import VocabParallel
 from .policy.call import PolicyLossDiagnostics, PolicyLossOutput
-from .policy.entropy import top_entropy_mask
 from .policy.from_hidden import FusedPolicyLossOutput, fused_policy_loss_from_hidden
 from .policy.grpo_surrogate import grpo_clipped_surrogate
 from .policy.loss import policy_loss
-from .policy.nll import dft_loss, nll_loss
-from .policy.selection import CovSelection, cov_selection, m2po_mask
 from .policy.surrogates import (
     CISPO,
     DPPO,
@@ -86,10 +83,37 @@ from .policy.surrogates import (
     Surrogate,
     SurrogateTerms,
 )
+from .preference import (
+    AOT,
+    BCO,
+    CPO,
+    DPO,
+    EXO,
+    IPO,
+    NCA,
+    ORPO,
+    SFT,
+    APODown,
+    APOZero,
+    DiscoPOP,
+    Hinge,
+    PreferenceLossOutput,
+    PreferenceObjective,
+    RobustDPO,
+    SimPO,
+    SPPOHard,
+    preference_loss,
+)
+from .preference.hidden import kto_loss_from_hidden, preference_loss_from_hidden
+from .preference.kto import KTOLossOutput, kto_loss
+from .preference.reward import RewardModelLossOutput, reward_model_loss
 from .rollout.correction import RolloutCorrection, rollout_correction
 from .rollout.decoupled import proximal_log_probs, rejection_mask
 from .rollout.metrics import RolloutCorrectionMetrics
 from .rollout.off_policy import off_policy_sequence_mask
+from .selection.batch import CovSelection, cov_selection, m2po_mask
+from .selection.entropy import top_entropy_mask
+from .supervised.losses import dft_loss, nll_loss
 from .value.loss import ValueLossDiagnostics, ValueLossOutput, value_loss
 
 try:
@@ -98,6 +122,26 @@ except PackageNotFoundError:  # pragma: no cover - running from a source tree
     __version__ = "0.0.0"
 
 __all__ = [
+    "AOT",
+    "BCO",
+    "CPO",
+    "DPO",
+    "EXO",
+    "IPO",
+    "NCA",
+    "ORPO",
+    "SFT",
+    "APODown",
+    "APOZero",
+    "DiscoPOP",
+    "Hinge",
+    "KTOLossOutput",
+    "PreferenceLossOutput",
+    "PreferenceObjective",
+    "RewardModelLossOutput",
+    "RobustDPO",
+    "SPPOHard",
+    "SimPO",
     "CISPO",
     "DPPO",
     "DRO",
@@ -158,6 +202,8 @@ __all__ = [
     "kl_loss",
     "kl_penalized_rewards",
     "kl_penalized_token_rewards",
+    "kto_loss",
+    "kto_loss_from_hidden",
     "length_adaptive_lambda",
     "masked_mean",
     "masked_sum",
@@ -173,6 +219,8 @@ __all__ = [
     "pack",
     "policy_loss",
     "proximal_log_probs",
+    "preference_loss",
+    "preference_loss_from_hidden",
     "reinforce_plus_plus_advantages",
     "rejection_mask",
     "relative_position_lambda",
@@ -182,6 +230,7 @@ __all__ = [
     "reverse_kl_loss",
     "reverse_kl_loss_from_hidden",
     "reverse_kl_rewards",
+    "reward_model_loss",
     "rloo_advantages",
     "rollout_correction",
     "sum_diagnostics",

@@ -41,14 +41,14 @@ from rlobjectives import (
     nll_loss,
     policy_loss,
 )
-from rlobjectives.distributed import sum_diagnostics
-from rlobjectives.policy.surrogates.selection import (
+from rlobjectives._core.selection import (
     draw_seed,
     random_subset,
     splitmix64,
     stable_ranks,
     top_k,
 )
+from rlobjectives.distributed import sum_diagnostics
 from rlobjectives.presets._verl import VERL_AGGREGATIONS
 from tolerances import assert_close
 
@@ -507,7 +507,7 @@ def test_selections_compile_fullgraph() -> None:
     # generated code as in eager), and the default generator's draw traced too (inductor draws
     # its own stream: reproducible under torch.manual_seed, not eager's numbers).
     log_probs, advantages, mask = _clip_cov_batch(2)
-    from rlobjectives.policy.surrogates.selection import m2po_kept
+    from rlobjectives._core.selection import m2po_kept
 
     def select(
         lp: torch.Tensor, adv: torch.Tensor, m: torch.Tensor, seed: torch.Tensor

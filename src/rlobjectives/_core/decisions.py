@@ -63,6 +63,7 @@ import torch
 
 __all__ = [
     "Threshold",
+    "deviation_ratios",
     "constant_when_traced",
     "host_threshold",
     "lower_threshold",
@@ -310,3 +311,90 @@ def ratio_equal(log_ratio: torch.Tensor, bound: float | torch.Tensor) -> torch.T
     low = _as_threshold(lower_threshold(bound, dtype), log_ratio)
     high = _as_threshold(upper_threshold(bound, dtype), log_ratio)
     return (log_ratio >= low) & (log_ratio <= high)
+
+
+def deviation_ratios(
+    scale: float | torch.Tensor, width: float, dtype: torch.dtype
+) -> tuple[Threshold, Threshold]:
+    r"""``(R_lo, R_hi)``: :math:`|s(r - 1)| > w` exactly where :math:`r \notin [R_{lo}, R_{hi}]`.
+
+    :math:`s(r - 1)` and :math:`w` in ``dtype``'s arithmetic, as a formula evaluates them (the
+    product is non-decreasing in :math:`r`): :math:`R_{hi}` is the largest :math:`r` of
+    ``dtype`` with :math:`s(r - 1) \le w`, :math:`R_{lo}` the smallest with :math:`s(r - 1)
+    \ge -w` (0 when no ratio reaches :math:`-w`). A Python number is searched on the host (a
+    ``nextafter`` walk from :math:`1 \pm w/s`, cached); a 0-d tensor on its device, among the 9
+    neighbours of :math:`1 \pm w/s` (the edge is within 2 of them). SAPO's soft clip.
+    """
+    if isinstance(scale, torch.Tensor):
+        return _device_deviation_ratios(scale, width, dtype)
+    ratios: tuple[float, float] = _host_deviation_ratios(float(scale), width, dtype)
+    return ratios
+
+
+_DEVIATION_CACHE: dict[tuple[float, float, torch.dtype], tuple[float, float]] = {}
+
+
+@constant_when_traced  # its inputs are Python numbers
+def _host_deviation_ratios(
+    temperature: float, half_peak_value: float, dtype: torch.dtype
+) -> tuple[float, float]:
+    """:func:`deviation_ratios` of a Python number (cached per (scale, width, dtype))."""
+    key = (temperature, half_peak_value, dtype)
+    ratios = _DEVIATION_CACHE.get(key)
+    if ratios is None:
+        if len(_DEVIATION_CACHE) >= 256:
+            _DEVIATION_CACHE.clear()
+        ratios = _DEVIATION_CACHE[key] = _search_deviation_ratios(
+            temperature, half_peak_value, dtype
+        )
+    return ratios
+
+
+def _search_deviation_ratios(
+    temperature: float, half_peak_value: float, dtype: torch.dtype
+) -> tuple[float, float]:
+    tau = torch.tensor(temperature, dtype=dtype)
+    half_peak = float(torch.tensor(half_peak_value, dtype=dtype))
+
+    def scaled(ratio: float) -> float:  # tau (r - 1) in dtype, as the paths compute it
+        return float((torch.tensor(ratio, dtype=dtype) - 1.0) * tau)
+
+    def step(value: float, direction: float) -> float:
+        here = torch.tensor(value, dtype=dtype)
+        return float(torch.nextafter(here, torch.tensor(direction, dtype=dtype)))
+
+    high = float(torch.tensor(1.0 + half_peak_value / temperature, dtype=dtype))
+    while scaled(high) > half_peak:
+        high = step(high, -math.inf)
+    while not math.isinf(step(high, math.inf)) and scaled(step(high, math.inf)) <= half_peak:
+        high = step(high, math.inf)
+    if scaled(0.0) >= -half_peak:  # tau (r - 1) >= -tau > -h: no ratio is soft-clipped below
+        return 0.0, high
+    low = float(torch.tensor(1.0 - half_peak_value / temperature, dtype=dtype))
+    while scaled(low) < -half_peak:
+        low = step(low, math.inf)
+    while scaled(step(low, -math.inf)) >= -half_peak:
+        low = step(low, -math.inf)
+    return low, high
+
+
+def _device_deviation_ratios(
+    temperature: torch.Tensor, half_peak_value: float, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    tau = temperature.detach().to(dtype)
+    half_peak = torch.tensor(half_peak_value, dtype=dtype, device=tau.device)
+    inf = torch.tensor(math.inf, dtype=dtype, device=tau.device)
+
+    def window(start: torch.Tensor) -> torch.Tensor:  # start and its 4 neighbours either side
+        up, down, values = start, start, [start]
+        for _ in range(4):
+            up, down = torch.nextafter(up, inf), torch.nextafter(down, -inf)
+            values += [up, down]
+        return torch.stack(values)
+
+    above = window(1.0 + half_peak / tau)
+    high = torch.where((above - 1.0) * tau <= half_peak, above, -inf).amax()
+    below = window(1.0 - half_peak / tau)
+    low = torch.where((below - 1.0) * tau >= -half_peak, below, inf).amin()
+    never = (0.0 - 1.0) * tau >= -half_peak  # tau <= h: no ratio is soft-clipped below
+    return torch.where(never, torch.zeros_like(low), low), high

@@ -204,14 +204,16 @@ def validate_layout_reduction(
                 "(reduce the per-token values with rlobjectives.aggregate)"
             )
         return spec
-    where = torch.device("cpu") if device is None else device
-    groups = prompt_groups(group_size, group_ids, layout.num_sequences, where)
+    groups = None
+    if group_size is not None or group_ids is not None:
+        where = torch.device("cpu") if device is None else device
+        groups = prompt_groups(group_size, group_ids, layout.num_sequences, where)
     if groups is None and spec.reduction == "prompt_mean":
         raise ValueError(
             "reduction 'prompt_mean' needs the prompt groups: pass group_size= (contiguous "
             "groups of equal size) or group_ids= (one label per sequence)"
         )
-    return spec._replace(groups=groups)
+    return spec if groups is None else spec._replace(groups=groups)
 
 
 def _as_tensor(

@@ -4,9 +4,9 @@ The body of :func:`rlobjectives.distributed.global_top_entropy_mask`. TRL gather
 rank's selected entropies (``pad_across_processes`` + ``gather``) before ``torch.quantile``;
 this is the same with ``torch.distributed``: one ``all_gather`` of the per-rank token counts,
 one of the (padded) entropies, and the threshold of
-:func:`rlobjectives.policy.entropy.entropy_threshold`
+:func:`rlobjectives.selection.entropy.entropy_threshold`
 on the gathered values, identical on every rank
-(:func:`rlobjectives.policy.entropy.entropy_mask_over_group`, which
+(:func:`rlobjectives.selection.entropy.entropy_mask_over_group`, which
 ``top_entropy_mask(context_group=...)`` runs too).
 """
 
@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .._core.validation import ArrayLike
-from ..policy.entropy import entropy_mask_over_group, prepare_entropy_mask_args
+from ..selection.entropy import entropy_mask_over_group, prepare_entropy_mask_args
 
 __all__ = ["top_entropy_mask_over_ranks"]
 

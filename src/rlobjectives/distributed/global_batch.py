@@ -14,8 +14,8 @@ import torch
 import torch.distributed as dist
 
 from .._core.validation import ArrayLike, Scalar, checks_environment
-from ..policy.selection import cov_selection, m2po_mask
 from ..policy.surrogates.cov import ClipCov, CovSelection, KLCov
+from ..selection.batch import cov_selection, m2po_mask
 from .collectives import process_group_active, whiten_over_ranks
 from .entropy import top_entropy_mask_over_ranks
 from .selection import cov_selection_over_ranks, m2po_mask_over_ranks

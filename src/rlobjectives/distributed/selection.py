@@ -25,6 +25,15 @@ import torch
 import torch.distributed as dist
 
 from .._core.layout import token_matrix, token_output
+from .._core.selection import (
+    INT64_MAX,
+    centered_covariance,
+    draw_seed,
+    hash_keys,
+    m2po_kept,
+    selection_count,
+    stable_ranks,
+)
 from .._core.validation import (
     ArrayLike,
     Scalar,
@@ -36,17 +45,8 @@ from .._core.validation import (
     validate_scalar,
 )
 from ..policy.call import as_surrogate
-from ..policy.selection import selection_inputs
 from ..policy.surrogates.cov import ClipCov, CovSelection, KLCov
-from ..policy.surrogates.selection import (
-    INT64_MAX,
-    centered_covariance,
-    draw_seed,
-    hash_keys,
-    m2po_kept,
-    selection_count,
-    stable_ranks,
-)
+from ..selection.batch import selection_inputs
 
 __all__ = ["cov_selection_over_ranks", "m2po_mask_over_ranks"]
 

@@ -1,4 +1,6 @@
-r"""TRL's ``GRPOTrainer`` with its loss computed by rlobjectives (``rlobjectives[trl]`` extra).
+r"""TRL's ``GRPOTrainer`` and ``DPOTrainer`` with their losses computed by rlobjectives.
+
+The ``rlobjectives[trl]`` extra.
 
 Swap the import and keep everything else::
 
@@ -29,6 +31,18 @@ With ``use_adaptive_entropy`` the trainer runs TRL's controller on TRL's own sta
 
 Tested with TRL 1.16 (the minimum, 1.10, is the first release with the loss semantics the
 preset follows).
+
+``DPOTrainer`` likewise: swap ``from trl import DPOTrainer`` for
+``from rlobjectives.integrations.trl import DPOTrainer``; the ``DPOConfig`` stays. Its loss is
+:func:`rlobjectives.presets.trl_dpo_loss` of the config (:func:`dpo_loss_from_config`), the same
+value, gradient and metrics as TRL's ``_compute_loss`` for every ``loss_type`` list and option
+(TRL 1.16); ``loss_fn=`` trains another preference objective, called per micro-batch as
+``loss_fn(chosen_log_probs, rejected_log_probs, chosen_mask, rejected_mask, *,
+ref_chosen_log_probs, ref_rejected_log_probs, chosen_log_sum_sq_probs,
+rejected_log_sum_sq_probs)`` (TRL's per-token log-probabilities of the two halves of its
+``[chosen; rejected]`` batch with their completion masks; the reference's per-token
+log-probabilities, or TRL's precomputed per-sequence sums; TRL's ``log_sum_sq_probs`` halves
+with ``use_weighting``, else None) and returning ``(loss, metrics)``.
 """
 
 from __future__ import annotations
@@ -40,6 +54,7 @@ from typing import Any
 import torch
 
 try:
+    from trl import DPOTrainer as _TRLDPOTrainer  # type: ignore[attr-defined]
     from trl import GRPOTrainer as _TRLGRPOTrainer  # type: ignore[attr-defined]
 except ImportError as error:  # pragma: no cover - exercised only without the extra
     raise ImportError(
@@ -47,9 +62,9 @@ except ImportError as error:  # pragma: no cover - exercised only without the ex
     ) from error
 
 from ..distributed import global_top_entropy_mask
-from ..presets import TRLGRPOLoss, trl_grpo_loss
+from ..presets import TRLDPOLoss, TRLGRPOLoss, trl_dpo_loss, trl_grpo_loss
 
-__all__ = ["GRPOTrainer", "loss_from_config"]
+__all__ = ["DPOTrainer", "GRPOTrainer", "dpo_loss_from_config", "loss_from_config"]
 
 #: The keyword arguments of ``_get_per_token_logps_and_entropies`` that come from ``inputs``.
 _MODEL_INPUTS = (
@@ -248,3 +263,141 @@ class GRPOTrainer(_TRLGRPOTrainer):  # type: ignore[misc]
                 self._metrics[mode][name].append(finite.max().item())
             else:
                 self._metrics[mode][name].append(finite.mean().item())
+
+
+def dpo_loss_from_config(args: Any) -> TRLDPOLoss:
+    """The preset equal to TRL's DPO loss for a ``DPOConfig`` (any object with its field names).
+
+    Args:
+        args: a ``trl.DPOConfig``.
+
+    Returns:
+        :func:`rlobjectives.presets.trl_dpo_loss` of the config's loss options.
+
+    Raises:
+        ValueError: an option combination TRL refuses, or one out of range (named).
+    """
+    return trl_dpo_loss(
+        loss_type=args.loss_type,
+        loss_weights=args.loss_weights,
+        beta=args.beta,
+        label_smoothing=args.label_smoothing,
+        f_divergence_type=args.f_divergence_type,
+        f_alpha_divergence_coef=args.f_alpha_divergence_coef,
+        ld_alpha=args.ld_alpha,
+        use_weighting=args.use_weighting,
+        discopop_tau=args.discopop_tau,
+    )
+
+
+#: The batch keys of TRL's preference collator that are not model inputs.
+_DPO_NON_MODEL_KEYS = ("completion_mask", "ref_chosen_logps", "ref_rejected_logps")
+
+
+class DPOTrainer(_TRLDPOTrainer):  # type: ignore[misc]
+    """``trl.DPOTrainer`` whose ``_compute_loss`` calls an rlobjectives preference loss.
+
+    Everything but the loss is TRL's: the dataset, the collator, the fused LM head that returns
+    the per-token log-probabilities (and entropies, mean logits, top-1 flags, ``log_sum_sq_probs``
+    with ``use_weighting``), the reference model (or PEFT's disabled adapter, or the precomputed
+    reference log-probabilities), logging. The loss and its ``rewards/*`` / ``logps/*`` metrics
+    come from ``loss_fn``; the other metrics TRL logs (``entropy``, ``num_tokens``,
+    ``logits/chosen``, ``logits/rejected``, ``mean_token_accuracy``, ``aux_loss``) are computed
+    here as TRL defines them.
+
+    Args:
+        *args: ``trl.DPOTrainer``'s positional arguments.
+        loss_fn: the loss (see the module docstring); None = :func:`dpo_loss_from_config` of
+            ``args``, TRL's own loss.
+        **kwargs: ``trl.DPOTrainer``'s keyword arguments.
+
+    Raises:
+        ValueError: with ``loss_fn=None``, an option combination TRL refuses (TRL's reason).
+    """
+
+    def __init__(self, *args: Any, loss_fn: Callable[..., Any] | None = None, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.loss_fn = dpo_loss_from_config(self.args) if loss_fn is None else loss_fn
+
+    def _compute_loss(
+        self, model: torch.nn.Module, inputs: dict[str, Any], return_outputs: bool = False
+    ) -> Any:
+        mode = "train" if self.model.training else "eval"  # type: ignore[union-attr]
+        model_kwargs = {k: v for k, v in inputs.items() if k not in _DPO_NON_MODEL_KEYS}
+        model_kwargs["use_cache"] = False
+        if self.aux_loss_enabled:
+            model_kwargs["output_router_logits"] = True
+        completion_mask = inputs["completion_mask"]
+        labels = inputs["input_ids"].masked_fill(completion_mask == 0, -100)
+        outputs = model(**model_kwargs, labels=labels, fused_lm_head=True)
+        mask = completion_mask[..., 1:] != 0  # the mask of the next-token log-probabilities
+        width, pairs = mask.shape[1], mask.shape[0] // 2
+        log_probs = outputs.log_probs[:, -width:]  # prompt-learning PEFT prepends tokens
+        references = self._reference_log_probs(inputs)
+        extra: dict[str, Any] = {}
+        if getattr(outputs, "log_sum_sq_probs", None) is not None:
+            squares = outputs.log_sum_sq_probs[:, -width:]
+            extra = {
+                "chosen_log_sum_sq_probs": squares[:pairs],
+                "rejected_log_sum_sq_probs": squares[pairs:],
+            }
+        loss, metrics = self.loss_fn(
+            log_probs[:pairs], log_probs[pairs:], mask[:pairs], mask[pairs:],
+            ref_chosen_log_probs=references[0], ref_rejected_log_probs=references[1], **extra,
+        )  # fmt: skip
+        if self.aux_loss_enabled:
+            loss = loss + self.router_aux_loss_coef * outputs.aux_loss
+            aux = self.accelerator.gather_for_metrics(outputs.aux_loss).mean().item()
+            self._metrics[mode]["aux_loss"].append(aux)
+        self._log_dpo_metrics(mode, inputs, outputs, mask, metrics)
+        if return_outputs:  # TRL recomputes the logits for compute_metrics (deprecated there)
+            with torch.no_grad():
+                return loss, model(**model_kwargs)
+        return loss
+
+    def _reference_log_probs(self, inputs: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The reference's summed log-probabilities of the two halves (TRL's own computation).
+
+        The precomputed ones, or TRL's ``compute_ref_log_probs`` (the reference model, or the
+        policy with its adapter disabled under PEFT; LD-weighted with ``ld_alpha``).
+        """
+        if self.precompute_ref_logps:
+            return inputs["ref_chosen_logps"], inputs["ref_rejected_logps"]
+        reference = self.ref_model if self.ref_model is not None else self.model
+        chosen, rejected = self.compute_ref_log_probs(reference, inputs)  # type: ignore[no-untyped-call]
+        return chosen, rejected
+
+    @torch.no_grad()
+    def _log_dpo_metrics(
+        self,
+        mode: str,
+        inputs: dict[str, Any],
+        outputs: Any,
+        mask: torch.Tensor,
+        metrics: Mapping[str, torch.Tensor],
+    ) -> None:
+        """TRL's token-level metrics of the micro-batch and the loss function's metrics."""
+        gather = self.accelerator.gather_for_metrics
+        width, pairs = mask.shape[1], mask.shape[0] // 2
+        selected = mask.float()
+
+        def ratio(values: torch.Tensor, tokens: torch.Tensor) -> float:
+            totals = gather(torch.stack([values.sum().float(), tokens.sum().float()]).reshape(1, 2))
+            total, count = totals.reshape(-1, 2).sum(0).tolist()
+            return total / count if count > 0 else 0.0
+
+        zero = torch.zeros((), device=mask.device)
+        entropy = torch.where(mask, outputs.entropy[:, -width:].float(), zero)
+        self._metrics[mode]["entropy"].append(ratio(entropy, selected))
+        if mode == "train":
+            tokens = gather(inputs["attention_mask"].sum()).sum().item()
+            self._total_train_tokens += tokens // self._tp_size
+        self._metrics[mode]["num_tokens"] = [self._total_train_tokens]
+        mean_logits = torch.where(mask, outputs.mean_logits[:, -width:].float(), zero)
+        for half, rows in (("chosen", slice(0, pairs)), ("rejected", slice(pairs, None))):
+            self._metrics[mode][f"logits/{half}"].append(ratio(mean_logits[rows], selected[rows]))
+        top1 = outputs.is_top1[:, -width:][:pairs] & mask[:pairs]
+        self._metrics[mode]["mean_token_accuracy"].append(ratio(top1.float(), selected[:pairs]))
+        for name, value in metrics.items():
+            gathered = self.accelerator.gather(torch.as_tensor(value).float().reshape(1))
+            self._metrics[mode][name].append(gathered.mean().item())

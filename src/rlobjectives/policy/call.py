@@ -61,58 +61,23 @@ SURROGATE_NAMES: tuple[str, ...] = get_args(SurrogateName)
 SurrogateChoice = Surrogate | SurrogateName
 
 
-_ZERO = torch.zeros(())  # default of a diagnostic added after version 0.1 (never modified)
+_ZERO = torch.zeros(())  # the default of the last two fields (never modified)
 
 
 class PolicyLossDiagnostics(NamedTuple):
     """Detached, masked, NaN-proof diagnostics of a policy-loss call.
 
-    Token fractions and means are over selected tokens: the numerator is summed over the batch
-    and divided by the local selected-token count, or by ``diagnostics_normalizer`` when given
-    (used exactly as given, so that the values of micro-batches add up to the full-batch
-    values). All are float32 (float64 for float64 inputs). They describe the ratio and the
-    surrogate: ``importance_weights`` do not enter them (except VESPO's ``weight_mean``, whose
-    gamma weight takes them in).
-
-    The clip fields have one meaning for every ``surrogate``, with ``r`` the ratio after the
-    log-ratio bound: ``clipped_fraction`` counts ``r`` outside the variant's band, any sign of
-    ``A``; ``clip_fraction_low`` the tokens with ``A < 0`` whose surrogate the low edge changes,
-    ``clip_fraction_high`` those with ``A > 0`` whose surrogate the high edge changes, and
-    ``dual_clip_fraction`` those with ``A < 0`` whose surrogate an upper edge changes. Per
-    variant:
-
-    - :class:`~rlobjectives.Clip`: band ``[1 - low, 1 + high]``; low: ``r < 1 - low``; high:
-      ``r > min(1 + high, delta)``; dual: ``r > min(dual, max(1 + high, delta))``
-      (``min(dual, delta)`` without clipping; none without either).
-    - :class:`~rlobjectives.CISPO`: the weight is capped: band ``[1 - low, 1 + high]`` (verl)
-      or ``[0, cap]`` (TRL, no low edge); low: ``r`` below the band; high and dual: above.
-    - :class:`~rlobjectives.SAPO`: the soft gate's gradient weight ``4 sigma (1 - sigma)``,
-      ``sigma = sigmoid(tau (r - 1))``, is below half its peak 1 (``|tau (r - 1)| >
-      2 ln(1 + sqrt(2)) = 1.7627``): ``clipped_fraction`` any side and sign; low: ``r < 1``;
-      high and dual: ``r > 1``.
-    - :class:`~rlobjectives.GMPO`: the log-space band ``[-low, high]`` of ``log r`` (ratio
-      band ``[e^{-low}, e^{high}]``) per token; low: below with ``A < 0``; high: above with
-      ``A > 0``; dual: 0 (only one edge binds per sign).
-    - :class:`~rlobjectives.VESPO`: no clipping (the clip fields are 0).
-    - :class:`~rlobjectives.DPPO`: the trust region replaces the band: ``clipped_fraction``
-      counts the tokens outside it (any sign of ``A``; an ``A = 0`` token is judged by the
-      ``A <= 0`` rule: verl's ``pg_clipfrac``), low those with ``A < 0``, high those with
-      ``A > 0`` (prime-rl's ``is_masked_low`` / ``is_masked_high``), dual the kept tokens whose
-      ratio the cap changes, ``r > ratio_cap``, of **either** sign (verl's ``pg_clipfrac_lower``
-      for DPPO).
-    - :class:`~rlobjectives.DRO`, :class:`~rlobjectives.KLCov`: no clipping (0).
-    - :class:`~rlobjectives.ClipCov`: the band of its clip (as ``Clip(low, high)``).
-    - :class:`~rlobjectives.M2PO`: none without ``low``; with it the band of
-      ``Clip(low, high)`` at the kept tokens.
-
-    Every comparison of ``r`` with an edge is decided as a correctly rounded ``exp`` in the
-    computation dtype would decide it against the edge rounded to that dtype (the same on every
-    backend; an edge itself is inside the band): ``docs/conventions.md``, "Decisions at a
-    bound".
+    Each is a sum over the selected tokens divided by their count, or by
+    ``diagnostics_normalizer`` (used as given, so that micro-batch values add up to the
+    full-batch value); float32 (float64 for float64 inputs). They describe the ratio and the
+    surrogate: ``importance_weights`` do not enter them (VESPO's ``weight_mean`` excepted). The
+    clip fields mean the same for every surrogate (per-surrogate bands and edges:
+    ``docs/objectives/policy.md``, "Diagnostics"); every comparison of ``r`` with an edge is
+    decided by the rule of ``docs/conventions.md`` ("Decisions at a bound").
 
     Attributes:
-        clipped_fraction: ratio strictly outside the band, any sign of the advantage (the seed's
-            definition; a superset of the binding clips). 0 without a band.
+        clipped_fraction: ``r`` strictly outside the surrogate's band, any sign of the
+            advantage (a superset of the binding clips). 0 without a band.
         clip_fraction_low: the low edge binds: ``r`` below it and ``A < 0``.
         clip_fraction_high: the high edge binds: ``r`` above it and ``A > 0``.
             ``clip_fraction_low + clip_fraction_high`` is verl/OpenRLHF's ``pg_clipfrac`` and
@@ -124,16 +89,12 @@ class PolicyLossDiagnostics(NamedTuple):
         ratio_mean: mean importance ratio ``r`` (after the bound; the sequence ratio at each
             token for ``ratio_level="sequence"``).
         approx_kl_k1: k1 estimate of KL(old || new): mean of ``-log_ratio``.
-        approx_kl_k3: k3 estimate of KL(old || new): mean of ``r - 1 - log r`` (``log r`` bounded),
-            computed without cancellation (``expm1``).
-        weight_mean: mean of the factor ``w`` that multiplies the advantage in the surrogate,
-            ``s = w A`` (``"clip"``: the clipped ratio of the selected branch; ``"sapo"``: the
-            gate ``4 sigma / tau``; ``"gmpo"``: the sequence's clipped geometric-mean ratio) or
-            ``s = sg(w) A log_probs`` (``"cispo"``: the capped ratio; ``"vespo"``: the
-            sequence's gamma weight ``phi``, TRL's ``vespo/phi_seq_mean`` per token);
-            ``"dppo"``: ``1[kept] min(r, cap)`` (the ratio without a cap); ``"dro"``: 1 (the
-            advantage's factor in the gradient); ``"m2po"``, ``"clip_cov"``: that of their
-            surrogate, 0 at the masked / detached tokens; ``"kl_cov"``: ``r``.
+        approx_kl_k3: k3 estimate of KL(old || new): mean of ``r - 1 - log r`` (``log r``
+            bounded), computed without cancellation (``expm1``).
+        weight_mean: mean of the factor ``w`` of ``s = w A`` (or ``s = sg(w) A log_probs``):
+            the clipped ratio, SAPO's gate, GMPO's ratio, CISPO's capped ratio, VESPO's
+            ``phi``, DPPO's ``1[kept] min(r, cap)``; 1 for DRO (``SurrogateTerms.weight``; by
+            default ``s / A``).
         selected_fraction: the tokens a batch-level objective acts on: M2PO's masked tokens,
             Clip-Cov's detached ones (verl's ``pg_clipfrac`` for ``clip_cov``), KL-Cov's
             penalised ones; 0 for the other surrogates.

@@ -13,6 +13,7 @@ backend (``docs/kernels.md``) the log-probabilities come from the Triton LM head
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import partial
 from typing import NamedTuple
 
@@ -21,16 +22,26 @@ from torch.distributed import ProcessGroup
 
 from .._core.backend import lm_head_backend
 from .._core.chunking import Block
-from .._core.layout import padded, token_ndim, token_output
+from .._core.layout import padded, token_matrix, token_ndim, token_output
 from .._core.reduction import (
     Reduction,
     masked_fill_zero,
+    reduce,
     reduction_counts,
     row_weights,
     token_gradient_weights,
 )
-from .._core.validation import ArrayLike, Scalar, checks_environment, compute_dtype
+from .._core.validation import (
+    ArrayLike,
+    Scalar,
+    as_float_tensor,
+    check_same_device,
+    check_shape,
+    checks_environment,
+    compute_dtype,
+)
 from ..kl.estimators import Estimator, kl_terms, warn_biased_kl_loss
+from ..kl.term import KLTerm, validate_kl_term
 from ..logprobs.fused_linear import FusedLinearLoss, FusedTerms
 from ..logprobs.head import Head, prepare_head
 from ..logprobs.passes import LogProbsFromHidden
@@ -39,6 +50,7 @@ from ..logprobs.vocab_parallel import VocabGroup, reduce_hidden_gradient
 from .call import (
     PolicyCall,
     PolicyInputs,
+    PolicyLossDiagnostics,
     RatioLevel,
     SurrogateChoice,
     SurrogateOptions,
@@ -46,19 +58,137 @@ from .call import (
     validate_policy_call,
     validate_surrogate_options,
 )
-from .composition import (
-    FusedPolicyLossOutput,
-    KLTerm,
-    check_old_log_probs,
-    composed_loss,
-    entropy_on,
-    fused_output,
-    loss_value,
-    validate_kl_term,
-)
-from .loss import policy_tokens, surrogate_terms
+from .loss import policy_tokens, run_policy, surrogate_terms
 
 __all__ = ["FusedPolicyLossOutput", "fused_policy_loss_from_hidden"]
+
+
+#: ``(head, mask (N,), with_entropy) -> (log_probs (N,), entropy (N,) or (0,))``, differentiable
+#: with respect to the head's hidden states, weight and bias.
+HeadLogProbs = Callable[[Head, torch.Tensor, bool], tuple[torch.Tensor, torch.Tensor]]
+
+
+class FusedPolicyLossOutput(NamedTuple):
+    """Result of :func:`fused_policy_loss_from_hidden`.
+
+    Attributes:
+        loss: scalar total loss ``policy_loss + kl_coef * kl_loss - entropy_coef *
+            entropy_loss`` (differentiable with respect to ``hidden``, ``weight`` and ``bias``);
+            float32 (float64 for float64 ``hidden``), computed in float64 if any input is
+            float64.
+        policy_loss: detached scalar, the surrogate part (as :func:`policy_loss` without the
+            entropy bonus; TRL's ``policy_loss`` metric).
+        kl_loss: detached scalar, the reduced KL estimate (before ``kl_coef``); 0 without
+            ``ref_log_probs``.
+        log_probs: detached ``(B, T)`` log-probabilities of the tokens (zeros at unselected
+            tokens), the same values :func:`token_log_probs_from_hidden` returns.
+        diagnostics: :class:`PolicyLossDiagnostics`, as :func:`policy_loss` reports them.
+        entropy_loss: detached scalar, the reduced entropy ``reduce(H)`` (before
+            ``entropy_coef``; verl's ``actor/entropy_loss``); 0 when ``entropy_coef`` is 0
+            (the entropies are then not computed).
+    """
+
+    loss: torch.Tensor
+    policy_loss: torch.Tensor
+    kl_loss: torch.Tensor
+    log_probs: torch.Tensor
+    diagnostics: PolicyLossDiagnostics
+    entropy_loss: torch.Tensor
+
+
+def entropy_on(call: PolicyCall) -> bool:
+    """Whether the loss has an entropy bonus (the entropies must be computed)."""
+    return isinstance(call.entropy_coef, torch.Tensor) or call.entropy_coef != 0.0
+
+
+class LossValues(NamedTuple):
+    """The unfused composition's value and its detached parts."""
+
+    loss: torch.Tensor
+    policy: torch.Tensor
+    kl: torch.Tensor
+    entropy: torch.Tensor
+    diagnostics: PolicyLossDiagnostics
+
+
+def loss_value(
+    log_probs: torch.Tensor,
+    entropy: torch.Tensor | None,
+    call: PolicyCall,
+    kl: KLTerm | None,
+) -> LossValues:
+    """The unfused composition on ``(B, T)`` log-probs (and entropies)."""
+    inputs = call.inputs._replace(log_probs=log_probs, output_dtype=log_probs.dtype)
+    policy_call = call._replace(inputs=inputs, entropy_coef=0.0)
+    out = run_policy(policy_call, return_per_token=False)
+    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
+    loss, kl_loss, entropy_loss = out.loss, zero, zero
+    mask = inputs.mask
+    if kl is not None:
+        terms = kl_terms(
+            log_probs,
+            kl.ref_log_probs,
+            mask,
+            estimator=kl.estimator,
+            straight_through=kl.straight_through,
+            log_ratio_bound=call.options.log_ratio_bound,
+            dtype=inputs.dtype,
+        )
+        kl_loss = reduce(terms.to(log_probs.dtype), mask, call.reduction, call.layout)
+        loss = loss + kl.coef * kl_loss if kl.coef > 0 else loss
+    if entropy is not None:
+        selected = masked_fill_zero(entropy.to(log_probs.dtype), mask)
+        entropy_loss = reduce(selected, mask, call.reduction, call.layout)
+        loss = loss - call.entropy_coef * entropy_loss
+    return LossValues(
+        loss, out.loss.detach(), kl_loss.detach(), entropy_loss.detach(), out.diagnostics
+    )
+
+
+def fused_output(
+    values: LossValues, loss: torch.Tensor, log_probs: torch.Tensor, head: Head
+) -> FusedPolicyLossOutput:
+    """The public result: ``loss`` (with its gradient) and the detached parts, head's dtype."""
+    output_dtype = head.dtype
+    return FusedPolicyLossOutput(
+        loss.to(output_dtype),
+        values.policy.to(output_dtype),
+        values.kl.to(output_dtype),
+        log_probs.detach().to(output_dtype),
+        values.diagnostics,
+        values.entropy.to(output_dtype),
+    )
+
+
+def composed_loss(
+    head: Head,
+    batch_shape: tuple[int, int],
+    call: PolicyCall,
+    kl: KLTerm | None,
+    head_log_probs: HeadLogProbs,
+) -> FusedPolicyLossOutput:
+    """Log-probs (and entropies) from ``head_log_probs``, then the loss by composition."""
+    mask = call.inputs.mask
+    with_entropy = entropy_on(call)
+    log_probs, entropy = head_log_probs(head, mask.reshape(-1), with_entropy)
+    log_probs = log_probs.reshape(batch_shape).to(call.inputs.dtype)  # (B, T)
+    entropies = entropy.reshape(batch_shape).to(call.inputs.dtype) if with_entropy else None
+    values = loss_value(log_probs, entropies, call, kl)
+    return fused_output(values, values.loss, log_probs, head)
+
+
+def check_old_log_probs(
+    old_log_probs: ArrayLike, head: Head, batch_shape: tuple[int, int], packed: bool = False
+) -> None:
+    """``old_log_probs`` against the tokens (the reference of the policy tensors' shapes).
+
+    ``packed``: ``(N,)`` or ``(1, N)``, compared as ``(1, N)``.
+    """
+    old = as_float_tensor(old_log_probs, "old_log_probs", head.hidden.device)
+    if packed:
+        old = token_matrix(old, "old_log_probs", packed)
+    check_same_device({"hidden": head.hidden, "old_log_probs": old})
+    check_shape(old, "old_log_probs", batch_shape, "tokens")
 
 
 @checks_environment
@@ -97,109 +227,45 @@ def fused_policy_loss_from_hidden(
     top_k: int | None = None,
     top_p: float | None = None,
 ) -> FusedPolicyLossOutput:
-    r"""Policy loss (+ optional KL penalty and entropy bonus) from hidden states, chunk by chunk.
+    r"""Policy loss (+ KL term, + entropy bonus) from hidden states, never forming ``(N, V)``.
 
-    Equal in value and gradient to composing the unfused functions,
-
-    .. math::
-
-        \ell = \mathrm{log\_softmax}\big((h W^\top + b) / \tau\big)[y], \qquad
-        \mathcal{L} = \mathrm{policy\_loss}(\ell, \ell^{old}, A, M)
-            + \beta\, \mathrm{aggregate}\big(\mathrm{KL}_k(\ell, \ell^{ref}), M\big)
-            - \gamma\, \mathrm{aggregate}(H, M),
-
-    with the same ``reduction``/``normalizer`` for the three terms, :math:`\beta` = ``kl_coef``,
-    :math:`\gamma` = ``entropy_coef`` and :math:`H = -\sum_v p_v \log p_v` the entropy of the
-    same softmax. For a token-local surrogate (Clip, CISPO, SAPO, DPPO, DRO) the
-    per-token derivatives :math:`c_{it} = \partial\mathcal{L}/\partial\ell_{it}` and
-    :math:`g_{it} = \partial\mathcal{L}/\partial H_{it} = -\gamma/(d_i D)` depend only on
-    token :math:`(i, t)` and on the batch normaliser, which is computed from the mask before the
-    chunk loop, so each chunk forms :math:`\partial\mathcal{L}/\partial z = (c\,(\mathbb{1}_y
-    - p) - g\, p \odot (\log p + H))/\tau` and its products with ``weight`` and ``hidden``
-    right away; the full logits are never formed and nothing is recomputed in backward. The
-    per-token derivative is the fused policy stage's, so its decisions at a bound (which tokens
-    a clip changes) follow the rule of :func:`policy_loss` (``docs/conventions.md``,
-    "Decisions at a bound"), on PyTorch and on the Triton kernels alike.
-
-    ``reduction="none"``, ``ratio_level="sequence"`` (GSPO), the sequence-level surrogates
-    ``"gmpo"`` and ``"vespo"`` (whose per-token derivative needs the whole sequence) and the
-    batch-level ``M2PO``, ``ClipCov``, ``KLCov`` (their selections need the whole call) are
-    supported by composition instead: :func:`token_log_probs_from_hidden` (chunked, with
-    recompute, entropies included) followed by :func:`policy_loss` (for ``"none"`` the returned
-    ``loss`` is ``(B, T)``).
-
-    Packed sequences (``cu_seqlens`` given): ``hidden`` is ``(N, H)`` or ``(1, N, H)``, the
-    per-token tensors ``(N,)`` or ``(1, N)`` and ``advantages`` ``(S,)`` (or per token); the
-    reductions and the sequence-level surrogates run per sequence, exactly as
-    :func:`policy_loss` with ``cu_seqlens``.
-
-    Context parallelism (``context_group``): ``hidden`` and the per-token tensors are this
-    rank's tokens of the same ``S`` sequences, as :func:`policy_loss` takes them; the
-    reduction's weights (the whole sequences' counts, one all-reduce before the chunk loop),
-    the sequence-level parts (GSPO, GMPO, VESPO, ``"sequence_mean"``) and the diagnostics are
-    those of the unsplit call, every rank returns the whole loss, and the gradients of
-    ``hidden``, ``weight`` and ``bias`` are this rank's tokens' part of the unsplit gradient
-    (sum ``weight``'s over the group, as the trainer's gradient all-reduce does).
-
-    **Kept set** (``kept_ids``, ``kept_mask``, ``top_k``/``top_p``, as
-    :func:`token_log_probs_from_hidden`): :math:`\ell` and :math:`H` are over the sampler's kept
-    set (the fused chunk loop restricts each chunk's logits). A sampled token outside the set
-    (only a recomputed ``top_k``/``top_p`` that disagrees with the engine can produce one) has
-    :math:`\ell = -\infty`: its gradient is exactly 0 (the log-ratio is clamped at
-    ``-log_ratio_bound``, so its ratio is :math:`e^{-20}`; the clipped surrogate then
-    contributes :math:`\approx 0` for :math:`A > 0` and the constant :math:`(1 - \epsilon)|A|`
-    for :math:`A < 0`), it still counts in the denominators, and its KL estimate is the
-    bound's value (k3: :math:`e^{20}`): pass the engine's ``kept_ids`` to avoid such tokens.
-    The kernels take no kept set (such a call runs the PyTorch path).
-
-    **Vocabulary-parallel** (``vocab_group``, as :func:`token_log_probs_from_hidden`):
-    ``weight``/``bias`` are this rank's rows; the loss, its parts and the diagnostics are the
-    unsharded call's on every rank, ``grad_weight``/``grad_bias`` this rank's rows of the
-    unsharded gradient and ``grad_hidden`` its part (``hidden_grad="partial"``) or the sum
-    (``"reduced"``). The log-probabilities need the whole vocabulary's normaliser before any
-    gradient can be formed, so the call composes the chunked log-probabilities (recompute in
-    backward: the same three products as the fused loop plus one) with the policy loss, on
-    PyTorch or the kernels.
+    :math:`\ell = \log\mathrm{softmax}((hW^\top + b)/\tau)[y]`, then :math:`\mathcal{L} =
+    \mathrm{policy\_loss}(\ell, \ell^{old}, A, M) + \beta\,\mathrm{reduce}(\mathrm{KL}_k(\ell,
+    \ell^{ref})) - \gamma\,\mathrm{reduce}(H)`, one reduction for the three terms: equal in value
+    and gradient to that composition. A token-local surrogate is differentiated chunk by chunk
+    (``torch.autograd.grad`` of the same formula), the gradients formed in the forward pass;
+    the other surrogates, ``"none"``, ``vocab_group``, the Triton LM head and ``torch.compile``
+    compose the chunked log-probabilities with the loss (recompute in backward). A sampled token
+    outside a recomputed kept set has :math:`\ell = -\infty` and no gradient
+    (``docs/objectives/policy.md``, "The loss from hidden states").
 
     Args:
-        hidden: ``(B, T, H)`` hidden states at the response positions.
-        weight: ``(V, H)`` LM-head weight, same dtype as ``hidden``.
+        hidden: ``(B, T, H)`` hidden states at the response positions (packed ``(N, H)``).
+        weight: ``(V, H)`` LM-head weight, the dtype of ``hidden``.
         tokens: ``(B, T)`` sampled token ids (any id where ``mask`` is False).
-        old_log_probs: ``(B, T)`` behaviour log-probabilities (treated as constants).
-        advantages: ``(B,)``, ``(B, 1)`` or ``(B, T)`` (treated as constants).
-        mask: ``(B, T)`` bool/numeric; nonzero selects the token. Unselected rows of ``hidden``
-            and ids of ``tokens`` never reach an output or a gradient (NaN-safe).
+        old_log_probs: ``(B, T)`` behaviour log-probabilities (constants).
+        advantages: ``(B,)``, ``(B, 1)`` or ``(B, T)`` (constants).
+        mask: ``(B, T)``; nonzero selects the token (unselected rows reach nothing).
         bias: optional ``(V,)`` LM-head bias.
         temperature: :math:`\tau > 0`.
-        chunk_size: rows per chunk; None uses :func:`default_chunk_size`.
-        surrogate: as :func:`policy_loss`: a surrogate object (:class:`~rlobjectives.Clip`,
-            :class:`~rlobjectives.CISPO`, :class:`~rlobjectives.SAPO`,
-            :class:`~rlobjectives.GMPO`, :class:`~rlobjectives.VESPO`,
-            :class:`~rlobjectives.DPPO`, :class:`~rlobjectives.DRO`: fused;
-            :class:`~rlobjectives.M2PO`, :class:`~rlobjectives.ClipCov`,
-            :class:`~rlobjectives.KLCov`: by composition) or its name.
-        ratio_level: as :func:`policy_loss` (``"sequence"`` runs unfused, see above).
-        log_ratio_bound: as :func:`policy_loss`; also bounds the KL estimator's log-ratio.
-        importance_weights: as :func:`policy_loss`: ``(B,)``, ``(B, 1)`` or ``(B, T)``
-            constants multiplying the per-token surrogate loss (not the KL or entropy terms).
-        entropy_coef: :math:`\gamma`, a real number; the entropies are computed chunk by chunk
-            (with their exact gradient) only when it is nonzero.
+        chunk_size: rows per chunk; None: the memory budget's.
+        surrogate: as :func:`policy_loss`.
+        ratio_level: as :func:`policy_loss`.
+        log_ratio_bound: as :func:`policy_loss`; it also bounds the KL term's log-ratio.
+        importance_weights: as :func:`policy_loss` (not on the KL or entropy terms).
+        entropy_coef: :math:`\gamma`, a real number (entropies computed only when nonzero).
         reduction: as :func:`policy_loss`.
-        normalizer: as :func:`policy_loss` (applies to the KL and entropy terms too).
+        normalizer: as :func:`policy_loss` (all three terms).
         max_response_length: as :func:`policy_loss`.
-        group_size: as :func:`policy_loss` (``"prompt_mean"``, group-level surrogates).
+        group_size: as :func:`policy_loss`.
         group_ids: as :func:`policy_loss`.
         diagnostics_normalizer: as :func:`policy_loss`.
-        ref_log_probs: optional ``(B, T)`` reference-policy log-probabilities for the KL term.
-        kl_coef: :math:`\beta \ge 0`; the KL term is added only with ``ref_log_probs``.
-        kl_estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"``, as
-            :func:`rlobjectives.kl_estimate`.
-        kl_straight_through: value of ``kl_estimator`` with the gradient of ``k2`` (verl
-            ``k3+``), as :func:`rlobjectives.kl_estimate`.
-        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
-            non-decreasing, ``N`` last); see :func:`policy_loss`.
-        context_group: the process group of the ranks holding the other tokens of the same
-            sequences (context parallelism), or None; see above.
+        ref_log_probs: optional ``(B, T)`` reference log-probabilities for the KL term.
+        kl_coef: :math:`\beta \ge 0` (needs ``ref_log_probs``).
+        kl_estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"`` (:func:`rlobjectives.kl_estimate`).
+        kl_straight_through: the estimator's value with the gradient of ``k2`` (verl ``k3+``).
+        cu_seqlens: as :func:`policy_loss` (packed ``(N,)`` tokens).
+        context_group: as :func:`policy_loss`.
         vocab_group: as :func:`token_log_probs_from_hidden`.
         kept_ids: as :func:`token_log_probs_from_hidden`.
         kept_pad: as :func:`token_log_probs_from_hidden`.
@@ -209,43 +275,17 @@ def fused_policy_loss_from_hidden(
 
     Returns:
         :class:`FusedPolicyLossOutput` ``(loss, policy_loss, kl_loss, log_probs, diagnostics,
-        entropy_loss)``; gradients flow to ``hidden``, ``weight`` and ``bias`` only. ``loss`` is
-        float32 (float64 for float64 inputs).
+        entropy_loss)``: ``loss`` scalar with gradients to ``hidden``, ``weight``, ``bias``
+        (float32; float64 inputs: float64); the parts detached, ``log_probs`` ``(B, T)``.
 
     Raises:
-        ValueError: as :func:`token_log_probs_from_hidden` and :func:`policy_loss`, plus a
-            negative ``kl_coef``, an unknown ``kl_estimator``, or ``kl_coef > 0`` without
-            ``ref_log_probs``.
-        TypeError: on non-numeric inputs (a tensor ``entropy_coef`` or ``kl_coef`` included),
-            and as :func:`token_log_probs_from_hidden`.
-        RuntimeError: on a second backward through the same result.
-        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
-            group; ValueError if this rank is not in it or no process group is initialised.
-
-    Warns:
-        BiasedGradientWarning: with the KL term on, for ``"k1"`` or ``"k3"`` without
-            ``kl_straight_through``, as :func:`rlobjectives.kl_loss`.
+        ValueError: as :func:`token_log_probs_from_hidden` and :func:`policy_loss`; a negative
+            ``kl_coef``, an unknown ``kl_estimator``, ``kl_coef > 0`` without ``ref_log_probs``.
+        TypeError: non-numeric inputs (a tensor ``entropy_coef`` or ``kl_coef`` included).
+        RuntimeError: a second backward through a result of the chunk loop.
 
     References:
-        Hsu et al. 2024, Liger-Kernel, arXiv:2410.10989 Sec. 3.3 (gradients in the forward pass);
-        Shao et al. 2024, GRPO, arXiv:2402.03300 Eq. 3-4 (k3 KL term); Schulman et al. 2017,
-        arXiv:1707.06347 Eq. 7 and Eq. 9 (entropy bonus).
-
-    Examples:
-        >>> import torch
-        >>> out = fused_policy_loss_from_hidden(
-        ...     torch.zeros(1, 2, 3), torch.zeros(4, 3), torch.tensor([[0, 1]]),
-        ...     torch.full((1, 2), -1.3862944), torch.tensor([1.0]), torch.ones(1, 2))
-        >>> round(float(out.loss), 4)
-        -1.0
-
-    .. versionadded:: 0.1.0
-    .. versionchanged:: 0.2.0
-       The surrogates and options of :func:`policy_loss`, ``importance_weights``,
-       ``entropy_coef`` and the ``entropy_loss`` output.
-    .. versionchanged:: 0.3.0
-       ``surrogate`` takes the surrogate objects; their options left the signature, as in
-       :func:`policy_loss` (``clip_low=a`` is ``surrogate=Clip(low=a)``).
+        Liger-Kernel, arXiv:2410.10989 Sec. 3.3; GRPO, arXiv:2402.03300 Eq. 3-4.
     """
     packed = cu_seqlens is not None
     kept_options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p)
@@ -272,7 +312,7 @@ def fused_policy_loss_from_hidden(
     )
     coef = validate_entropy_coef(entropy_coef, has_entropy=True, allow_tensor=False)
     kl = validate_kl_term(
-        ref_log_probs, kl_coef, kl_estimator, kl_straight_through, head, batch_shape, packed
+        ref_log_probs, kl_coef, kl_estimator, kl_straight_through, head.hidden, batch_shape, packed
     )
     if kl is not None:
         warn_biased_kl_loss(kl.estimator, kl.straight_through, "fused_policy_loss_from_hidden")

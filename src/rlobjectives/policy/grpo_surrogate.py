@@ -8,10 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from .._core.layout import Layout
 from .._core.reduction import ReductionSpec, reduce, safe_divide
 from .._core.validation import ArrayLike, Scalar, checks_environment, validate_scalar
-from .call import PolicyInputs, SurrogateOptions, prepare_layout_inputs
+from .call import SurrogateOptions, prepare_layout_inputs
 from .loss import policy_terms
 from .surrogates import Clip
 
@@ -84,61 +83,22 @@ def grpo_clipped_surrogate(
         >>> round(float(out["loss"]), 6)
         -1.0
     """
-    inputs, options, layout = _validated_call(
-        new_log_probs, old_log_probs, advantages, token_mask, clip_epsilon, cu_seqlens
-    )
-    return _grpo_outputs(inputs, options, layout)
-
-
-def _validated_call(
-    new_log_probs: ArrayLike,
-    old_log_probs: ArrayLike,
-    advantages: ArrayLike,
-    token_mask: ArrayLike,
-    clip_epsilon: Scalar,
-    cu_seqlens: ArrayLike | None,
-) -> tuple[PolicyInputs, SurrogateOptions, Layout]:
     inputs, layout = prepare_layout_inputs(
-        new_log_probs,
-        old_log_probs,
-        advantages,
-        token_mask,
-        ("new_log_probs", "old_log_probs", "advantages", "token_mask"),
-        cu_seqlens=cu_seqlens,
-    )
+        new_log_probs, old_log_probs, advantages, token_mask,
+        ("new_log_probs", "old_log_probs", "advantages", "token_mask"), cu_seqlens=cu_seqlens,
+    )  # fmt: skip
     epsilon = validate_scalar(clip_epsilon, "clip_epsilon", minimum=0.0)
-    options = SurrogateOptions(_symmetric_clip(epsilon), "token", _LOG_RATIO_BOUND)
-    return inputs, options, layout
-
-
-def _symmetric_clip(epsilon: float | torch.Tensor) -> Clip:
-    """``Clip(low=epsilon)``: the symmetric band ``[1 - eps, 1 + eps]`` for any eps >= 0.
-
-    The function takes any finite ``clip_epsilon >= 0`` (validated above); ``Clip`` itself
-    keeps ``low < 1`` (a positive lower edge); for ``eps >= 1`` the lower edge never binds (the
-    ratio is positive), so the object is filled without that check.
-    """
+    # Clip(low=epsilon), filled without Clip's own check low < 1: the function takes any finite
+    # epsilon >= 0 (for epsilon >= 1 the lower edge never binds, the ratio is positive)
     clip = object.__new__(Clip)
     for name, value in (("low", epsilon), ("high", None), ("dual", None), ("delta", None)):
         object.__setattr__(clip, name, value)
-    return clip
-
-
-def _grpo_outputs(
-    inputs: PolicyInputs, options: SurrogateOptions, layout: Layout
-) -> dict[str, torch.Tensor]:
-    """The outputs: token-mean loss, per-sequence means, out-of-band fraction."""
-    terms = policy_terms(inputs, options, layout)
+    terms = policy_terms(inputs, SurrogateOptions(clip, "token", _LOG_RATIO_BOUND), layout)
     spec = ReductionSpec("token_mean", None, float(max(inputs.log_probs.shape[-1], 1)))
-    loss = reduce(terms.per_token_loss, inputs.mask, spec, layout)
-    per_sequence = safe_divide(
-        layout.row_sums(-terms.per_token_loss), layout.row_counts(inputs.mask)
-    )  # (S,)
-    selected = inputs.mask.sum().to(terms.diagnostic_sums.dtype).clamp(min=1)
-    clipped_fraction = terms.diagnostic_sums[0] / selected
-    output_dtype = inputs.output_dtype
+    sums, selected = layout.row_sums(-terms.per_token_loss), layout.row_counts(inputs.mask)
+    count = inputs.mask.sum().to(terms.diagnostic_sums.dtype).clamp(min=1)
     return {
-        "loss": loss.to(output_dtype),
-        "per_sequence_surrogate": per_sequence.to(output_dtype),
-        "clipped_fraction": clipped_fraction.to(output_dtype),
+        "loss": reduce(terms.per_token_loss, inputs.mask, spec, layout).to(inputs.output_dtype),
+        "per_sequence_surrogate": safe_divide(sums, selected).to(inputs.output_dtype),  # (S,)
+        "clipped_fraction": (terms.diagnostic_sums[0] / count).to(inputs.output_dtype),
     }

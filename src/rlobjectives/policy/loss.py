@@ -93,16 +93,12 @@ def policy_loss(
         L_{it} = -w_{it}\, s_{it}\big(\mathrm{clip}(\ell_{it} - \ell^{old}_{it}, -b, b),
         A_{it}\big) - \beta H_{it}, \qquad \mathcal{L} = \mathrm{reduce}_M(L),
 
-    :math:`s` the ``surrogate`` object's formula (each object's docstring states it and its
-    peers' options; a :class:`~rlobjectives.Surrogate` subclass of your own works the same),
-    :math:`w` the importance weights and :math:`\beta` = ``entropy_coef``. Autograd gives the
-    gradient; ``old_log_probs``, ``advantages`` and the weights are constants. ``ratio_level=
-    "sequence"`` is GSPO (arXiv:2507.18071 Eq. 7): the sequence's mean log-ratio at every token
-    in the stop-gradient form :math:`\ell - \mathrm{sg}(\ell) + \mathrm{sg}(\bar\Delta_i)`.
-    Decisions at a bound follow ``docs/conventions.md``; packed batches (``cu_seqlens``) equal
-    their padded layout; under ``context_group`` every rank returns the unsplit call's loss and
-    diagnostics (``docs/distributed/context-parallel.md``). ``docs/objectives/policy.md`` has
-    the details.
+    :math:`s` the ``surrogate`` object's formula (a :class:`~rlobjectives.Surrogate` of your own
+    works the same), :math:`w` the importance weights, :math:`\beta` = ``entropy_coef``;
+    autograd gives the gradient (``old_log_probs``, ``advantages``, the weights: constants).
+    ``ratio_level="sequence"`` is GSPO: the sequence's mean log-ratio at every token,
+    :math:`\ell - \mathrm{sg}(\ell) + \mathrm{sg}(\bar\Delta_i)`. Packed equals padded; under
+    ``context_group`` every rank returns the unsplit call's loss (``docs/objectives/policy.md``).
 
     Args:
         log_probs: ``(B, T)`` current-policy log-probabilities (packed: ``(N,)`` or ``(1, N)``).

@@ -14,6 +14,10 @@ equals the peer's loss, value and gradient, for the same tensors, with the peer'
 - :func:`openrlhf_policy_loss`: OpenRLHF 0.11.2's ``PolicyLoss`` (ppo, gspo, dual clip, the
   IS correction at every level, mode and gating, the five-value ``forward``;
   :mod:`rlobjectives.integrations.openrlhf` installs it in the actor).
+- :func:`trl_dpo_loss`: TRL's ``DPOTrainer`` loss (every ``loss_type`` and combination, the
+  f-divergences, ``ld_alpha``, ``use_weighting``), :func:`trl_reward_loss` (``RewardTrainer``);
+  :func:`openrlhf_dpo_loss`, :func:`openrlhf_pairwise_loss`, :func:`openrlhf_log_exp_loss`
+  (OpenRLHF's ``DPOLoss``, ``PairWiseLoss``, ``LogExpLoss``).
 - :func:`trl_grpo_advantages`: TRL's advantages with ``multi_objective_aggregation``
   (``sum_then_normalize``, ``normalize_then_sum``) and ``scale_rewards``;
   :func:`verl_gdpo_advantages`: verl's ``adv_estimator="gdpo"``; :func:`verl_gpg_advantages`:
@@ -42,25 +46,47 @@ from ._distillation import (
     verl_distillation_loss,
 )
 from ._openrlhf import OpenRLHFPolicyLoss, OpenRLHFPolicyLossOutput, openrlhf_policy_loss
+from ._preference import (
+    OpenRLHFDPOLoss,
+    OpenRLHFPairwiseLoss,
+    TRLDPOLoss,
+    TRLPreferenceOutput,
+    TRLRewardLoss,
+    openrlhf_dpo_loss,
+    openrlhf_log_exp_loss,
+    openrlhf_pairwise_loss,
+    trl_dpo_loss,
+    trl_reward_loss,
+)
 from ._sft import TRLSFTLoss, trl_sft_loss
 from ._trl import TRLGRPOLoss, TRLLossOutput, trl_grpo_loss
 from ._verl import VerlLossOutput, VerlPolicyLoss, verl_policy_loss
 
 __all__ = [
+    "OpenRLHFDPOLoss",
+    "OpenRLHFPairwiseLoss",
     "OpenRLHFPolicyLoss",
     "OpenRLHFPolicyLossOutput",
+    "TRLDPOLoss",
     "TRLGRPOLoss",
     "TRLLossOutput",
     "TRLSFTLoss",
+    "TRLPreferenceOutput",
+    "TRLRewardLoss",
     "VerlAdvantageOutput",
     "VerlDistillationLoss",
     "VerlLossOutput",
     "VerlPolicyLoss",
+    "openrlhf_dpo_loss",
+    "openrlhf_log_exp_loss",
+    "openrlhf_pairwise_loss",
     "openrlhf_policy_loss",
+    "trl_dpo_loss",
     "trl_generalized_jsd_loss",
     "trl_grpo_advantages",
     "trl_grpo_loss",
     "trl_sft_loss",
+    "trl_reward_loss",
     "trl_server_forward_kl_loss",
     "verl_distillation_loss",
     "verl_gdpo_advantages",

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from .._core.validation import ArrayLike, checks_environment, validate_choice
-from ..policy.nll import dft_loss, nll_loss
+from ..supervised.losses import dft_loss, nll_loss
 from ._common import preset_count, preset_flag, preset_number
 
 __all__ = ["TRL_SFT_LOSS_TYPES", "TRLSFTLoss", "trl_sft_loss"]

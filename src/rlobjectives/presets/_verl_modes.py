@@ -18,8 +18,8 @@ from .._core.masked import masked_mean
 from .._core.reduction import clamp, masked_fill_zero, mean_selected
 from .._core.validation import compute_dtype
 from ..policy.call import PolicyLossDiagnostics
-from ..policy.selection import cov_selection
 from ..policy.surrogates import CISPO, DPPO, DRO, GMPO, SAPO, Clip, ClipCov, KLCov
+from ..selection.batch import cov_selection
 from ._common import (
     ReductionArgs,
     WeightedPolicyTerm,

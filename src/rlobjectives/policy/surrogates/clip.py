@@ -6,7 +6,7 @@ r"""The clipped surrogate of PPO / GRPO / DAPO (dual clip, TRL's ``delta``): :cl
     1 + \epsilon_{high}) A\big), \qquad s \leftarrow \max(s, cA) \text{ where } A < 0,
 
 which is, product for product, :math:`s = A\,\mathrm{clip}(r, L, H)` with the per-sign bounds
-of :func:`clip_bounds`:
+of :func:`clip_edges`:
 
 .. math::
 
@@ -15,7 +15,7 @@ of :func:`clip_bounds`:
                            & A < 0 \end{cases}
 
 (:math:`c = \delta = \infty` when not given). The clip is decided on the log-ratio against the
-thresholds of :func:`clip_thresholds` (``docs/conventions.md``, "Decisions at a bound"), so
+thresholds of :func:`clip_edges` (``docs/conventions.md``, "Decisions at a bound"), so
 autograd's branch is the rule's decision: the gradient :math:`rA` passes where
 :math:`L \le r \le H`, and is halved at an exact dual-clip tie :math:`r = c` (as
 ``torch.maximum`` would split it).
@@ -28,11 +28,11 @@ from typing import Any, ClassVar, NamedTuple
 
 import torch
 
-from ..._core.decisions import constant_when_traced, lower_threshold, upper_threshold
+from ..._core.decisions import lower_threshold, upper_threshold
 from ..._core.validation import Scalar, validate_scalar
 from .base import Bound, Surrogate, SurrogateTerms
 
-__all__ = ["Clip", "ClipBounds", "ClipThresholds", "clip_bounds", "clip_thresholds"]
+__all__ = ["Clip", "ClipEdges", "clip_edges"]
 
 
 @dataclass(frozen=True)
@@ -46,7 +46,7 @@ class Clip(Surrogate):
 
     with :math:`\epsilon_{low}` = ``low``, :math:`\epsilon_{high}` = ``high``, :math:`c` =
     ``dual`` and :math:`\delta` = ``delta``; the loss is :math:`-s` per token. Written per sign
-    of :math:`A` it is :math:`s = A\,\mathrm{clip}(r, L, H)` (:func:`clip_bounds`), which is
+    of :math:`A` it is :math:`s = A\,\mathrm{clip}(r, L, H)` (:func:`clip_edges`), which is
     what :meth:`surrogate` computes; which tokens the clip changes is decided on the log-ratio
     as a correctly rounded ``exp`` would decide it (``docs/conventions.md``, "Decisions at a
     bound"): a ratio equal to an edge after rounding is on the band.
@@ -121,157 +121,104 @@ class Clip(Surrogate):
         """
         ratio = torch.exp(log_ratio)  # (B, T)
         x = log_ratio.detach()
-        bounds, edges = clip_bounds(self), clip_thresholds(self, x.dtype)
+        edges = clip_edges(self, x.dtype)
         negative = advantages < 0
         clipped, none = ratio, torch.zeros_like(negative)
         below = above = dual = band_low = band_high = none
-        if (low := bounds.lower_negative) is not None and edges.band_low is not None:
-            band_low = x < edges.band_low  # r < 1 - eps_low
+        if edges.low is not None:  # r < 1 - eps_low, A < 0
+            band_low = x < edges.low[1]
             below = band_low & negative
-            clipped = torch.where(below, low, clipped)
-        if (high := bounds.upper_positive) is not None and edges.upper_positive is not None:
-            beyond = x > edges.upper_positive  # r > min(1 + eps_high, delta)
-            band_high = beyond if bounds.band is not None and self.delta is None else band_high
+            clipped = torch.where(below, edges.low[0], clipped)
+        if edges.positive is not None:  # r > min(1 + eps_high, delta), A > 0
+            beyond = x > edges.positive[1]
+            band_high = beyond if self.delta is None and edges.high is not None else band_high
             above = beyond & (advantages > 0)
-            clipped = torch.where(above, high, clipped)
-        if (upper := bounds.upper_negative) is not None and edges.upper_negative is not None:
-            dual = (x > edges.upper_negative) & negative  # r > min(c, max(1 + eps_high, delta))
-            clipped = torch.where(dual, upper, clipped)
-        if edges.dual is not None:  # r == c exactly (A < 0): the value r, half the gradient
-            tie = (x >= edges.dual[0]) & (x <= edges.dual[1]) & negative & ~dual
+            clipped = torch.where(above, edges.positive[0], clipped)
+        if edges.negative is not None:  # r > min(c, max(1 + eps_high, delta)), A < 0
+            dual = (x > edges.negative[1]) & negative
+            clipped = torch.where(dual, edges.negative[0], clipped)
+        if edges.tie is not None:  # r == c exactly (A < 0): the value r, half the gradient
+            tie = (x >= edges.tie[0]) & (x <= edges.tie[1]) & negative & ~dual
             clipped = torch.where(tie, (ratio + ratio.detach()) * 0.5, clipped)
-        if edges.band_high is not None and band_high is none:
-            band_high = x > edges.band_high  # r > 1 + eps_high
+        if edges.high is not None and band_high is none:
+            band_high = x > edges.high[1]  # r > 1 + eps_high
         return SurrogateTerms(
             clipped * advantages, clipped.detach(), band_low | band_high, below, above, dual
         )
 
 
-def _minimum(left: Bound, right: Bound) -> Bound:
-    if isinstance(left, torch.Tensor) or isinstance(right, torch.Tensor):
-        return torch.minimum(_as_bound(left), _as_bound(right))
-    return min(left, right)
+Edge = tuple[Bound, Bound]  # (a ratio bound B, its log-ratio threshold t(B) in the dtype)
 
 
-def _maximum(left: Bound, right: Bound) -> Bound:
-    if isinstance(left, torch.Tensor) or isinstance(right, torch.Tensor):
-        return torch.maximum(_as_bound(left), _as_bound(right))
-    return max(left, right)
+class ClipEdges(NamedTuple):
+    """:class:`Clip`'s ratio bounds per sign of :math:`A` with their thresholds (None: none).
 
-
-def _as_bound(value: Bound) -> torch.Tensor:
-    # float64 for Python numbers, so that a tensor partner does not round them to float32
-    return value if isinstance(value, torch.Tensor) else torch.tensor(value, dtype=torch.float64)
-
-
-class ClipBounds(NamedTuple):
-    """The ratio bounds of :class:`Clip` per sign of the advantage (None: no bound).
-
-    ``s = A clip(r, lower, upper)`` with ``(lower, upper) = (-inf, upper_positive)`` for
-    ``A > 0`` and ``(lower_negative, upper_negative)`` for ``A < 0``, which is
-    ``max(min(min(r, delta) A, clip(r) A), c A)`` product for product.
+    ``s = A clip(r, L, H)`` with ``(L, H) = (-inf, positive)`` for ``A > 0`` and ``(low,
+    negative)`` for ``A < 0``, which is ``max(min(min(r, delta) A, clip(r) A), c A)`` product for
+    product. Each edge is ``(B, t)``: ``r < B`` is ``x < t-(B)``, ``r > B`` is ``x > t+(B)``
+    (:mod:`rlobjectives._core.decisions`); ``tie`` is ``(t-(c), t+(c))``, the dual clip's ``r ==
+    c``.
     """
 
-    band: tuple[Bound, Bound] | None  # (1 - eps_low, 1 + eps_high)
-    upper_positive: Bound | None  # min(1 + eps_high, delta)
-    lower_negative: Bound | None  # 1 - eps_low
-    upper_negative: Bound | None  # min(c, max(1 + eps_high, delta)); min(c, delta) unclipped
+    low: Edge | None  # 1 - eps_low, with t-
+    high: Edge | None  # 1 + eps_high (the band's upper edge), with t+
+    positive: Edge | None  # min(1 + eps_high, delta), with t+
+    negative: Edge | None  # min(c, max(1 + eps_high, delta)); min(c, delta) unclipped; t+
+    tie: tuple[Bound, Bound] | None
 
 
-def clip_bounds(clip: Clip) -> ClipBounds:
-    """The per-sign bounds of the clipped surrogate (see :class:`ClipBounds`)."""
-    delta, dual = clip.delta, clip.dual
-    band = None
-    upper_positive, lower_negative, upper_negative = delta, None, delta
-    if clip.low is not None:
-        high = clip.low if clip.high is None else clip.high
-        band = (1.0 - clip.low, 1.0 + high)
-        lower_negative = band[0]
-        upper_positive = band[1] if delta is None else _minimum(band[1], delta)
-        upper_negative = None if delta is None else _maximum(band[1], delta)
-    if dual is not None:
-        upper_negative = dual if upper_negative is None else _minimum(dual, upper_negative)
-    return ClipBounds(band, upper_positive, lower_negative, upper_negative)
+#: The edges of the clips with number fields, per (fields, dtype) (cleared past 1024 entries).
+_EDGES: dict[tuple[Any, ...], ClipEdges] = {}
 
 
-class ClipThresholds(NamedTuple):
-    """:class:`ClipBounds` as log-ratio thresholds of one computation dtype (None: no bound).
+def clip_edges(clip: Clip, dtype: torch.dtype) -> ClipEdges:
+    """The bounds and thresholds of ``clip`` in ``dtype``; computed once for number fields.
 
-    ``r < B`` is ``x < t-(B)`` and ``r > B`` is ``x > t+(B)`` for the log-ratio ``x``
-    (:mod:`rlobjectives._core.decisions`: a correctly rounded ``exp`` in that dtype against the
-    bound rounded to it); Python floats for number fields, 0-d tensors for tensor fields.
+    Tensor fields (a schedule, a learnable clip range) are thresholded on their device at every
+    call; number fields on the host, exactly, once (a constant of a ``torch.compile`` graph).
     """
-
-    band_low: Bound | None  # t-(1 - eps_low): below the band (clipped_fraction)
-    band_high: Bound | None  # t+(1 + eps_high): above the band
-    lower_negative: Bound | None  # t-(1 - eps_low): the low edge of A < 0
-    upper_positive: Bound | None  # t+(min(1 + eps_high, delta))
-    upper_negative: Bound | None  # t+(min(c, max(1 + eps_high, delta)))
-    dual: tuple[Bound, Bound] | None  # (t-(c), t+(c)): the tie r == c
-
-
-#: The thresholds of the clips with number fields, per (fields, dtype): a call with the same
-#: hyperparameters reads them back (cleared past 1024 entries).
-_THRESHOLDS: dict[tuple[Any, ...], ClipThresholds] = {}
-
-
-def clip_thresholds(clip: Clip, dtype: torch.dtype) -> ClipThresholds:
-    """The thresholds of :func:`clip_bounds` in ``dtype``, computed once per hyperparameters.
-
-    Number fields: the host's exact thresholds, kept per (fields, dtype) (a constant of a
-    ``torch.compile`` graph); tensor fields: on their device at every call (a schedule or a
-    learnable value changes between calls).
-    """
-    low, high, dual, delta = fields = (clip.low, clip.high, clip.dual, clip.delta)
-    if (
+    low, high, dual, delta = clip.low, clip.high, clip.dual, clip.delta
+    key = (low, high, dual, delta, dtype)
+    numbers = not (
         isinstance(low, torch.Tensor)
         or isinstance(high, torch.Tensor)
         or isinstance(dual, torch.Tensor)
         or isinstance(delta, torch.Tensor)
-    ):
-        return _thresholds(clip, dtype)
-    thresholds: ClipThresholds = _number_thresholds(*fields, dtype)
-    return thresholds
+    )
+    edges = _EDGES.get(key) if numbers else None
+    if edges is None:
+        edges = _edges(clip, dtype)
+        if numbers:
+            if len(_EDGES) >= 1024:
+                _EDGES.clear()
+            _EDGES[key] = edges
+    return edges
 
 
-@constant_when_traced  # its inputs are Python numbers
-def _number_thresholds(
-    low: Scalar | None,
-    high: Scalar | None,
-    dual: Scalar | None,
-    delta: Scalar | None,
-    dtype: torch.dtype,
-) -> ClipThresholds:
-    key = (low, high, dual, delta, dtype)
-    thresholds = _THRESHOLDS.get(key)
-    if thresholds is None:
-        clip = object.__new__(Clip)  # the fields were validated by the object that has them
-        for name, value in zip(("low", "high", "dual", "delta"), key[:4], strict=True):
-            object.__setattr__(clip, name, value)
-        thresholds = _thresholds(clip, dtype)
-        if len(_THRESHOLDS) >= 1024:
-            _THRESHOLDS.clear()
-        _THRESHOLDS[key] = thresholds
-    return thresholds
-
-
-def _thresholds(clip: Clip, dtype: torch.dtype) -> ClipThresholds:
-    bounds = clip_bounds(clip)
-    band = (None, None) if bounds.band is None else bounds.band
-    dual = None if clip.dual is None else (_lower(clip.dual, dtype), _upper(clip.dual, dtype))
-    return ClipThresholds(
-        _lower(band[0], dtype),
-        _upper(band[1], dtype),
-        _lower(bounds.lower_negative, dtype),
-        _upper(bounds.upper_positive, dtype),
-        _upper(bounds.upper_negative, dtype),
-        dual,  # type: ignore[arg-type]
+def _edges(clip: Clip, dtype: torch.dtype) -> ClipEdges:
+    delta, dual = clip.delta, clip.dual
+    low = high = None
+    positive, negative = delta, delta
+    if clip.low is not None:
+        low, high = 1.0 - clip.low, 1.0 + (clip.low if clip.high is None else clip.high)
+        positive = high if delta is None else _extreme(torch.minimum, min, high, delta)
+        negative = None if delta is None else _extreme(torch.maximum, max, high, delta)
+    if dual is not None:
+        negative = dual if negative is None else _extreme(torch.minimum, min, dual, negative)
+    tie = None if dual is None else (lower_threshold(dual, dtype), upper_threshold(dual, dtype))
+    return ClipEdges(
+        None if low is None else (low, lower_threshold(low, dtype)),
+        None if high is None else (high, upper_threshold(high, dtype)),
+        None if positive is None else (positive, upper_threshold(positive, dtype)),
+        None if negative is None else (negative, upper_threshold(negative, dtype)),
+        tie,
     )
 
 
-def _lower(bound: Bound | None, dtype: torch.dtype) -> Bound | None:
-    return None if bound is None else lower_threshold(bound, dtype)
-
-
-def _upper(bound: Bound | None, dtype: torch.dtype) -> Bound | None:
-    return None if bound is None else upper_threshold(bound, dtype)
+def _extreme(tensors: Any, numbers: Any, left: Bound, right: Bound) -> Bound:
+    """``min``/``max`` of two bounds; float64 for a number beside a tensor (no rounding)."""
+    if isinstance(left, torch.Tensor) or isinstance(right, torch.Tensor):
+        wide = [v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=torch.float64)
+                for v in (left, right)]  # fmt: skip
+        return tensors(*wide)  # type: ignore[no-any-return]
+    return numbers(left, right)  # type: ignore[no-any-return]

@@ -8,7 +8,7 @@ call, each token's centred covariance is
 
     \mathrm{cov}_t = (A_t - \bar A)(\ell_t - \bar\ell),
 
-(:func:`~rlobjectives.policy.surrogates.selection.centered_covariance`) and
+(:func:`~rlobjectives._core.selection.centered_covariance`) and
 :math:`k = \max(\lfloor \rho N \rfloor, 1)` tokens are selected (:math:`\rho` = ``ratio``):
 
 - **Clip-Cov** (:class:`ClipCov`, verl ``clip_cov``): PPO's clip without the dual clip,
@@ -29,7 +29,7 @@ hands a precomputed one to the object.
 
 Clip-Cov's draw is reproducible and device-side: one int64 seed per call from ``generator``
 (or the default generator), then a counter-based hash of each token's ordinal among the
-selected tokens (:func:`~rlobjectives.policy.surrogates.selection.random_subset`): the same
+selected tokens (:func:`~rlobjectives._core.selection.random_subset`): the same
 draw on every device and in the padded and the packed layout, with no host sync. It is not
 verl's draw (verl's ``torch.randperm(n)`` over the row-major candidates needs ``n`` on the
 host); the verl preset reproduces verl's own draw through ``selection=``.
@@ -42,12 +42,21 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
+from ..._core.selection import (
+    centered_covariance,
+    check_selection,
+    draw_seed,
+    random_subset,
+    selection_count,
+    top_k,
+    validate_ratio,
+    validate_selection,
+)
 from ..._core.validation import Scalar, scalar_number, validate_scalar
 from .base import PolicyTokens, Surrogate, SurrogateTerms
 from .clip import Clip
-from .selection import centered_covariance, draw_seed, random_subset, selection_count, top_k
 
-__all__ = ["ClipCov", "CovSelection", "KLCov", "check_selection", "validate_ratio"]
+__all__ = ["ClipCov", "CovSelection", "KLCov"]
 
 
 class CovSelection(NamedTuple):
@@ -64,40 +73,6 @@ class CovSelection(NamedTuple):
     selected: torch.Tensor
     candidates: torch.Tensor
     k: torch.Tensor
-
-
-def validate_ratio(value: Scalar, name: str) -> float | torch.Tensor:
-    r"""A selection ratio :math:`0 < \rho \le 1` (a real number or a 0-d tensor)."""
-    ratio = validate_scalar(value, name, minimum=0.0, strict=True)
-    number = scalar_number(ratio)  # a 0-d tensor is held to the same range
-    if number is not None and number > 1.0:
-        raise ValueError(f"{name} must be <= 1 (a fraction of the selected tokens), got {number}")
-    return ratio
-
-
-def _validate_selection(selection: object, name: str) -> None:
-    if selection is not None and not (
-        isinstance(selection, torch.Tensor) and selection.dtype == torch.bool
-    ):
-        kind = selection.dtype if isinstance(selection, torch.Tensor) else type(selection).__name__
-        raise TypeError(f"{name} must be None or a bool tensor of the mask's shape, got {kind}")
-
-
-def check_selection(selection: torch.Tensor, mask: torch.Tensor, name: str) -> torch.Tensor:
-    """A precomputed selection on the call's tokens: the mask's shape (packed: ``(N,)`` too)."""
-    if selection.device != mask.device:
-        raise ValueError(
-            f"{name} must be on the device of the mask ({mask.device}), got {selection.device}"
-        )
-    if tuple(selection.shape) != tuple(mask.shape):
-        packed = selection.ndim == 1 and mask.shape[0] == 1 and selection.numel() == mask.numel()
-        if not packed:
-            raise ValueError(
-                f"{name} must have the shape of the mask {tuple(mask.shape)}, got "
-                f"{tuple(selection.shape)}"
-            )
-        selection = selection.reshape(mask.shape)
-    return selection & mask
 
 
 @dataclass(frozen=True)
@@ -190,7 +165,7 @@ class ClipCov(Surrogate):
                 f"ClipCov.generator must be None or a torch.Generator, got "
                 f"{type(self.generator).__name__}"
             )
-        _validate_selection(self.selection, "ClipCov.selection")
+        validate_selection(self.selection, "ClipCov.selection")
 
     def band(self, inputs: PolicyTokens) -> SurrogateTerms:
         """PPO's clip of the object (``Clip(low, high)``, no dual clip) on the call."""
@@ -297,7 +272,7 @@ class KLCov(Surrogate):
     def __post_init__(self) -> None:
         object.__setattr__(self, "ratio", validate_ratio(self.ratio, "KLCov.ratio"))
         object.__setattr__(self, "coef", validate_scalar(self.coef, "KLCov.coef", minimum=0.0))
-        _validate_selection(self.selection, "KLCov.selection")
+        validate_selection(self.selection, "KLCov.selection")
 
     def select(self, inputs: PolicyTokens) -> CovSelection:
         """The penalised tokens: ``selection``, or the top-k by covariance."""

@@ -4,7 +4,7 @@ For stale (asynchronous) rollouts: with :math:`\Delta = \ell - \ell^{old}` the t
 of the call's selected tokens, M2PO masks the fewest tokens of the largest :math:`\Delta^2`
 such that the second moment of the kept ones, :math:`\frac{1}{|K|}\sum_{t \in K}\Delta_t^2`,
 is below the threshold :math:`\tau` (AReaL ``_get_m2po_loss_mask``; at least one token is
-kept; :func:`rlobjectives.policy.surrogates.selection.m2po_kept`), then optimises the
+kept; :func:`rlobjectives._core.selection.m2po_kept`), then optimises the
 unclipped surrogate :math:`s = rA` (the paper's) or PPO's clip on the kept tokens :math:`K`:
 
 .. math::
@@ -36,10 +36,10 @@ from typing import ClassVar
 
 import torch
 
+from ..._core.selection import m2po_kept
 from ..._core.validation import Scalar, validate_scalar
 from .base import PolicyTokens, Surrogate, SurrogateTerms
 from .clip import Clip
-from .selection import m2po_kept
 
 __all__ = ["M2PO"]
 

@@ -23,7 +23,7 @@ from typing import ClassVar
 
 import torch
 
-from ..._core.decisions import constant_when_traced, lower_threshold, upper_threshold
+from ..._core.decisions import deviation_ratios, lower_threshold, upper_threshold
 from ..._core.validation import Scalar, validate_scalar
 from .base import Bound, Surrogate, SurrogateTerms, by_sign
 
@@ -102,87 +102,16 @@ class SAPO(Surrogate):
 def soft_clip_ratios(temperature: Bound, dtype: torch.dtype) -> tuple[Bound, Bound]:
     r"""``(R_lo, R_hi)``: :math:`|\tau(r - 1)| > h` exactly where :math:`r \notin [R_{lo}, R_{hi}]`.
 
-    :math:`\tau(r - 1)` and :math:`h` = :data:`SAPO_HALF_PEAK` in ``dtype``'s arithmetic, as
-    the formula evaluates them (the product is non-decreasing in
-    :math:`r`): :math:`R_{hi}` is the largest :math:`r` of ``dtype`` with
-    :math:`\tau(r - 1) \le h`, :math:`R_{lo}` the smallest with :math:`\tau(r - 1) \ge -h`
-    (0 when no ratio reaches :math:`-h`, :math:`\tau \le h`). A Python number is searched on
-    the host (a ``nextafter`` walk from :math:`1 \pm h/\tau`, cached); a 0-d tensor on its
-    device, among the 9 neighbours of :math:`1 \pm h/\tau` (the edge is within 2 of them).
+    :math:`h` = :data:`SAPO_HALF_PEAK`, in ``dtype``'s arithmetic as the formula evaluates it
+    (:func:`rlobjectives._core.decisions.deviation_ratios`).
     """
-    if isinstance(temperature, torch.Tensor):
-        return _device_soft_ratios(temperature, dtype)
-    ratios: tuple[float, float] = _host_soft_ratios(float(temperature), dtype)
-    return ratios
+    return deviation_ratios(temperature, SAPO_HALF_PEAK, dtype)
 
 
 def soft_clip_thresholds(temperature: Bound, dtype: torch.dtype) -> tuple[Bound, Bound]:
     """The log-ratio thresholds ``(t-(R_lo), t+(R_hi))`` of :func:`soft_clip_ratios`."""
     low, high = soft_clip_ratios(temperature, dtype)
     return lower_threshold(low, dtype), upper_threshold(high, dtype)
-
-
-_SOFT_CACHE: dict[tuple[float, torch.dtype], tuple[float, float]] = {}
-
-
-@constant_when_traced  # its inputs are Python numbers
-def _host_soft_ratios(temperature: float, dtype: torch.dtype) -> tuple[float, float]:
-    """:func:`soft_clip_ratios` of a Python number (cached per (temperature, dtype))."""
-    key = (temperature, dtype)
-    ratios = _SOFT_CACHE.get(key)
-    if ratios is None:
-        if len(_SOFT_CACHE) >= 256:
-            _SOFT_CACHE.clear()
-        ratios = _SOFT_CACHE[key] = _search_soft_ratios(temperature, dtype)
-    return ratios
-
-
-def _search_soft_ratios(temperature: float, dtype: torch.dtype) -> tuple[float, float]:
-    tau = torch.tensor(temperature, dtype=dtype)
-    half_peak = float(torch.tensor(SAPO_HALF_PEAK, dtype=dtype))
-
-    def scaled(ratio: float) -> float:  # tau (r - 1) in dtype, as the paths compute it
-        return float((torch.tensor(ratio, dtype=dtype) - 1.0) * tau)
-
-    def step(value: float, direction: float) -> float:
-        here = torch.tensor(value, dtype=dtype)
-        return float(torch.nextafter(here, torch.tensor(direction, dtype=dtype)))
-
-    high = float(torch.tensor(1.0 + SAPO_HALF_PEAK / temperature, dtype=dtype))
-    while scaled(high) > half_peak:
-        high = step(high, -math.inf)
-    while not math.isinf(step(high, math.inf)) and scaled(step(high, math.inf)) <= half_peak:
-        high = step(high, math.inf)
-    if scaled(0.0) >= -half_peak:  # tau (r - 1) >= -tau > -h: no ratio is soft-clipped below
-        return 0.0, high
-    low = float(torch.tensor(1.0 - SAPO_HALF_PEAK / temperature, dtype=dtype))
-    while scaled(low) < -half_peak:
-        low = step(low, math.inf)
-    while scaled(step(low, -math.inf)) >= -half_peak:
-        low = step(low, -math.inf)
-    return low, high
-
-
-def _device_soft_ratios(
-    temperature: torch.Tensor, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    tau = temperature.detach().to(dtype)
-    half_peak = torch.tensor(SAPO_HALF_PEAK, dtype=dtype, device=tau.device)
-    inf = torch.tensor(math.inf, dtype=dtype, device=tau.device)
-
-    def window(start: torch.Tensor) -> torch.Tensor:  # start and its 4 neighbours either side
-        up, down, values = start, start, [start]
-        for _ in range(4):
-            up, down = torch.nextafter(up, inf), torch.nextafter(down, -inf)
-            values += [up, down]
-        return torch.stack(values)
-
-    above = window(1.0 + half_peak / tau)
-    high = torch.where((above - 1.0) * tau <= half_peak, above, -inf).amax()
-    below = window(1.0 - half_peak / tau)
-    low = torch.where((below - 1.0) * tau >= -half_peak, below, inf).amin()
-    never = (0.0 - 1.0) * tau >= -half_peak  # tau <= h: no ratio is soft-clipped below
-    return torch.where(never, torch.zeros_like(low), low), high
 
 
 def _as_tensor(value: float | torch.Tensor, like: torch.Tensor) -> torch.Tensor:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import torch
 
 from .._core.layout import sequence_layout, token_matrix, token_output
+from .._core.selection import m2po_kept
 from .._core.validation import (
     ArrayLike,
     Scalar,
@@ -30,11 +31,10 @@ from .._core.validation import (
     compute_dtype,
     validate_scalar,
 )
-from .call import as_surrogate, validate_policy_call, validate_surrogate_options
-from .loss import policy_tokens
-from .surrogates.base import PolicyTokens
-from .surrogates.cov import ClipCov, CovSelection, KLCov
-from .surrogates.selection import m2po_kept
+from ..policy.call import as_surrogate, validate_policy_call, validate_surrogate_options
+from ..policy.loss import policy_tokens
+from ..policy.surrogates.base import PolicyTokens
+from ..policy.surrogates.cov import ClipCov, CovSelection, KLCov
 
 __all__ = ["CovSelection", "cov_selection", "m2po_mask", "selection_inputs"]
 

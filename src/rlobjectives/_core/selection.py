@@ -22,10 +22,13 @@ from __future__ import annotations
 
 import torch
 
-from ..._core.validation import Scalar
+from .validation import Scalar, scalar_number, validate_scalar
 
 __all__ = [
     "INT64_MAX",
+    "check_selection",
+    "validate_ratio",
+    "validate_selection",
     "centered_covariance",
     "draw_seed",
     "hash_keys",
@@ -171,3 +174,38 @@ def random_subset(
     keys = torch.where(candidates.reshape(-1), hash_keys(mask, seed), INT64_MAX)
     ranks = stable_ranks(keys, descending=False).reshape(mask.shape)
     return candidates & (ranks < k)
+
+
+def validate_ratio(value: Scalar, name: str) -> float | torch.Tensor:
+    r"""A selection ratio :math:`0 < \rho \le 1` (a real number or a 0-d tensor)."""
+    ratio = validate_scalar(value, name, minimum=0.0, strict=True)
+    number = scalar_number(ratio)  # a 0-d tensor is held to the same range
+    if number is not None and number > 1.0:
+        raise ValueError(f"{name} must be <= 1 (a fraction of the selected tokens), got {number}")
+    return ratio
+
+
+def validate_selection(selection: object, name: str) -> None:
+    """``None`` or a bool tensor (a precomputed selection), else ``TypeError`` naming it."""
+    if selection is not None and not (
+        isinstance(selection, torch.Tensor) and selection.dtype == torch.bool
+    ):
+        kind = selection.dtype if isinstance(selection, torch.Tensor) else type(selection).__name__
+        raise TypeError(f"{name} must be None or a bool tensor of the mask's shape, got {kind}")
+
+
+def check_selection(selection: torch.Tensor, mask: torch.Tensor, name: str) -> torch.Tensor:
+    """A precomputed selection on the call's tokens: the mask's shape (packed: ``(N,)`` too)."""
+    if selection.device != mask.device:
+        raise ValueError(
+            f"{name} must be on the device of the mask ({mask.device}), got {selection.device}"
+        )
+    if tuple(selection.shape) != tuple(mask.shape):
+        packed = selection.ndim == 1 and mask.shape[0] == 1 and selection.numel() == mask.numel()
+        if not packed:
+            raise ValueError(
+                f"{name} must have the shape of the mask {tuple(mask.shape)}, got "
+                f"{tuple(selection.shape)}"
+            )
+        selection = selection.reshape(mask.shape)
+    return selection & mask
