@@ -765,7 +765,7 @@ def response_log_probs(
 
 
 # --- KL estimators, KL placements and advantages (rlobjectives.kl.estimators,
-# rlobjectives.advantages.gae) ---
+# rlobjectives.advantages.gae, rlobjectives.advantages.reinforce) ---
 
 
 def _matrix(entries: dict[tuple[int, int], Tensor], shape: tuple[int, int]) -> Tensor:

@@ -11,7 +11,7 @@ from ._core.backend import use_backend
 from ._core.masked import aggregate, masked_mean, masked_sum
 from ._core.packing import PackedTokens, UnpackedTokens, pack, unpack
 from ._core.reduction import Reduction
-from .advantages.gae import GAEOutput, gae, reinforce_plus_plus_advantages
+from .advantages.gae import GAEOutput, gae
 from .advantages.gdpo import gdpo_advantages
 from .advantages.gpg import gpg_advantages
 from .advantages.length import (
@@ -28,6 +28,7 @@ from .advantages.outcome import (
     remax_advantages,
     rloo_advantages,
 )
+from .advantages.reinforce import reinforce_plus_plus_advantages
 from .advantages.whitening import masked_whiten
 from .distillation import (
     generalized_jsd_loss,

@@ -1,4 +1,4 @@
-"""Tests of the advantage estimators (rlobjectives.advantages.gae)."""
+"""Tests of the advantage estimators (rlobjectives.advantages: gae, reinforce, scans, outcome)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from rlobjectives import (
     rloo_advantages,
     value_loss,
 )
-from rlobjectives.advantages import gae as _advantages
+from rlobjectives.advantages import scans as _scans
 from tolerances import assert_close
 
 
@@ -443,7 +443,7 @@ def test_long_sequences_cross_scan_blocks(
     gamma: float, lam: float, log_range: float | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if log_range is not None:  # force small blocks (6 tokens for 0.855, 2 for 0.5) at any gamma
-        monkeypatch.setattr(_advantages, "_SCAN_LOG_RANGE", log_range)
+        monkeypatch.setattr(_scans, "_SCAN_LOG_RANGE", log_range)
     # T = 150 spans several scan blocks (block size from gamma * lam: 9 tokens for 0.03, 50 for
     # 0.5, 322 for 0.9), with masked gaps and an empty row.
     rewards, values, mask = _token_inputs(14, 3, 150)

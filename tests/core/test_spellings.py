@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rlobjectives
-from rlobjectives._core.validation import ESTIMATOR_HINTS, REDUCTION_ALIASES, REDUCTION_HINTS
+from rlobjectives._core.spellings import ESTIMATOR_HINTS, REDUCTION_ALIASES, REDUCTION_HINTS
 from tolerances import assert_close
 
 # L = [[1, 2, 3], [4, 5, 99(pad)]] with an empty third row; verl's agg_loss on it (local):

@@ -15,14 +15,13 @@ integer cumulative count at the boundaries, and broadcasts an ``index_select`` b
 no host synchronisation (``S`` is static), each a few times cheaper on CPU than ``index_add`` /
 advanced indexing.
 
-Three parts: the :class:`Layout` itself (row sums, counts, broadcast, last selected token); the
+Two parts: the :class:`Layout` itself (row sums, counts, broadcast, last selected token); and the
 boundary every public function passes through to accept either layout (:func:`sequence_layout`,
 :func:`token_matrix`, :func:`validate_cu_seqlens` and :func:`packed_layout`, which read
 ``cu_seqlens`` once on the host, skipped while ``torch.compile`` traces; :func:`per_sequence`,
-:func:`tokens_from_sequences`, :func:`longest_sequence`, :func:`token_output`); and the reverse
-recursions of GAE / REINFORCE++ / ReMax restarted at packed boundaries
-(:func:`segment_discounted_sum`, :func:`segment_next_selected`: recursive doubling over the
-contiguous segments, no Python loop over sequences).
+:func:`tokens_from_sequences`, :func:`longest_sequence`, :func:`token_output`). The reverse
+recursions of GAE / REINFORCE++ / ReMax restarted at packed boundaries are
+:mod:`rlobjectives._core.segments`.
 """
 
 from __future__ import annotations
@@ -43,8 +42,6 @@ __all__ = [
     "packed_layout",
     "padded",
     "per_sequence",
-    "segment_discounted_sum",
-    "segment_next_selected",
     "sequence_layout",
     "token_matrix",
     "token_ndim",
@@ -210,63 +207,6 @@ def last_selected(mask: torch.Tensor) -> torch.Tensor:
 def _sequence_ids(layout: Layout) -> torch.Tensor:
     assert layout.sequence_ids is not None  # internal invariant: a packed layout
     return layout.sequence_ids
-
-
-def segment_discounted_sum(
-    values: torch.Tensor,
-    chain: torch.Tensor,
-    layout: Layout,
-    discount: float | torch.Tensor,
-) -> torch.Tensor:
-    """Reverse discounted sum over the chain tokens of each packed sequence, ``(1, N)``.
-
-    ``values`` and ``chain`` (bool) are ``(1, N)``; the result is 0 off the chain. Equal to
-    the padded scan of :mod:`rlobjectives.advantages.gae` applied to each sequence separately.
-    ``discount`` is a number, or a ``(1, N)`` tensor of per-token discounts (a per-sequence
-    discount broadcast to its tokens, GAE with a per-sequence lambda). A log-depth doubling
-    scan: it multiplies factors in ``[0, 1]`` only, so no discount under- or overflows.
-    """
-    ids = _sequence_ids(layout)  # (N,)
-    tokens = ids.shape[0]
-    selected = chain.reshape(-1)  # (N,)
-    zero = torch.zeros((), dtype=values.dtype, device=values.device)
-    total = torch.where(selected, values.reshape(-1), zero)  # (N,) B
-    one = torch.ones((), dtype=values.dtype, device=values.device)
-    if isinstance(discount, torch.Tensor):
-        factor = torch.where(selected, discount.reshape(-1).to(values.dtype), one)  # (N,) A
-    else:
-        factor = torch.where(selected, one * discount, one)  # (N,) A
-    offset = 1
-    while offset < tokens:
-        same = ids[offset:] == ids[:-offset]  # (N - d,) t + d in the sequence of t
-        shifted = torch.where(same, factor[:-offset] * total[offset:], zero)
-        total = torch.cat([total[:-offset] + shifted, total[-offset:]])
-        factor = torch.cat(
-            [torch.where(same, factor[:-offset] * factor[offset:], zero), zero.expand(offset)]
-        )
-        offset *= 2
-    return torch.where(selected, total, zero).reshape(values.shape)
-
-
-def segment_next_selected(
-    values: torch.Tensor, chain: torch.Tensor, layout: Layout
-) -> torch.Tensor:
-    """``values`` at the next chain token after ``t`` in its packed sequence (0 if none).
-
-    The packed form of ``_advantages._next_selected``: the first chain position after ``t``
-    over the whole row (a reverse cumulative minimum), kept only when it lies before the end of
-    ``t``'s sequence ``cu_seqlens[s + 1]``.
-    """
-    ids = _sequence_ids(layout)  # (N,)
-    tokens = ids.shape[0]
-    positions = torch.arange(tokens, device=values.device)  # (N,)
-    index = torch.where(chain.reshape(-1), positions, tokens)  # (N,) own index if on the chain
-    following = index.flip(0).cummin(0).values.flip(0)  # (N,) first chain index >= t
-    next_index = torch.cat([following[1:], following.new_full((1,), tokens)])  # first > t
-    last = _sequence_end(layout, positions)  # (N,) one past the last token of t's sequence
-    next_index = torch.where(next_index < last, next_index, tokens)  # (N,) N: none
-    padded = torch.cat([values.reshape(-1), values.new_zeros(1)])  # (N + 1,)
-    return padded.gather(0, next_index).reshape(values.shape)
 
 
 def _sequence_end(layout: Layout, positions: torch.Tensor) -> torch.Tensor:

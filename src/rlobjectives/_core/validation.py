@@ -3,6 +3,10 @@
 Everything here runs once per call, on shapes, dtypes and Python scalars only: no tensor values
 are inspected (no host syncs), so the functions that use these helpers stay traceable by
 ``torch.compile``. Every error names the argument, what was expected and what was received.
+
+The peers' spellings (aliases, "did you mean" tables, flat surrogate keywords) are tables in
+:mod:`rlobjectives._core.spellings`; the walk of a nested list argument is
+:mod:`rlobjectives._core.nested`. The functions a default call runs stay here.
 """
 
 from __future__ import annotations
@@ -19,16 +23,21 @@ import torch
 import torch.distributed as dist
 
 from .context import ContextGroup
+from .nested import nested_shape
+from .spellings import (
+    ESTIMATOR_HINTS,
+    PRESET_TRL,
+    PRESET_VERL,
+    REDUCTION_ALIASES,
+    REDUCTION_HINTS,
+    check_surrogate_keywords,
+)
 
 __all__ = [
     "BACKENDS",
     "COMPILE_VARIABLE",
     "KERNELS_VARIABLE",
     "ArrayLike",
-    "ESTIMATOR_HINTS",
-    "REDUCTION_ALIASES",
-    "REDUCTION_HINTS",
-    "SURROGATE_FIELDS",
     "Scalar",
     "as_batch_matrix",
     "as_float_tensor",
@@ -44,7 +53,6 @@ __all__ = [
     "check_estimator_spelling",
     "check_same_device",
     "check_shape",
-    "check_surrogate_keywords",
     "checks_environment",
     "compute_dtype",
     "describe",
@@ -121,50 +129,6 @@ def check_environment() -> None:
         environment()
 
 
-#: The flat surrogate keywords of earlier releases -> ``(object, field)`` of their place now.
-#: ``clip_low`` / ``clip_high`` are the band of the named surrogate (``Clip`` unless ``"cispo"``
-#: or ``"gmpo"``).
-SURROGATE_FIELDS: dict[str, tuple[str | None, str]] = {
-    "clip_low": (None, "low"),
-    "clip_high": (None, "high"),
-    "dual_clip": ("Clip", "dual"),
-    "delta": ("Clip", "delta"),
-    "cispo_cap": ("CISPO", "cap"),
-    "sapo_temperature_pos": ("SAPO", "temperature_pos"),
-    "sapo_temperature_neg": ("SAPO", "temperature_neg"),
-    "vespo_k_pos": ("VESPO", "k_pos"),
-    "vespo_lambda_pos": ("VESPO", "lambda_pos"),
-    "vespo_k_neg": ("VESPO", "k_neg"),
-    "vespo_lambda_neg": ("VESPO", "lambda_neg"),
-}
-_BANDS = {"cispo": "CISPO", "gmpo": "GMPO"}
-
-
-def check_surrogate_keywords(
-    function: str, parameters: frozenset[str], kwargs: dict[str, Any]
-) -> None:
-    """Raise a ``TypeError`` with the new spelling for a flat surrogate keyword.
-
-    ``parameters``: the keywords ``function`` takes (with a ``surrogate`` parameter). A keyword
-    it does not take that is a surrogate's field (:data:`SURROGATE_FIELDS`) names the object
-    that holds it; any other unknown keyword is left to Python's own error.
-
-    Raises:
-        TypeError: ``policy_loss(..., clip_low=0.2)`` -> ``surrogate=Clip(low=0.2)``, ...
-    """
-    for name, value in kwargs.items():
-        if name in parameters or name not in SURROGATE_FIELDS:
-            continue
-        owner, field = SURROGATE_FIELDS[name]
-        surrogate = kwargs.get("surrogate")
-        if owner is None:
-            owner = _BANDS.get(surrogate, "Clip") if isinstance(surrogate, str) else "Clip"
-        raise TypeError(
-            f"{function}() got an unexpected keyword argument {name!r}: a surrogate's options "
-            f"are the fields of its object; did you mean surrogate={owner}({field}={value!r})?"
-        )
-
-
 def checks_environment(
     function: Callable[_Parameters, _Result],
 ) -> Callable[_Parameters, _Result]:
@@ -199,49 +163,6 @@ def describe(value: object) -> str:
     return type(value).__name__
 
 
-def _nested_shape(value: object, name: str, path: str = "", depth: int = 0) -> tuple[int, ...]:
-    """Shape of a nested list/tuple of numbers; raises for ragged, non-numeric or hostile data.
-
-    Nesting deeper than 64 levels and integers outside the int64 range raise ``ValueError``
-    naming the argument, instead of a ``RecursionError`` or ``OverflowError`` from deep inside
-    the conversion. The walk recurses at most 64 levels, whatever the input.
-    """
-    max_depth = 64  # more dimensions than any tensor argument of this library can have
-    if isinstance(value, (list, tuple)):
-        if depth >= max_depth:
-            raise ValueError(
-                f"{name} is a nested list more than {max_depth} levels deep; expected an array "
-                f"of at most {max_depth} dimensions"
-            )
-        if len(value) == 0:
-            return (0,)
-        shapes = [
-            _nested_shape(item, name, f"{path}[{i}]", depth + 1) for i, item in enumerate(value)
-        ]
-        first = shapes[0]
-        for i, shape in enumerate(shapes):
-            if shape != first:
-                raise ValueError(
-                    f"{name} is a ragged nested list: {name}{path}[0] has shape {first} but "
-                    f"{name}{path}[{i}] has shape {shape}; expected a rectangular array"
-                )
-        return (len(value), *first)
-    if isinstance(value, numbers.Integral) and not -(2**63) <= int(value) < 2**63:
-        # Never format the integer itself: str() of a huge int is slow or raises ValueError.
-        raise ValueError(
-            f"{name}{path} is an integer of {int(value).bit_length()} bits, outside the range "
-            "a tensor can hold ([-2**63, 2**63)); pass a float or a smaller value"
-        )
-    if isinstance(value, (bool, numbers.Real)) and not isinstance(value, (str, bytes)):
-        return ()
-    import reprlib  # bounded repr: the offending item may itself be huge or deeply nested
-
-    raise TypeError(
-        f"{name} must contain only numbers or bools, got {type(value).__name__} "
-        f"({reprlib.repr(value)}) at {name}{path}"
-    )
-
-
 def as_tensor(value: ArrayLike, name: str, device: torch.device | None = None) -> torch.Tensor:
     """Coerce ``value`` to a tensor without copying tensors and without modifying the input.
 
@@ -260,7 +181,7 @@ def as_tensor(value: ArrayLike, name: str, device: torch.device | None = None) -
     if isinstance(value, (list, tuple)) or (
         isinstance(value, (bool, numbers.Real)) and not isinstance(value, (str, bytes))
     ):
-        _nested_shape(value, name)
+        nested_shape(value, name)
         try:
             return torch.tensor(value, device=device)
         except (TypeError, ValueError, RuntimeError, OverflowError) as error:
@@ -488,70 +409,6 @@ def compute_dtype(*tensors: torch.Tensor) -> torch.dtype:
     return dtype
 
 
-#: Peer names with exactly the library's meaning (verl ``loss_agg_mode``): local counts by
-#: default, the global count as ``normalizer`` (verl's ``batch_num_tokens`` /
-#: ``global_batch_size`` divided by ``dp_size``).
-REDUCTION_ALIASES: dict[str, str] = {
-    "token-mean": "token_mean",
-    "seq-mean-token-mean": "sequence_mean",
-}
-
-
-_PRESET_TRL = "or rlobjectives.presets.trl_grpo_loss(loss_type={name!r}) for TRL's whole loss"
-
-
-_PRESET_VERL = "or rlobjectives.presets.verl_policy_loss() with loss_agg_mode={name!r}"
-
-
-#: Peer names that need more than a reduction name -> the exact arguments.
-REDUCTION_HINTS: dict[str, str] = {
-    # verl loss_agg_mode
-    "token-sum": "reduction='token_mean', normalizer=1 (times dp_size: verl multiplies by it)",
-    "seq-mean-token-sum": (
-        "reduction='sequence_sum_normalized', max_response_length=1, normalizer=S, with S the "
-        "number of non-empty sequences (verl's local default; its engine passes "
-        "global_batch_size / dp_size)"
-    ),
-    "seq-mean-token-sum-norm": (
-        "reduction='sequence_sum_normalized', max_response_length=loss_scale_factor (verl's "
-        "default: the padded T), normalizer=S, with S the number of non-empty sequences "
-        "(verl's local default; its engine passes global_batch_size / dp_size)"
-    ),
-    # TRL loss_type (a loss type fixes the surrogate and the normaliser, not only a reduction)
-    "grpo": "reduction='sequence_mean', normalizer=B * gradient_accumulation_steps (TRL counts "
-    "empty rows)",
-    "sapo": "surrogate='sapo', reduction='sequence_mean', normalizer=B * "
-    "gradient_accumulation_steps",
-    "bnpo": "reduction='token_mean', then divide by gradient_accumulation_steps",
-    "dr_grpo": "reduction='sequence_sum_normalized', max_response_length=max_completion_length, "
-    "normalizer=B * gradient_accumulation_steps",
-    "dapo": "reduction='token_mean', normalizer=num_items_in_batch / num_processes * "
-    "gradient_accumulation_steps / steps_per_generation",
-    "cispo": "surrogate='cispo', cispo_cap=epsilon_high, reduction='token_mean' with dapo's "
-    "normalizer",
-    "vespo": "surrogate='vespo', reduction='token_mean' with dapo's normalizer",
-    "luspo": "reduction='length_weighted', normalizer=B * gradient_accumulation_steps",
-}
-
-
-#: Peer KL estimator names -> the exact arguments (verl ``kl_loss_type`` / ``kl_penalty``).
-ESTIMATOR_HINTS: dict[str, str] = {
-    "kl": "estimator='k1'",
-    "mse": "estimator='k2'",
-    "low_var_kl": "estimator='k3', log_ratio_bound=20 (verl also clamps the estimate to "
-    "[-10, 10]; the library does not)",
-    "k1+": "estimator='k1', straight_through=True",
-    "kl+": "estimator='k1', straight_through=True",
-    "k2+": "estimator='k2' (its straight-through form is k2 itself)",
-    "mse+": "estimator='k2' (its straight-through form is k2 itself)",
-    "k3+": "estimator='k3', straight_through=True",
-    "low_var_kl+": "estimator='k3', straight_through=True (verl also clamps the value to "
-    "[-10, 10])",
-    "abs+": "estimator='k2' (the straight-through gradient of any verl estimator is k2's)",
-    "full": "full_vocab_kl_loss(logits, ref_logits, mask) (the exact KL over the vocabulary)",
-}
-
-
 def canonical_reduction(reduction: object) -> object:
     """``reduction`` with an accepted peer alias rewritten; a hinted peer name raises.
 
@@ -561,7 +418,7 @@ def canonical_reduction(reduction: object) -> object:
     if not isinstance(reduction, str):
         return reduction
     if reduction in REDUCTION_HINTS:
-        preset = _PRESET_TRL if "-" not in reduction else _PRESET_VERL
+        preset = PRESET_TRL if "-" not in reduction else PRESET_VERL
         raise ValueError(
             f"reduction={reduction!r} is a peer option, not a reduction name; did you mean "
             f"{REDUCTION_HINTS[reduction]}? ({preset.format(name=reduction)})"

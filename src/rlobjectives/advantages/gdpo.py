@@ -83,24 +83,9 @@ def gdpo_advantages(
     :math:`R = 1` is GRPO (:func:`rlobjectives.group_relative_advantages`) followed by batch
     whitening.
 
-    Peers and their conventions:
-
-    - TRL ``multi_objective_aggregation="normalize_then_sum"`` (``reward_weights``; it ignores
-      ``scale_rewards``): ``eps=1e-4`` in both stages, unbiased std (TRL's ``nanstd``, whose
-      Bessel factor is a float32 ``count/(count-1)``: a relative 3e-8); TRL excludes a NaN
-      component (a reward function returning None) from that component's statistics and counts
-      it 0 in the sum: not supported here (pass finite rewards).
-    - verl ``adv_estimator="gdpo"`` (``gdpo_reward_keys``, ``gdpo_reward_weights``,
-      ``norm_adv_by_std_in_grpo``, :math:`\epsilon = 10^{-6}`) whitens over **tokens**:
-      ``masked_whiten`` of :math:`S_i` broadcast to the response tokens, so sequence :math:`i`
-      counts :math:`L_i` times, :math:`\mu = \sum_i L_i S_i / \sum_i L_i`, the variance
-      unbiased over :math:`\sum_i L_i - 1`, :math:`(S - \mu)\,\mathrm{rsqrt}(\sigma^2 +
-      10^{-8})` (longer responses weigh more: up to 0.07 apart on a random batch). Reproduce it
-      with ``masked_whiten(gdpo_advantages(r, G, weights=w, whiten=False)[:, None]
-      .expand(B, T), mask)``, or :func:`rlobjectives.presets.verl_gdpo_advantages`.
-    - NeMo-RL ``GDPOAdvantageEstimator``: with ``use_leave_one_out_baseline=False`` (the GDPO
-      example configs) equal to ``eps=1e-6`` up to its batch stage (no :math:`\epsilon`
-      there); its default leave-one-out baseline is another estimator.
+    Peers: TRL ``multi_objective_aggregation="normalize_then_sum"`` (``eps=1e-4``), verl
+    ``adv_estimator="gdpo"`` (over tokens: :func:`rlobjectives.presets.verl_gdpo_advantages`),
+    NeMo-RL ``GDPOAdvantageEstimator``; in detail: ``docs/objectives/advantages.md``.
 
     Args:
         rewards: ``(B, R)`` reward components per sequence (``(B,)`` is one component).

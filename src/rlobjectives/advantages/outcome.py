@@ -19,14 +19,9 @@ from typing import Any, Literal
 
 import torch
 
-from .._core.layout import (
-    per_sequence,
-    segment_discounted_sum,
-    sequence_layout,
-    token_matrix,
-    token_output,
-)
+from .._core.layout import per_sequence, sequence_layout, token_matrix, token_output
 from .._core.reduction import masked_fill_zero
+from .._core.segments import segment_discounted_sum
 from .._core.validation import (
     ArrayLike,
     Scalar,

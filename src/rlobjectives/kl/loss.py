@@ -120,45 +120,14 @@ def kl_loss(
 
         L_{KL} = \mathrm{reduce}_M\big(w_{it}\,k_{it}\big),
 
-    where :math:`k_{it}` is the per-token estimate of :func:`kl_estimate`, :math:`w_{it}` the
-    optional ``importance_weights`` (1 by default, see below) and the reduction is one
-    of :func:`rlobjectives.aggregate`'s (``"token_mean"``: :math:`\sum M k / \sum M`;
-    ``"sequence_mean"``: mean over non-empty sequences of per-sequence token means;
-    ``"sequence_sum_normalized"``: :math:`\sum M k / (B\,C)`; ``"none"``). Add it to the policy
-    loss as ``loss = policy_loss(...).loss + kl_coef * kl_loss(...)``. With an explicit
-    ``normalizer`` (the global selected-token count, sequence count...) the losses of
-    micro-batches sum to the full-batch loss. Packed sequences (``cu_seqlens`` given): the
-    tensors are ``(N,)`` or ``(1, N)`` and the per-sequence reductions run over the runs
-    ``cu_seqlens[i]:cu_seqlens[i + 1]``, as :func:`rlobjectives.aggregate` does. Context
-    parallelism (``context_group``): each rank holds some tokens of the same sequences and
-    every rank returns the loss of the whole sequences, as :func:`rlobjectives.aggregate`
-    (gradient into the local tokens).
-
-    Gradient (on-policy samples; see the module docstring):
-
-    - ``"k2"``, or any estimator with ``straight_through=True``: unbiased
-      :math:`\nabla\mathrm{KL}(\pi\|\pi_{ref})` (verl ``k2`` / ``k3+``, OpenRLHF PR #1101).
-    - ``"k1"``: zero expected gradient (:math:`E_\pi[\nabla\log\pi] = 0`); emits
-      :class:`BiasedGradientWarning`.
-    - ``"k3"`` (GRPO's default, TRL ``beta > 0``, verl ``low_var_kl``): expected gradient is
-      :math:`\nabla\mathrm{KL}(\pi_{ref}\|\pi)`, not the KL it estimates; emits
-      :class:`BiasedGradientWarning` (verl PR #2953).
-
-    Importance weights (``importance_weights`` :math:`w`): the per-token estimate becomes
-    :math:`w_{it} k_{it}` before the reduction (the denominators keep the mask). The weights
-    are used **as given**, not detached:
-
-    - TRL ``use_bias_correction_kl=True`` (the default since TRL 1.10) multiplies the k3 term by
-      ``coef_1 = exp(log_probs - old_log_probs)`` (token level; ``exp`` of the masked mean
-      log-ratio, ``(B, 1)``, for ``importance_sampling_level="sequence"``), taken **before**
-      the ``delta`` clamp and **with its gradient**. Reproduce it, value and gradient, with
-      ``importance_weights=torch.exp(log_probs - old_log_probs)`` (not detached). The gradient
-      :math:`\nabla(\rho k) = \rho k\,\nabla\log\pi + \rho\nabla k` then has expectation
-      :math:`\nabla E_\pi[k] = \nabla\mathrm{KL}(\pi\|\pi_{ref})` under the behaviour
-      policy for ``"k1"`` and ``"k3"``: the correction also removes k3's gradient bias, and
-      no :class:`BiasedGradientWarning` is emitted for them. (TRL also logs the weighted KL.)
-    - Constant weights (detached, e.g. :func:`rlobjectives.rollout_correction`'s) only rescale
-      each token's term and gradient; the warnings are those of the unweighted estimator.
+    where :math:`k_{it}` is :func:`kl_estimate`'s estimate, :math:`w_{it}` the optional
+    ``importance_weights`` (used as given, not detached), the reduction one of
+    :func:`rlobjectives.aggregate`'s (packed and context-parallel calls too). Add it as
+    ``policy_loss(...).loss + kl_coef * kl_loss(...)``. Expected gradient (on-policy): ``"k2"``
+    or ``straight_through=True``: :math:`\nabla\mathrm{KL}(\pi\|\pi_{ref})` (verl ``k2`` /
+    ``k3+``); ``"k1"``: zero; ``"k3"`` (GRPO, TRL ``beta``, verl ``low_var_kl``):
+    :math:`\nabla\mathrm{KL}(\pi_{ref}\|\pi)`. ``importance_weights=exp(log_probs -
+    old_log_probs)``: TRL's ``use_bias_correction_kl``. Details: ``docs/objectives/kl.md``.
 
     Args:
         log_probs: ``(B, T)`` log-probabilities under the current policy (differentiable).
@@ -166,32 +135,25 @@ def kl_loss(
         mask: ``(B, T)``, bool or numeric; nonzero selects the token.
         estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"``.
         straight_through: value of ``estimator``, gradient of ``k2``.
-        reduction: ``"token_mean"``, ``"sequence_mean"``, ``"sequence_sum_normalized"`` or
-            ``"none"``.
-        normalizer: explicit positive denominator (number or 0-d tensor) for micro-batch/rank
-            additive losses.
-        max_response_length: Dr. GRPO constant :math:`C` for ``"sequence_sum_normalized"``
-            (default ``T``).
+        reduction: ``"token_mean"``, ``"sequence_mean"``, ``"sequence_sum_normalized"``, ``"none"``.
+        normalizer: explicit positive denominator (number or 0-d tensor), or None.
+        max_response_length: Dr. GRPO constant :math:`C` (``"sequence_sum_normalized"``; ``T``).
         log_ratio_bound: clamp :math:`b > 0` on the log-ratio, or None.
         importance_weights: ``(B, T)``, ``(B, 1)`` or ``(B,)`` weights :math:`w` multiplying the
             per-token estimate (see above), or None. NaN/inf at unselected tokens is ignored.
-        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
-            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
-        context_group: the process group of the ranks holding the other tokens of the same
-            sequences (context parallelism), or None; see :func:`rlobjectives.policy_loss`.
+        cu_seqlens: optional ``(S + 1,)`` packed boundaries; see :func:`rlobjectives.policy_loss`.
+        context_group: the context-parallel group of the sequences' other tokens, or None.
 
     Returns:
-        A scalar (``(B, T)`` for ``reduction="none"``, packed: the shape of ``log_probs``) with
-        the dtype and device of ``log_probs``; computed in float32 (float64 when any floating
-        input, ``importance_weights`` included, is float64). Fully masked inputs give 0.
+        A scalar (``(B, T)`` for ``"none"``; packed: the shape of ``log_probs``), dtype and device
+        of ``log_probs``; float32 math (float64 if a floating input is). Fully masked: 0.
 
     Raises:
         ValueError: on mismatched shapes/devices, an unknown ``estimator`` or ``reduction``, a
-            non-positive ``normalizer``/``max_response_length``/``log_ratio_bound``, or a
-            malformed ``cu_seqlens``.
-        TypeError: on non-numeric inputs or a non-bool ``straight_through``.
-        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
-            group; ValueError if this rank is not in it or no process group is initialised.
+            non-positive ``normalizer``/``max_response_length``/``log_ratio_bound``, a malformed
+            ``cu_seqlens``, or a ``context_group`` without this rank or a process group.
+        TypeError: on non-numeric inputs, a non-bool ``straight_through`` or a non-ProcessGroup
+            ``context_group``.
 
     Warns:
         BiasedGradientWarning: for ``"k1"`` or ``"k3"`` without ``straight_through``; with
@@ -204,11 +166,10 @@ def kl_loss(
 
     Examples:
         >>> import torch
-        >>> kl_loss(torch.tensor([[0.0, 2.0]]), torch.zeros(1, 2), torch.tensor([[1, 1]]),
-        ...         estimator="k2")
+        >>> log_probs, ref, mask = torch.tensor([[0.0, 2.0]]), torch.zeros(1, 2), torch.ones(1, 2)
+        >>> kl_loss(log_probs, ref, mask, estimator="k2")
         tensor(1.)
-        >>> kl_loss(torch.tensor([[0.0, 2.0]]), torch.zeros(1, 2), torch.tensor([[1, 1]]),
-        ...         estimator="k2", importance_weights=torch.tensor([[1.0, 0.5]]))
+        >>> kl_loss(log_probs, ref, mask, estimator="k2", importance_weights=[[1.0, 0.5]])
         tensor(0.5000)
 
     .. versionadded:: 0.1.0

@@ -52,18 +52,11 @@ def kl_penalized_token_rewards(
         R_{it} = 0 \quad (M_{it} = 0),
 
     with :math:`k_{it}` the :func:`kl_estimate` of ``estimator`` and :math:`t^{last}_i` the last
-    selected token of sequence :math:`i` (OpenRLHF / torchtune / InstructGPT convention). A
-    sequence with no selected token gets no reward at all (its score is dropped, no NaN). At
-    :math:`\gamma = 1` the return of sequence :math:`i` is
-    :math:`\sum_t R_{it} = s_i - \beta \sum_t M_{it} k_{it}`, which for ``"k1"`` without a bound
-    is :func:`kl_penalized_rewards`'s penalized reward
-    :math:`r_i - \beta D_i`. Packed sequences (``cu_seqlens`` given): the per-token tensors are
-    ``(N,)`` or ``(1, N)``, ``scores`` ``(S,)``, and each score lands on the last selected token
-    of its run ``cu_seqlens[i]:cu_seqlens[i + 1]``. Context parallelism (``context_group``):
-    each rank holds some tokens of the same sequences (and every sequence's score); the score
-    lands on the last selected token of the whole sequence, i.e. on the last rank of the group
-    holding a selected token of it (one ``all_reduce(MAX)`` of ``(S,)`` rank indices), and the
-    penalty is per token, so the result is this rank's tokens of the unsplit call's.
+    selected token of sequence :math:`i` (OpenRLHF / torchtune / InstructGPT convention); a
+    sequence with no selected token gets no reward. At :math:`\gamma = 1` the return is
+    :math:`s_i - \beta \sum_t M_{it} k_{it}` (``"k1"`` unbounded: :func:`kl_penalized_rewards`'s
+    :math:`r_i - \beta D_i`). Packed and context-parallel calls equal the unsplit call
+    (``docs/objectives/kl.md``).
 
     The rewards are meant to be used as constants (pass the behaviour-policy ``old_log_probs``
     or detach): the KL gradient then arrives through the policy-gradient score function, which is
@@ -80,8 +73,7 @@ def kl_penalized_token_rewards(
         log_ratio_bound: optional clamp :math:`b > 0` on the log-ratio (default None).
         cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
             non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
-        context_group: the process group of the ranks holding the other tokens of the same
-            sequences (context parallelism, chunks in group-rank order), or None.
+        context_group: the context-parallel group of the sequences' other tokens, or None.
 
     Returns:
         ``(B, T)`` rewards (packed: the shape of ``log_probs``), zeros at unselected tokens, on
@@ -91,10 +83,9 @@ def kl_penalized_token_rewards(
     Raises:
         ValueError: on mismatched shapes/devices, ``scores`` not of length B (packed: S), an
             unknown ``estimator``, a negative/non-finite ``kl_coef``, a non-positive
-            ``log_ratio_bound``, or a malformed ``cu_seqlens``.
-        TypeError: on non-numeric inputs.
-        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
-            group; ValueError if this rank is not in it or no process group is initialised.
+            ``log_ratio_bound``, a malformed ``cu_seqlens``, or a ``context_group`` without
+            this rank or a process group.
+        TypeError: on non-numeric inputs, or a non-ProcessGroup ``context_group``.
 
     Warns:
         BiasedGradientWarning: for ``"k2"``/``"k3"``, or ``"k1"`` with a ``log_ratio_bound``.

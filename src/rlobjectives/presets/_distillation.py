@@ -291,20 +291,13 @@ def verl_distillation_loss(
     ``use_policy_gradient: false``). The per-token distillation loss :math:`D`:
 
     - ``"forward_kl_topk"``: ``topk_forward_kl(student_logits, teacher_log_probs, teacher_ids,
-      M, tail=False, temperature=τ, reduction="none")``, then ``clamp_min(0)`` (verl: the top-k
-      sets are sub-distributions, so the head can be negative); with ``log_prob_min_clamp``
-      :math:`c` both the student's and the teacher's slot log-probabilities are clamped at
-      :math:`c` first (:math:`\sum_k e^{\max(\ell^T_k, c)}(\max(\ell^T_k, c) - \max(\ell^S_k,
-      c))`, no gradient where :math:`\ell^S_k < c`). Metrics ``distillation/student_mass``,
-      ``teacher_mass`` (the top-k masses :math:`P_S, P_T` before the clamp, means over the
-      response tokens) and their ``_min`` / ``_max``. verl's ``overlap_ratio`` and
-      ``overlap_token_advantage`` (the student's own top-k) are left out. A ``-inf`` teacher
-      slot is padding here (verl: NaN).
+      M, tail=False, temperature=τ, reduction="none")``, then ``clamp_min(0)``; with
+      ``log_prob_min_clamp`` :math:`c` the slot log-probabilities clamped at :math:`c` first:
+      :math:`\sum_k e^{\max(\ell^T_k, c)}(\max(\ell^T_k, c) - \max(\ell^S_k, c))`.
     - estimator modes: ``kl_estimate(log_prob, teacher_log_probs, M, estimator)`` with verl's
-      clamps (``k3``/``low_var_kl``: log-ratio :math:`\pm 20`, value :math:`\le 10`;
-      ``k1``/``kl``, ``k2``/``mse``, ``abs``: none); ``"<mode>+"``: that value with the
-      gradient of the unclamped :math:`k_2` (verl's straight-through). Metric
-      ``distillation/abs_loss``.
+      clamps; ``"<mode>+"``: that value with the gradient of the unclamped :math:`k_2`.
+
+    Metrics, clamps and what is left out: ``docs/objectives/distillation.md`` ("Presets").
 
     Then ``distillation/loss_min`` / ``loss_max`` (of :math:`D` over the response tokens),
     ``clamp(D, ±loss_max_clamp)``, and either ``agg_loss(D, loss_agg_mode)``

@@ -363,11 +363,8 @@ def trl_grpo_loss(
     ``epsilon`` (for ``cispo`` that is a cap of 0.2 on the ratio, TRL's trap: TRL recommends
     ``epsilon_high=5.0`` there).
 
-    Differences from the git snapshot f2cd577 (1.10.0.dev0) of TRL: there ``dapo``, ``cispo``
-    and ``vespo`` divide by ``N/P`` without the ``GA/spg`` factor, ``luspo`` averages ``L·n_i``
-    over all ``B·T`` elements (padding included), ``use_bias_correction_kl`` defaults to False
-    and the entropy bonus of dapo/cispo/vespo is divided by their normaliser. Pass
-    ``steps_per_generation=gradient_accumulation_steps`` to get the snapshot's normaliser.
+    TRL's earlier releases (the git snapshot f2cd577, 1.10.0.dev0) differ in the normalisers:
+    ``docs/objectives/drop-in.md`` ("The releases reproduced, and what changed").
 
     Args:
         loss_type: ``"grpo"``, ``"bnpo"``, ``"dr_grpo"``, ``"dapo"``, ``"luspo"``,

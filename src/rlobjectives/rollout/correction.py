@@ -340,99 +340,50 @@ def rollout_correction(
         \log\rho = \mathrm{clip}\big(\delta_{it}\ \text{(token)},\ \textstyle\sum_t \delta_{it}
         \ \text{(sequence)},\ \frac{1}{n_i}\sum_t \delta_{it}\ \text{(geometric)},\ -20,\ 20\big),
 
-    the log-ratio is clamped to :math:`\pm 20` before ``exp`` (verl's bound; TRL and OpenRLHF
-    do not clamp, which differs only where :math:`|\log\rho| > 20`). A sequence ratio is
-    broadcast to the sequence's tokens. Then, with :math:`L` = ``lower`` (None: no lower bound)
-    and :math:`U` = ``upper`` (None: no upper bound), both inclusive (every comparison with a
-    bound is decided on the log-ratio as a correctly rounded ``exp`` in the computation dtype
-    would decide it against the bound rounded to that dtype: ``docs/conventions.md``,
-    "Decisions at a bound"; a ratio equal to a bound after rounding is inside):
+    a sequence ratio broadcast to its tokens. With :math:`L` = ``lower``, :math:`U` = ``upper``
+    (None: open), both inclusive (decided on the log-ratio: ``docs/conventions.md``):
+    ``"truncate"``: :math:`w = \mathrm{clip}(\rho, L, U)`; ``"mask"``: :math:`w = \rho\,
+    \mathbb 1[L \le \rho \le U]` (both keep the mask); ``"reject"``: :math:`w = 1` and tokens
+    (whole sequences at the sequence levels) with :math:`\rho \notin [L, U]` leave the returned
+    mask; ``veto`` :math:`v`: a sequence with a token :math:`e^{\delta_{it}} < v` leaves it.
 
-    - ``mode="truncate"``: :math:`w = \mathrm{clip}(\rho, L, U)`; the mask is unchanged;
-    - ``mode="mask"``: :math:`w = \rho\,\mathbb 1[L \le \rho \le U]`; the mask is unchanged
-      (zero-weight tokens still count in the loss's denominator);
-    - ``mode="reject"``: :math:`w = 1`, and tokens with :math:`\rho \notin [L, U]` (whole
-      sequences for the sequence levels) leave the returned mask (and so the denominator);
-    - ``veto`` :math:`v`: a sequence with any token :math:`e^{\delta_{it}} < v` leaves the mask
-      entirely (on the unclamped :math:`\delta_{it}`, by the same rule).
-
-    The weights are constants: multiply the per-token policy loss by them and reduce with the
-    returned ``mask``: ``policy_loss(log_probs, old_log_probs, advantages, out.mask,
-    importance_weights=out.weights)``. Pass as ``log_probs`` the trainer's log-probs of the
-    sampled tokens under the policy that sampled them (``old_log_probs``: TRL, verl's decoupled
-    mode, OpenRLHF) or under the current policy (verl's bypass mode). The sequence levels need
-    whole sequences in one call (see ``docs/objectives/rollout.md``, "Whole sequences"), or
-    ``context_group`` when context parallelism splits them.
-
-    Peer options (``docs/objectives/rollout.md`` has the full table):
-
-    - TRL ``vllm_importance_sampling_mode="token_truncate"`` / ``"sequence_truncate"`` with
-      ``clip_min/clip_max``: ``level="token"/"sequence", mode="truncate", lower=clip_min,
-      upper=clip_max``; ``"token_mask"`` / ``"sequence_mask"`` (TRL's default, ``clip_max=3``):
-      ``mode="mask"``.
-    - verl ``rollout_is="token"/"sequence"``, ``rollout_is_threshold=U``: ``mode="truncate",
-      upper=U``; IcePop ``"L_U"``: ``mode="mask", lower=L, upper=U``. verl ``rollout_rs``
-      ``token_k1`` / ``seq_sum_k1`` / ``seq_mean_k1`` with ``"a_b"`` (bounds on
-      :math:`1/\rho`): ``mode="reject", level="token"/"sequence"/"geometric", lower=1/b,
-      upper=1/a``. The former verl ``rollout_token_veto_threshold=v``: ``veto=v``.
-    - OpenRLHF ``vllm_is_correction_type="tis"`` with ``[low, high]``: ``mode="truncate",
-      lower=low, upper=high``; ``"icepop"``: ``mode="mask"``; ``"seq-mask-tis"``: the product
-      of ``rollout_correction(..., level="geometric", mode="reject", lower=low,
-      upper=high).weights`` (1 kept, 0 filtered) and ``rollout_correction(..., mode="truncate",
-      upper=None).weights`` (the untruncated token ratio), with the original mask.
+    Constant weights for ``policy_loss(..., out.mask, importance_weights=out.weights)``. Peers
+    (TRL ``vllm_importance_sampling_mode``, verl ``rollout_is`` / IcePop / ``rollout_rs``,
+    OpenRLHF ``vllm_is_correction_type``), whole sequences: ``docs/objectives/rollout.md``.
 
     Args:
-        log_probs: ``(B, T)`` trainer log-probabilities of the sampled tokens (any float dtype;
-            detached: the weights carry no gradient).
+        log_probs: ``(B, T)`` trainer log-probabilities of the sampled tokens (detached).
         rollout_log_probs: ``(B, T)`` the sampler's log-probabilities of the same tokens.
         mask: ``(B, T)``, bool or numeric; nonzero selects the token.
-        level: ``"token"``, ``"sequence"`` (product of the token ratios) or ``"geometric"``
-            (geometric mean of the token ratios).
+        level: ``"token"``, ``"sequence"`` (product of the ratios) or ``"geometric"`` (mean).
         mode: ``"truncate"``, ``"mask"`` or ``"reject"``.
         upper: :math:`U > 0` (number or 0-d tensor), or None for no upper bound.
         lower: :math:`L \ge 0`, or None for no lower bound; :math:`L \le U`.
         veto: :math:`v > 0`, or None for no veto.
-        cu_seqlens: optional ``(S + 1,)`` boundaries of packed sequences (the per-token tensors
-            are then ``(N,)`` or ``(1, N)``, and ``weights`` / ``mask`` come back in that
-            shape). The sequence levels need each sequence whole in one call, or
-            ``context_group``.
-        context_group: the process group of the ranks holding the other tokens of the same
-            sequences (context parallelism), or None. The sequence and geometric ratios, the
-            veto and the metrics are then those of the whole sequences (one all-reduce of
-            ``(S,)`` values per level and for the veto, two of the metrics' 11 numbers); each
-            rank gets the weights and the mask of its own tokens.
+        cu_seqlens: optional ``(S + 1,)`` packed boundaries (tensors, results ``(N,)``/``(1, N)``).
+        context_group: the context-parallel group of the sequences' other tokens, or None.
 
     Returns:
         :class:`RolloutCorrection` ``(weights, mask, metrics)``: ``weights`` ``(B, T)`` in the
-        computation dtype (float32, float64 for float64 inputs), exact 0 at unselected tokens;
-        ``mask`` ``(B, T)`` bool; ``metrics`` a :class:`RolloutCorrectionMetrics` of sums and
-        counts over the selected tokens (mean/min/max raw ratio, effective sample size
-        :math:`(\sum w)^2 / (n \sum w^2)`, truncated and masked fractions, KL(rollout || trainer)
-        k1 and k3 at token level, chi-square :math:`E[\rho^2] - 1`), additive over micro-batches
-        and ranks with :func:`rlobjectives.distributed.sum_diagnostics`. NaN/inf at unselected
-        positions reaches no output.
+        computation dtype, exact 0 at unselected tokens; ``mask`` ``(B, T)`` bool; ``metrics`` a
+        :class:`RolloutCorrectionMetrics` of sums and counts over the selected tokens, additive
+        over micro-batches and ranks (:func:`rlobjectives.distributed.sum_diagnostics`).
 
     Raises:
         ValueError: on inputs that are not ``(B, T)``, mismatched shapes/devices, an unknown
-            ``level``/``mode``, ``upper``/``veto`` not > 0, ``lower`` < 0, ``lower > upper``
-            or a non-finite bound.
-        TypeError: on non-numeric inputs or bounds.
-        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
-            group; ValueError if this rank is not in it or no process group is initialised.
+            ``level``/``mode``, ``upper``/``veto`` not > 0, ``lower`` < 0, ``lower > upper``,
+            a non-finite bound, or a ``context_group`` without this rank or a process group.
+        TypeError: on non-numeric inputs or bounds, or a non-ProcessGroup ``context_group``.
 
     References:
-        Yao et al. 2025, "Your Efficient RL Framework Secretly Brings You Off-Policy RL
-        Training" (truncated IS); Liu, Li et al. 2025, "When Speed Kills Stability:
-        Demystifying RL Collapse from the Training-Inference Mismatch" (sequence/geometric
-        ratios, rejection, veto); Ling Team 2025, arXiv:2510.18855 §3 (IcePop masking);
-        Kong 1992 (effective sample size).
+        Yao et al. 2025 (truncated IS); Liu, Li et al. 2025 (sequence/geometric ratios,
+        rejection, veto); Ling Team 2025, arXiv:2510.18855 §3 (IcePop); Kong 1992 (ESS).
 
     Examples:
         >>> import torch
         >>> out = rollout_correction(torch.tensor([[0.0, 0.0, 0.0]]),
-        ...                          torch.tensor([[-1.0, 0.0, 0.5]]),
-        ...                          torch.tensor([[1, 1, 0]]), upper=2.0)
-        >>> out.weights  # exp(1) = 2.718 truncated to 2, exp(0) = 1, unselected 0
+        ...                          torch.tensor([[-1.0, 0.0, 0.5]]), torch.tensor([[1, 1, 0]]))
+        >>> out.weights  # exp(1) = 2.718 truncated to 2 (upper=2.0), exp(0) = 1, unselected 0
         tensor([[2., 1., 0.]])
         >>> float(out.metrics.truncated_fraction)
         0.5

@@ -187,37 +187,13 @@ def value_loss(
                  \big(\mathrm{clip}(V_{it}, V^{old}_{it} - \epsilon, V^{old}_{it} + \epsilon)
                  - R_{it}\big)^2\Big),
 
-    reduced like the policy loss (:func:`rlobjectives.aggregate`: ``"token_mean"``,
-    ``"sequence_mean"``, ``"sequence_sum_normalized"`` or ``"none"``, with the same global
-    ``normalizer`` for micro-batch/rank-additive losses). ``clip=None`` gives the unclipped
-    :math:`\tfrac12 (V - R)^2`. The max is pessimistic: once the new value has moved more than
-    :math:`\epsilon` from the old one *and* the clipped value is further from the target, the
-    token gives no gradient.
-
-    Peer mapping (both put the :math:`\tfrac12` outside the reduction; it is linear, so it is
-    the same number):
-
-    - verl ``compute_value_loss(vpreds=values, returns, values=old_values, response_mask,
-      cliprange_value=clip, loss_agg_mode)`` = ``0.5 * agg_loss(max(...))``: ``"token-mean"``
-      = ``"token_mean"`` (``batch_num_tokens`` = ``normalizer``), ``"seq-mean-token-mean"`` =
-      ``"sequence_mean"``; its ``dp_size`` factor is
-      :func:`rlobjectives.data_parallel_loss_scale`. ``vf_clipfrac`` =
-      ``diagnostics.clip_fraction``.
-    - OpenRLHF ``ValueLoss(clip_eps=clip, token_level_loss)``: ``True`` = ``"token_mean"``
-      (with ``batch_num_tokens`` = ``normalizer`` and ``dp_size`` as above), ``False`` =
-      ``"sequence_mean"`` (``global_batch_size`` = ``normalizer``). It clips as
-      :math:`V^{old} + \mathrm{clip}(V - V^{old}, \pm\epsilon)`, equal up to rounding.
-    - TRL's PPO ``vf_coef * 0.5 * masked_mean(max(...))`` = ``vf_coef * loss`` (token mean).
-
-    Gradients flow into ``values`` only (``old_values`` and ``returns`` are constants).
-    Computed in float32 (float64 for float64 inputs) also for bf16/fp16 values; NaN/inf at
-    unselected positions reaches no output and no gradient; nothing selected gives 0. Packed
-    sequences (``cu_seqlens``): the tensors are ``(N,)`` or ``(1, N)`` and the per-sequence
-    reductions run over the runs ``cu_seqlens[i]:cu_seqlens[i + 1]``. Context parallelism
-    (``context_group``): each rank holds some tokens of the same sequences; the loss (its
-    per-sequence terms for ``"sequence_mean"``), the clip fraction and the explained variance
-    are those of the whole sequences on every rank, the gradient flows into the local
-    ``values``.
+    reduced like :func:`rlobjectives.aggregate` (``"token_mean"``, ``"sequence_mean"``,
+    ``"sequence_sum_normalized"``, ``"none"``; a global ``normalizer`` makes it micro-batch and
+    rank additive). ``clip=None``: :math:`\tfrac12 (V - R)^2`. Gradients flow into ``values``
+    only; float32 (float64 for float64 inputs); NaN/inf at unselected positions reaches nothing.
+    Peers: verl ``compute_value_loss`` (``cliprange_value=clip``), OpenRLHF ``ValueLoss``
+    (``clip_eps=clip``), TRL PPO's ``vf_loss``; the mapping, packing and context parallelism:
+    ``docs/objectives/value.md``.
 
     Args:
         values: ``(B, T)`` current value predictions :math:`V` (differentiable).
@@ -225,16 +201,14 @@ def value_loss(
         returns: ``(B, T)`` value targets :math:`R`.
         mask: ``(B, T)``, bool or numeric; nonzero selects the token.
         clip: :math:`\epsilon \ge 0` (number or 0-d tensor), or None for no clipping.
-        reduction: ``"token_mean"``, ``"sequence_mean"``, ``"sequence_sum_normalized"`` or
-            ``"none"``.
+        reduction: ``"token_mean"``, ``"sequence_mean"``, ``"sequence_sum_normalized"``, ``"none"``.
         normalizer: explicit positive denominator (global token / sequence count), see
             :func:`rlobjectives.aggregate`.
         max_response_length: the ``"sequence_sum_normalized"`` constant :math:`C`
             (default ``T``).
         cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
             non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
-        context_group: the process group of the ranks holding the other tokens of the same
-            sequences (context parallelism), or None; see :func:`rlobjectives.policy_loss`.
+        context_group: the context-parallel group of the sequences' other tokens, or None.
 
     Returns:
         :class:`ValueLossOutput` ``(loss, per_token_loss, diagnostics)``; ``loss`` has the
@@ -243,10 +217,9 @@ def value_loss(
     Raises:
         ValueError: on mismatched shapes or devices, inputs that are not ``(B, T)``, a negative
             or non-finite ``clip``, an unknown ``reduction``, a non-positive ``normalizer`` or
-            ``max_response_length``, or a malformed ``cu_seqlens``.
-        TypeError: on non-numeric inputs.
-        Also, naming ``context_group``: TypeError if it is not a ``torch.distributed`` process
-            group; ValueError if this rank is not in it or no process group is initialised.
+            ``max_response_length``, a malformed ``cu_seqlens``, or a ``context_group`` without
+            this rank or a process group.
+        TypeError: on non-numeric inputs, or a non-ProcessGroup ``context_group``.
 
     References:
         Schulman et al. 2017, PPO, arXiv:1707.06347 Eq. 9 (:math:`L^{VF}`); the clipped value
