@@ -161,11 +161,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--clock", choices=("wall", "process"), default="process")
-    parser.add_argument(
-        "--no-liger-compiled",
-        action="store_true",
-        help="skip Liger with torch.compile (needs a C++ toolchain on CPU)",
-    )
+    parser.add_argument("--no-liger-compiled", action="store_true",
+                        help="skip Liger with torch.compile (a C++ toolchain on CPU)")  # fmt: skip
     parser.add_argument("--output", default=None, help="results stem (default preference[-quick])")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
