@@ -567,6 +567,22 @@ OBJECTIVE_CASES: tuple[Case, ...] = (
 )
 
 
+#: Issue 35's surrogate objects.
+SURROGATE35_CASES: tuple[Case, ...] = (
+    Case(
+        "ProbabilityBand",
+        rlo.ProbabilityBand,
+        lambda: {"tau": 0.1, "kappa": 0.01},
+        field_wrongs(rlo.ProbabilityBand, "tau", below=-0.1)
+        + field_wrongs(rlo.ProbabilityBand, "kappa", below=-0.1)
+        + (
+            _named("tau", "ProbabilityBand.tau", "above-1", 1.5, ValueError),
+            _named("tau", "ProbabilityBand.tau", "tensor-above-1", torch.tensor(1.5), ValueError),
+        ),
+    ),
+)
+
+
 def _cov_arguments() -> Arguments:
     return {
         "log_probs": per_token(),
@@ -1812,4 +1828,5 @@ CASES: tuple[Case, ...] = (
     *ISSUE25_CASES,
     *SURROGATE_CASES,
     *OBJECTIVE_CASES,
+    *SURROGATE35_CASES,
 )  # fmt: skip

@@ -949,8 +949,98 @@ def ppo_actor_loss_fn(
     return pg_loss, stat
 
 
+# ------------------------------------------------------------------------------------------------
+# prime-rl, PrimeIntellect-ai/prime-rl @ 559b44772e471d1538537b8805cc77f3824a5e64,
+# src/prime_rl/trainer/rl/loss.py: LossInputs, LossOutputs, _safe_mean,
+# compute_importance_ratio_and_mismatch_kl, ipo_loss_fn (the jaxtyping annotations written as
+# plain Tensor); packages/prime-rl-configs/src/prime_rl/configs/trainer.py IPOLossConfig is
+# replaced by a plain dataclass of its fields and defaults.
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class IPOLossConfig:  # replaced: pydantic BaseConfig with Field(..., ge=0) validators
+    ipo_threshold: float = 0.1
+    adv_tau: float = 1.0
+    kl_tau: float = 1e-3
+
+
+@dataclass
+class LossInputs:
+    """Inputs for computing loss on a single sample."""
+
+    trainer_logprobs: torch.Tensor
+    inference_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    loss_weights: torch.Tensor | None = None
+
+
+@dataclass
+class LossOutputs:
+    """Outputs from computing loss on a single sample."""
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+def _safe_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of values over a boolean mask; returns 0 when mask is empty."""
+    denom = torch.clamp_min(mask.sum(), 1)
+    return values[mask].sum() / denom
+
+
+def compute_importance_ratio_and_mismatch_kl(
+    trainer_logprobs: torch.Tensor, inference_logprobs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    log_importance_ratio = trainer_logprobs - inference_logprobs
+    importance_ratio = torch.exp(log_importance_ratio)
+    mismatch_kl = importance_ratio - log_importance_ratio - 1
+    return log_importance_ratio, importance_ratio, mismatch_kl
+
+
+# fmt: off
+def ipo_loss_fn(inputs: LossInputs, loss_config: IPOLossConfig) -> LossOutputs:
+    """IPO loss type: a symmetric trust region (mask tokens whose probability
+    moved more than ``ipo_threshold`` in absolute terms), policy gradient via
+    the importance ratio, and a squared-log-ratio KL regularizer."""
+    trainer_logprobs = inputs.trainer_logprobs
+    inference_logprobs = inputs.inference_logprobs
+    advantages = inputs.advantages
+    loss_mask = inputs.loss_mask
+
+    log_importance_ratio, importance_ratio, mismatch_kl = compute_importance_ratio_and_mismatch_kl(
+        trainer_logprobs, inference_logprobs
+    )
+
+    abs_probs_diff = torch.abs(torch.exp(trainer_logprobs) - torch.exp(inference_logprobs))
+
+    is_masked = abs_probs_diff > loss_config.ipo_threshold
+    keep_mask = loss_mask & ~is_masked
+
+    advantages = loss_config.adv_tau * advantages
+    pg_loss = keep_mask * advantages * importance_ratio
+    kl_loss = loss_mask * log_importance_ratio**2
+    per_token_loss = -pg_loss + loss_config.kl_tau * kl_loss
+    if inputs.loss_weights is not None:
+        per_token_loss = per_token_loss * inputs.loss_weights
+    loss = per_token_loss.sum()
+
+    metrics = {
+        "masked_mismatch_kl": _safe_mean(mismatch_kl, loss_mask & is_masked),  # all trainable, masked tokens
+        "unmasked_mismatch_kl": _safe_mean(mismatch_kl, keep_mask),  # all trainable, unmasked tokens
+        "is_masked": _safe_mean(is_masked, loss_mask),
+    }
+
+    return LossOutputs(loss=loss, metrics=metrics)
+# fmt: on
+
+
 __all__ = [
     "AReaLPromptMean",
+    "IPOLossConfig",
+    "LossInputs",
     "KLEstimator",
     "RejectionSamplingConfig",
     "apply_rejection_sampling",
@@ -958,6 +1048,7 @@ __all__ = [
     "ppo_actor_loss_fn",
     "LinearLengthPenalty",
     "areal_relative_position_gae_lambda",
+    "ipo_loss_fn",
     "prime_rl_score_group",
     "skyrl_apply_loss_reduction_to_advantages_minibatch",
     "skyrl_reduce_loss",

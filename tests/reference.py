@@ -77,6 +77,8 @@ FAMILY_DEFAULTS: dict[str, object] = {
     "kl_cov_coef": 0.1,
     "cov_generator": None,
     "cov_selection": None,
+    "band_tau": 0.1,  # ProbabilityBand(): prime-rl's ipo_threshold and kl_tau
+    "band_kappa": 1e-3,
 }
 VESPO_LOG_LOW, VESPO_LOG_HIGH = math.log(1e-8), 20.0
 SAPO_HALF_PEAK = 2.0 * math.log(1.0 + math.sqrt(2.0))  # 4 sigma (1 - sigma) = 1/2
@@ -115,6 +117,7 @@ _FLAT_NAMES: dict[str, dict[str, str]] = {
         "selection": "cov_selection",
     },
     "kl_cov": {"ratio": "cov_ratio", "coef": "kl_cov_coef", "selection": "cov_selection"},
+    "probability_band": {"tau": "band_tau", "kappa": "band_kappa"},
 }
 #: The batch-level surrogates: their token sets need the whole call (see ``batch_selection``).
 BATCH_LEVEL = ("m2po", "clip_cov", "kl_cov")
@@ -315,6 +318,11 @@ def per_token_surrogates(
                 else:  # verl: sg(min(r, c)) A log pi
                     weight = min(float(ratio.detach()), float(cap))  # type: ignore[arg-type]
                     out[(i, t)] = weight * a * log_probs[i, t]
+            elif surrogate == "probability_band":  # prime-rl ipo
+                out[(i, t)] = probability_band_token(
+                    lp, old_log_probs[i, t], a, log_ratio_bound=log_ratio_bound,
+                    tau=float(options["band_tau"]), kappa=float(options["band_kappa"]),  # type: ignore[arg-type]
+                )  # fmt: skip
             elif surrogate == "dro":  # l A - beta (l - l_old)^2 / 2, the raw log-ratio
                 beta = float(options["dro_beta"])  # type: ignore[arg-type]
                 delta = log_probs[i, t] - old_log_probs[i, t]
@@ -322,6 +330,27 @@ def per_token_surrogates(
             else:
                 raise ValueError(surrogate)
     return out
+
+
+def probability_band_token(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantage: Tensor,
+    *,
+    tau: float,
+    kappa: float,
+    log_ratio_bound: float | None,
+) -> Tensor:
+    """ProbabilityBand of one token: ``1[|p - p_old| <= tau] r A - kappa x^2`` (prime-rl ipo).
+
+    The band is decided on the float64 probabilities of the inputs as given (``math.exp``).
+    """
+    x = _bounded(log_prob - old_log_prob, log_ratio_bound)
+    moved = math.exp(float(log_prob.detach())) - math.exp(float(old_log_prob))
+    penalty = kappa * x * x
+    if abs(moved) <= tau:
+        return torch.exp(x) * advantage - penalty
+    return 0.0 * x - penalty
 
 
 def reduce_losses(
@@ -628,6 +657,11 @@ def policy_loss_diagnostics(
                 capped = kept and cap is not None and r > cap  # type: ignore[operator]
                 flags = (not kept, not kept and a < 0, not kept and a > 0, capped)
                 w = 0.0 if not kept else (r if cap is None else min(r, cap))  # type: ignore[call-overload]
+            elif surrogate == "probability_band":  # the band on p - p_old, either sign of A
+                moved = math.exp(lp[i][t]) - math.exp(old[i][t])
+                up, down = moved > options["band_tau"], moved < -options["band_tau"]  # type: ignore[operator]
+                flags = (up or down, down and a < 0, up and a > 0, up and a < 0)
+                w = 0.0 if up or down else r
             elif surrogate == "dro":  # no ratio in the loss, no clipping; w = 1
                 w = 1.0
             elif surrogate == "kl_cov":  # no clipping; w = r

@@ -82,6 +82,7 @@ from .policy.surrogates import (
     ClipCov,
     KLCov,
     PolicyTokens,
+    ProbabilityBand,
     Surrogate,
     SurrogateTerms,
 )
@@ -124,6 +125,7 @@ __all__ = [
     "RolloutCorrection",
     "RolloutCorrectionMetrics",
     "PolicyTokens",
+    "ProbabilityBand",
     "Surrogate",
     "SurrogateTerms",
     "TokenLogProbsOutput",

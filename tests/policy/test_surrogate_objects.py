@@ -26,17 +26,18 @@ from rlobjectives import (
     Clip,
     ClipCov,
     KLCov,
+    ProbabilityBand,
     Surrogate,
 )
 from rlobjectives.presets import trl_grpo_loss
 from tolerances import assert_close
 
 CLASSES: tuple[type[Surrogate], ...] = (
-    Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov,
+    Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov, ProbabilityBand,
 )  # fmt: skip
 NAMES = {
     "clip": Clip, "cispo": CISPO, "sapo": SAPO, "gmpo": GMPO, "vespo": VESPO, "dppo": DPPO,
-    "m2po": M2PO, "clip_cov": ClipCov, "kl_cov": KLCov,
+    "m2po": M2PO, "clip_cov": ClipCov, "kl_cov": KLCov, "probability_band": ProbabilityBand,
 }  # fmt: skip
 # The fields without a default (DRO's beta: verl's dro_beta has none).
 REQUIRED: dict[type, dict[str, Any]] = {DRO: {"beta": 0.5}}
@@ -52,6 +53,7 @@ VALUES = {  # a valid value of each field (for the field's own class)
     "temperature_neg": 2.0, "k_pos": 1.0, "lambda_pos": 1.0, "k_neg": 1.0, "lambda_neg": 1.0,
     "divergence": "kl", "ratio_cap": 3.0, "beta": 0.5, "threshold": 0.04, "ratio": 0.1,
     "cov_lb": 1.0, "cov_ub": 5.0, "generator": None, "selection": None, "coef": 1.0,
+    "tau": 0.1, "kappa": 0.01,
 }  # fmt: skip
 
 
@@ -128,6 +130,7 @@ def test_signatures() -> None:
         "selection",
     ]
     assert _fields(KLCov) == ["ratio", "coef", "selection"]
+    assert _fields(ProbabilityBand) == ["tau", "kappa"]
     # the defaults: DPPO's per divergence (SkyRL's 0.2 for TV, 0.05 for KL; the paper's cap 20),
     # M2PO's the paper's threshold, the Cov objects' verl's config values
     assert DPPO() == DPPO(divergence="tv", low=0.2, high=0.2, ratio_cap=20.0)
@@ -141,6 +144,7 @@ def test_signatures() -> None:
     assert SAPO() == SAPO(temperature_pos=1.0, temperature_neg=1.05)
     assert GMPO() == GMPO(low=0.2, high=None)
     assert VESPO() == VESPO(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)
+    assert ProbabilityBand() == ProbabilityBand(tau=0.1, kappa=1e-3)  # prime-rl's defaults
 
 
 @pytest.mark.parametrize("owner", CLASSES, ids=lambda c: c.__name__)

@@ -18,6 +18,7 @@ from .dppo import DPPO
 from .dro import DRO
 from .gmpo import GMPO
 from .m2po import M2PO
+from .probability_band import ProbabilityBand
 from .sapo import SAPO
 from .vespo import VESPO
 
@@ -34,6 +35,7 @@ __all__ = [
     "ClipCov",
     "KLCov",
     "PolicyTokens",
+    "ProbabilityBand",
     "Surrogate",
     "SurrogateTerms",
 ]
@@ -41,5 +43,8 @@ __all__ = [
 #: The surrogate each string of ``policy_loss(surrogate=...)`` means (with its defaults; DRO
 #: has none: its name asks for ``DRO(beta=...)``).
 SURROGATES: dict[str, type[Surrogate]] = {
-    cls.name: cls for cls in (Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov)
-}
+    cls.name: cls
+    for cls in (
+        Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov, ProbabilityBand,
+    )
+}  # fmt: skip
