@@ -581,6 +581,8 @@ def _policy_cases() -> list[Case]:
         "gmpo": rlo.GMPO(low=0.2),
         "vespo": rlo.VESPO(),
         "custom": TanhSurrogate(),  # a user's own, written outside the library
+        # one reward per sequence (the same on every rank): a token reads its response's sign
+        "topr": rlo.TOPR(torch.tensor([1.0, 0.0, -1.0, 2.0, -0.5]), negative_weight=0.5),
     }
     seed = 0
     for layout in ("padded", "packed"):

@@ -580,6 +580,24 @@ SURROGATE35_CASES: tuple[Case, ...] = (
             _named("tau", "ProbabilityBand.tau", "tensor-above-1", torch.tensor(1.5), ValueError),
         ),
     ),
+    Case(
+        "TOPR",
+        rlo.TOPR,
+        lambda: {
+            "rewards": torch.tensor([1.0, 0.0]),
+            "positive_weight": 1.0,
+            "negative_weight": 0.5,
+        },  # fmt: skip
+        field_wrongs(rlo.TOPR, "positive_weight", below=-0.1)
+        + field_wrongs(rlo.TOPR, "negative_weight", below=-0.1)
+        + (
+            _named("rewards", "TOPR.rewards", "2d", torch.zeros(2, 2), ValueError),
+            _named("rewards", "TOPR.rewards", "0d", torch.tensor(1.0), ValueError),
+            _named("rewards", "TOPR.rewards", "str", "1.0", TypeError),
+            _named("rewards", "TOPR.rewards", "complex", torch.tensor([1j]), TypeError),
+            _named("rewards", "TOPR.rewards", "none", None, TypeError),
+        ),
+    ),
 )
 
 

@@ -1037,6 +1037,57 @@ def ipo_loss_fn(inputs: LossInputs, loss_config: IPOLossConfig) -> LossOutputs:
 # fmt: on
 
 
+# ------------------------------------------------------------------------------------------------
+# ROLL, alibaba/ROLL @ 8eb27cc2dc34c4d1310b169d9b86d339004d811a,
+# roll/pipeline/rlvr/actor_pg_worker.py, ActorPGWorker._compute_topr_loss (a function: the
+# worker's config cache read as the arguments positive_weight / negative_weight, data.batch['scores']
+# as scores; the first-call logging and the metrics cache left out, the metrics returned), and
+# the ratio of ActorPGWorker.loss_func.
+# ------------------------------------------------------------------------------------------------
+
+
+def roll_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Tensor:
+    ratio = (log_probs - old_log_probs).exp()  # ActorPGWorker.loss_func
+    return ratio
+
+
+# fmt: off
+def roll_compute_topr_loss(ratio: torch.Tensor, log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                           advantages: torch.Tensor, scores: torch.Tensor,
+                           positive_weight: float = 1.0, negative_weight: float = 1.0):  # replaced: data, self._get_or_cache_config
+    positive_mask = (scores > 0).float()
+    negative_mask = (scores <= 0).float()
+
+    # 计算损失组件
+    positive_token_mask = positive_mask.unsqueeze(-1)
+    negative_token_mask = negative_mask.unsqueeze(-1)
+
+    positive_loss = - advantages * log_probs * positive_token_mask
+
+    # 负样本: TIS更新，使用clipped importance sampling ratio
+    # 梯度是: -[π(τ)/μ(τ)]_0^1 * R(τ) * ∇log π(τ)
+    clipped_ratio = torch.clamp(ratio, min=0.0, max=1.0).detach()
+    negative_loss = - clipped_ratio * advantages * log_probs * negative_token_mask
+
+    weighted_positive_loss = positive_weight * positive_loss
+    weighted_negative_loss = negative_weight * negative_loss
+
+    topr_loss = weighted_positive_loss + weighted_negative_loss
+
+    # 缓存TOPR相关指标
+    negative_lower_clipped = ((ratio < 0.0) & (negative_token_mask > 0)).float()
+    negative_upper_clipped = ((ratio > 1.0) & (negative_token_mask > 0)).float()
+    negative_total_clipped = negative_lower_clipped + negative_upper_clipped
+    metrics = {  # replaced: self._cached_metrics.update({...}) (the clip fractions)
+        "topr_negative_lower_clipped": negative_lower_clipped,
+        "topr_negative_upper_clipped": negative_upper_clipped,
+        "topr_negative_total_clipped": negative_total_clipped,
+    }
+
+    return topr_loss, metrics
+# fmt: on
+
+
 __all__ = [
     "AReaLPromptMean",
     "IPOLossConfig",
@@ -1050,6 +1101,8 @@ __all__ = [
     "areal_relative_position_gae_lambda",
     "ipo_loss_fn",
     "prime_rl_score_group",
+    "roll_compute_topr_loss",
+    "roll_ratio",
     "skyrl_apply_loss_reduction_to_advantages_minibatch",
     "skyrl_reduce_loss",
 ]

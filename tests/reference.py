@@ -79,6 +79,10 @@ FAMILY_DEFAULTS: dict[str, object] = {
     "cov_selection": None,
     "band_tau": 0.1,  # ProbabilityBand(): prime-rl's ipo_threshold and kl_tau
     "band_kappa": 1e-3,
+    "topr_rewards": None,  # TOPR(rewards): one per row (required)
+    "topr_positive_weight": 1.0,
+    "topr_negative_weight": 1.0,
+    "labels": None,  # the prompt group of each row (group_size= / group_ids= of the call)
 }
 VESPO_LOG_LOW, VESPO_LOG_HIGH = math.log(1e-8), 20.0
 SAPO_HALF_PEAK = 2.0 * math.log(1.0 + math.sqrt(2.0))  # 4 sigma (1 - sigma) = 1/2
@@ -118,6 +122,11 @@ _FLAT_NAMES: dict[str, dict[str, str]] = {
     },
     "kl_cov": {"ratio": "cov_ratio", "coef": "kl_cov_coef", "selection": "cov_selection"},
     "probability_band": {"tau": "band_tau", "kappa": "band_kappa"},
+    "topr": {
+        "rewards": "topr_rewards",
+        "positive_weight": "topr_positive_weight",
+        "negative_weight": "topr_negative_weight",
+    },
 }
 #: The batch-level surrogates: their token sets need the whole call (see ``batch_selection``).
 BATCH_LEVEL = ("m2po", "clip_cov", "kl_cov")
@@ -323,6 +332,9 @@ def per_token_surrogates(
                     lp, old_log_probs[i, t], a, log_ratio_bound=log_ratio_bound,
                     tau=float(options["band_tau"]), kappa=float(options["band_kappa"]),  # type: ignore[arg-type]
                 )  # fmt: skip
+            elif surrogate == "topr":  # ROLL: w A l, w = w+ (R > 0) or w- sg(clip(r, 0, 1))
+                weight = topr_weight(float(ratio.detach()), i, options)
+                out[(i, t)] = weight * a * (log_probs[i, t] if log_probs[i, t] > -math.inf else 0.0)
             elif surrogate == "dro":  # l A - beta (l - l_old)^2 / 2, the raw log-ratio
                 beta = float(options["dro_beta"])  # type: ignore[arg-type]
                 delta = log_probs[i, t] - old_log_probs[i, t]
@@ -330,6 +342,15 @@ def per_token_surrogates(
             else:
                 raise ValueError(surrogate)
     return out
+
+
+def topr_weight(ratio: float, row: int, options: dict[str, object]) -> float:
+    """TOPR's weight of a token of row ``row``: ``w+`` if its reward is > 0, else
+    ``w- min(r, 1)``."""
+    reward = float(options["topr_rewards"][row])  # type: ignore[index]
+    if reward > 0:
+        return float(options["topr_positive_weight"])  # type: ignore[arg-type]
+    return float(options["topr_negative_weight"]) * min(ratio, 1.0)  # type: ignore[arg-type]
 
 
 def probability_band_token(
@@ -424,12 +445,14 @@ def policy_loss(
     importance_weights: Tensor | None = None,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    labels: list[object] | None = None,
     **options: object,
 ) -> Tensor:
     """Reference of rlobjectives.policy_loss(...).loss: reduce(-w s - entropy_coef H).
 
     ``old_log_probs``, ``advantages`` and the importance weights ``w`` are constants of the loss
     (detached); VESPO takes ``w`` inside its sequence weight and does not multiply by it.
+    ``labels``: the prompt group of each row (``"prompt_mean"``, REAL).
     """
     old_log_probs, advantages = old_log_probs.detach(), advantages.detach()
     weights = None if importance_weights is None else importance_weights.detach()
@@ -439,6 +462,7 @@ def policy_loss(
         advantages,
         mask,
         importance_weights=weights,
+        labels=labels,
         **options,  # type: ignore[arg-type]
     )
     folds = surrogate_name(options.get("surrogate", "clip")) == "vespo"
@@ -450,6 +474,7 @@ def policy_loss(
         "reduction": reduction,
         "normalizer": normalizer,
         "max_response_length": max_response_length,
+        "labels": labels,
     }
     if surrogate_name(options.get("surrogate", "clip")) == "m2po":
         # M2PO: the surrogate over its kept tokens (the dict's keys), the bonus over the mask's
@@ -460,13 +485,7 @@ def policy_loss(
         return loss
     if entropy is not None and entropy_coef != 0:
         losses = {(i, t): v - entropy_coef * entropy[i, t] for (i, t), v in losses.items()}
-    return reduce_losses(
-        losses,
-        tuple(mask.shape),  # type: ignore[arg-type]
-        reduction=reduction,
-        normalizer=normalizer,
-        max_response_length=max_response_length,
-    )
+    return reduce_losses(losses, tuple(mask.shape), **reduce)  # type: ignore[arg-type]
 
 
 def grpo_clipped_surrogate(
@@ -662,6 +681,10 @@ def policy_loss_diagnostics(
                 up, down = moved > options["band_tau"], moved < -options["band_tau"]  # type: ignore[operator]
                 flags = (up or down, down and a < 0, up and a > 0, up and a < 0)
                 w = 0.0 if up or down else r
+            elif surrogate == "topr":  # the truncation at 1 of the non-positive rewards
+                w = topr_weight(r, i, options)
+                truncated = not float(options["topr_rewards"][i]) > 0 and r > 1  # type: ignore[index]
+                flags = (truncated, False, truncated and a > 0, truncated and a < 0)
             elif surrogate == "dro":  # no ratio in the loss, no clipping; w = 1
                 w = 1.0
             elif surrogate == "kl_cov":  # no clipping; w = r

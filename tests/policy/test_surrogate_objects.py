@@ -22,6 +22,7 @@ from rlobjectives import (
     GMPO,
     M2PO,
     SAPO,
+    TOPR,
     VESPO,
     Clip,
     ClipCov,
@@ -33,16 +34,17 @@ from rlobjectives.presets import trl_grpo_loss
 from tolerances import assert_close
 
 CLASSES: tuple[type[Surrogate], ...] = (
-    Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov, ProbabilityBand,
+    Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov, ProbabilityBand, TOPR,
 )  # fmt: skip
 NAMES = {
     "clip": Clip, "cispo": CISPO, "sapo": SAPO, "gmpo": GMPO, "vespo": VESPO, "dppo": DPPO,
     "m2po": M2PO, "clip_cov": ClipCov, "kl_cov": KLCov, "probability_band": ProbabilityBand,
 }  # fmt: skip
-# The fields without a default (DRO's beta: verl's dro_beta has none).
-REQUIRED: dict[type, dict[str, Any]] = {DRO: {"beta": 0.5}}
+# The fields without a default (DRO's beta: verl's dro_beta has none; TOPR's rewards, one per
+# sequence of the call: _batch()'s three).
+REQUIRED: dict[type, dict[str, Any]] = {DRO: {"beta": 0.5}, TOPR: {"rewards": [1.0, 0.0, -1.0]}}
 # The objects that take GSPO's sequence ratio (the others: ratio_level="token" only).
-SEQUENCE_RATIO = (Clip, CISPO, SAPO)
+SEQUENCE_RATIO = (Clip, CISPO, SAPO, TOPR)
 # The flat keywords of 0.2 that moved into the objects (issue 21).
 FLAT_KEYWORDS = (
     "clip_low", "clip_high", "dual_clip", "delta", "cispo_cap", "sapo_temperature_pos",
@@ -53,7 +55,7 @@ VALUES = {  # a valid value of each field (for the field's own class)
     "temperature_neg": 2.0, "k_pos": 1.0, "lambda_pos": 1.0, "k_neg": 1.0, "lambda_neg": 1.0,
     "divergence": "kl", "ratio_cap": 3.0, "beta": 0.5, "threshold": 0.04, "ratio": 0.1,
     "cov_lb": 1.0, "cov_ub": 5.0, "generator": None, "selection": None, "coef": 1.0,
-    "tau": 0.1, "kappa": 0.01,
+    "tau": 0.1, "kappa": 0.01, "rewards": [1.0], "positive_weight": 1.0, "negative_weight": 1.0,
 }  # fmt: skip
 
 
@@ -131,6 +133,7 @@ def test_signatures() -> None:
     ]
     assert _fields(KLCov) == ["ratio", "coef", "selection"]
     assert _fields(ProbabilityBand) == ["tau", "kappa"]
+    assert _fields(TOPR) == ["rewards", "positive_weight", "negative_weight"]
     # the defaults: DPPO's per divergence (SkyRL's 0.2 for TV, 0.05 for KL; the paper's cap 20),
     # M2PO's the paper's threshold, the Cov objects' verl's config values
     assert DPPO() == DPPO(divergence="tv", low=0.2, high=0.2, ratio_cap=20.0)
@@ -189,7 +192,10 @@ def test_surrogates_without_a_sequence_ratio_take_token_ratios_only(cls: type) -
 @pytest.mark.parametrize("cls", SEQUENCE_RATIO, ids=lambda c: c.__name__)
 def test_token_local_surrogates_take_sequence_ratios(cls: type) -> None:
     log_probs, old, advantages, mask = _batch()
-    out = rlo.policy_loss(log_probs, old, advantages, mask, surrogate=cls(), ratio_level="sequence")
+    surrogate = cls(**REQUIRED.get(cls, {}))
+    out = rlo.policy_loss(
+        log_probs, old, advantages, mask, surrogate=surrogate, ratio_level="sequence"
+    )
     assert torch.isfinite(out.loss)
 
 
@@ -239,6 +245,16 @@ def test_a_name_means_the_object_with_its_defaults(name: str) -> None:
     torch.manual_seed(0)
     hidden_object = rlo.fused_policy_loss_from_hidden(**_hidden_batch(), surrogate=NAMES[name]())
     assert_close(hidden_name.loss, hidden_object.loss)
+
+
+def test_topr_has_no_defaults() -> None:
+    """TOPR's rewards belong to the call's responses: the name asks for the object."""
+    log_probs, old, advantages, mask = _batch()
+    with pytest.raises(ValueError, match=r"^surrogate='topr' has no defaults: .*TOPR\(rewards"):
+        rlo.policy_loss(log_probs, old, advantages, mask, surrogate="topr")
+    with pytest.raises(TypeError, match=r"\brewards\b"):
+        TOPR()  # type: ignore[call-arg]
+    assert TOPR([1.0, 2.0]) == TOPR([3.0])  # the rewards are data, not compared
 
 
 def test_dro_has_no_defaults() -> None:

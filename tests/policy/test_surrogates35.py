@@ -16,10 +16,13 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import peer_transcriptions as peers
+import reference
 import rlobjectives as rlo
-from rlobjectives import ProbabilityBand
+from rlobjectives import TOPR, ProbabilityBand
 from tolerances import assert_close
 
 F64 = torch.float64
@@ -156,3 +159,319 @@ def test_probability_band_tensor_fields_and_a_learnable_kappa() -> None:
     assert_close(grad, (x * x).mean())
     with pytest.raises(ValueError, match=r"^ProbabilityBand.tau must be <= 1"):
         ProbabilityBand(tau=torch.tensor(1.5))
+
+
+# --------------------------------------------------------------------------------------------
+# TOPR (ROLL _compute_topr_loss)
+# --------------------------------------------------------------------------------------------
+
+
+def test_topr_golden() -> None:
+    # Rewards [1, 0]: row 0 positive (w = w+ = 1), row 1 not (w = w- min(r, 1), w- = .5).
+    # Row 0: p = [.5, .25], A = 1: s = [ln .5, ln .25]. Row 1: p = [.8, .2], p_old = [.5, .4],
+    # r = [1.6, .5] -> min(r, 1) = [1, .5], w = [.5, .25], A = -1: s = [-.5 ln .8, -.25 ln .2].
+    # loss = -(ln .5 + ln .25 - .5 ln .8 - .25 ln .2) / 4 = .3913775; grad = -w A / 4 =
+    # [[-.25, -.25], [.125, .0625]]. Truncated: t(1, 0) (r > 1, A < 0: dual_clip_fraction 1/4).
+    log_probs = t([[0.5, 0.25], [0.8, 0.2]]).log()
+    old = t([[0.4, 0.5], [0.5, 0.4]]).log()
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    out, grad = loss_and_grad(
+        log_probs, old, t([1.0, -1.0]), mask,
+        surrogate=TOPR(t([1.0, 0.0]), negative_weight=0.5), log_ratio_bound=None,
+    )  # fmt: skip
+    assert_close(out.loss, -(LN(0.5) + LN(0.25) - 0.5 * LN(0.8) - 0.25 * LN(0.2)) / 4)
+    assert_close(grad, [[-0.25, -0.25], [0.125, 0.0625]])
+    d = out.diagnostics
+    assert_close(d.clipped_fraction, 0.25)
+    assert_close(d.dual_clip_fraction, 0.25)
+    assert_close(d.clip_fraction_high, 0.0)
+    assert_close(d.weight_mean, (1 + 1 + 0.5 + 0.25) / 4)
+
+
+@pytest.mark.parametrize(("positive", "negative"), [(1.0, 1.0), (1.5, 0.3), (0.0, 2.0)])
+def test_topr_equals_roll(positive: float, negative: float) -> None:
+    # ROLL's per-token loss matrix (its ratio unbounded: log_ratio_bound=None), at the selected
+    # tokens; the gradient of its token mean; its upper clip fraction over the selected tokens.
+    case = random_batch(6, 8, seed=7)
+    mask, scores = case["mask"], case["rewards"] * torch.tensor([1, 1, 0, 1, 1, 0.5])  # zeros
+    leaf = case["log_probs"].clone().requires_grad_(True)
+    token_advantages = case["advantages"].unsqueeze(-1).expand(6, 8)
+    ratio = peers.roll_ratio(leaf, case["old_log_probs"])
+    loss, metrics = peers.roll_compute_topr_loss(
+        ratio, leaf, case["old_log_probs"], token_advantages, scores, positive, negative
+    )
+    expected = (loss * mask).sum() / mask.sum()  # ROLL agg_loss "token-mean"
+    (want,) = torch.autograd.grad(expected, [leaf])
+    surrogate = TOPR(scores, positive_weight=positive, negative_weight=negative)
+    args = (poisoned(case)["log_probs"], case["old_log_probs"], case["advantages"], mask)
+    out, grad = loss_and_grad(*args, surrogate=surrogate, log_ratio_bound=None)
+    assert_close(out.loss, expected)
+    assert_close(grad, torch.where(mask, want, 0.0))
+    per_token = rlo.policy_loss(
+        *args, surrogate=surrogate, log_ratio_bound=None, reduction="none"
+    ).loss
+    assert_close(per_token, torch.where(mask, loss.detach(), 0.0))
+    upper = (metrics["topr_negative_upper_clipped"] * mask).sum() / mask.sum()
+    assert_close(out.diagnostics.clipped_fraction, upper)
+    assert 0 < float(upper) < 1
+
+
+def test_topr_rewards_are_checked_against_the_call() -> None:
+    case = random_batch(3, 4, seed=1)
+    args = (case["log_probs"], case["old_log_probs"], case["advantages"], case["mask"])
+    with pytest.raises(ValueError, match=r"^TOPR.rewards must have shape \(B,\) = \(3,\)"):
+        rlo.policy_loss(*args, surrogate=TOPR([1.0, 0.0]))
+    packed = rlo.pack(case["log_probs"], torch.ones(3, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"^TOPR.rewards must have shape \(S,\) = \(3,\)"):
+        rlo.policy_loss(
+            packed.values, packed.values, t([1.0, 2.0, 3.0]), torch.ones(12, dtype=torch.bool),
+            cu_seqlens=packed.cu_seqlens, surrogate=TOPR(t([1.0, 0.0, 1.0, 1.0])),
+        )  # fmt: skip
+    with pytest.raises(ValueError, match=r"^TOPR.rewards must have shape \(S,\) or \(S, 1\)"):
+        TOPR(torch.zeros(2, 2))
+    with pytest.raises(ValueError, match=r"^TOPR.rewards must be on the device"):
+        rlo.policy_loss(*args, surrogate=TOPR(torch.zeros(3, device="meta")))
+    assert TOPR(t([[1.0], [0.0], [2.0]])).rewards.shape == (3,)  # (S, 1) is one per sequence
+    out = rlo.policy_loss(*args, surrogate=TOPR([True, False, True]))  # bool: 1 / 0
+    assert torch.isfinite(out.loss)
+
+
+# --------------------------------------------------------------------------------------------
+# Every new surrogate: the float64 reference, NaN, packed, micro-batches, hidden states
+# --------------------------------------------------------------------------------------------
+
+REDUCTIONS = ("token_mean", "sequence_mean", "sequence_sum_normalized", "length_weighted",
+              "prompt_mean", "none")  # fmt: skip
+GROUP = 3  # the prompt groups of the test batches: rows 0-2, 3-5
+
+
+def make(name: str, case: dict[str, Any]) -> tuple[rlo.Surrogate, dict[str, Any]]:
+    """The surrogate ``name`` for ``case``'s rows, with the keywords of its call."""
+    if name == "band":
+        return ProbabilityBand(tau=0.08, kappa=0.3), {}
+    if name == "topr":
+        return TOPR(case["rewards"], positive_weight=1.5, negative_weight=0.7), {}
+    raise ValueError(name)
+
+
+NAMES = ("band", "topr")
+
+
+def expected_loss(name: str, case: dict[str, Any], leaf: torch.Tensor, **options: Any) -> Any:
+    """The float64 loop reference of ``policy_loss`` with ``make(name, case)``."""
+    surrogate, extra = make(name, case)
+    rows = case["mask"].shape[0]
+    labels = [i // GROUP for i in range(rows)]
+    return reference.policy_loss(
+        leaf, case["old_log_probs"], case["advantages"], case["mask"], surrogate=surrogate,
+        labels=labels, **extra, **options,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("reduction", REDUCTIONS)
+@pytest.mark.parametrize("extras", ["plain", "weights+entropy", "sequence_ratio"])
+def test_matches_the_float64_reference(name: str, reduction: str, extras: str) -> None:
+    case = random_batch(6, 7, seed=11)
+    surrogate, extra = make(name, case)
+    if extras == "sequence_ratio" and not surrogate.takes_sequence_ratio:
+        pytest.skip("the object forms its own sequence quantities (ratio_level='token' only)")
+    g = torch.Generator().manual_seed(2)
+    options: dict[str, Any] = {"reduction": reduction}
+    entropy = None
+    if extras == "weights+entropy":
+        options["importance_weights"] = torch.rand(6, 7, generator=g, dtype=F64) + 0.5
+        options["entropy_coef"] = 0.05
+        entropy = (2 * torch.rand(6, 7, generator=g, dtype=F64)).requires_grad_(True)
+    if extras == "sequence_ratio":
+        options["ratio_level"] = "sequence"
+    leaf = poisoned(case)["log_probs"].clone().requires_grad_(True)
+    out = rlo.policy_loss(
+        leaf, poisoned(case)["old_log_probs"], case["advantages"], case["mask"],
+        surrogate=surrogate, entropy=entropy, group_size=GROUP, **extra, **options,
+    )  # fmt: skip
+    leaves = [leaf] if entropy is None else [leaf, entropy]
+    grads = torch.autograd.grad(out.loss.sum(), leaves)
+    wide = [case["log_probs"].clone().requires_grad_(True)]
+    if entropy is not None:
+        wide.append(entropy.detach().clone().requires_grad_(True))
+    expected = expected_loss(name, case, wide[0], entropy=None if entropy is None else wide[1],
+                             **options)  # fmt: skip
+    want = torch.autograd.grad(expected.sum(), wide, allow_unused=True)
+    assert_close(out.loss, expected)
+    for got, ref in zip(grads, want, strict=True):
+        assert torch.isfinite(got).all()
+        assert_close(got, torch.zeros_like(got) if ref is None else ref)
+    if extras == "plain" and reduction == "token_mean":
+        diagnostics = reference.policy_loss_diagnostics(
+            case["log_probs"], case["old_log_probs"], case["advantages"], case["mask"],
+            surrogate=surrogate, labels=[i // GROUP for i in range(6)], **extra,
+        )  # fmt: skip
+        for key, value in diagnostics.items():
+            assert_close(getattr(out.diagnostics, key), value)
+
+
+@settings(max_examples=12, deadline=None)
+@given(
+    name=st.sampled_from(NAMES),
+    batch=st.integers(1, 6),
+    tokens=st.integers(1, 9),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float32, F64]),
+    reduction=st.sampled_from(["token_mean", "sequence_mean"]),
+)
+def test_property_odd_shapes_and_dtypes(
+    name: str, batch: int, tokens: int, seed: int, dtype: torch.dtype, reduction: str
+) -> None:
+    case = random_batch(batch, tokens, seed)
+    case["mask"][:, 0] = torch.rand(batch, generator=torch.Generator().manual_seed(seed)) < 0.8
+    surrogate, extra = make(name, case)
+    ids = torch.randint(0, 2, (batch,), generator=torch.Generator().manual_seed(seed))
+    leaf = case["log_probs"].to(dtype).requires_grad_(True)
+    out = rlo.policy_loss(
+        leaf, case["old_log_probs"].to(dtype), case["advantages"].to(dtype), case["mask"],
+        surrogate=surrogate, reduction=reduction, group_ids=ids, **extra,
+    )  # fmt: skip
+    (grad,) = torch.autograd.grad(out.loss, [leaf])
+    wide = case["log_probs"].to(dtype).double().requires_grad_(True)
+    narrow = {**case, "old_log_probs": case["old_log_probs"].to(dtype).double(),
+              "advantages": case["advantages"].to(dtype).double()}  # fmt: skip
+    expected = reference.policy_loss(
+        wide, narrow["old_log_probs"], narrow["advantages"], case["mask"], surrogate=surrogate,
+        reduction=reduction, labels=ids.tolist(), **extra,
+    )  # fmt: skip
+    want = torch.zeros_like(wide)
+    if expected.requires_grad:
+        (want,) = torch.autograd.grad(expected, [wide])
+    assert out.loss.dtype == dtype
+    assert_close(out.loss, expected)
+    assert_close(grad, want)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_at_unselected_positions_reaches_nothing(name: str, bad: float) -> None:
+    case = random_batch(6, 7, seed=13)
+    surrogate, extra = make(name, case)
+    mask = case["mask"]
+    results = []
+    for fill in (None, bad):
+        tensors = [case["log_probs"], case["old_log_probs"], case["advantages"].expand(7, 6).T]
+        if fill is not None:
+            tensors = [torch.where(mask, x, fill) for x in tensors]
+        leaf = tensors[0].clone().requires_grad_(True)
+        out = rlo.policy_loss(leaf, tensors[1], tensors[2], mask, surrogate=surrogate,
+                              reduction="sequence_mean", group_size=GROUP, **extra)  # fmt: skip
+        (grad,) = torch.autograd.grad(out.loss, [leaf])
+        results.append((out, grad))
+    (clean, clean_grad), (dirty, dirty_grad) = results
+    assert torch.isfinite(dirty.loss) and torch.isfinite(dirty_grad).all()
+    assert torch.equal(dirty.loss, clean.loss) and torch.equal(dirty_grad, clean_grad)
+    for a, b in zip(dirty.diagnostics, clean.diagnostics, strict=True):
+        assert torch.equal(a, b)
+
+
+def _attention(lengths: list[int], width: int) -> torch.Tensor:
+    return torch.arange(width).unsqueeze(0) < torch.tensor(lengths).unsqueeze(-1)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "prompt_mean", "none"])
+def test_packed_equals_padded(name: str, reduction: str) -> None:
+    # Each sequence's positions kept in the packed row (its unselected holes too), an empty one.
+    case = random_batch(6, 8, seed=17)
+    attention = _attention([8, 5, 0, 7, 1, 6], 8)
+    mask = case["mask"] & attention
+    case = {**case, "mask": mask}
+    surrogate, extra = make(name, case)
+    leaf = poisoned(case)["log_probs"].clone().requires_grad_(True)
+    padded = rlo.policy_loss(leaf, poisoned(case)["old_log_probs"], case["advantages"], mask,
+                             surrogate=surrogate, reduction=reduction, group_size=GROUP,
+                             return_per_token=True, **extra)  # fmt: skip
+    (padded_grad,) = torch.autograd.grad(padded.loss.sum(), [leaf])
+    packed_leaf = rlo.pack(leaf.detach(), attention).values.requires_grad_(True)
+    cu = rlo.pack(mask, attention).cu_seqlens
+    flat = rlo.policy_loss(
+        packed_leaf, rlo.pack(poisoned(case)["old_log_probs"], attention).values,
+        case["advantages"], rlo.pack(mask, attention).values, surrogate=surrogate,
+        reduction=reduction, group_size=GROUP, cu_seqlens=cu, return_per_token=True, **extra,
+    )  # fmt: skip
+    (flat_grad,) = torch.autograd.grad(flat.loss.sum(), [packed_leaf])
+    if reduction == "none":
+        assert_close(flat.loss, rlo.pack(padded.loss.detach(), attention).values)
+    else:
+        assert_close(flat.loss, padded.loss)
+    assert_close(flat_grad, rlo.pack(padded_grad, attention).values)
+    for a, b in zip(flat.diagnostics, padded.diagnostics, strict=True):
+        assert_close(a, b)
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "prompt_mean"])
+def test_micro_batches_with_the_global_normalizer(name: str, reduction: str) -> None:
+    # Micro-batches of whole prompt groups (rows 0-2, 3-5), each padded to its own width.
+    case = random_batch(6, 9, seed=19)
+    lengths = [9, 4, 6, 2, 8, 5]
+    mask = case["mask"] & _attention(lengths, 9)
+    case = {**case, "mask": mask}
+    normalizer = {"token_mean": int(mask.sum()), "sequence_mean": int((mask.sum(-1) > 0).sum()),
+                  "prompt_mean": 2}[reduction]  # fmt: skip
+    surrogate, extra = make(name, case)
+    full, full_grad = loss_and_grad(case["log_probs"], case["old_log_probs"], case["advantages"],
+                                    mask, surrogate=surrogate, reduction=reduction,
+                                    group_size=GROUP, **extra)  # fmt: skip
+    total, grad = torch.zeros((), dtype=F64), torch.zeros_like(full_grad)
+    for start in (0, GROUP):
+        rows = slice(start, start + GROUP)
+        width = max(lengths[rows])
+        part = {k: v[rows] for k, v in case.items()}
+        part = {**part, **{k: part[k][:, :width] for k in ("log_probs", "old_log_probs", "mask")}}
+        micro_surrogate, micro_extra = make(name, part)
+        out, micro_grad = loss_and_grad(
+            part["log_probs"], part["old_log_probs"], part["advantages"], part["mask"],
+            surrogate=micro_surrogate, reduction=reduction, group_size=GROUP,
+            normalizer=normalizer, **micro_extra,
+        )  # fmt: skip
+        total = total + out.loss.detach()
+        grad[rows, :width] += micro_grad
+    assert_close(total, full.loss)
+    assert_close(grad, full_grad)
+
+
+def _head(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    batch, tokens, hidden, vocab = 6, 5, 8, 13
+    return {
+        "hidden": torch.randn(batch, tokens, hidden, generator=g, dtype=F64),
+        "weight": torch.randn(vocab, hidden, generator=g, dtype=F64) / 2,
+        "tokens": torch.randint(0, vocab, (batch, tokens), generator=g),
+        "old_log_probs": -torch.rand(batch, tokens, generator=g, dtype=F64) * 2 - 1.5,
+        "advantages": torch.randn(batch, generator=g, dtype=F64),
+        "mask": torch.rand(batch, tokens, generator=g) < 0.8,
+        "rewards": torch.randint(0, 2, (batch,), generator=g).to(F64),
+    }
+
+
+@pytest.mark.parametrize("name", NAMES)
+@pytest.mark.parametrize("reduction", ["token_mean", "sequence_mean", "none"])
+def test_from_hidden_states_equals_the_composition(name: str, reduction: str) -> None:
+    # The token-local ones through the chunk loop, the others composed: both equal the policy
+    # loss of the log-probabilities from the hidden states (values, gradients of both leaves).
+    case = _head(seed=23)
+    surrogate, extra = make(name, case)
+    leaves = [case[k].clone().requires_grad_(True) for k in ("hidden", "weight")]
+    out = rlo.fused_policy_loss_from_hidden(
+        *leaves, case["tokens"], case["old_log_probs"], case["advantages"], case["mask"],
+        surrogate=surrogate, reduction=reduction, chunk_size=4, group_size=GROUP, **extra,
+    )  # fmt: skip
+    grads = torch.autograd.grad(out.loss.sum(), leaves)
+    wide = [case[k].clone().requires_grad_(True) for k in ("hidden", "weight")]
+    log_probs = rlo.token_log_probs_from_hidden(*wide, case["tokens"])
+    composed = rlo.policy_loss(
+        log_probs, case["old_log_probs"], case["advantages"], case["mask"], surrogate=surrogate,
+        reduction=reduction, group_size=GROUP, **extra,
+    )  # fmt: skip
+    want = torch.autograd.grad(composed.loss.sum(), wide)
+    assert_close(out.loss, composed.loss)
+    for got, ref in zip(grads, want, strict=True):
+        assert_close(got, ref)

@@ -20,6 +20,7 @@ from .gmpo import GMPO
 from .m2po import M2PO
 from .probability_band import ProbabilityBand
 from .sapo import SAPO
+from .topr import TOPR
 from .vespo import VESPO
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "M2PO",
     "SAPO",
     "SURROGATES",
+    "TOPR",
     "VESPO",
     "Clip",
     "ClipCov",
@@ -41,10 +43,11 @@ __all__ = [
 ]
 
 #: The surrogate each string of ``policy_loss(surrogate=...)`` means (with its defaults; DRO
-#: has none: its name asks for ``DRO(beta=...)``).
+#: and TOPR have none: their names ask for ``DRO(beta=...)``, ``TOPR(rewards=...)``).
 SURROGATES: dict[str, type[Surrogate]] = {
     cls.name: cls
     for cls in (
         Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov, ProbabilityBand,
+        TOPR,
     )
 }  # fmt: skip
