@@ -856,6 +856,24 @@ def _kernel_cases() -> list[Case]:
     ]
 
 
+def _surrogate35_cases() -> list[Case]:
+    """REAL: the group-level objective over the whole sequences of the ranks (the seeds give
+    groups with both labels, and one without: its L_g = 0)."""
+    ids = torch.tensor([0, 0, 1, 1, 1])  # sequence 2 (no selected token) takes no part
+    real = {"surrogate": rlo.REAL(tau=0.7), "group_ids": ids}
+    rows = [
+        ("padded", "real-prompt_mean", "prompt_mean", "chunks", "pair", 49),
+        ("packed", "real-prompt_mean", "prompt_mean", "chunks", "trio", 53),
+        ("padded", "real-token_mean", "token_mean", "scatter", "trio", 55),
+        ("packed", "real-sequence_mean", "sequence_mean", "scatter", "pair", 43),
+    ]
+    return [
+        Case(f"policy-{layout}-{name}", "policy_loss", {**real, "reduction": reduction}, layout,
+             split, group, seed=seed)
+        for layout, name, reduction, split, group, seed in rows
+    ]  # fmt: skip
+
+
 def _bfloat16_cases() -> list[Case]:
     """bf16 inputs, computed in float32: the sums cross the ranks in float64 buffers."""
     bf16 = torch.bfloat16
@@ -888,6 +906,7 @@ def _bfloat16_cases() -> list[Case]:
 
 CASES: list[Case] = [
     *_policy_cases(),
+    *_surrogate35_cases(),
     *_other_cases(),
     *_bfloat16_cases(),
     *(_kernel_cases() if triton_available() else []),

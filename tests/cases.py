@@ -598,6 +598,7 @@ SURROGATE35_CASES: tuple[Case, ...] = (
             _named("rewards", "TOPR.rewards", "none", None, TypeError),
         ),
     ),
+    Case("REAL", rlo.REAL, lambda: {"tau": 0.5}, field_wrongs(rlo.REAL, "tau", below=0.0)),
 )
 
 

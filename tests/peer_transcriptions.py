@@ -1088,6 +1088,54 @@ def roll_compute_topr_loss(ratio: torch.Tensor, log_probs: torch.Tensor, old_log
 # fmt: on
 
 
+# ------------------------------------------------------------------------------------------------
+# ms-swift, modelscope/ms-swift @ 3602360a562313afbf2ef6065fdf61f271a2c5b9 (4.6.0.dev0),
+# swift/rlhf_trainers/grpo_trainer.py, GRPOTrainer._compute_loss_and_metrics: the log-ratio and
+# the loss_type == 'real' branch of the loss (self.num_generations / self.real_tau as
+# arguments; the beta KL term left out).
+# ------------------------------------------------------------------------------------------------
+
+
+# fmt: off
+def swift_real_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor,
+                    advantages: torch.Tensor, completion_mask: torch.Tensor,
+                    num_generations: int, real_tau: float) -> torch.Tensor:  # replaced: self
+    log_ratio = per_token_logps - old_per_token_logps
+    global_scores = (log_ratio * completion_mask).sum(-1) / completion_mask.sum(-1).clamp(min=1.0)
+
+    group_scores = global_scores.view(-1, num_generations)
+    # advantages is per-token [B, T] (constant across tokens without a teacher); reduce
+    # to a per-sequence scalar for the group pos/neg split.
+    seq_advantages = (advantages * completion_mask).sum(-1) / completion_mask.sum(-1).clamp(min=1.0)
+    group_rewards = seq_advantages.view(-1, num_generations)
+
+    pos_mask = (group_rewards > 0)
+    neg_mask = (group_rewards <= 0)
+    valid_mask = (pos_mask.sum(dim=1) != 0) & (neg_mask.sum(dim=1) != 0)
+
+    if not valid_mask.any():
+        loss = torch.tensor(0., device=global_scores.device) * global_scores.mean()
+    else:
+        batch_scores = group_scores[valid_mask]
+        batch_pos_mask = pos_mask[valid_mask]
+        batch_neg_mask = neg_mask[valid_mask]
+
+        scaled_scores = batch_scores / real_tau
+        zeros = torch.zeros(batch_scores.size(0), 1, device=batch_scores.device, dtype=batch_scores.dtype)
+
+        # Negative Loss: log(1 + sum(e^{S_neg}))
+        neg_input = scaled_scores.masked_fill(~batch_neg_mask, float('-inf'))
+        neg_loss = torch.logsumexp(torch.cat([neg_input, zeros], dim=1), dim=1)
+
+        # Positive Loss: log(1 + sum(e^{-S_pos}))
+        pos_input = (-scaled_scores).masked_fill(~batch_pos_mask, float('-inf'))
+        pos_loss = torch.logsumexp(torch.cat([pos_input, zeros], dim=1), dim=1)
+
+        loss = (neg_loss + pos_loss).sum() / group_rewards.size(0)
+    return loss
+# fmt: on
+
+
 __all__ = [
     "AReaLPromptMean",
     "IPOLossConfig",
@@ -1105,4 +1153,5 @@ __all__ = [
     "roll_ratio",
     "skyrl_apply_loss_reduction_to_advantages_minibatch",
     "skyrl_reduce_loss",
+    "swift_real_loss",
 ]

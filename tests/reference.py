@@ -83,6 +83,7 @@ FAMILY_DEFAULTS: dict[str, object] = {
     "topr_positive_weight": 1.0,
     "topr_negative_weight": 1.0,
     "labels": None,  # the prompt group of each row (group_size= / group_ids= of the call)
+    "real_tau": 0.5,
 }
 VESPO_LOG_LOW, VESPO_LOG_HIGH = math.log(1e-8), 20.0
 SAPO_HALF_PEAK = 2.0 * math.log(1.0 + math.sqrt(2.0))  # 4 sigma (1 - sigma) = 1/2
@@ -122,6 +123,7 @@ _FLAT_NAMES: dict[str, dict[str, str]] = {
     },
     "kl_cov": {"ratio": "cov_ratio", "coef": "kl_cov_coef", "selection": "cov_selection"},
     "probability_band": {"tau": "band_tau", "kappa": "band_kappa"},
+    "real": {"tau": "real_tau"},
     "topr": {
         "rewards": "topr_rewards",
         "positive_weight": "topr_positive_weight",
@@ -269,6 +271,8 @@ def per_token_surrogates(
     out: dict[tuple[int, int], Tensor] = {}
     if surrogate in BATCH_LEVEL:
         return batch_level_surrogates(log_probs, old_log_probs, advantages, mask, options)
+    if surrogate == "real":
+        return real_surrogates(log_probs, old_log_probs, advantages, mask, options)
     for i, row in enumerate(m):
         selected = [t for t, keep in enumerate(row) if keep]
         if not selected:
@@ -341,6 +345,58 @@ def per_token_surrogates(
                 out[(i, t)] = log_probs[i, t] * a - 0.5 * beta * delta * delta
             else:
                 raise ValueError(surrogate)
+    return out
+
+
+def _real_groups(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    options: dict[str, object],
+) -> dict[object, tuple[Tensor | None, list[int]]]:
+    """REAL per group label: (L_g or None where the group lacks a label, its non-empty rows)."""
+    labels, tau = options["labels"], float(options["real_tau"])  # type: ignore[arg-type]
+    assert labels is not None, "REAL needs the rows' group labels"
+    bound = options["log_ratio_bound"]
+    out: dict[object, tuple[Tensor | None, list[int]]] = {}
+    for label, rows in _members(labels).items():  # type: ignore[arg-type]
+        scores: dict[int, Tensor] = {}
+        signs: dict[int, bool] = {}
+        for i in rows:
+            selected = [t for t in range(mask.shape[1]) if bool(mask[i, t])]
+            if not selected:  # no selected token: no part in the group
+                continue
+            deltas = [_bounded(log_probs[i, t] - old_log_probs[i, t], bound) for t in selected]  # type: ignore[arg-type]
+            scores[i] = sum(deltas) / len(selected)  # type: ignore[assignment]
+            mean_advantage = sum(float(_advantage(advantages, i, t)) for t in selected)
+            signs[i] = mean_advantage / len(selected) > 0
+        positive = [scores[i] for i in scores if signs[i]]
+        negative = [scores[i] for i in scores if not signs[i]]
+        if positive and negative:
+            loss = torch.log(1 + sum(torch.exp(x / tau) for x in negative)) + torch.log(
+                1 + sum(torch.exp(-x / tau) for x in positive)
+            )
+            out[label] = (loss, list(scores))
+        else:
+            out[label] = (None, list(scores))
+    return out
+
+
+def real_surrogates(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    options: dict[str, object],
+) -> dict[tuple[int, int], Tensor]:
+    """REAL: ``-L_g`` at every selected token of group ``g`` (0 where ``g`` lacks a label)."""
+    out: dict[tuple[int, int], Tensor] = {}
+    for loss, rows in _real_groups(log_probs, old_log_probs, advantages, mask, options).values():
+        for i in rows:
+            for t in range(mask.shape[1]):
+                if bool(mask[i, t]):
+                    out[(i, t)] = -loss if loss is not None else 0.0 * log_probs[i, t]
     return out
 
 
@@ -621,6 +677,16 @@ def policy_loss_diagnostics(
     chosen: set[tuple[int, int]] = set()  # M2PO's masked, Clip-Cov's detached, KL-Cov's tokens
     if surrogate in BATCH_LEVEL:
         chosen = batch_selection(log_probs.detach(), old_log_probs, advantages, mask, options)
+    if surrogate == "real":  # the tokens of the groups with both labels
+        groups = _real_groups(log_probs.detach(), old_log_probs, advantages, mask, options)
+        chosen = {
+            (i, t)
+            for loss, rows in groups.values()
+            if loss is not None
+            for i in rows
+            for t in range(mask.shape[1])
+            if bool(mask[i, t])
+        }
     for i, row in enumerate(m):
         selected = [t for t, keep in enumerate(row) if keep]
         if not selected:
@@ -685,6 +751,10 @@ def policy_loss_diagnostics(
                 w = topr_weight(r, i, options)
                 truncated = not float(options["topr_rewards"][i]) > 0 and r > 1  # type: ignore[index]
                 flags = (truncated, False, truncated and a > 0, truncated and a < 0)
+            elif surrogate == "real":  # no clipping; w = the sequence ratio e^{S_i}
+                limit = math.inf if log_ratio_bound is None else log_ratio_bound
+                clamped = [min(max(lp[i][u] - old[i][u], -limit), limit) for u in selected]
+                w = math.exp(sum(clamped) / len(selected))
             elif surrogate == "dro":  # no ratio in the loss, no clipping; w = 1
                 w = 1.0
             elif surrogate == "kl_cov":  # no clipping; w = r

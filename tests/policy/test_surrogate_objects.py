@@ -21,6 +21,7 @@ from rlobjectives import (
     DRO,
     GMPO,
     M2PO,
+    REAL,
     SAPO,
     TOPR,
     VESPO,
@@ -34,12 +35,15 @@ from rlobjectives.presets import trl_grpo_loss
 from tolerances import assert_close
 
 CLASSES: tuple[type[Surrogate], ...] = (
-    Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov, ProbabilityBand, TOPR,
+    Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov, ProbabilityBand, TOPR, REAL,
 )  # fmt: skip
 NAMES = {
     "clip": Clip, "cispo": CISPO, "sapo": SAPO, "gmpo": GMPO, "vespo": VESPO, "dppo": DPPO,
     "m2po": M2PO, "clip_cov": ClipCov, "kl_cov": KLCov, "probability_band": ProbabilityBand,
+    "real": REAL,
 }  # fmt: skip
+# The prompt groups a group-level objective (REAL) needs from the call, for a batch of B rows.
+GROUPED = ("real",)
 # The fields without a default (DRO's beta: verl's dro_beta has none; TOPR's rewards, one per
 # sequence of the call: _batch()'s three).
 REQUIRED: dict[type, dict[str, Any]] = {DRO: {"beta": 0.5}, TOPR: {"rewards": [1.0, 0.0, -1.0]}}
@@ -134,6 +138,8 @@ def test_signatures() -> None:
     assert _fields(KLCov) == ["ratio", "coef", "selection"]
     assert _fields(ProbabilityBand) == ["tau", "kappa"]
     assert _fields(TOPR) == ["rewards", "positive_weight", "negative_weight"]
+    assert _fields(REAL) == ["tau"]
+    assert REAL() == REAL(tau=0.5)  # ms-swift's real_tau
     # the defaults: DPPO's per divergence (SkyRL's 0.2 for TV, 0.05 for KL; the paper's cap 20),
     # M2PO's the paper's threshold, the Cov objects' verl's config values
     assert DPPO() == DPPO(divergence="tv", low=0.2, high=0.2, ratio_cap=20.0)
@@ -233,17 +239,21 @@ def test_cispo_cap_has_no_band() -> None:
 @pytest.mark.parametrize("name", sorted(NAMES))
 def test_a_name_means_the_object_with_its_defaults(name: str) -> None:
     log_probs, old, advantages, mask = _batch()
+    groups = {"group_ids": torch.tensor([0, 0, 1])} if name in GROUPED else {}
     torch.manual_seed(0)  # Clip-Cov draws from the default generator: the same draw for both
-    by_name = rlo.policy_loss(log_probs, old, advantages, mask, surrogate=name)
+    by_name = rlo.policy_loss(log_probs, old, advantages, mask, surrogate=name, **groups)
     torch.manual_seed(0)
-    by_object = rlo.policy_loss(log_probs, old, advantages, mask, surrogate=NAMES[name]())
+    by_object = rlo.policy_loss(log_probs, old, advantages, mask, surrogate=NAMES[name](), **groups)
     assert_close(by_name.loss, by_object.loss)
     for a, b in zip(by_name.diagnostics, by_object.diagnostics, strict=True):
         assert_close(a, b)
+    groups = {"group_size": 2} if name in GROUPED else {}
     torch.manual_seed(0)
-    hidden_name = rlo.fused_policy_loss_from_hidden(**_hidden_batch(), surrogate=name)
+    hidden_name = rlo.fused_policy_loss_from_hidden(**_hidden_batch(), surrogate=name, **groups)
     torch.manual_seed(0)
-    hidden_object = rlo.fused_policy_loss_from_hidden(**_hidden_batch(), surrogate=NAMES[name]())
+    hidden_object = rlo.fused_policy_loss_from_hidden(
+        **_hidden_batch(), surrogate=NAMES[name](), **groups
+    )
     assert_close(hidden_name.loss, hidden_object.loss)
 
 

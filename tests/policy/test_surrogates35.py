@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import peer_transcriptions as peers
 import reference
 import rlobjectives as rlo
-from rlobjectives import TOPR, ProbabilityBand
+from rlobjectives import REAL, TOPR, ProbabilityBand
 from tolerances import assert_close
 
 F64 = torch.float64
@@ -237,6 +237,100 @@ def test_topr_rewards_are_checked_against_the_call() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# REAL (ms-swift loss_type="real")
+# --------------------------------------------------------------------------------------------
+
+
+def test_real_golden() -> None:
+    # Two groups of three (group_size=3), tau = .5. Group 0: S = mean log-ratio of each response
+    # over its selected tokens: S0 = (.2 + .4) / 2 = .3 (A = 1: positive), S1 = -.1 (A = -1),
+    # S2 = (.5 + .1 + 0) / 3 = .2 (A = 0: negative). L0 = ln(1 + e^{-.2} + e^{.4}) + ln(1 +
+    # e^{-.6}) = ln 3.3105561 + ln 1.5488116 = 1.6345164. Group 1: every A > 0: L1 = 0 (it still
+    # counts: prompt_mean over the 2 groups). loss = L0 / 2; d loss / d l = dL0/dS_i / (2 n_i):
+    # dL0/dS0 = -2 e^{-.6} / 1.5488116, dL0/dS1 = 2 e^{-.2} / 3.3105561, dL0/dS2 = 2 e^{.4} /
+    # 3.3105561; group 1's tokens get 0.
+    delta = t([[0.2, 0.4, 9.0], [-0.1, 9.0, 9.0], [0.5, 0.1, 0.0], [0.3, -0.2, 0.1],
+               [0.0, 0.0, 0.0], [1.0, 9.0, 9.0]])  # fmt: skip
+    mask = t([[1, 1, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1], [1, 0, 0], [1, 0, 0]]).bool()
+    old = torch.full((6, 3), -1.5, dtype=F64)
+    advantages = t([1.0, -1.0, 0.0, 2.0, 0.5, 1.0])
+    out, grad = loss_and_grad(old + delta, old, advantages, mask, surrogate=REAL(tau=0.5),
+                              group_size=3, reduction="prompt_mean")  # fmt: skip
+    neg, pos = 1 + math.exp(-0.2) + math.exp(0.4), 1 + math.exp(-0.6)
+    assert_close(out.loss, (LN(neg) + LN(pos)) / 2)
+    d0, d1, d2 = -2 * math.exp(-0.6) / pos, 2 * math.exp(-0.2) / neg, 2 * math.exp(0.4) / neg
+    want = t([[d0 / 4, d0 / 4, 0], [d1 / 2, 0, 0], [d2 / 6] * 3, [0] * 3, [0] * 3, [0] * 3])
+    assert_close(grad, want)
+    assert_close(out.diagnostics.selected_fraction, 6 / 11)  # the tokens of group 0
+    assert_close(out.diagnostics.clipped_fraction, 0.0)
+    # every token of group 0 carries -L0 (the per-token loss is L0)
+    per_token = rlo.policy_loss(old + delta, old, advantages, mask, surrogate=REAL(tau=0.5),
+                                group_size=3, reduction="none").loss  # fmt: skip
+    assert_close(per_token[:3][mask[:3]], torch.full((6,), LN(neg) + LN(pos), dtype=F64))
+    assert torch.equal(per_token[3:], torch.zeros(3, 3, dtype=F64))
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_real_equals_ms_swift(seed: int) -> None:
+    # ms-swift: the groups of num_generations rows, the loss summed over the groups with both
+    # labels and divided by every group (here: the 4 groups, one of them all positive).
+    case = random_batch(12, 7, seed=seed, spread=0.3)
+    advantages = case["advantages"].clone()
+    advantages[3:6] = advantages[3:6].abs() + 0.1  # group 1: no negative response
+    advantages[7] = 0.0  # zero counts as negative
+    mask = case["mask"]
+    leaf = case["log_probs"].clone().requires_grad_(True)
+    token_advantages = advantages.unsqueeze(-1).expand(12, 7)
+    expected = peers.swift_real_loss(
+        leaf, case["old_log_probs"], token_advantages, mask.to(F64), 3, 0.7
+    )
+    (want,) = torch.autograd.grad(expected, [leaf])
+    out, grad = loss_and_grad(
+        poisoned(case)["log_probs"], case["old_log_probs"], advantages, mask,
+        surrogate=REAL(tau=0.7), group_size=3, reduction="prompt_mean", log_ratio_bound=None,
+    )  # fmt: skip
+    assert_close(out.loss, expected)
+    assert_close(grad, torch.where(mask, want, 0.0))
+    assert float(expected.detach()) > 0 and 0 < float(out.diagnostics.selected_fraction) < 1
+    # group_ids in any order: the same groups
+    order = torch.randperm(12, generator=torch.Generator().manual_seed(seed))
+    ids = torch.arange(12).div(3, rounding_mode="floor")[order]
+    shuffled, shuffled_grad = loss_and_grad(
+        case["log_probs"][order], case["old_log_probs"][order], advantages[order], mask[order],
+        surrogate=REAL(tau=0.7), group_ids=ids * 10 + 7, reduction="prompt_mean",
+        log_ratio_bound=None,
+    )  # fmt: skip
+    assert_close(shuffled.loss, expected)
+    assert_close(shuffled_grad, grad[order])
+
+
+def test_real_needs_the_groups() -> None:
+    case = random_batch(3, 4, seed=1)
+    args = (case["log_probs"], case["old_log_probs"], case["advantages"], case["mask"])
+    with pytest.raises(
+        ValueError, match=r"^REAL needs the prompt groups of the call: pass group_size"
+    ):
+        rlo.policy_loss(*args, surrogate=REAL())
+    with pytest.raises(ValueError, match=r"^surrogate=REAL\(tau=0.5\) scores each response"):
+        rlo.policy_loss(*args, surrogate="real", ratio_level="sequence", group_size=3)
+    out = rlo.policy_loss(*args, surrogate="real", group_size=3)  # the name: REAL() defaults
+    assert torch.isfinite(out.loss)
+
+
+def test_real_scores_far_from_zero_stay_finite() -> None:
+    # S / tau = -+1900 (float32): the logsumexp with the 1 as a zero logit neither overflows nor
+    # loses the gradient's bound 1 / tau. L = ln(1 + e^1900) + ln(1 + e^1900) = 3800 at both
+    # tokens (token mean: 3800); dL/dS = -+1 / tau = -+100.
+    old = torch.zeros(2, 1, dtype=torch.float32)
+    log_probs = torch.tensor([[-19.0], [19.0]]).requires_grad_(True)
+    out = rlo.policy_loss(log_probs, old, torch.tensor([1.0, -1.0]), torch.ones(2, 1, dtype=bool),
+                          surrogate=REAL(tau=0.01), group_size=2)  # fmt: skip
+    (grad,) = torch.autograd.grad(out.loss, [log_probs])
+    assert_close(out.loss, 3800.0)
+    assert_close(grad, [[-100.0], [100.0]])
+
+
+# --------------------------------------------------------------------------------------------
 # Every new surrogate: the float64 reference, NaN, packed, micro-batches, hidden states
 # --------------------------------------------------------------------------------------------
 
@@ -251,10 +345,12 @@ def make(name: str, case: dict[str, Any]) -> tuple[rlo.Surrogate, dict[str, Any]
         return ProbabilityBand(tau=0.08, kappa=0.3), {}
     if name == "topr":
         return TOPR(case["rewards"], positive_weight=1.5, negative_weight=0.7), {}
+    if name == "real":
+        return REAL(tau=0.7), {}
     raise ValueError(name)
 
 
-NAMES = ("band", "topr")
+NAMES = ("band", "topr", "real")
 
 
 def expected_loss(name: str, case: dict[str, Any], leaf: torch.Tensor, **options: Any) -> Any:

@@ -19,6 +19,7 @@ from .dro import DRO
 from .gmpo import GMPO
 from .m2po import M2PO
 from .probability_band import ProbabilityBand
+from .real import REAL
 from .sapo import SAPO
 from .topr import TOPR
 from .vespo import VESPO
@@ -29,6 +30,7 @@ __all__ = [
     "DRO",
     "GMPO",
     "M2PO",
+    "REAL",
     "SAPO",
     "SURROGATES",
     "TOPR",
@@ -48,6 +50,6 @@ SURROGATES: dict[str, type[Surrogate]] = {
     cls.name: cls
     for cls in (
         Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov, ProbabilityBand,
-        TOPR,
+        TOPR, REAL,
     )
 }  # fmt: skip
