@@ -858,19 +858,30 @@ def _kernel_cases() -> list[Case]:
 
 def _surrogate35_cases() -> list[Case]:
     """REAL: the group-level objective over the whole sequences of the ranks (the seeds give
-    groups with both labels, and one without: its L_g = 0)."""
+    groups with both labels, and one without: its L_g = 0). FIPO: the future sums carried from
+    the later ranks' chunks (padded: the ranks' rows exact slices of the padded rows)."""
     ids = torch.tensor([0, 0, 1, 1, 1])  # sequence 2 (no selected token) takes no part
     real = {"surrogate": rlo.REAL(tau=0.7), "group_ids": ids}
+    fipo = {
+        "surrogate": rlo.FIPO(
+            gamma=0.7, cap=0.8, cap_high_only=False, delta=1.5, safety_threshold=1.2
+        )
+    }
+    free = {"surrogate": rlo.FIPO(gamma=0.8, cap=None)}  # every influence weight e^F
     rows = [
-        ("padded", "real-prompt_mean", "prompt_mean", "chunks", "pair", 49),
-        ("packed", "real-prompt_mean", "prompt_mean", "chunks", "trio", 53),
-        ("padded", "real-token_mean", "token_mean", "scatter", "trio", 55),
-        ("packed", "real-sequence_mean", "sequence_mean", "scatter", "pair", 43),
+        ("padded", "real-prompt_mean", real, "prompt_mean", "chunks", "pair", 49),
+        ("packed", "real-prompt_mean", real, "prompt_mean", "chunks", "trio", 53),
+        ("padded", "real-token_mean", real, "token_mean", "scatter", "trio", 55),
+        ("packed", "real-sequence_mean", real, "sequence_mean", "scatter", "pair", 43),
+        ("padded", "fipo-token_mean", free, "token_mean", "slices", "pair", 61),
+        ("padded", "fipo-sequence_mean", fipo, "sequence_mean", "slices", "trio", 62),
+        ("packed", "fipo-token_mean", free, "token_mean", "chunks", "pair", 63),
+        ("packed", "fipo-length_weighted", fipo, "length_weighted", "chunks", "trio", 64),
     ]
     return [
-        Case(f"policy-{layout}-{name}", "policy_loss", {**real, "reduction": reduction}, layout,
-             split, group, seed=seed)
-        for layout, name, reduction, split, group, seed in rows
+        Case(f"policy-{layout}-{name}", "policy_loss", {**options, "reduction": reduction},
+             layout, split, group, seed=seed)
+        for layout, name, options, reduction, split, group, seed in rows
     ]  # fmt: skip
 
 

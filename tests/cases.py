@@ -599,6 +599,31 @@ SURROGATE35_CASES: tuple[Case, ...] = (
         ),
     ),
     Case("REAL", rlo.REAL, lambda: {"tau": 0.5}, field_wrongs(rlo.REAL, "tau", below=0.0)),
+    Case(
+        "FIPO",
+        rlo.FIPO,
+        lambda: {
+            "gamma": 0.9,
+            "cap": 0.2,
+            "low": 0.2,
+            "high": 0.28,
+            "delta": 1.5,
+            "cap_high_only": False,
+            "safety_threshold": 4.0,
+        },  # fmt: skip
+        field_wrongs(rlo.FIPO, "gamma", below=-0.1)
+        + field_wrongs(rlo.FIPO, "cap", below=-0.1)
+        + field_wrongs(rlo.FIPO, "low", below=-0.1, above=1.0)
+        + field_wrongs(rlo.FIPO, "high", below=-0.1)
+        + field_wrongs(rlo.FIPO, "delta", below=1.0)
+        + field_wrongs(rlo.FIPO, "safety_threshold", below=0.0)
+        + (
+            _named("gamma", "FIPO.gamma", "above-1", 1.5, ValueError),
+            _named("gamma", "FIPO.gamma", "tensor-above-1", torch.tensor(1.5), ValueError),
+            _named("cap_high_only", "FIPO.cap_high_only", "int", 1, TypeError),
+            _named("cap_high_only", "FIPO.cap_high_only", "str", "yes", TypeError),
+        ),
+    ),
 )
 
 

@@ -14,6 +14,7 @@ from rlobjectives import (
     CISPO,
     DPPO,
     DRO,
+    FIPO,
     GMPO,
     M2PO,
     SAPO,
@@ -64,6 +65,20 @@ FAMILY_OPTION_SETS: list[dict[str, Any]] = [
     {"surrogate": ProbabilityBand()},
     {"surrogate": ProbabilityBand(tau=0.05, kappa=0.5), "log_ratio_bound": 0.3},
     {"surrogate": ProbabilityBand(tau=0.2, kappa=0.0), "log_ratio_bound": None},
+    # FIPO (ms-swift): the clipped surrogate times the influence of the future log-ratio
+    {"surrogate": FIPO(gamma=0.9, cap=0.2)},
+    {
+        "surrogate": FIPO(
+            gamma=0.6,
+            cap=0.1,
+            low=0.1,
+            high=0.3,
+            delta=1.3,
+            cap_high_only=False,
+            safety_threshold=1.1,
+        ),
+        "log_ratio_bound": 0.5,
+    },  # fmt: skip
 ]
 # The token-local ones (fused path and fused hidden-state path).
 TOKEN_LOCAL_FAMILY = [

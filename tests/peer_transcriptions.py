@@ -1136,6 +1136,95 @@ def swift_real_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Te
 # fmt: on
 
 
+# ------------------------------------------------------------------------------------------------
+# ms-swift, modelscope/ms-swift @ 3602360a562313afbf2ef6065fdf61f271a2c5b9 (4.6.0.dev0),
+# swift/rlhf_trainers/grpo_trainer.py: GRPOTrainer._compute_fipo_influence (self.args.delta,
+# self.fipo_gamma, self.fipo_clip_range, self.fipo_clip_high_only, self.fipo_safety_threshold
+# as arguments) and the loss_type == 'fipo' lines of _compute_loss_and_metrics (token-level
+# importance sampling, no entropy mask, KL or rollout weights; num_items_in_batch /
+# num_processes as the normaliser argument).
+# ------------------------------------------------------------------------------------------------
+
+
+# fmt: off
+def swift_compute_fipo_influence(log_ratio: torch.Tensor, coef_1: torch.Tensor, advantages: torch.Tensor,
+                                 completion_mask: torch.Tensor, delta: float | None, fipo_gamma: float,
+                                 fipo_clip_range: float | None, fipo_clip_high_only: bool,
+                                 fipo_safety_threshold: float | None):  # replaced: self
+    """Compute FIPO token-level influence weight from Future-KL divergence."""
+    future_kl_delta = log_ratio.masked_fill(~completion_mask, 0.0)
+
+    # Dual-Clip participation mask: high-ratio tokens do not contribute to Future-KL.
+    if delta is not None:
+        delta = torch.as_tensor(delta, dtype=log_ratio.dtype, device=log_ratio.device)
+        high_ratio_mask = coef_1 > delta
+        future_kl_delta = torch.where(high_ratio_mask, torch.zeros_like(future_kl_delta), future_kl_delta)
+
+    seq_len = future_kl_delta.shape[1]
+    future_kl = torch.zeros_like(future_kl_delta)
+    positions = torch.arange(seq_len, device=log_ratio.device).unsqueeze(1)
+    gamma = torch.as_tensor(fipo_gamma, dtype=log_ratio.dtype, device=log_ratio.device)
+    chunk_size = 128
+    for chunk_start in range(0, seq_len, chunk_size):
+        chunk_end = min(seq_len, chunk_start + chunk_size)
+        chunk_positions = torch.arange(chunk_start, chunk_end, device=log_ratio.device).unsqueeze(0)
+        distance = chunk_positions - positions
+        future_mask = distance >= 0
+        decay_block = torch.pow(gamma, distance.clamp(min=0)) * future_mask.to(log_ratio.dtype)
+        future_kl += torch.matmul(future_kl_delta[:, chunk_start:chunk_end], decay_block.t())
+    future_kl = future_kl.masked_fill(~completion_mask, 0.0)
+
+    influence_weight = torch.exp(future_kl)
+
+    if fipo_clip_range:
+        high = 1 + fipo_clip_range
+        low = 1.0 if fipo_clip_high_only else 1 - fipo_clip_range
+        influence_weight = torch.clamp(influence_weight, min=low, max=high)
+    influence_weight = influence_weight.detach()
+
+    # avoid amplifying negative-advantage tokens with very high IS ratios.
+    safety_mask = torch.ones_like(completion_mask, dtype=torch.bool)
+    if fipo_safety_threshold is not None:
+        negative_advantage = advantages < 0
+        high_is_ratio = coef_1 > fipo_safety_threshold
+        safety_mask = ~(negative_advantage & high_is_ratio)
+        influence_weight = torch.where(safety_mask, influence_weight,
+                                       torch.clamp(influence_weight, min=0.8, max=1.0))
+
+    metrics = {
+        'future_kl': future_kl,
+        'influence_weight': influence_weight,
+        'safety_mask': safety_mask,
+    }
+    return influence_weight, metrics
+
+
+def swift_fipo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor,
+                    advantages: torch.Tensor, completion_mask: torch.Tensor, epsilon_low: float,
+                    epsilon_high: float, delta: float | None, fipo_decay_rate: float,
+                    fipo_clip_range: float | None, fipo_clip_high_only: bool,
+                    fipo_safety_threshold: float | None, normalizer: float):  # replaced: self, grpo_batch
+    fipo_gamma = 2**(-1 / fipo_decay_rate)  # GRPOTrainer.__init__
+    log_ratio = per_token_logps - old_per_token_logps
+    log_importance_weights = log_ratio
+    coef_1 = torch.exp(log_importance_weights)
+    fipo_weight, fipo_metrics = swift_compute_fipo_influence(
+        log_ratio, coef_1, advantages, completion_mask, delta, fipo_gamma, fipo_clip_range,
+        fipo_clip_high_only, fipo_safety_threshold)
+
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+    if delta is not None:
+        coef_1 = torch.clamp(coef_1, max=delta)
+
+    per_token_loss1 = coef_1 * advantages
+    per_token_loss2 = coef_2 * advantages
+    per_token_loss = -torch.min(per_token_loss1, per_token_loss2)
+    per_token_loss = per_token_loss * fipo_weight
+    loss = (per_token_loss * completion_mask).sum() / normalizer
+    return loss, fipo_metrics
+# fmt: on
+
+
 __all__ = [
     "AReaLPromptMean",
     "IPOLossConfig",
@@ -1153,5 +1242,7 @@ __all__ = [
     "roll_ratio",
     "skyrl_apply_loss_reduction_to_advantages_minibatch",
     "skyrl_reduce_loss",
+    "swift_compute_fipo_influence",
+    "swift_fipo_loss",
     "swift_real_loss",
 ]

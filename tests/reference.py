@@ -84,6 +84,10 @@ FAMILY_DEFAULTS: dict[str, object] = {
     "topr_negative_weight": 1.0,
     "labels": None,  # the prompt group of each row (group_size= / group_ids= of the call)
     "real_tau": 0.5,
+    "fipo_gamma": None,  # FIPO(gamma, cap): required
+    "fipo_cap": None,
+    "fipo_cap_high_only": True,
+    "fipo_safety_threshold": None,
 }
 VESPO_LOG_LOW, VESPO_LOG_HIGH = math.log(1e-8), 20.0
 SAPO_HALF_PEAK = 2.0 * math.log(1.0 + math.sqrt(2.0))  # 4 sigma (1 - sigma) = 1/2
@@ -124,6 +128,15 @@ _FLAT_NAMES: dict[str, dict[str, str]] = {
     "kl_cov": {"ratio": "cov_ratio", "coef": "kl_cov_coef", "selection": "cov_selection"},
     "probability_band": {"tau": "band_tau", "kappa": "band_kappa"},
     "real": {"tau": "real_tau"},
+    "fipo": {
+        "gamma": "fipo_gamma",
+        "cap": "fipo_cap",
+        "low": "clip_low",
+        "high": "clip_high",
+        "delta": "delta",
+        "cap_high_only": "fipo_cap_high_only",
+        "safety_threshold": "fipo_safety_threshold",
+    },
     "topr": {
         "rewards": "topr_rewards",
         "positive_weight": "topr_positive_weight",
@@ -145,6 +158,8 @@ def surrogate_options(surrogate: object = "clip") -> dict[str, object]:
     name = type(surrogate).name  # type: ignore[attr-defined]
     flat: dict[str, object] = {"surrogate": name}
     for field, value in vars(surrogate).items():
+        if field.startswith("_"):  # the object's own helpers (FIPO's Clip), not its fields
+            continue
         value = float(value) if isinstance(value, torch.Tensor) and value.ndim == 0 else value
         flat[_FLAT_NAMES[name][field]] = value
     return flat
@@ -336,6 +351,16 @@ def per_token_surrogates(
                     lp, old_log_probs[i, t], a, log_ratio_bound=log_ratio_bound,
                     tau=float(options["band_tau"]), kappa=float(options["band_kappa"]),  # type: ignore[arg-type]
                 )  # fmt: skip
+            elif surrogate == "fipo":  # the clipped surrogate times the influence weight
+                influence, _ = fipo_influence(
+                    log_probs, old_log_probs, advantages, mask, i, options
+                )
+                clipped = surrogate_token(
+                    lp, old_log_probs[i, t], a, clip_low=clip_low, clip_high=clip_high,
+                    dual_clip=None, log_ratio_bound=log_ratio_bound,
+                    delta=options["delta"],  # type: ignore[arg-type]
+                )  # fmt: skip
+                out[(i, t)] = influence[t] * clipped
             elif surrogate == "topr":  # ROLL: w A l, w = w+ (R > 0) or w- sg(clip(r, 0, 1))
                 weight = topr_weight(float(ratio.detach()), i, options)
                 out[(i, t)] = weight * a * (log_probs[i, t] if log_probs[i, t] > -math.inf else 0.0)
@@ -398,6 +423,46 @@ def real_surrogates(
                 if bool(mask[i, t]):
                     out[(i, t)] = -loss if loss is not None else 0.0 * log_probs[i, t]
     return out
+
+
+def fipo_influence(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    row: int,
+    options: dict[str, object],
+) -> tuple[list[float], list[bool]]:
+    """FIPO's influence weight of every position of row ``row`` and where the safety clamp
+    applied: ``F_t = sum_{s >= t} gamma^(s - t) M_s x_s [r_s <= delta]``, then
+    ``clip(e^F, 1 (or 1 - c), 1 + c)``, then ``clip(f, .8, 1)`` where ``A < 0`` and ``r > th``."""
+    gamma, cap = float(options["fipo_gamma"]), options["fipo_cap"]  # type: ignore[arg-type]
+    delta, threshold = options["delta"], options["fipo_safety_threshold"]
+    bound = options["log_ratio_bound"]
+    width = mask.shape[1]
+    x = [0.0] * width
+    for s in range(width):
+        if bool(mask[row, s]):
+            x[s] = float(_bounded((log_probs[row, s] - old_log_probs[row, s]).detach(), bound))  # type: ignore[arg-type]
+            if delta is not None and math.exp(x[s]) > delta:  # type: ignore[operator]
+                x[s] = 0.0
+    influence, safety = [], []
+    for t in range(width):
+        future = sum(gamma ** (s - t) * x[s] for s in range(t, width))
+        f = math.exp(future) if future < 700 else math.inf
+        if cap is not None:
+            low = 1.0 if options["fipo_cap_high_only"] else 1.0 - cap  # type: ignore[operator]
+            f = min(max(f, low), 1.0 + cap)  # type: ignore[operator]
+        clamped = False
+        if threshold is not None and bool(mask[row, t]):
+            a = float(_advantage(advantages, row, t))
+            delta_t = (log_probs[row, t] - old_log_probs[row, t]).detach()
+            r = math.exp(float(_bounded(delta_t, bound)))  # type: ignore[arg-type]
+            clamped = a < 0 and r > threshold  # type: ignore[operator]
+            f = min(max(f, 0.8), 1.0) if clamped else f
+        influence.append(f)
+        safety.append(clamped)
+    return influence, safety
 
 
 def topr_weight(ratio: float, row: int, options: dict[str, object]) -> float:
@@ -747,6 +812,14 @@ def policy_loss_diagnostics(
                 up, down = moved > options["band_tau"], moved < -options["band_tau"]  # type: ignore[operator]
                 flags = (up or down, down and a < 0, up and a > 0, up and a < 0)
                 w = 0.0 if up or down else r
+            elif surrogate == "fipo":  # the band of Clip(low, high, delta), w times f
+                influence, safety = fipo_influence(
+                    log_probs.detach(), old_log_probs, advantages, mask, i, options
+                )
+                *flag_list, w = _clip_sets(r, a, dict(options, dual_clip=None))
+                flags = tuple(flag_list)  # type: ignore[assignment]
+                w = w * influence[t]
+                totals["selected_fraction"] += safety[t]
             elif surrogate == "topr":  # the truncation at 1 of the non-positive rewards
                 w = topr_weight(r, i, options)
                 truncated = not float(options["topr_rewards"][i]) > 0 and r > 1  # type: ignore[index]

@@ -19,6 +19,7 @@ from rlobjectives import (
     CISPO,
     DPPO,
     DRO,
+    FIPO,
     GMPO,
     M2PO,
     REAL,
@@ -36,6 +37,7 @@ from tolerances import assert_close
 
 CLASSES: tuple[type[Surrogate], ...] = (
     Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov, ProbabilityBand, TOPR, REAL,
+    FIPO,
 )  # fmt: skip
 NAMES = {
     "clip": Clip, "cispo": CISPO, "sapo": SAPO, "gmpo": GMPO, "vespo": VESPO, "dppo": DPPO,
@@ -46,7 +48,9 @@ NAMES = {
 GROUPED = ("real",)
 # The fields without a default (DRO's beta: verl's dro_beta has none; TOPR's rewards, one per
 # sequence of the call: _batch()'s three).
-REQUIRED: dict[type, dict[str, Any]] = {DRO: {"beta": 0.5}, TOPR: {"rewards": [1.0, 0.0, -1.0]}}
+REQUIRED: dict[type, dict[str, Any]] = {
+    DRO: {"beta": 0.5}, TOPR: {"rewards": [1.0, 0.0, -1.0]}, FIPO: {"gamma": 0.9, "cap": 0.2},
+}  # fmt: skip
 # The objects that take GSPO's sequence ratio (the others: ratio_level="token" only).
 SEQUENCE_RATIO = (Clip, CISPO, SAPO, TOPR)
 # The flat keywords of 0.2 that moved into the objects (issue 21).
@@ -60,6 +64,7 @@ VALUES = {  # a valid value of each field (for the field's own class)
     "divergence": "kl", "ratio_cap": 3.0, "beta": 0.5, "threshold": 0.04, "ratio": 0.1,
     "cov_lb": 1.0, "cov_ub": 5.0, "generator": None, "selection": None, "coef": 1.0,
     "tau": 0.1, "kappa": 0.01, "rewards": [1.0], "positive_weight": 1.0, "negative_weight": 1.0,
+    "gamma": 0.9, "cap_high_only": False, "safety_threshold": 4.0,
 }  # fmt: skip
 
 
@@ -139,6 +144,11 @@ def test_signatures() -> None:
     assert _fields(ProbabilityBand) == ["tau", "kappa"]
     assert _fields(TOPR) == ["rewards", "positive_weight", "negative_weight"]
     assert _fields(REAL) == ["tau"]
+    assert _fields(FIPO) == [
+        "gamma", "cap", "low", "high", "delta", "cap_high_only", "safety_threshold",
+    ]  # fmt: skip
+    assert FIPO(0.9, 0.2) == FIPO(gamma=0.9, cap=0.2, low=0.2, high=None, delta=None,
+                                  cap_high_only=True, safety_threshold=None)  # fmt: skip
     assert REAL() == REAL(tau=0.5)  # ms-swift's real_tau
     # the defaults: DPPO's per divergence (SkyRL's 0.2 for TV, 0.05 for KL; the paper's cap 20),
     # M2PO's the paper's threshold, the Cov objects' verl's config values
@@ -213,6 +223,8 @@ WRONG_COMBINATIONS: list[tuple[type, dict[str, Any], str]] = [
     (Clip, {"low": None, "high": 0.28}, r"^Clip.high requires Clip.low"),
     (GMPO, {"low": None, "high": 0.28}, r"^GMPO.high requires GMPO.low"),
     (M2PO, {"low": None, "high": 0.28}, r"^M2PO.high requires M2PO.low"),
+    (FIPO, {"gamma": 0.9, "cap": 0.2, "low": None, "high": 0.28}, r"^FIPO.high requires FIPO.low"),
+    (FIPO, {"gamma": 1.5, "cap": 0.2}, r"^FIPO.gamma must be <= 1"),
     (DPPO, {"divergence": "tv", "low": 1.5}, r"^DPPO.low must be <= 1 for divergence='tv'"),
     (DPPO, {"high": 1.2}, r"^DPPO.high must be <= 1 for divergence='tv'"),
     (ClipCov, {"cov_lb": 5.0, "cov_ub": 1.0}, r"^ClipCov.cov_lb must be < ClipCov.cov_ub"),

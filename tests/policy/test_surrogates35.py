@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 import peer_transcriptions as peers
 import reference
 import rlobjectives as rlo
-from rlobjectives import REAL, TOPR, ProbabilityBand
+from rlobjectives import FIPO, REAL, TOPR, ProbabilityBand
 from tolerances import assert_close
 
 F64 = torch.float64
@@ -331,6 +331,102 @@ def test_real_scores_far_from_zero_stay_finite() -> None:
 
 
 # --------------------------------------------------------------------------------------------
+# FIPO (ms-swift loss_type="fipo")
+# --------------------------------------------------------------------------------------------
+
+
+def test_fipo_golden() -> None:
+    # gamma = .5, cap = .2 (f in [1, 1.2]), the band [.8, 1.2]. Row 0, A = 1, Delta = [.1, -.2,
+    # .4]: F = [.1 - .1 + .1, -.2 + .2, .4] = [.1, 0, .4], f = [e^.1, 1, 1.2]; the clipped
+    # surrogate min(r, clip(r)) = [e^.1, e^-.2, 1.2 (clipped)], s = [e^.2, e^-.2, 1.44].
+    # Row 1, A = -1, Delta = [.1, (hole), .4]: the hole is a position (gamma^2 to t2):
+    # F = [.1 + .25 * .4, .4] = [.2, .4], f = [1.2, 1.2]; A < 0 clips below .8 only:
+    # s = [-1.2 e^.1, -1.2 e^.4]. loss = -sum / 5; grad = -f dclip/dl / 5 = [-e^.2, -e^-.2, 0]
+    # / 5 and [1.2 e^.1, 0, 1.2 e^.4] / 5.
+    delta = t([[0.1, -0.2, 0.4], [0.1, 5.0, 0.4]])
+    mask = t([[1, 1, 1], [1, 0, 1]]).bool()
+    old = torch.full((2, 3), -1.0, dtype=F64)
+    surrogate = FIPO(gamma=0.5, cap=0.2)
+    out, grad = loss_and_grad(old + delta, old, t([1.0, -1.0]), mask, surrogate=surrogate)
+    e = math.exp
+    values = [e(0.2), e(-0.2), 1.44, -1.2 * e(0.1), -1.2 * e(0.4)]
+    assert_close(out.loss, -sum(values) / 5)
+    assert_close(grad, [[-e(0.2) / 5, -e(-0.2) / 5, 0], [1.2 * e(0.1) / 5, 0, 1.2 * e(0.4) / 5]])
+    assert_close(out.diagnostics.clip_fraction_high, 1 / 5)  # the band's edge: row 0, t2
+    assert_close(out.diagnostics.weight_mean, (e(0.2) + e(-0.2) + 1.44 + 1.2 * e(0.1)
+                                               + 1.2 * e(0.4)) / 5)  # fmt: skip
+    # ms-swift's safety clamp: A < 0 and r = e^.4 > 1.3 at row 1, t2: f = clip(1.2, .8, 1) = 1
+    safe = FIPO(gamma=0.5, cap=0.2, safety_threshold=1.3)
+    out, grad = loss_and_grad(old + delta, old, t([1.0, -1.0]), mask, surrogate=safe)
+    values[-1] = -e(0.4)
+    assert_close(out.loss, -sum(values) / 5)
+    assert_close(grad[1, 2], e(0.4) / 5)
+    assert_close(out.diagnostics.selected_fraction, 1 / 5)  # the clamped tokens
+    # no cap: f = e^F (row 0 t2: e^.4 = 1.49), symmetric cap: [.8, 1.2] (F = 0 gives 1)
+    free = rlo.policy_loss(old + delta, old, t([1.0, -1.0]), mask,
+                           surrogate=FIPO(gamma=0.5, cap=None), reduction="none").loss  # fmt: skip
+    assert_close(free[0], [-e(0.2), -e(-0.2), -1.2 * e(0.4)])
+
+
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"fipo_decay_rate": 32.0, "fipo_clip_range": 0.2, "fipo_clip_high_only": True,
+         "delta": None, "fipo_safety_threshold": None},
+        {"fipo_decay_rate": 4.0, "fipo_clip_range": 0.2, "fipo_clip_high_only": False,
+         "delta": 1.5, "fipo_safety_threshold": 1.2},
+        {"fipo_decay_rate": 2.0, "fipo_clip_range": None, "fipo_clip_high_only": True,
+         "delta": None, "fipo_safety_threshold": 1.1},
+    ],
+    ids=["defaults", "official-32b-like", "no-cap"],
+)  # fmt: skip
+def test_fipo_equals_ms_swift(config: dict[str, Any]) -> None:
+    case = random_batch(5, 40, seed=29, spread=0.3)  # long rows: the discount matters
+    mask = case["mask"]
+    leaf = case["log_probs"].clone().requires_grad_(True)
+    token_advantages = case["advantages"].unsqueeze(-1).expand(5, 40)
+    normalizer = float(mask.sum()) + 2.0  # ms-swift's num_items_in_batch / num_processes
+    expected, metrics = peers.swift_fipo_loss(
+        leaf, case["old_log_probs"], token_advantages, mask, 0.2, 0.28, config["delta"],
+        config["fipo_decay_rate"], config["fipo_clip_range"], config["fipo_clip_high_only"],
+        config["fipo_safety_threshold"], normalizer,
+    )  # fmt: skip
+    (want,) = torch.autograd.grad(expected, [leaf])
+    surrogate = FIPO(
+        gamma=2 ** (-1 / config["fipo_decay_rate"]), cap=config["fipo_clip_range"], low=0.2,
+        high=0.28, delta=config["delta"], cap_high_only=config["fipo_clip_high_only"],
+        safety_threshold=config["fipo_safety_threshold"],
+    )  # fmt: skip
+    out, grad = loss_and_grad(
+        poisoned(case)["log_probs"], poisoned(case)["old_log_probs"], case["advantages"], mask,
+        surrogate=surrogate, log_ratio_bound=None, normalizer=normalizer,
+    )  # fmt: skip
+    assert_close(out.loss, expected)
+    assert_close(grad, torch.where(mask, want, 0.0))
+    clamped = (~metrics["safety_mask"] & mask).sum() / mask.sum()  # 1 - safety_keep_ratio
+    assert_close(out.diagnostics.selected_fraction, clamped)
+    # the influence weights themselves (1 on the unselected positions of ms-swift's matrix)
+    influence = metrics["influence_weight"]
+    assert not torch.allclose(influence[mask], torch.ones((), dtype=F64), atol=1e-3)  # it binds
+
+
+def test_fipo_future_sums_stop_at_each_packed_sequence() -> None:
+    # Two packed sequences [.1, .2 | .4]: F = [.1 + .5 * .2, .2 | .4] with gamma = .5 (the
+    # second sequence's .4 does not reach the first); padded rows give the same.
+    from rlobjectives._core.layout import packed_layout, padded
+    from rlobjectives.policy.surrogates.fipo import future_sums
+
+    values = t([[0.1, 0.2, 0.4]])
+    packed = future_sums(values, packed_layout(torch.tensor([0, 2, 3]), 3), 0.5)
+    assert_close(packed, [[0.2, 0.2, 0.4]])
+    rows = future_sums(t([[0.1, 0.2], [0.4, 0.0]]), padded(2), 0.5)
+    assert_close(rows, [[0.2, 0.2], [0.4, 0.0]])
+    long = torch.randn(1, 37, dtype=F64)  # against the obvious double loop
+    loop = [sum(0.9 ** (s - i) * float(long[0, s]) for s in range(i, 37)) for i in range(37)]
+    assert_close(future_sums(long, padded(1), 0.9), [loop])
+
+
+# --------------------------------------------------------------------------------------------
 # Every new surrogate: the float64 reference, NaN, packed, micro-batches, hidden states
 # --------------------------------------------------------------------------------------------
 
@@ -347,10 +443,12 @@ def make(name: str, case: dict[str, Any]) -> tuple[rlo.Surrogate, dict[str, Any]
         return TOPR(case["rewards"], positive_weight=1.5, negative_weight=0.7), {}
     if name == "real":
         return REAL(tau=0.7), {}
+    if name == "fipo":  # the band, delta, the cap and the safety clamp each bind somewhere
+        return FIPO(gamma=0.8, cap=0.3, low=0.2, high=0.28, delta=1.6, safety_threshold=1.2), {}
     raise ValueError(name)
 
 
-NAMES = ("band", "topr", "real")
+NAMES = ("band", "topr", "real", "fipo")
 
 
 def expected_loss(name: str, case: dict[str, Any], leaf: torch.Tensor, **options: Any) -> Any:

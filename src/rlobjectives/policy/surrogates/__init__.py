@@ -16,6 +16,7 @@ from .clip import Clip
 from .cov import ClipCov, KLCov
 from .dppo import DPPO
 from .dro import DRO
+from .fipo import FIPO
 from .gmpo import GMPO
 from .m2po import M2PO
 from .probability_band import ProbabilityBand
@@ -28,6 +29,7 @@ __all__ = [
     "CISPO",
     "DPPO",
     "DRO",
+    "FIPO",
     "GMPO",
     "M2PO",
     "REAL",
@@ -44,12 +46,12 @@ __all__ = [
     "SurrogateTerms",
 ]
 
-#: The surrogate each string of ``policy_loss(surrogate=...)`` means (with its defaults; DRO
-#: and TOPR have none: their names ask for ``DRO(beta=...)``, ``TOPR(rewards=...)``).
+#: The surrogate each string of ``policy_loss(surrogate=...)`` means (with its defaults; DRO,
+#: TOPR and FIPO have none: their names ask for the object, ``DRO(beta=...)``, ...).
 SURROGATES: dict[str, type[Surrogate]] = {
     cls.name: cls
     for cls in (
         Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov, ProbabilityBand,
-        TOPR, REAL,
+        TOPR, REAL, FIPO,
     )
 }  # fmt: skip
