@@ -146,6 +146,23 @@ def test_probability_band_equals_prime_rl_ipo(config: Any) -> None:
     assert 0 < float(out.diagnostics.clipped_fraction) < 1  # the band binds on some tokens
 
 
+def test_probability_band_decides_on_the_float64_probabilities() -> None:
+    # float32 inputs whose p - p_old is 0.20000000305 in float64, above tau = fl32(0.2) =
+    # 0.20000000298 (outside), while float32's exp(l) - exp(l_old) gives 0.19999999 (inside):
+    # the band follows the float64 value, so the token has value and gradient 0 (kappa = 0).
+    log_probs = torch.tensor([[-0.019026590511202812]], dtype=torch.float32)
+    old = torch.tensor([[-0.24698390066623688]], dtype=torch.float32)
+    tau = float(torch.tensor(0.2))  # 0.2 rounded to float32
+    assert float(torch.exp(log_probs) - torch.exp(old)) <= tau  # the float32 evaluation
+    assert math.exp(float(log_probs)) - math.exp(float(old)) > tau
+    leaf = log_probs.requires_grad_(True)
+    out = rlo.policy_loss(leaf, old, torch.tensor([1.0]), torch.ones(1, 1, dtype=torch.bool),
+                          surrogate=ProbabilityBand(tau=0.2, kappa=0.0))  # fmt: skip
+    (grad,) = torch.autograd.grad(out.loss, [leaf])
+    assert out.diagnostics.clipped_fraction == 1.0 and out.diagnostics.clip_fraction_high == 1.0
+    assert out.loss == 0.0 and grad == 0.0
+
+
 def test_probability_band_tensor_fields_and_a_learnable_kappa() -> None:
     case = random_batch(3, 6, seed=5)
     args = (case["log_probs"], case["old_log_probs"], case["advantages"], case["mask"])

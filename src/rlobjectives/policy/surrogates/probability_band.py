@@ -94,15 +94,20 @@ class ProbabilityBand(Surrogate):
         moved = moved.sub_(torch.exp(tokens.old_log_probs.to(wide)))  # (B, T)
         tau = torch.as_tensor(self.tau, dtype=wide, device=moved.device).detach()
         tau = tau.to(compute).to(wide)  # tau rounded to the computation dtype
-        up, down = moved > tau, moved < -tau  # p above / below the band
-        outside = up | down
-        zero = torch.zeros((), dtype=compute, device=log_ratio.device)
-        gated = torch.where(outside, zero, torch.exp(log_ratio))  # 1[kept] r
+        # The decision as a small integer, +1 kept (the edge, tau - |p - p_old| = +0, included)
+        # or -1: what a compiled backward keeps of it (not a mask, which Inductor's CPU code
+        # stores slowly, nor the float64 work, which it would otherwise redo).
+        one = torch.ones((), dtype=wide, device=moved.device)
+        side = torch.copysign(one, moved.abs_().neg_().add_(tau)).to(torch.int8)
+        gated = torch.exp(log_ratio) * side.clamp(min=0)  # 1[kept] r
+        outside = side < 0
         values = gated * advantages
         if isinstance(self.kappa, torch.Tensor):
             values = values - self.kappa * log_ratio.square()
         else:  # the same sum, one pass fewer
             values = values.addcmul(log_ratio, log_ratio, value=-self.kappa)
+        x = log_ratio.detach()
+        up, down = outside & (x > 0), outside & (x < 0)  # p above / below the band
         negative = advantages < 0
         return SurrogateTerms(
             values,
