@@ -4,6 +4,7 @@ Usage (from the repository root; verl 0.9.1 installed: ``requirements/peers-node
 
     python benchmarks/bench_formula.py                  # B=64 T=4096 and B=8 T=16384, fp32
     python benchmarks/bench_formula.py --quick          # one small shape, a smoke run
+    python benchmarks/bench_formula.py --surrogates     # issue 35's surrogates against Clip()
 
 Forward + backward with respect to ``log_probs``, CPU, ``--threads`` threads (default 1),
 process CPU time, the variants interleaved round by round (``harness.time_case``), medians.
@@ -19,6 +20,12 @@ Variants:
   the library;
 - ``naive``: the trainer-style eager loss of ``tests/eager_reference.py`` (mask multiplication,
   no diagnostics).
+
+``--surrogates``: ``Clip()`` (the ratio's reference) and issue 35's ``ProbabilityBand()``,
+``TOPR(rewards)``, ``REAL()`` (``group_size=8``) and ``FIPO(gamma=2 ** (-1 / 32), cap=0.2)``,
+each eager and compiled, with ``CISPO()`` and ``DPPO()`` for context (the library's
+``sg(w) A l`` and float64 trust region), B=64 T=4096 by default; results in
+``benchmarks/results/surrogates35-<threads>thread.csv``.
 
 Also printed: the bytes autograd keeps for backward (``saved_tensors_hooks``) per variant, in
 ``(B, T)`` float32 tensors. Results: ``benchmarks/results/policy-formula-<threads>.csv``.
@@ -65,7 +72,9 @@ def _inputs(batch: int, tokens: int) -> Callable[[torch.device], dict[str, torch
         lengths = torch.randint(int(0.4 * tokens), tokens + 1, (batch, 1), generator=generator)
         mask = torch.arange(tokens).unsqueeze(0) < lengths  # prefix masks, ~70% selected
         advantages = torch.randn(batch, 1, generator=generator)
+        rewards = (advantages.squeeze(-1) > 0).float()  # TOPR: the sign of the reward
         return {
+            "rewards": rewards.to(device),
             "log_probs": log_probs.to(device),
             "old_log_probs": old.to(device),
             "advantages": advantages.to(device),
@@ -76,14 +85,17 @@ def _inputs(batch: int, tokens: int) -> Callable[[torch.device], dict[str, torch
     return make
 
 
-def _ours(surrogate: Any, compiled: bool) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
+def _ours(
+    surrogate: Any, compiled: bool, **options: Any
+) -> Callable[[dict[str, torch.Tensor]], torch.Tensor]:
     def run(x: dict[str, torch.Tensor]) -> torch.Tensor:
         if compiled:
             os.environ["RLOBJECTIVES_COMPILE"] = "1"
         try:
+            objective = surrogate(x) if callable(surrogate) else surrogate  # TOPR: the batch's
             out = rlo.policy_loss(
                 x["log_probs"], x["old_log_probs"], x["advantages"], x["mask"],
-                surrogate=surrogate,
+                surrogate=objective, **options,
             )  # fmt: skip
         finally:
             os.environ.pop("RLOBJECTIVES_COMPILE", None)
@@ -119,6 +131,26 @@ VARIANTS: list[tuple[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]]] = 
 ]
 
 
+def _topr(x: dict[str, torch.Tensor]) -> rlo.TOPR:
+    return rlo.TOPR(x["rewards"])
+
+
+FIPO = rlo.FIPO(gamma=2 ** (-1 / 32), cap=0.2)  # ms-swift's defaults (without its safety)
+SURROGATE_VARIANTS: list[tuple[str, Callable[[dict[str, torch.Tensor]], torch.Tensor]]] = [
+    (f"{mode} {name}", _ours(surrogate, mode == "compiled", **options))
+    for name, surrogate, options in (
+        ("Clip()", rlo.Clip(), {}),
+        ("ProbabilityBand()", rlo.ProbabilityBand(), {}),
+        ("TOPR(rewards)", _topr, {}),
+        ("REAL()", rlo.REAL(), {"group_size": 8}),
+        ("FIPO(gamma, cap)", FIPO, {}),
+        ("CISPO() (context)", rlo.CISPO(), {}),  # the library's sg(w) A l, as TOPR
+        ("DPPO() (context)", rlo.DPPO(), {}),  # the float64 trust region, as ProbabilityBand
+    )
+    for mode in ("eager", "compiled")
+]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
@@ -126,9 +158,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--surrogates", action="store_true", help="issue 35's, against Clip()")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     shapes = [(8, 512)] if args.quick else [(64, 4096), (8, 16384)]
+    if args.surrogates and not args.quick:
+        shapes = [(64, 4096)]
+    chosen = SURROGATE_VARIANTS if args.surrogates else VARIANTS
+    reference = "eager Clip()" if args.surrogates else "verl"
     shapes = [tuple(shape) for shape in args.shape] if args.shape else shapes
     device = torch.device("cpu")
     machine = harness.machine_line("cpu") + " | clock: process CPU time"
@@ -136,8 +173,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for batch, tokens in shapes:
         variants = tuple(
-            harness.Variant(name, fn, role="reference" if name == "verl" else "candidate")
-            for name, fn in VARIANTS
+            harness.Variant(name, fn, role="reference" if name == reference else "candidate")
+            for name, fn in chosen
         )
         case = harness.Case(
             "policy_loss", f"B={batch} T={tokens}", torch.float32, _inputs(batch, tokens),
@@ -146,16 +183,21 @@ def main(argv: list[str] | None = None) -> int:
         timings = harness.time_case(
             case, device, warmup=args.warmup, repeats=args.repeats, clock="process"
         )
-        verl = timings["verl"][0].median_ms
+        base = timings[reference][0].median_ms
         for variant in variants:
             median = timings[variant.key][0].median_ms
             saved = harness.saved_for_backward_mib(case, variant, device)
             tensors = None if saved is None else saved * 2**20 / (batch * tokens * 4)
+            if args.surrogates:  # against Clip() in the same mode (eager / compiled)
+                mode = variant.name.split()[0]
+                ratio = {"this / Clip()": round(median / timings[f"{mode} Clip()"][0].median_ms, 3)}
+            else:
+                ratio = {"verl / this": round(base / median, 2)}
             row = {
                 "shape": f"B={batch} T={tokens}",
                 "variant": variant.name,
                 "fwd+bwd ms": round(median, 3),
-                "verl / this": round(verl / median, 2),
+                **ratio,
                 "saved MiB": None if saved is None else round(saved, 2),
                 "saved (B,T) fp32": None if tensors is None else round(tensors, 2),
             }
@@ -163,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
             print(row, flush=True)
     if not args.quick and not args.shape:
         RESULTS.mkdir(exist_ok=True)
-        path = RESULTS / f"policy-formula-{args.threads}thread.csv"
+        stem = "surrogates35" if args.surrogates else "policy-formula"
+        path = RESULTS / f"{stem}-{args.threads}thread.csv"
         with path.open("w", newline="") as handle:
             handle.write(f"# {machine}\n")
             writer = csv.DictWriter(handle, fieldnames=list(rows[0]))

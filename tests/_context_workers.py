@@ -581,6 +581,8 @@ def _policy_cases() -> list[Case]:
         "gmpo": rlo.GMPO(low=0.2),
         "vespo": rlo.VESPO(),
         "custom": TanhSurrogate(),  # a user's own, written outside the library
+        # one reward per sequence (the same on every rank): a token reads its response's sign
+        "topr": rlo.TOPR(torch.tensor([1.0, 0.0, -1.0, 2.0, -0.5]), negative_weight=0.5),
     }
     seed = 0
     for layout in ("padded", "packed"):
@@ -854,6 +856,35 @@ def _kernel_cases() -> list[Case]:
     ]
 
 
+def _surrogate35_cases() -> list[Case]:
+    """REAL: the group-level objective over the whole sequences of the ranks (the seeds give
+    groups with both labels, and one without: its L_g = 0). FIPO: the future sums carried from
+    the later ranks' chunks (padded: the ranks' rows exact slices of the padded rows)."""
+    ids = torch.tensor([0, 0, 1, 1, 1])  # sequence 2 (no selected token) takes no part
+    real = {"surrogate": rlo.REAL(tau=0.7), "group_ids": ids}
+    fipo = {
+        "surrogate": rlo.FIPO(
+            gamma=0.7, cap=0.8, cap_high_only=False, delta=1.5, safety_threshold=1.2
+        )
+    }
+    free = {"surrogate": rlo.FIPO(gamma=0.8, cap=None)}  # every influence weight e^F
+    rows = [
+        ("padded", "real-prompt_mean", real, "prompt_mean", "chunks", "pair", 49),
+        ("packed", "real-prompt_mean", real, "prompt_mean", "chunks", "trio", 53),
+        ("padded", "real-token_mean", real, "token_mean", "scatter", "trio", 55),
+        ("packed", "real-sequence_mean", real, "sequence_mean", "scatter", "pair", 43),
+        ("padded", "fipo-token_mean", free, "token_mean", "slices", "pair", 61),
+        ("padded", "fipo-sequence_mean", fipo, "sequence_mean", "slices", "trio", 62),
+        ("packed", "fipo-token_mean", free, "token_mean", "chunks", "pair", 63),
+        ("packed", "fipo-length_weighted", fipo, "length_weighted", "chunks", "trio", 64),
+    ]
+    return [
+        Case(f"policy-{layout}-{name}", "policy_loss", {**options, "reduction": reduction},
+             layout, split, group, seed=seed)
+        for layout, name, options, reduction, split, group, seed in rows
+    ]  # fmt: skip
+
+
 def _bfloat16_cases() -> list[Case]:
     """bf16 inputs, computed in float32: the sums cross the ranks in float64 buffers."""
     bf16 = torch.bfloat16
@@ -886,6 +917,7 @@ def _bfloat16_cases() -> list[Case]:
 
 CASES: list[Case] = [
     *_policy_cases(),
+    *_surrogate35_cases(),
     *_other_cases(),
     *_bfloat16_cases(),
     *(_kernel_cases() if triton_available() else []),

@@ -567,6 +567,66 @@ OBJECTIVE_CASES: tuple[Case, ...] = (
 )
 
 
+#: Issue 35's surrogate objects.
+SURROGATE35_CASES: tuple[Case, ...] = (
+    Case(
+        "ProbabilityBand",
+        rlo.ProbabilityBand,
+        lambda: {"tau": 0.1, "kappa": 0.01},
+        field_wrongs(rlo.ProbabilityBand, "tau", below=-0.1)
+        + field_wrongs(rlo.ProbabilityBand, "kappa", below=-0.1)
+        + (
+            _named("tau", "ProbabilityBand.tau", "above-1", 1.5, ValueError),
+            _named("tau", "ProbabilityBand.tau", "tensor-above-1", torch.tensor(1.5), ValueError),
+        ),
+    ),
+    Case(
+        "TOPR",
+        rlo.TOPR,
+        lambda: {
+            "rewards": torch.tensor([1.0, 0.0]),
+            "positive_weight": 1.0,
+            "negative_weight": 0.5,
+        },  # fmt: skip
+        field_wrongs(rlo.TOPR, "positive_weight", below=-0.1)
+        + field_wrongs(rlo.TOPR, "negative_weight", below=-0.1)
+        + (
+            _named("rewards", "TOPR.rewards", "2d", torch.zeros(2, 2), ValueError),
+            _named("rewards", "TOPR.rewards", "0d", torch.tensor(1.0), ValueError),
+            _named("rewards", "TOPR.rewards", "str", "1.0", TypeError),
+            _named("rewards", "TOPR.rewards", "complex", torch.tensor([1j]), TypeError),
+            _named("rewards", "TOPR.rewards", "none", None, TypeError),
+        ),
+    ),
+    Case("REAL", rlo.REAL, lambda: {"tau": 0.5}, field_wrongs(rlo.REAL, "tau", below=0.0)),
+    Case(
+        "FIPO",
+        rlo.FIPO,
+        lambda: {
+            "gamma": 0.9,
+            "cap": 0.2,
+            "low": 0.2,
+            "high": 0.28,
+            "delta": 1.5,
+            "cap_high_only": False,
+            "safety_threshold": 4.0,
+        },  # fmt: skip
+        field_wrongs(rlo.FIPO, "gamma", below=-0.1)
+        + field_wrongs(rlo.FIPO, "cap", below=-0.1)
+        + field_wrongs(rlo.FIPO, "low", below=-0.1, above=1.0)
+        + field_wrongs(rlo.FIPO, "high", below=-0.1)
+        + field_wrongs(rlo.FIPO, "delta", below=1.0)
+        + field_wrongs(rlo.FIPO, "safety_threshold", below=0.0)
+        + (
+            _named("gamma", "FIPO.gamma", "above-1", 1.5, ValueError),
+            _named("gamma", "FIPO.gamma", "tensor-above-1", torch.tensor(1.5), ValueError),
+            _named("cap_high_only", "FIPO.cap_high_only", "int", 1, TypeError),
+            _named("cap_high_only", "FIPO.cap_high_only", "str", "yes", TypeError),
+        ),
+    ),
+)
+
+
 def _cov_arguments() -> Arguments:
     return {
         "log_probs": per_token(),
@@ -1924,4 +1984,5 @@ CASES: tuple[Case, ...] = (
     *PREFERENCE_CASES,
     *SURROGATE_CASES,
     *OBJECTIVE_CASES,
+    *SURROGATE35_CASES,
 )  # fmt: skip

@@ -10,7 +10,20 @@ from __future__ import annotations
 from typing import Any
 
 import reference
-from rlobjectives import CISPO, DPPO, DRO, GMPO, M2PO, SAPO, VESPO, Clip, ClipCov, KLCov
+from rlobjectives import (
+    CISPO,
+    DPPO,
+    DRO,
+    FIPO,
+    GMPO,
+    M2PO,
+    SAPO,
+    VESPO,
+    Clip,
+    ClipCov,
+    KLCov,
+    ProbabilityBand,
+)
 
 # TRL's delta, CISPO, SAPO, GMPO, VESPO.
 FAMILY_OPTION_SETS: list[dict[str, Any]] = [
@@ -48,12 +61,30 @@ FAMILY_OPTION_SETS: list[dict[str, Any]] = [
     {"surrogate": KLCov(ratio=0.3, coef=1.0)},
     {"surrogate": KLCov(ratio=0.05, coef=0.5), "log_ratio_bound": 0.3},
     {"surrogate": ClipCov(ratio=1.0, cov_lb=0.0, cov_ub=1.0)},
+    # Issue 35: the probability band (prime-rl ipo; the band binds on some tokens of the batches)
+    {"surrogate": ProbabilityBand()},
+    {"surrogate": ProbabilityBand(tau=0.05, kappa=0.5), "log_ratio_bound": 0.3},
+    {"surrogate": ProbabilityBand(tau=0.2, kappa=0.0), "log_ratio_bound": None},
+    # FIPO (ms-swift): the clipped surrogate times the influence of the future log-ratio
+    {"surrogate": FIPO(gamma=0.9, cap=0.2)},
+    {
+        "surrogate": FIPO(
+            gamma=0.6,
+            cap=0.1,
+            low=0.1,
+            high=0.3,
+            delta=1.3,
+            cap_high_only=False,
+            safety_threshold=1.1,
+        ),
+        "log_ratio_bound": 0.5,
+    },  # fmt: skip
 ]
 # The token-local ones (fused path and fused hidden-state path).
 TOKEN_LOCAL_FAMILY = [
     row
     for row in FAMILY_OPTION_SETS
     if reference.surrogate_name(row.get("surrogate", "clip"))
-    in ("clip", "cispo", "sapo", "dppo", "dro")
+    in ("clip", "cispo", "sapo", "dppo", "dro", "probability_band")
     and row.get("ratio_level", "token") == "token"
 ]

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 import rlobjectives as rlo
-from rlobjectives import CISPO, DPPO, DRO, M2PO, Clip, ClipCov, KLCov
+from rlobjectives import CISPO, DPPO, DRO, FIPO, M2PO, Clip, ClipCov, KLCov, ProbabilityBand
 
 VOCAB, HIDDEN = 7, 5
 # Differentiable per-token inputs (S, T), per-token constants, per-sequence inputs (S,).
@@ -744,6 +744,14 @@ CASES: list[Case] = [
     Case("policy_loss-normalizer", _policy(normalizer=7.0, diagnostics_normalizer=11.0)),
     Case("policy_loss-cispo", _policy(surrogate=CISPO(high=0.28))),
     Case("policy_loss-sapo", _policy(surrogate="sapo", reduction="sequence_mean")),
+    Case(
+        "policy_loss-fipo",  # the future sums stop at each packed sequence's end
+        _policy(surrogate=FIPO(gamma=0.8, cap=0.3, delta=1.5), reduction="length_weighted"),
+    ),
+    Case(
+        "policy_loss-probability_band",
+        _policy(surrogate=ProbabilityBand(tau=0.05, kappa=0.5), reduction="sequence_mean"),
+    ),
     Case("policy_loss-gmpo", _policy(surrogate="gmpo", reduction="sequence_mean")),
     Case(
         "policy_loss-vespo",

@@ -949,8 +949,286 @@ def ppo_actor_loss_fn(
     return pg_loss, stat
 
 
+# ------------------------------------------------------------------------------------------------
+# prime-rl, PrimeIntellect-ai/prime-rl @ 559b44772e471d1538537b8805cc77f3824a5e64,
+# src/prime_rl/trainer/rl/loss.py: LossInputs, LossOutputs, _safe_mean,
+# compute_importance_ratio_and_mismatch_kl, ipo_loss_fn (the jaxtyping annotations written as
+# plain Tensor); packages/prime-rl-configs/src/prime_rl/configs/trainer.py IPOLossConfig is
+# replaced by a plain dataclass of its fields and defaults.
+# ------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class IPOLossConfig:  # replaced: pydantic BaseConfig with Field(..., ge=0) validators
+    ipo_threshold: float = 0.1
+    adv_tau: float = 1.0
+    kl_tau: float = 1e-3
+
+
+@dataclass
+class LossInputs:
+    """Inputs for computing loss on a single sample."""
+
+    trainer_logprobs: torch.Tensor
+    inference_logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor | None
+    advantages: torch.Tensor
+    loss_mask: torch.Tensor
+    loss_weights: torch.Tensor | None = None
+
+
+@dataclass
+class LossOutputs:
+    """Outputs from computing loss on a single sample."""
+
+    loss: torch.Tensor
+    metrics: dict[str, torch.Tensor]
+
+
+def _safe_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Mean of values over a boolean mask; returns 0 when mask is empty."""
+    denom = torch.clamp_min(mask.sum(), 1)
+    return values[mask].sum() / denom
+
+
+def compute_importance_ratio_and_mismatch_kl(
+    trainer_logprobs: torch.Tensor, inference_logprobs: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    log_importance_ratio = trainer_logprobs - inference_logprobs
+    importance_ratio = torch.exp(log_importance_ratio)
+    mismatch_kl = importance_ratio - log_importance_ratio - 1
+    return log_importance_ratio, importance_ratio, mismatch_kl
+
+
+# fmt: off
+def ipo_loss_fn(inputs: LossInputs, loss_config: IPOLossConfig) -> LossOutputs:
+    """IPO loss type: a symmetric trust region (mask tokens whose probability
+    moved more than ``ipo_threshold`` in absolute terms), policy gradient via
+    the importance ratio, and a squared-log-ratio KL regularizer."""
+    trainer_logprobs = inputs.trainer_logprobs
+    inference_logprobs = inputs.inference_logprobs
+    advantages = inputs.advantages
+    loss_mask = inputs.loss_mask
+
+    log_importance_ratio, importance_ratio, mismatch_kl = compute_importance_ratio_and_mismatch_kl(
+        trainer_logprobs, inference_logprobs
+    )
+
+    abs_probs_diff = torch.abs(torch.exp(trainer_logprobs) - torch.exp(inference_logprobs))
+
+    is_masked = abs_probs_diff > loss_config.ipo_threshold
+    keep_mask = loss_mask & ~is_masked
+
+    advantages = loss_config.adv_tau * advantages
+    pg_loss = keep_mask * advantages * importance_ratio
+    kl_loss = loss_mask * log_importance_ratio**2
+    per_token_loss = -pg_loss + loss_config.kl_tau * kl_loss
+    if inputs.loss_weights is not None:
+        per_token_loss = per_token_loss * inputs.loss_weights
+    loss = per_token_loss.sum()
+
+    metrics = {
+        "masked_mismatch_kl": _safe_mean(mismatch_kl, loss_mask & is_masked),  # all trainable, masked tokens
+        "unmasked_mismatch_kl": _safe_mean(mismatch_kl, keep_mask),  # all trainable, unmasked tokens
+        "is_masked": _safe_mean(is_masked, loss_mask),
+    }
+
+    return LossOutputs(loss=loss, metrics=metrics)
+# fmt: on
+
+
+# ------------------------------------------------------------------------------------------------
+# ROLL, alibaba/ROLL @ 8eb27cc2dc34c4d1310b169d9b86d339004d811a,
+# roll/pipeline/rlvr/actor_pg_worker.py, ActorPGWorker._compute_topr_loss (a function: the
+# worker's config cache read as the arguments positive_weight / negative_weight, data.batch['scores']
+# as scores; the first-call logging and the metrics cache left out, the metrics returned), and
+# the ratio of ActorPGWorker.loss_func.
+# ------------------------------------------------------------------------------------------------
+
+
+def roll_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Tensor:
+    ratio = (log_probs - old_log_probs).exp()  # ActorPGWorker.loss_func
+    return ratio
+
+
+# fmt: off
+def roll_compute_topr_loss(ratio: torch.Tensor, log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                           advantages: torch.Tensor, scores: torch.Tensor,
+                           positive_weight: float = 1.0, negative_weight: float = 1.0):  # replaced: data, self._get_or_cache_config
+    positive_mask = (scores > 0).float()
+    negative_mask = (scores <= 0).float()
+
+    # 计算损失组件
+    positive_token_mask = positive_mask.unsqueeze(-1)
+    negative_token_mask = negative_mask.unsqueeze(-1)
+
+    positive_loss = - advantages * log_probs * positive_token_mask
+
+    # 负样本: TIS更新，使用clipped importance sampling ratio
+    # 梯度是: -[π(τ)/μ(τ)]_0^1 * R(τ) * ∇log π(τ)
+    clipped_ratio = torch.clamp(ratio, min=0.0, max=1.0).detach()
+    negative_loss = - clipped_ratio * advantages * log_probs * negative_token_mask
+
+    weighted_positive_loss = positive_weight * positive_loss
+    weighted_negative_loss = negative_weight * negative_loss
+
+    topr_loss = weighted_positive_loss + weighted_negative_loss
+
+    # 缓存TOPR相关指标
+    negative_lower_clipped = ((ratio < 0.0) & (negative_token_mask > 0)).float()
+    negative_upper_clipped = ((ratio > 1.0) & (negative_token_mask > 0)).float()
+    negative_total_clipped = negative_lower_clipped + negative_upper_clipped
+    metrics = {  # replaced: self._cached_metrics.update({...}) (the clip fractions)
+        "topr_negative_lower_clipped": negative_lower_clipped,
+        "topr_negative_upper_clipped": negative_upper_clipped,
+        "topr_negative_total_clipped": negative_total_clipped,
+    }
+
+    return topr_loss, metrics
+# fmt: on
+
+
+# ------------------------------------------------------------------------------------------------
+# ms-swift, modelscope/ms-swift @ 3602360a562313afbf2ef6065fdf61f271a2c5b9 (4.6.0.dev0),
+# swift/rlhf_trainers/grpo_trainer.py, GRPOTrainer._compute_loss_and_metrics: the log-ratio and
+# the loss_type == 'real' branch of the loss (self.num_generations / self.real_tau as
+# arguments; the beta KL term left out).
+# ------------------------------------------------------------------------------------------------
+
+
+# fmt: off
+def swift_real_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor,
+                    advantages: torch.Tensor, completion_mask: torch.Tensor,
+                    num_generations: int, real_tau: float) -> torch.Tensor:  # replaced: self
+    log_ratio = per_token_logps - old_per_token_logps
+    global_scores = (log_ratio * completion_mask).sum(-1) / completion_mask.sum(-1).clamp(min=1.0)
+
+    group_scores = global_scores.view(-1, num_generations)
+    # advantages is per-token [B, T] (constant across tokens without a teacher); reduce
+    # to a per-sequence scalar for the group pos/neg split.
+    seq_advantages = (advantages * completion_mask).sum(-1) / completion_mask.sum(-1).clamp(min=1.0)
+    group_rewards = seq_advantages.view(-1, num_generations)
+
+    pos_mask = (group_rewards > 0)
+    neg_mask = (group_rewards <= 0)
+    valid_mask = (pos_mask.sum(dim=1) != 0) & (neg_mask.sum(dim=1) != 0)
+
+    if not valid_mask.any():
+        loss = torch.tensor(0., device=global_scores.device) * global_scores.mean()
+    else:
+        batch_scores = group_scores[valid_mask]
+        batch_pos_mask = pos_mask[valid_mask]
+        batch_neg_mask = neg_mask[valid_mask]
+
+        scaled_scores = batch_scores / real_tau
+        zeros = torch.zeros(batch_scores.size(0), 1, device=batch_scores.device, dtype=batch_scores.dtype)
+
+        # Negative Loss: log(1 + sum(e^{S_neg}))
+        neg_input = scaled_scores.masked_fill(~batch_neg_mask, float('-inf'))
+        neg_loss = torch.logsumexp(torch.cat([neg_input, zeros], dim=1), dim=1)
+
+        # Positive Loss: log(1 + sum(e^{-S_pos}))
+        pos_input = (-scaled_scores).masked_fill(~batch_pos_mask, float('-inf'))
+        pos_loss = torch.logsumexp(torch.cat([pos_input, zeros], dim=1), dim=1)
+
+        loss = (neg_loss + pos_loss).sum() / group_rewards.size(0)
+    return loss
+# fmt: on
+
+
+# ------------------------------------------------------------------------------------------------
+# ms-swift, modelscope/ms-swift @ 3602360a562313afbf2ef6065fdf61f271a2c5b9 (4.6.0.dev0),
+# swift/rlhf_trainers/grpo_trainer.py: GRPOTrainer._compute_fipo_influence (self.args.delta,
+# self.fipo_gamma, self.fipo_clip_range, self.fipo_clip_high_only, self.fipo_safety_threshold
+# as arguments) and the loss_type == 'fipo' lines of _compute_loss_and_metrics (token-level
+# importance sampling, no entropy mask, KL or rollout weights; num_items_in_batch /
+# num_processes as the normaliser argument).
+# ------------------------------------------------------------------------------------------------
+
+
+# fmt: off
+def swift_compute_fipo_influence(log_ratio: torch.Tensor, coef_1: torch.Tensor, advantages: torch.Tensor,
+                                 completion_mask: torch.Tensor, delta: float | None, fipo_gamma: float,
+                                 fipo_clip_range: float | None, fipo_clip_high_only: bool,
+                                 fipo_safety_threshold: float | None):  # replaced: self
+    """Compute FIPO token-level influence weight from Future-KL divergence."""
+    future_kl_delta = log_ratio.masked_fill(~completion_mask, 0.0)
+
+    # Dual-Clip participation mask: high-ratio tokens do not contribute to Future-KL.
+    if delta is not None:
+        delta = torch.as_tensor(delta, dtype=log_ratio.dtype, device=log_ratio.device)
+        high_ratio_mask = coef_1 > delta
+        future_kl_delta = torch.where(high_ratio_mask, torch.zeros_like(future_kl_delta), future_kl_delta)
+
+    seq_len = future_kl_delta.shape[1]
+    future_kl = torch.zeros_like(future_kl_delta)
+    positions = torch.arange(seq_len, device=log_ratio.device).unsqueeze(1)
+    gamma = torch.as_tensor(fipo_gamma, dtype=log_ratio.dtype, device=log_ratio.device)
+    chunk_size = 128
+    for chunk_start in range(0, seq_len, chunk_size):
+        chunk_end = min(seq_len, chunk_start + chunk_size)
+        chunk_positions = torch.arange(chunk_start, chunk_end, device=log_ratio.device).unsqueeze(0)
+        distance = chunk_positions - positions
+        future_mask = distance >= 0
+        decay_block = torch.pow(gamma, distance.clamp(min=0)) * future_mask.to(log_ratio.dtype)
+        future_kl += torch.matmul(future_kl_delta[:, chunk_start:chunk_end], decay_block.t())
+    future_kl = future_kl.masked_fill(~completion_mask, 0.0)
+
+    influence_weight = torch.exp(future_kl)
+
+    if fipo_clip_range:
+        high = 1 + fipo_clip_range
+        low = 1.0 if fipo_clip_high_only else 1 - fipo_clip_range
+        influence_weight = torch.clamp(influence_weight, min=low, max=high)
+    influence_weight = influence_weight.detach()
+
+    # avoid amplifying negative-advantage tokens with very high IS ratios.
+    safety_mask = torch.ones_like(completion_mask, dtype=torch.bool)
+    if fipo_safety_threshold is not None:
+        negative_advantage = advantages < 0
+        high_is_ratio = coef_1 > fipo_safety_threshold
+        safety_mask = ~(negative_advantage & high_is_ratio)
+        influence_weight = torch.where(safety_mask, influence_weight,
+                                       torch.clamp(influence_weight, min=0.8, max=1.0))
+
+    metrics = {
+        'future_kl': future_kl,
+        'influence_weight': influence_weight,
+        'safety_mask': safety_mask,
+    }
+    return influence_weight, metrics
+
+
+def swift_fipo_loss(per_token_logps: torch.Tensor, old_per_token_logps: torch.Tensor,
+                    advantages: torch.Tensor, completion_mask: torch.Tensor, epsilon_low: float,
+                    epsilon_high: float, delta: float | None, fipo_decay_rate: float,
+                    fipo_clip_range: float | None, fipo_clip_high_only: bool,
+                    fipo_safety_threshold: float | None, normalizer: float):  # replaced: self, grpo_batch
+    fipo_gamma = 2**(-1 / fipo_decay_rate)  # GRPOTrainer.__init__
+    log_ratio = per_token_logps - old_per_token_logps
+    log_importance_weights = log_ratio
+    coef_1 = torch.exp(log_importance_weights)
+    fipo_weight, fipo_metrics = swift_compute_fipo_influence(
+        log_ratio, coef_1, advantages, completion_mask, delta, fipo_gamma, fipo_clip_range,
+        fipo_clip_high_only, fipo_safety_threshold)
+
+    coef_2 = torch.clamp(coef_1, 1 - epsilon_low, 1 + epsilon_high)
+    if delta is not None:
+        coef_1 = torch.clamp(coef_1, max=delta)
+
+    per_token_loss1 = coef_1 * advantages
+    per_token_loss2 = coef_2 * advantages
+    per_token_loss = -torch.min(per_token_loss1, per_token_loss2)
+    per_token_loss = per_token_loss * fipo_weight
+    loss = (per_token_loss * completion_mask).sum() / normalizer
+    return loss, fipo_metrics
+# fmt: on
+
+
 __all__ = [
     "AReaLPromptMean",
+    "IPOLossConfig",
+    "LossInputs",
     "KLEstimator",
     "RejectionSamplingConfig",
     "apply_rejection_sampling",
@@ -958,7 +1236,13 @@ __all__ = [
     "ppo_actor_loss_fn",
     "LinearLengthPenalty",
     "areal_relative_position_gae_lambda",
+    "ipo_loss_fn",
     "prime_rl_score_group",
+    "roll_compute_topr_loss",
+    "roll_ratio",
     "skyrl_apply_loss_reduction_to_advantages_minibatch",
     "skyrl_reduce_loss",
+    "swift_compute_fipo_influence",
+    "swift_fipo_loss",
+    "swift_real_loss",
 ]

@@ -77,6 +77,17 @@ FAMILY_DEFAULTS: dict[str, object] = {
     "kl_cov_coef": 0.1,
     "cov_generator": None,
     "cov_selection": None,
+    "band_tau": 0.1,  # ProbabilityBand(): prime-rl's ipo_threshold and kl_tau
+    "band_kappa": 1e-3,
+    "topr_rewards": None,  # TOPR(rewards): one per row (required)
+    "topr_positive_weight": 1.0,
+    "topr_negative_weight": 1.0,
+    "labels": None,  # the prompt group of each row (group_size= / group_ids= of the call)
+    "real_tau": 0.5,
+    "fipo_gamma": None,  # FIPO(gamma, cap): required
+    "fipo_cap": None,
+    "fipo_cap_high_only": True,
+    "fipo_safety_threshold": None,
 }
 VESPO_LOG_LOW, VESPO_LOG_HIGH = math.log(1e-8), 20.0
 SAPO_HALF_PEAK = 2.0 * math.log(1.0 + math.sqrt(2.0))  # 4 sigma (1 - sigma) = 1/2
@@ -115,6 +126,22 @@ _FLAT_NAMES: dict[str, dict[str, str]] = {
         "selection": "cov_selection",
     },
     "kl_cov": {"ratio": "cov_ratio", "coef": "kl_cov_coef", "selection": "cov_selection"},
+    "probability_band": {"tau": "band_tau", "kappa": "band_kappa"},
+    "real": {"tau": "real_tau"},
+    "fipo": {
+        "gamma": "fipo_gamma",
+        "cap": "fipo_cap",
+        "low": "clip_low",
+        "high": "clip_high",
+        "delta": "delta",
+        "cap_high_only": "fipo_cap_high_only",
+        "safety_threshold": "fipo_safety_threshold",
+    },
+    "topr": {
+        "rewards": "topr_rewards",
+        "positive_weight": "topr_positive_weight",
+        "negative_weight": "topr_negative_weight",
+    },
 }
 #: The batch-level surrogates: their token sets need the whole call (see ``batch_selection``).
 BATCH_LEVEL = ("m2po", "clip_cov", "kl_cov")
@@ -131,6 +158,8 @@ def surrogate_options(surrogate: object = "clip") -> dict[str, object]:
     name = type(surrogate).name  # type: ignore[attr-defined]
     flat: dict[str, object] = {"surrogate": name}
     for field, value in vars(surrogate).items():
+        if field.startswith("_"):  # the object's own helpers (FIPO's Clip), not its fields
+            continue
         value = float(value) if isinstance(value, torch.Tensor) and value.ndim == 0 else value
         flat[_FLAT_NAMES[name][field]] = value
     return flat
@@ -257,6 +286,8 @@ def per_token_surrogates(
     out: dict[tuple[int, int], Tensor] = {}
     if surrogate in BATCH_LEVEL:
         return batch_level_surrogates(log_probs, old_log_probs, advantages, mask, options)
+    if surrogate == "real":
+        return real_surrogates(log_probs, old_log_probs, advantages, mask, options)
     for i, row in enumerate(m):
         selected = [t for t, keep in enumerate(row) if keep]
         if not selected:
@@ -315,6 +346,24 @@ def per_token_surrogates(
                 else:  # verl: sg(min(r, c)) A log pi
                     weight = min(float(ratio.detach()), float(cap))  # type: ignore[arg-type]
                     out[(i, t)] = weight * a * log_probs[i, t]
+            elif surrogate == "probability_band":  # prime-rl ipo
+                out[(i, t)] = probability_band_token(
+                    lp, old_log_probs[i, t], a, log_ratio_bound=log_ratio_bound,
+                    tau=float(options["band_tau"]), kappa=float(options["band_kappa"]),  # type: ignore[arg-type]
+                )  # fmt: skip
+            elif surrogate == "fipo":  # the clipped surrogate times the influence weight
+                influence, _ = fipo_influence(
+                    log_probs, old_log_probs, advantages, mask, i, options
+                )
+                clipped = surrogate_token(
+                    lp, old_log_probs[i, t], a, clip_low=clip_low, clip_high=clip_high,
+                    dual_clip=None, log_ratio_bound=log_ratio_bound,
+                    delta=options["delta"],  # type: ignore[arg-type]
+                )  # fmt: skip
+                out[(i, t)] = influence[t] * clipped
+            elif surrogate == "topr":  # ROLL: w A l, w = w+ (R > 0) or w- sg(clip(r, 0, 1))
+                weight = topr_weight(float(ratio.detach()), i, options)
+                out[(i, t)] = weight * a * (log_probs[i, t] if log_probs[i, t] > -math.inf else 0.0)
             elif surrogate == "dro":  # l A - beta (l - l_old)^2 / 2, the raw log-ratio
                 beta = float(options["dro_beta"])  # type: ignore[arg-type]
                 delta = log_probs[i, t] - old_log_probs[i, t]
@@ -322,6 +371,128 @@ def per_token_surrogates(
             else:
                 raise ValueError(surrogate)
     return out
+
+
+def _real_groups(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    options: dict[str, object],
+) -> dict[object, tuple[Tensor | None, list[int]]]:
+    """REAL per group label: (L_g or None where the group lacks a label, its non-empty rows)."""
+    labels, tau = options["labels"], float(options["real_tau"])  # type: ignore[arg-type]
+    assert labels is not None, "REAL needs the rows' group labels"
+    bound = options["log_ratio_bound"]
+    out: dict[object, tuple[Tensor | None, list[int]]] = {}
+    for label, rows in _members(labels).items():  # type: ignore[arg-type]
+        scores: dict[int, Tensor] = {}
+        signs: dict[int, bool] = {}
+        for i in rows:
+            selected = [t for t in range(mask.shape[1]) if bool(mask[i, t])]
+            if not selected:  # no selected token: no part in the group
+                continue
+            deltas = [_bounded(log_probs[i, t] - old_log_probs[i, t], bound) for t in selected]  # type: ignore[arg-type]
+            scores[i] = sum(deltas) / len(selected)  # type: ignore[assignment]
+            mean_advantage = sum(float(_advantage(advantages, i, t)) for t in selected)
+            signs[i] = mean_advantage / len(selected) > 0
+        positive = [scores[i] for i in scores if signs[i]]
+        negative = [scores[i] for i in scores if not signs[i]]
+        if positive and negative:
+            loss = torch.log(1 + sum(torch.exp(x / tau) for x in negative)) + torch.log(
+                1 + sum(torch.exp(-x / tau) for x in positive)
+            )
+            out[label] = (loss, list(scores))
+        else:
+            out[label] = (None, list(scores))
+    return out
+
+
+def real_surrogates(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    options: dict[str, object],
+) -> dict[tuple[int, int], Tensor]:
+    """REAL: ``-L_g`` at every selected token of group ``g`` (0 where ``g`` lacks a label)."""
+    out: dict[tuple[int, int], Tensor] = {}
+    for loss, rows in _real_groups(log_probs, old_log_probs, advantages, mask, options).values():
+        for i in rows:
+            for t in range(mask.shape[1]):
+                if bool(mask[i, t]):
+                    out[(i, t)] = -loss if loss is not None else 0.0 * log_probs[i, t]
+    return out
+
+
+def fipo_influence(
+    log_probs: Tensor,
+    old_log_probs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    row: int,
+    options: dict[str, object],
+) -> tuple[list[float], list[bool]]:
+    """FIPO's influence weight of every position of row ``row`` and where the safety clamp
+    applied: ``F_t = sum_{s >= t} gamma^(s - t) M_s x_s [r_s <= delta]``, then
+    ``clip(e^F, 1 (or 1 - c), 1 + c)``, then ``clip(f, .8, 1)`` where ``A < 0`` and ``r > th``."""
+    gamma, cap = float(options["fipo_gamma"]), options["fipo_cap"]  # type: ignore[arg-type]
+    delta, threshold = options["delta"], options["fipo_safety_threshold"]
+    bound = options["log_ratio_bound"]
+    width = mask.shape[1]
+    x = [0.0] * width
+    for s in range(width):
+        if bool(mask[row, s]):
+            x[s] = float(_bounded((log_probs[row, s] - old_log_probs[row, s]).detach(), bound))  # type: ignore[arg-type]
+            if delta is not None and math.exp(x[s]) > delta:  # type: ignore[operator]
+                x[s] = 0.0
+    influence, safety = [], []
+    for t in range(width):
+        future = sum(gamma ** (s - t) * x[s] for s in range(t, width))
+        f = math.exp(future) if future < 700 else math.inf
+        if cap is not None:
+            low = 1.0 if options["fipo_cap_high_only"] else 1.0 - cap  # type: ignore[operator]
+            f = min(max(f, low), 1.0 + cap)  # type: ignore[operator]
+        clamped = False
+        if threshold is not None and bool(mask[row, t]):
+            a = float(_advantage(advantages, row, t))
+            delta_t = (log_probs[row, t] - old_log_probs[row, t]).detach()
+            r = math.exp(float(_bounded(delta_t, bound)))  # type: ignore[arg-type]
+            clamped = a < 0 and r > threshold  # type: ignore[operator]
+            f = min(max(f, 0.8), 1.0) if clamped else f
+        influence.append(f)
+        safety.append(clamped)
+    return influence, safety
+
+
+def topr_weight(ratio: float, row: int, options: dict[str, object]) -> float:
+    """TOPR's weight of a token of row ``row``: ``w+`` if its reward is > 0, else
+    ``w- min(r, 1)``."""
+    reward = float(options["topr_rewards"][row])  # type: ignore[index]
+    if reward > 0:
+        return float(options["topr_positive_weight"])  # type: ignore[arg-type]
+    return float(options["topr_negative_weight"]) * min(ratio, 1.0)  # type: ignore[arg-type]
+
+
+def probability_band_token(
+    log_prob: Tensor,
+    old_log_prob: Tensor,
+    advantage: Tensor,
+    *,
+    tau: float,
+    kappa: float,
+    log_ratio_bound: float | None,
+) -> Tensor:
+    """ProbabilityBand of one token: ``1[|p - p_old| <= tau] r A - kappa x^2`` (prime-rl ipo).
+
+    The band is decided on the float64 probabilities of the inputs as given (``math.exp``).
+    """
+    x = _bounded(log_prob - old_log_prob, log_ratio_bound)
+    moved = math.exp(float(log_prob.detach())) - math.exp(float(old_log_prob))
+    penalty = kappa * x * x
+    if abs(moved) <= tau:
+        return torch.exp(x) * advantage - penalty
+    return 0.0 * x - penalty
 
 
 def reduce_losses(
@@ -395,12 +566,14 @@ def policy_loss(
     importance_weights: Tensor | None = None,
     entropy: Tensor | None = None,
     entropy_coef: float = 0.0,
+    labels: list[object] | None = None,
     **options: object,
 ) -> Tensor:
     """Reference of rlobjectives.policy_loss(...).loss: reduce(-w s - entropy_coef H).
 
     ``old_log_probs``, ``advantages`` and the importance weights ``w`` are constants of the loss
     (detached); VESPO takes ``w`` inside its sequence weight and does not multiply by it.
+    ``labels``: the prompt group of each row (``"prompt_mean"``, REAL).
     """
     old_log_probs, advantages = old_log_probs.detach(), advantages.detach()
     weights = None if importance_weights is None else importance_weights.detach()
@@ -410,6 +583,7 @@ def policy_loss(
         advantages,
         mask,
         importance_weights=weights,
+        labels=labels,
         **options,  # type: ignore[arg-type]
     )
     folds = surrogate_name(options.get("surrogate", "clip")) == "vespo"
@@ -421,6 +595,7 @@ def policy_loss(
         "reduction": reduction,
         "normalizer": normalizer,
         "max_response_length": max_response_length,
+        "labels": labels,
     }
     if surrogate_name(options.get("surrogate", "clip")) == "m2po":
         # M2PO: the surrogate over its kept tokens (the dict's keys), the bonus over the mask's
@@ -431,13 +606,7 @@ def policy_loss(
         return loss
     if entropy is not None and entropy_coef != 0:
         losses = {(i, t): v - entropy_coef * entropy[i, t] for (i, t), v in losses.items()}
-    return reduce_losses(
-        losses,
-        tuple(mask.shape),  # type: ignore[arg-type]
-        reduction=reduction,
-        normalizer=normalizer,
-        max_response_length=max_response_length,
-    )
+    return reduce_losses(losses, tuple(mask.shape), **reduce)  # type: ignore[arg-type]
 
 
 def grpo_clipped_surrogate(
@@ -573,6 +742,16 @@ def policy_loss_diagnostics(
     chosen: set[tuple[int, int]] = set()  # M2PO's masked, Clip-Cov's detached, KL-Cov's tokens
     if surrogate in BATCH_LEVEL:
         chosen = batch_selection(log_probs.detach(), old_log_probs, advantages, mask, options)
+    if surrogate == "real":  # the tokens of the groups with both labels
+        groups = _real_groups(log_probs.detach(), old_log_probs, advantages, mask, options)
+        chosen = {
+            (i, t)
+            for loss, rows in groups.values()
+            if loss is not None
+            for i in rows
+            for t in range(mask.shape[1])
+            if bool(mask[i, t])
+        }
     for i, row in enumerate(m):
         selected = [t for t, keep in enumerate(row) if keep]
         if not selected:
@@ -628,6 +807,27 @@ def policy_loss_diagnostics(
                 capped = kept and cap is not None and r > cap  # type: ignore[operator]
                 flags = (not kept, not kept and a < 0, not kept and a > 0, capped)
                 w = 0.0 if not kept else (r if cap is None else min(r, cap))  # type: ignore[call-overload]
+            elif surrogate == "probability_band":  # the band on p - p_old, either sign of A
+                moved = math.exp(lp[i][t]) - math.exp(old[i][t])
+                up, down = moved > options["band_tau"], moved < -options["band_tau"]  # type: ignore[operator]
+                flags = (up or down, down and a < 0, up and a > 0, up and a < 0)
+                w = 0.0 if up or down else r
+            elif surrogate == "fipo":  # the band of Clip(low, high, delta), w times f
+                influence, safety = fipo_influence(
+                    log_probs.detach(), old_log_probs, advantages, mask, i, options
+                )
+                *flag_list, w = _clip_sets(r, a, dict(options, dual_clip=None))
+                flags = tuple(flag_list)  # type: ignore[assignment]
+                w = w * influence[t]
+                totals["selected_fraction"] += safety[t]
+            elif surrogate == "topr":  # the truncation at 1 of the non-positive rewards
+                w = topr_weight(r, i, options)
+                truncated = not float(options["topr_rewards"][i]) > 0 and r > 1  # type: ignore[index]
+                flags = (truncated, False, truncated and a > 0, truncated and a < 0)
+            elif surrogate == "real":  # no clipping; w = the sequence ratio e^{S_i}
+                limit = math.inf if log_ratio_bound is None else log_ratio_bound
+                clamped = [min(max(lp[i][u] - old[i][u], -limit), limit) for u in selected]
+                w = math.exp(sum(clamped) / len(selected))
             elif surrogate == "dro":  # no ratio in the loss, no clipping; w = 1
                 w = 1.0
             elif surrogate == "kl_cov":  # no clipping; w = r

@@ -25,6 +25,7 @@ from rlobjectives import (
     CISPO,
     DPPO,
     DRO,
+    FIPO,
     GMPO,
     M2PO,
     SAPO,
@@ -32,6 +33,7 @@ from rlobjectives import (
     Clip,
     ClipCov,
     KLCov,
+    ProbabilityBand,
     grpo_clipped_surrogate,
     policy_loss,
 )
@@ -1161,6 +1163,8 @@ MICRO_OPTIONS: list[dict[str, Any]] = [
     {"surrogate": DPPO()},  # token-local: the trust region and the cap are per token
     {"surrogate": DPPO("kl", ratio_cap=None)},
     {"surrogate": DRO(beta=0.5)},
+    {"surrogate": ProbabilityBand(tau=0.05, kappa=0.5)},  # token-local: the band per token
+    {"surrogate": FIPO(gamma=0.9, cap=0.2, safety_threshold=1.2)},  # the future sums per row
 ]
 
 

@@ -19,29 +19,40 @@ from rlobjectives import (
     CISPO,
     DPPO,
     DRO,
+    FIPO,
     GMPO,
     M2PO,
+    REAL,
     SAPO,
+    TOPR,
     VESPO,
     Clip,
     ClipCov,
     KLCov,
+    ProbabilityBand,
     Surrogate,
 )
 from rlobjectives.presets import trl_grpo_loss
 from tolerances import assert_close
 
 CLASSES: tuple[type[Surrogate], ...] = (
-    Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov,
+    Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov, ProbabilityBand, TOPR, REAL,
+    FIPO,
 )  # fmt: skip
 NAMES = {
     "clip": Clip, "cispo": CISPO, "sapo": SAPO, "gmpo": GMPO, "vespo": VESPO, "dppo": DPPO,
-    "m2po": M2PO, "clip_cov": ClipCov, "kl_cov": KLCov,
+    "m2po": M2PO, "clip_cov": ClipCov, "kl_cov": KLCov, "probability_band": ProbabilityBand,
+    "real": REAL,
 }  # fmt: skip
-# The fields without a default (DRO's beta: verl's dro_beta has none).
-REQUIRED: dict[type, dict[str, Any]] = {DRO: {"beta": 0.5}}
+# The prompt groups a group-level objective (REAL) needs from the call, for a batch of B rows.
+GROUPED = ("real",)
+# The fields without a default (DRO's beta: verl's dro_beta has none; TOPR's rewards, one per
+# sequence of the call: _batch()'s three).
+REQUIRED: dict[type, dict[str, Any]] = {
+    DRO: {"beta": 0.5}, TOPR: {"rewards": [1.0, 0.0, -1.0]}, FIPO: {"gamma": 0.9, "cap": 0.2},
+}  # fmt: skip
 # The objects that take GSPO's sequence ratio (the others: ratio_level="token" only).
-SEQUENCE_RATIO = (Clip, CISPO, SAPO)
+SEQUENCE_RATIO = (Clip, CISPO, SAPO, TOPR)
 # The flat keywords of 0.2 that moved into the objects (issue 21).
 FLAT_KEYWORDS = (
     "clip_low", "clip_high", "dual_clip", "delta", "cispo_cap", "sapo_temperature_pos",
@@ -52,6 +63,8 @@ VALUES = {  # a valid value of each field (for the field's own class)
     "temperature_neg": 2.0, "k_pos": 1.0, "lambda_pos": 1.0, "k_neg": 1.0, "lambda_neg": 1.0,
     "divergence": "kl", "ratio_cap": 3.0, "beta": 0.5, "threshold": 0.04, "ratio": 0.1,
     "cov_lb": 1.0, "cov_ub": 5.0, "generator": None, "selection": None, "coef": 1.0,
+    "tau": 0.1, "kappa": 0.01, "rewards": [1.0], "positive_weight": 1.0, "negative_weight": 1.0,
+    "gamma": 0.9, "cap_high_only": False, "safety_threshold": 4.0,
 }  # fmt: skip
 
 
@@ -128,6 +141,15 @@ def test_signatures() -> None:
         "selection",
     ]
     assert _fields(KLCov) == ["ratio", "coef", "selection"]
+    assert _fields(ProbabilityBand) == ["tau", "kappa"]
+    assert _fields(TOPR) == ["rewards", "positive_weight", "negative_weight"]
+    assert _fields(REAL) == ["tau"]
+    assert _fields(FIPO) == [
+        "gamma", "cap", "low", "high", "delta", "cap_high_only", "safety_threshold",
+    ]  # fmt: skip
+    assert FIPO(0.9, 0.2) == FIPO(gamma=0.9, cap=0.2, low=0.2, high=None, delta=None,
+                                  cap_high_only=True, safety_threshold=None)  # fmt: skip
+    assert REAL() == REAL(tau=0.5)  # ms-swift's real_tau
     # the defaults: DPPO's per divergence (SkyRL's 0.2 for TV, 0.05 for KL; the paper's cap 20),
     # M2PO's the paper's threshold, the Cov objects' verl's config values
     assert DPPO() == DPPO(divergence="tv", low=0.2, high=0.2, ratio_cap=20.0)
@@ -141,6 +163,7 @@ def test_signatures() -> None:
     assert SAPO() == SAPO(temperature_pos=1.0, temperature_neg=1.05)
     assert GMPO() == GMPO(low=0.2, high=None)
     assert VESPO() == VESPO(k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0)
+    assert ProbabilityBand() == ProbabilityBand(tau=0.1, kappa=1e-3)  # prime-rl's defaults
 
 
 @pytest.mark.parametrize("owner", CLASSES, ids=lambda c: c.__name__)
@@ -185,7 +208,10 @@ def test_surrogates_without_a_sequence_ratio_take_token_ratios_only(cls: type) -
 @pytest.mark.parametrize("cls", SEQUENCE_RATIO, ids=lambda c: c.__name__)
 def test_token_local_surrogates_take_sequence_ratios(cls: type) -> None:
     log_probs, old, advantages, mask = _batch()
-    out = rlo.policy_loss(log_probs, old, advantages, mask, surrogate=cls(), ratio_level="sequence")
+    surrogate = cls(**REQUIRED.get(cls, {}))
+    out = rlo.policy_loss(
+        log_probs, old, advantages, mask, surrogate=surrogate, ratio_level="sequence"
+    )
     assert torch.isfinite(out.loss)
 
 
@@ -197,6 +223,8 @@ WRONG_COMBINATIONS: list[tuple[type, dict[str, Any], str]] = [
     (Clip, {"low": None, "high": 0.28}, r"^Clip.high requires Clip.low"),
     (GMPO, {"low": None, "high": 0.28}, r"^GMPO.high requires GMPO.low"),
     (M2PO, {"low": None, "high": 0.28}, r"^M2PO.high requires M2PO.low"),
+    (FIPO, {"gamma": 0.9, "cap": 0.2, "low": None, "high": 0.28}, r"^FIPO.high requires FIPO.low"),
+    (FIPO, {"gamma": 1.5, "cap": 0.2}, r"^FIPO.gamma must be <= 1"),
     (DPPO, {"divergence": "tv", "low": 1.5}, r"^DPPO.low must be <= 1 for divergence='tv'"),
     (DPPO, {"high": 1.2}, r"^DPPO.high must be <= 1 for divergence='tv'"),
     (ClipCov, {"cov_lb": 5.0, "cov_ub": 1.0}, r"^ClipCov.cov_lb must be < ClipCov.cov_ub"),
@@ -223,18 +251,32 @@ def test_cispo_cap_has_no_band() -> None:
 @pytest.mark.parametrize("name", sorted(NAMES))
 def test_a_name_means_the_object_with_its_defaults(name: str) -> None:
     log_probs, old, advantages, mask = _batch()
+    groups = {"group_ids": torch.tensor([0, 0, 1])} if name in GROUPED else {}
     torch.manual_seed(0)  # Clip-Cov draws from the default generator: the same draw for both
-    by_name = rlo.policy_loss(log_probs, old, advantages, mask, surrogate=name)
+    by_name = rlo.policy_loss(log_probs, old, advantages, mask, surrogate=name, **groups)
     torch.manual_seed(0)
-    by_object = rlo.policy_loss(log_probs, old, advantages, mask, surrogate=NAMES[name]())
+    by_object = rlo.policy_loss(log_probs, old, advantages, mask, surrogate=NAMES[name](), **groups)
     assert_close(by_name.loss, by_object.loss)
     for a, b in zip(by_name.diagnostics, by_object.diagnostics, strict=True):
         assert_close(a, b)
+    groups = {"group_size": 2} if name in GROUPED else {}
     torch.manual_seed(0)
-    hidden_name = rlo.fused_policy_loss_from_hidden(**_hidden_batch(), surrogate=name)
+    hidden_name = rlo.fused_policy_loss_from_hidden(**_hidden_batch(), surrogate=name, **groups)
     torch.manual_seed(0)
-    hidden_object = rlo.fused_policy_loss_from_hidden(**_hidden_batch(), surrogate=NAMES[name]())
+    hidden_object = rlo.fused_policy_loss_from_hidden(
+        **_hidden_batch(), surrogate=NAMES[name](), **groups
+    )
     assert_close(hidden_name.loss, hidden_object.loss)
+
+
+def test_topr_has_no_defaults() -> None:
+    """TOPR's rewards belong to the call's responses: the name asks for the object."""
+    log_probs, old, advantages, mask = _batch()
+    with pytest.raises(ValueError, match=r"^surrogate='topr' has no defaults: .*TOPR\(rewards"):
+        rlo.policy_loss(log_probs, old, advantages, mask, surrogate="topr")
+    with pytest.raises(TypeError, match=r"\brewards\b"):
+        TOPR()  # type: ignore[call-arg]
+    assert TOPR([1.0, 2.0]) == TOPR([3.0])  # the rewards are data, not compared
 
 
 def test_dro_has_no_defaults() -> None:

@@ -24,6 +24,7 @@ SURROGATES = {
     "dro": rlo.DRO(beta=0.1),
     "cispo": rlo.CISPO(cap=5.0),
     "vespo": rlo.VESPO(),
+    "probability_band": rlo.ProbabilityBand(kappa=0.1),
 }
 
 
@@ -49,7 +50,9 @@ def test_zero_probability_token_gives_zero_not_nan(name: str, advantage: float) 
         log_probs.detach()[:, 1:].requires_grad_(True), old[:, 1:], advantages, mask[:, 1:],
         surrogate=SURROGATES[name], normalizer=2.0,
     )  # fmt: skip
-    if name != "vespo":  # VESPO's sequence weight reads the whole sequence's log-ratio
+    if name == "probability_band":  # its penalty of the bounded log-ratio -20: a constant there
+        assert_close(out.loss, alone.loss + 0.1 * 400.0 / 2)
+    elif name != "vespo":  # VESPO's sequence weight reads the whole sequence's log-ratio
         assert_close(out.loss, alone.loss)
 
 

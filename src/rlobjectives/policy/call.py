@@ -8,7 +8,8 @@ without checking again.
 
 from __future__ import annotations
 
-from typing import Literal, NamedTuple, get_args
+import dataclasses
+from typing import Literal, NamedTuple
 
 import torch
 
@@ -53,10 +54,11 @@ __all__ = [
 
 RatioLevel = Literal["token", "sequence"]
 RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
-SurrogateName = Literal[
-    "clip", "cispo", "sapo", "gmpo", "vespo", "dppo", "dro", "m2po", "clip_cov", "kl_cov"
-]
-SURROGATE_NAMES: tuple[str, ...] = get_args(SurrogateName)
+#: A name of :data:`~rlobjectives.policy.surrogates.SURROGATES` (``"clip"``, ``"cispo"``, ...).
+SurrogateName = str
+#: The names ``policy_loss(surrogate=...)`` accepts: the registry's, in its order (a surrogate
+#: added to the registry is named here without another change).
+SURROGATE_NAMES: tuple[str, ...] = tuple(SURROGATES)
 #: ``policy_loss(surrogate=...)``: a surrogate object, or its name (the object's defaults).
 SurrogateChoice = Surrogate | SurrogateName
 
@@ -282,8 +284,22 @@ def validate_entropy_coef(
     return coef
 
 
-#: The surrogates whose name cannot mean their defaults (a field without one), and why.
-_NO_DEFAULTS: dict[str, str] = {"dro": "DRO(beta=...): verl's dro_beta has no default"}
+def _required_fields(cls: type[Surrogate]) -> list[str]:
+    """The fields of a surrogate class that have no default (DRO's ``beta``)."""
+    return [
+        field.name
+        for field in dataclasses.fields(cls)  # type: ignore[arg-type]
+        if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
+    ]
+
+
+#: The surrogates whose name cannot mean their defaults (a field without one): the object to
+#: pass instead.
+_NO_DEFAULTS: dict[str, str] = {
+    name: f"{cls.__name__}({', '.join(f'{field}=...' for field in required)})"
+    for name, cls in SURROGATES.items()
+    if (required := _required_fields(cls))
+}
 #: Each name's object with its defaults, built once (the objects are immutable).
 _DEFAULTS: dict[str, Surrogate] = {
     name: cls() for name, cls in SURROGATES.items() if name not in _NO_DEFAULTS
@@ -307,10 +323,10 @@ def as_surrogate(surrogate: object) -> Surrogate:
                 f"{_NO_DEFAULTS[surrogate]}"
             )
         return _DEFAULTS[surrogate]
+    classes = ", ".join(cls.__name__ for cls in SURROGATES.values())
     raise TypeError(
-        f"surrogate must be one of {list(SURROGATE_NAMES)} or a surrogate object (Clip, CISPO, "
-        f"SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov), got {type(surrogate).__name__} "
-        f"({surrogate!r})"
+        f"surrogate must be one of {list(SURROGATE_NAMES)} or a surrogate object ({classes}, or "
+        f"a Surrogate subclass of your own), got {type(surrogate).__name__} ({surrogate!r})"
     )
 
 

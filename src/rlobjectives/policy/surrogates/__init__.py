@@ -16,30 +16,42 @@ from .clip import Clip
 from .cov import ClipCov, KLCov
 from .dppo import DPPO
 from .dro import DRO
+from .fipo import FIPO
 from .gmpo import GMPO
 from .m2po import M2PO
+from .probability_band import ProbabilityBand
+from .real import REAL
 from .sapo import SAPO
+from .topr import TOPR
 from .vespo import VESPO
 
 __all__ = [
     "CISPO",
     "DPPO",
     "DRO",
+    "FIPO",
     "GMPO",
     "M2PO",
+    "REAL",
     "SAPO",
     "SURROGATES",
+    "TOPR",
     "VESPO",
     "Clip",
     "ClipCov",
     "KLCov",
     "PolicyTokens",
+    "ProbabilityBand",
     "Surrogate",
     "SurrogateTerms",
 ]
 
-#: The surrogate each string of ``policy_loss(surrogate=...)`` means (with its defaults; DRO
-#: has none: its name asks for ``DRO(beta=...)``).
+#: The surrogate each string of ``policy_loss(surrogate=...)`` means (with its defaults; DRO,
+#: TOPR and FIPO have none: their names ask for the object, ``DRO(beta=...)``, ...).
 SURROGATES: dict[str, type[Surrogate]] = {
-    cls.name: cls for cls in (Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov)
-}
+    cls.name: cls
+    for cls in (
+        Clip, CISPO, SAPO, GMPO, VESPO, DPPO, DRO, M2PO, ClipCov, KLCov, ProbabilityBand,
+        TOPR, REAL, FIPO,
+    )
+}  # fmt: skip
