@@ -270,7 +270,7 @@ def _dppo_batch(case: str, input_dtype: torch.dtype) -> tuple[tuple[torch.Tensor
 def test_dppo_sweep_brackets_the_region_where_float32_errs() -> None:
     # The sweep is not vacuous: both decisions on each row, and float32 evaluation of the
     # divergence (every peer's, the library's before the rule) is wrong at some of its pairs.
-    from rlobjectives.policy.surrogates.dppo import binary_kl
+    from rlobjectives.kl.estimators import binary_kl
 
     for case, surrogate in DPPO_CASES.items():
         (log_probs, old, _, _), kept = _dppo_batch(case, torch.float32)

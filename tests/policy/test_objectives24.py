@@ -183,7 +183,7 @@ def test_dppo_binary_kl_no_nan_at_probability_0_and_1() -> None:
     # p_old = 1: D = -l (the complement term is 0 * finite); p = 1, p_old = .5: D finite thanks
     # to eps, .5 ln .5 ... ; p_old = 0 (l_old = -inf): the first term's limit 0; float32 near
     # p = 1 (l = -1e-8): 1 - p = -expm1(l) keeps its digits (verl's 1 - exp(l) is 0 there).
-    from rlobjectives.policy.surrogates.dppo import binary_kl
+    from rlobjectives.kl.estimators import binary_kl
 
     log_probs = t([-0.5, 0.0, -0.3, -1e-8])
     old = t([0.0, LN(0.5), -math.inf, -2e-8])

@@ -431,7 +431,7 @@ def test_fipo_future_sums_stop_at_each_packed_sequence() -> None:
     # Two packed sequences [.1, .2 | .4]: F = [.1 + .5 * .2, .2 | .4] with gamma = .5 (the
     # second sequence's .4 does not reach the first); padded rows give the same.
     from rlobjectives._core.layout import packed_layout, padded
-    from rlobjectives.policy.surrogates.fipo import future_sums
+    from rlobjectives._core.segments import future_discounted_sums as future_sums
 
     values = t([[0.1, 0.2, 0.4]])
     packed = future_sums(values, packed_layout(torch.tensor([0, 2, 3]), 3), 0.5)
@@ -694,9 +694,9 @@ def test_compiled_equals_eager(name: str, monkeypatch: pytest.MonkeyPatch) -> No
     # RLOBJECTIVES_COMPILE=1: the formula compiles (no fallback to eager), equals the eager call
     # (NaN at unselected positions), and a new object of the same kind (TOPR's rewards of the
     # next batch) runs the same compiled graph (no recompilation).
-    import rlobjectives.policy.loss as policy_module
+    import rlobjectives._core.compiled as compiled_module
 
-    monkeypatch.setattr(policy_module, "_COMPILED", {})
+    monkeypatch.setattr(compiled_module, "_COMPILED", {})
     cases = [poisoned(random_batch(6, 11, seed=seed)) for seed in (31, 32)]
     counters = []
     for case in cases:
@@ -717,7 +717,7 @@ def test_compiled_equals_eager(name: str, monkeypatch: pytest.MonkeyPatch) -> No
         assert torch.isfinite(compiled_grad).all()
         for value, expected in zip(compiled.diagnostics, eager.diagnostics, strict=True):
             assert_close(value, expected)
-        assert policy_module._COMPILED.get("failed") is None  # compiled, not the fallback
+        assert compiled_module._COMPILED.get("failed") is None  # compiled, not the fallback
         counters.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert counters[1] == counters[0]  # the second batch's object: no new graph
 

@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["Groups", "groups_of", "segment_sum", "validate_group_size"]
+__all__ = ["Groups", "groups_of", "segment_log1p_sum_exp", "segment_sum", "validate_group_size"]
 
 
 class Groups(NamedTuple):
@@ -58,6 +58,21 @@ def segment_sum(values: torch.Tensor, groups: Groups) -> torch.Tensor:
         return values.reshape(-1, size).sum(-1, keepdim=True).expand(-1, size).reshape(-1)
     totals = values.new_zeros(values.shape[0]).index_add(0, groups.ids, values)  # (N,) slots
     return totals[groups.ids]
+
+
+def segment_log1p_sum_exp(
+    values: torch.Tensor, present: torch.Tensor, segments: torch.Tensor, count: int
+) -> torch.Tensor:
+    r""":math:`\log(1 + \sum_{i \in k} e^{v_i})` per segment ``k < count``, stable for any values.
+
+    ``values``, ``present`` (bool: the entries that take part) and ``segments`` (int64 ids) are
+    ``(S,)``; the shift is :math:`m_k = \max(0, \max_{i \in k} v_i)` (the 1 included), detached.
+    """
+    zero = torch.zeros(count, dtype=values.dtype, device=values.device)
+    members = torch.where(present, values.detach(), torch.full_like(values, -torch.inf))
+    top = zero.scatter_reduce(0, segments, members, "amax")  # max(0, values)
+    shifted = torch.where(present, torch.exp(values - top[segments]), 0.0)
+    return torch.log(torch.exp(-top).index_add(0, segments, shifted)) + top  # e^-m + sum e^(v-m)
 
 
 def fixed_groups(length: int, group_size: int, device: torch.device) -> Groups:

@@ -26,12 +26,20 @@ recursions of GAE / REINFORCE++ / ReMax restarted at packed boundaries are
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 from .context import ContextGroup, context_max, context_sum
-from .validation import ArrayLike, as_batch_matrix, as_tensor
+from .validation import (
+    ArrayLike,
+    as_batch_matrix,
+    as_float_tensor,
+    as_tensor,
+    check_same_device,
+    check_shape,
+)
 
 __all__ = [
     "ContextGroup",
@@ -44,6 +52,7 @@ __all__ = [
     "per_sequence",
     "sequence_layout",
     "token_matrix",
+    "token_tensor",
     "token_ndim",
     "token_output",
     "tokens_from_sequences",
@@ -236,6 +245,19 @@ def token_matrix(tensor: torch.Tensor, name: str, packed: bool) -> torch.Tensor:
         return as_batch_matrix(tensor, name)
     _check_rank(tensor, name)
     return tensor.reshape(1, -1)
+
+
+def token_tensor(
+    value: ArrayLike, name: str, like: tuple[str, torch.Tensor], shape: Sequence[int], packed: bool
+) -> torch.Tensor:
+    """A floating per-token argument as :func:`token_matrix`, of the tokens' ``shape``.
+
+    On the device of ``like`` (its name and tensor; the messages name both).
+    """
+    tensor = token_matrix(as_float_tensor(value, name, like[1].device), name, packed)
+    check_same_device({like[0]: like[1], name: tensor})
+    check_shape(tensor, name, shape, "tokens")
+    return tensor
 
 
 def token_ndim(value: ArrayLike) -> int:

@@ -29,6 +29,7 @@ are raised to 1, so that an empty selection gives 0 instead of 0/0.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, NamedTuple, get_args
 
 import torch
@@ -56,6 +57,7 @@ __all__ = [
     "mean_selected",
     "prompt_groups",
     "reduce",
+    "reduce_pieces",
     "reduce_rows",
     "reduction_counts",
     "row_weights",
@@ -364,6 +366,36 @@ def reduce_context_parts(
         return reduce_rows(sums, row_weights(counts, spec, dtype=dtype, batch=rows))
     counts = parts[1].reshape(1) if len(parts) > 1 else parts[0].new_zeros(1, dtype=torch.int64)
     return parts[0] / row_weights(counts, spec, dtype=dtype, batch=rows).denominator
+
+
+def reduce_pieces(
+    pieces: Sequence[tuple[torch.Tensor, torch.Tensor]],
+    spec: ReductionSpec,
+    layout: Layout,
+    dtype: torch.dtype,
+    extra: tuple[torch.Tensor, ...] = (),
+) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """The sum of :func:`reduce` of each ``(values, selection)`` and ``extra`` over the group.
+
+    ``extra``: per-rank sums to total over the context group too (the diagnostics' sums). Under
+    a context group every reduction's partial sums (:func:`context_parts`) and ``extra`` travel
+    in one all-reduce (identity backward: replicated results).
+    """
+    if layout.context is None or spec.reduction == "none":
+        loss = reduce(*pieces[0], spec, layout)
+        for values, selection in pieces[1:]:
+            loss = loss + reduce(values, selection, spec, layout)
+        return loss, extra if layout.context is None else layout.combine(*extra)
+    local = [context_parts(masked_fill_zero(v, m), m, spec, layout) for v, m in pieces]
+    combined = layout.combine(*(tensor for part in local for tensor in part), *extra)
+    loss, start = torch.zeros((), dtype=dtype, device=combined[0].device), 0
+    for part in local:
+        group_sums = tuple(combined[start : start + len(part)])
+        loss, start = (
+            loss + reduce_context_parts(group_sums, spec, layout, dtype),
+            start + len(part),
+        )
+    return loss, tuple(combined[start:])
 
 
 def masked_fill_zero(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

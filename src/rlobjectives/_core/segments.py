@@ -5,16 +5,19 @@ The packed forms of the reverse scans of GAE, REINFORCE++ and ReMax
 (:func:`segment_discounted_sum`) and the value at the next selected token
 (:func:`segment_next_selected`) over the contiguous segments of a
 :class:`~rlobjectives._core.layout.Layout`, by recursive doubling and cumulative minima: no
-Python loop over sequences, no host synchronisation.
+Python loop over sequences, no host synchronisation. :func:`future_discounted_sums` is the
+discounted sum over every later position of a token's sequence (padded rows, packed sequences,
+context-parallel chunks), FIPO's future log-ratio.
 """
 
 from __future__ import annotations
 
 import torch
 
+from .context import carry_from_later_ranks, context_gather
 from .layout import Layout, _sequence_end, _sequence_ids
 
-__all__ = ["segment_discounted_sum", "segment_next_selected"]
+__all__ = ["future_discounted_sums", "segment_discounted_sum", "segment_next_selected"]
 
 
 def segment_discounted_sum(
@@ -72,3 +75,69 @@ def segment_next_selected(
     next_index = torch.where(next_index < last, next_index, tokens)  # (N,) N: none
     padded = torch.cat([values.reshape(-1), values.new_zeros(1)])  # (N + 1,)
     return padded.gather(0, next_index).reshape(values.shape)
+
+
+def future_discounted_sums(
+    values: torch.Tensor, layout: Layout, gamma: float | torch.Tensor
+) -> torch.Tensor:
+    r""":math:`\sum_{s \ge t} \gamma^{s - t} v_s` over the later positions of each sequence.
+
+    ``values`` ``(B, T)`` (a row is a sequence) or packed ``(1, N)``, detached, zero where not
+    selected; the scan doubles its reach ``d = 1, 2, 4, ...``: ``F_t += gamma^d F_{t + d}``
+    where ``t + d`` lies in ``t``'s sequence. Under context parallelism the local sums take the
+    carry of the later ranks' chunks (each rank a contiguous chunk, in rank order).
+    """
+    width = values.shape[-1]
+    same = None
+    if layout.sequence_ids is not None:
+        ids = layout.sequence_ids.reshape(1, -1)  # (1, N)
+    total, factor, reach = values, gamma, 1
+    while reach < width:
+        later = total[..., reach:] * factor  # gamma^d F_{t + d}
+        if layout.sequence_ids is not None:
+            same = ids[..., reach:] == ids[..., :-reach]  # t + d in the sequence of t
+            later = torch.where(same, later, 0.0)
+        total = torch.cat([total[..., :-reach] + later, total[..., -reach:]], dim=-1)
+        factor = factor * factor
+        reach *= 2
+    if layout.context is None:
+        return total
+    return total + _carry(total, layout, gamma)
+
+
+def _carry(total: torch.Tensor, layout: Layout, gamma: float | torch.Tensor) -> torch.Tensor:
+    r""":math:`\gamma^{e - t} C` per position: the later ranks' sum :math:`C`, brought back.
+
+    :math:`e` is the end of this rank's chunk of the token's sequence; one all-gather of each
+    rank's ``[F(first position), gamma^length]`` per sequence.
+    """
+    context = layout.context
+    assert context is not None  # internal invariant: called under context parallelism
+    dtype, device = total.dtype, total.device
+    gamma = torch.as_tensor(gamma, dtype=dtype, device=device)
+    width = total.shape[-1]
+    if layout.sequence_ids is None:  # padded: each local row a slice of `width` positions
+        first = total[:, 0] if width else torch.zeros(total.shape[0], dtype=dtype, device=device)
+        lengths = torch.full_like(first, float(width))
+        distance = width - torch.arange(width, device=device).to(dtype)  # (T,)
+    else:
+        ids = layout.sequence_ids
+        ones = torch.ones(1, width, dtype=dtype, device=device)
+        lengths = layout.local_row_sums(ones)  # (S,) this rank's positions per sequence
+        ends = torch.cumsum(lengths, 0)  # one past each sequence's last position here
+        starts = (ends - lengths).to(torch.int64).clamp(max=max(width - 1, 0))
+        padded = torch.cat([total.reshape(-1), total.new_zeros(1)])
+        first = torch.where(lengths > 0, padded[starts], 0.0)
+        positions = torch.arange(width, device=device).to(dtype)
+        distance = (ends[ids] - positions).reshape(1, -1)  # (1, N)
+    states = torch.stack([first, torch.pow(gamma, lengths)], dim=-1)  # (S, 2)
+    with torch.no_grad():
+        gathered = context_gather(context, states)  # (W, S, 2) in rank order
+        start = torch.zeros_like(first).unsqueeze(-1)  # (S, 1): nothing after the last chunk
+        carry = carry_from_later_ranks(
+            gathered, context.rank, start, lambda state, c: state[:, :1] + state[:, 1:] * c
+        )  # (S, 1): the full sum at the first position of the next rank's chunk
+    carry = carry.squeeze(-1)
+    if layout.sequence_ids is None:
+        return torch.pow(gamma, distance) * carry.unsqueeze(-1)  # (B, T)
+    return torch.pow(gamma, distance) * carry[layout.sequence_ids].reshape(1, -1)

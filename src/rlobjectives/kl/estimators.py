@@ -67,10 +67,13 @@ from .._core.validation import (
 )
 
 __all__ = [
+    "BINARY_KL_EPSILON",
     "ESTIMATORS",
     "ESTIMATOR_FUNCTIONS",
     "ESTIMATOR_GRADIENTS",
     "KLInputs",
+    "binary_kl",
+    "binary_kl_gap",
     "BiasedGradientWarning",
     "Estimator",
     "kl_gradient",
@@ -300,3 +303,40 @@ _BIASED_AS_LOSS = {
         "unbiased gradient"
     ),
 }
+
+#: verl's and SkyRL's epsilon in the binary KL's complement term.
+BINARY_KL_EPSILON = 1e-8
+
+
+def binary_kl(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Tensor:
+    r"""DPPO's binary KL :math:`D(p^{old} \| p)` with verl's :math:`\varepsilon`, no NaN at 0, 1.
+
+    .. math::
+
+        D = p^{old} (\ell^{old} - \ell) + (1 - p^{old}) \log\frac{1 - p^{old} + \varepsilon}
+            {1 - p + \varepsilon}, \qquad 1 - p = -\mathrm{expm1}(\ell),
+
+    which is :math:`p^{old}\log(p^{old}/p) + (1 - p^{old})\log\frac{1 - p^{old} + \varepsilon}
+    {1 - p + \varepsilon}` with the complements computed without cancellation (verl's
+    ``1 - exp(l)`` is 0 in float32 for :math:`\ell > -6 \cdot 10^{-8}`, which moves
+    :math:`\log(1 - p + \varepsilon)` by up to 2 there). The logarithm of the quotient is exact
+    to an ulp of itself, an absolute error of :math:`10^{-7}` in :math:`D` (float32): harmless
+    against the thresholds. :math:`\ell^{old} - \ell` is raised to the dtype's lowest finite
+    value, so that the first term is 0 (its limit) at :math:`p^{old} = 0` (:math:`\ell^{old} =
+    -\infty`: verl computes NaN there and masks the token).
+    """
+    return binary_kl_gap(log_probs, old_log_probs, old_log_probs - log_probs)
+
+
+def binary_kl_gap(
+    log_probs: torch.Tensor, old_log_probs: torch.Tensor, gap: torch.Tensor
+) -> torch.Tensor:
+    r""":func:`binary_kl` given ``gap`` = :math:`\ell^{old} - \ell` (a buffer it spends)."""
+    lowest = torch.finfo(log_probs.dtype).min
+    first = gap.clamp_(min=lowest).mul_(torch.exp(old_log_probs))  # p_old (l_old - l)
+    # p_old - 1 = expm1(l_old) kept negated (a sign flip is exact: eps - expm1(l) is
+    # 1 - p + eps bit for bit), two passes fewer than negating each complement
+    old_shortfall = torch.expm1(old_log_probs)  # p_old - 1
+    complement = torch.rsub(torch.expm1(log_probs), BINARY_KL_EPSILON)  # 1 - p + eps
+    quotient = torch.rsub(old_shortfall, BINARY_KL_EPSILON).div_(complement).log_()
+    return first.addcmul_(old_shortfall, quotient, value=-1.0)  # + (1 - p_old) log(...)

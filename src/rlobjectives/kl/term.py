@@ -11,18 +11,15 @@ from typing import NamedTuple
 
 import torch
 
-from .._core.layout import token_matrix
+from .._core.layout import token_tensor
 from .._core.validation import (
     ArrayLike,
-    as_float_tensor,
     check_estimator_spelling,
-    check_same_device,
-    check_shape,
     validate_bool,
     validate_choice,
     validate_scalar,
 )
-from .estimators import ESTIMATORS
+from .estimators import ESTIMATORS, kl_terms
 
 __all__ = ["KLTerm", "validate_kl_term"]
 
@@ -34,6 +31,21 @@ class KLTerm(NamedTuple):
     coef: float
     estimator: str
     straight_through: bool
+
+    def estimate(
+        self,
+        log_probs: torch.Tensor,
+        mask: torch.Tensor,
+        log_ratio_bound: float | torch.Tensor | None,
+        dtype: torch.dtype,
+        rows: int | slice | None = None,
+    ) -> torch.Tensor:
+        """The per-token estimate (0 at unselected tokens); ``rows``: a slice of the flat tokens."""
+        ref = self.ref_log_probs if rows is None else self.ref_log_probs.reshape(-1)[rows][None]
+        return kl_terms(
+            log_probs, ref, mask, estimator=self.estimator,
+            straight_through=self.straight_through, log_ratio_bound=log_ratio_bound, dtype=dtype,
+        )  # fmt: skip
 
 
 def validate_kl_term(
@@ -57,10 +69,5 @@ def validate_kl_term(
         if beta > 0:
             raise ValueError(f"kl_coef > 0 requires ref_log_probs, got kl_coef={kl_coef!r}")
         return None
-    device = hidden.device
-    ref_t = token_matrix(
-        as_float_tensor(ref_log_probs, "ref_log_probs", device), "ref_log_probs", packed
-    )
-    check_same_device({"hidden": hidden, "ref_log_probs": ref_t})
-    check_shape(ref_t, "ref_log_probs", batch_shape, "tokens")
+    ref_t = token_tensor(ref_log_probs, "ref_log_probs", ("hidden", hidden), batch_shape, packed)
     return KLTerm(ref_t.detach(), beta, kl_estimator, kl_straight_through)

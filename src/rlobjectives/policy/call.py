@@ -32,19 +32,14 @@ from .._core.validation import (
 from .surrogates import SURROGATES, Surrogate
 
 __all__ = [
-    "RATIO_LEVELS",
-    "SURROGATE_NAMES",
     "PolicyCall",
     "PolicyInputs",
     "PolicyLossDiagnostics",
     "PolicyLossOutput",
     "RatioLevel",
     "SurrogateChoice",
-    "SurrogateName",
     "SurrogateOptions",
     "as_surrogate",
-    "prepare_entropy",
-    "prepare_importance_weights",
     "prepare_layout_inputs",
     "validate_entropy_coef",
     "validate_policy_call",
@@ -54,13 +49,11 @@ __all__ = [
 
 RatioLevel = Literal["token", "sequence"]
 RATIO_LEVELS: tuple[str, ...] = ("token", "sequence")
-#: A name of :data:`~rlobjectives.policy.surrogates.SURROGATES` (``"clip"``, ``"cispo"``, ...).
-SurrogateName = str
 #: The names ``policy_loss(surrogate=...)`` accepts: the registry's, in its order (a surrogate
 #: added to the registry is named here without another change).
 SURROGATE_NAMES: tuple[str, ...] = tuple(SURROGATES)
 #: ``policy_loss(surrogate=...)``: a surrogate object, or its name (the object's defaults).
-SurrogateChoice = Surrogate | SurrogateName
+SurrogateChoice = Surrogate | str
 
 
 _ZERO = torch.zeros(())  # the default of the last two fields (never modified)
@@ -208,8 +201,6 @@ def prepare_layout_inputs(
     if packed:
         advantages_t = tokens_from_sequences(advantages_t, advantages_name, layout, log_probs_name)
     else:
-        if advantages_t.ndim == 1 and advantages_t.numel() == 0 and shape[0] == 0:
-            advantages_t = advantages_t.reshape(0)
         advantages_t = expand_per_sequence(advantages_t, advantages_name, shape, log_probs_name)
     inputs = PolicyInputs(  # contiguous: the sums run in one order whatever the strides
         log_probs=log_probs_t.contiguous(),
@@ -247,8 +238,6 @@ def prepare_importance_weights(
         per_sequence = tuple(weights.shape) in ((sequences,), (sequences, 1))
         weights = tokens_from_sequences(weights, name, layout, reference).detach()  # (1, N)
     else:
-        if weights.ndim == 1 and weights.numel() == 0 and shape[0] == 0:
-            weights = weights.reshape(0)
         weights = expand_per_sequence(weights, name, shape, reference).detach()
         per_sequence = weights.shape[-1] == 1  # (B,) or (B, 1), now (B, 1)
     dtype = compute_dtype(torch.empty(0, dtype=inputs.dtype), weights)
@@ -284,26 +273,8 @@ def validate_entropy_coef(
     return coef
 
 
-def _required_fields(cls: type[Surrogate]) -> list[str]:
-    """The fields of a surrogate class that have no default (DRO's ``beta``)."""
-    return [
-        field.name
-        for field in dataclasses.fields(cls)  # type: ignore[arg-type]
-        if field.default is dataclasses.MISSING and field.default_factory is dataclasses.MISSING
-    ]
-
-
-#: The surrogates whose name cannot mean their defaults (a field without one): the object to
-#: pass instead.
-_NO_DEFAULTS: dict[str, str] = {
-    name: f"{cls.__name__}({', '.join(f'{field}=...' for field in required)})"
-    for name, cls in SURROGATES.items()
-    if (required := _required_fields(cls))
-}
-#: Each name's object with its defaults, built once (the objects are immutable).
-_DEFAULTS: dict[str, Surrogate] = {
-    name: cls() for name, cls in SURROGATES.items() if name not in _NO_DEFAULTS
-}
+#: Each name's object with its defaults, built on first use (the objects are immutable).
+_DEFAULTS: dict[str, Surrogate] = {}
 
 
 def as_surrogate(surrogate: object) -> Surrogate:
@@ -317,11 +288,18 @@ def as_surrogate(surrogate: object) -> Surrogate:
         return surrogate
     if isinstance(surrogate, str):
         validate_choice(surrogate, "surrogate", SURROGATE_NAMES)
-        if surrogate in _NO_DEFAULTS:
-            raise ValueError(
-                f"surrogate={surrogate!r} has no defaults: pass the object, "
-                f"{_NO_DEFAULTS[surrogate]}"
-            )
+        if surrogate not in _DEFAULTS:
+            cls, missing = SURROGATES[surrogate], dataclasses.MISSING
+            fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+            required = [
+                f"{f.name}=..." for f in fields if f.default is f.default_factory is missing
+            ]
+            if required:  # DRO's beta, TOPR's rewards: the name cannot mean defaults
+                raise ValueError(
+                    f"surrogate={surrogate!r} has no defaults: pass the object, "
+                    f"{cls.__name__}({', '.join(required)})"
+                )
+            _DEFAULTS[surrogate] = cls()
         return _DEFAULTS[surrogate]
     classes = ", ".join(cls.__name__ for cls in SURROGATES.values())
     raise TypeError(

@@ -22,7 +22,7 @@ from torch.distributed import ProcessGroup
 
 from .._core.backend import lm_head_backend
 from .._core.chunking import Block
-from .._core.layout import padded, token_matrix, token_ndim, token_output
+from .._core.layout import padded, token_ndim, token_output, token_tensor
 from .._core.reduction import (
     Reduction,
     masked_fill_zero,
@@ -34,13 +34,10 @@ from .._core.reduction import (
 from .._core.validation import (
     ArrayLike,
     Scalar,
-    as_float_tensor,
-    check_same_device,
-    check_shape,
     checks_environment,
     compute_dtype,
 )
-from ..kl.estimators import Estimator, kl_terms, warn_biased_kl_loss
+from ..kl.estimators import Estimator, warn_biased_kl_loss
 from ..kl.term import KLTerm, validate_kl_term
 from ..logprobs.fused_linear import FusedLinearLoss, FusedTerms
 from ..logprobs.head import Head, prepare_head
@@ -101,63 +98,31 @@ def entropy_on(call: PolicyCall) -> bool:
     return isinstance(call.entropy_coef, torch.Tensor) or call.entropy_coef != 0.0
 
 
-class LossValues(NamedTuple):
-    """The unfused composition's value and its detached parts."""
-
-    loss: torch.Tensor
-    policy: torch.Tensor
-    kl: torch.Tensor
-    entropy: torch.Tensor
-    diagnostics: PolicyLossDiagnostics
-
-
 def loss_value(
     log_probs: torch.Tensor,
     entropy: torch.Tensor | None,
     call: PolicyCall,
     kl: KLTerm | None,
-) -> LossValues:
-    """The unfused composition on ``(B, T)`` log-probs (and entropies)."""
+    head: Head,
+) -> FusedPolicyLossOutput:
+    """The composition on ``(B, T)`` log-probs (and entropies): the loss and its detached parts."""
     inputs = call.inputs._replace(log_probs=log_probs, output_dtype=log_probs.dtype)
-    policy_call = call._replace(inputs=inputs, entropy_coef=0.0)
-    out = run_policy(policy_call, return_per_token=False)
+    out = run_policy(call._replace(inputs=inputs, entropy_coef=0.0), return_per_token=False)
     zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
-    loss, kl_loss, entropy_loss = out.loss, zero, zero
-    mask = inputs.mask
+    loss, kl_loss, entropy_loss, mask = out.loss, zero, zero, inputs.mask
     if kl is not None:
-        terms = kl_terms(
-            log_probs,
-            kl.ref_log_probs,
-            mask,
-            estimator=kl.estimator,
-            straight_through=kl.straight_through,
-            log_ratio_bound=call.options.log_ratio_bound,
-            dtype=inputs.dtype,
-        )
+        terms = kl.estimate(log_probs, mask, call.options.log_ratio_bound, inputs.dtype)
         kl_loss = reduce(terms.to(log_probs.dtype), mask, call.reduction, call.layout)
         loss = loss + kl.coef * kl_loss if kl.coef > 0 else loss
     if entropy is not None:
         selected = masked_fill_zero(entropy.to(log_probs.dtype), mask)
         entropy_loss = reduce(selected, mask, call.reduction, call.layout)
         loss = loss - call.entropy_coef * entropy_loss
-    return LossValues(
-        loss, out.loss.detach(), kl_loss.detach(), entropy_loss.detach(), out.diagnostics
-    )
-
-
-def fused_output(
-    values: LossValues, loss: torch.Tensor, log_probs: torch.Tensor, head: Head
-) -> FusedPolicyLossOutput:
-    """The public result: ``loss`` (with its gradient) and the detached parts, head's dtype."""
-    output_dtype = head.dtype
+    dtype = head.dtype  # the parts detached, in the head's dtype
     return FusedPolicyLossOutput(
-        loss.to(output_dtype),
-        values.policy.to(output_dtype),
-        values.kl.to(output_dtype),
-        log_probs.detach().to(output_dtype),
-        values.diagnostics,
-        values.entropy.to(output_dtype),
-    )
+        loss.to(dtype), out.loss.detach().to(dtype), kl_loss.detach().to(dtype),
+        log_probs.detach().to(dtype), out.diagnostics, entropy_loss.detach().to(dtype),
+    )  # fmt: skip
 
 
 def composed_loss(
@@ -173,22 +138,7 @@ def composed_loss(
     log_probs, entropy = head_log_probs(head, mask.reshape(-1), with_entropy)
     log_probs = log_probs.reshape(batch_shape).to(call.inputs.dtype)  # (B, T)
     entropies = entropy.reshape(batch_shape).to(call.inputs.dtype) if with_entropy else None
-    values = loss_value(log_probs, entropies, call, kl)
-    return fused_output(values, values.loss, log_probs, head)
-
-
-def check_old_log_probs(
-    old_log_probs: ArrayLike, head: Head, batch_shape: tuple[int, int], packed: bool = False
-) -> None:
-    """``old_log_probs`` against the tokens (the reference of the policy tensors' shapes).
-
-    ``packed``: ``(N,)`` or ``(1, N)``, compared as ``(1, N)``.
-    """
-    old = as_float_tensor(old_log_probs, "old_log_probs", head.hidden.device)
-    if packed:
-        old = token_matrix(old, "old_log_probs", packed)
-    check_same_device({"hidden": head.hidden, "old_log_probs": old})
-    check_shape(old, "old_log_probs", batch_shape, "tokens")
+    return loss_value(log_probs, entropies, call, kl, head)
 
 
 @checks_environment
@@ -292,7 +242,7 @@ def fused_policy_loss_from_hidden(
     head, batch_shape = prepare_head(
         hidden, weight, tokens, bias, temperature, chunk_size, packed=packed, options=kept_options
     )
-    check_old_log_probs(old_log_probs, head, batch_shape, packed)
+    token_tensor(old_log_probs, "old_log_probs", ("hidden", head.hidden), batch_shape, packed)
     options = validate_surrogate_options(
         surrogate=surrogate, ratio_level=ratio_level, log_ratio_bound=log_ratio_bound
     )
@@ -332,10 +282,9 @@ def _with_head_dtype(
 ) -> PolicyCall:
     """The call with every input's computation dtype, the head's dtype and ``entropy_coef``."""
     inputs = call.inputs
-    extra = [t for t in (None if kl is None else kl.ref_log_probs, inputs.importance_weights)]
-    dtype = compute_dtype(
-        head.hidden, inputs.old_log_probs, inputs.advantages, *(t for t in extra if t is not None)
-    )
+    extra = (None if kl is None else kl.ref_log_probs, inputs.importance_weights)
+    others = [tensor for tensor in extra if tensor is not None]
+    dtype = compute_dtype(head.hidden, inputs.old_log_probs, inputs.advantages, *others)
     inputs = inputs._replace(dtype=dtype, output_dtype=head.dtype)
     return call._replace(inputs=inputs, entropy_coef=entropy_coef)
 
@@ -377,57 +326,46 @@ def _needs_composition(head: Head, call: PolicyCall) -> bool:
     wants_grad = torch.is_grad_enabled() and any(
         t is not None and t.requires_grad for t in (head.hidden, head.weight, head.bias)
     )
+    options = call.options
+    token_local = options.surrogate.token_local and options.ratio_level == "token"
     return (
-        not wants_grad
+        not (wants_grad and token_local and call.reduction.reduction != "none")
         or torch.compiler.is_compiling()  # autograd.grad inside a Function's forward: untraceable
         or head.shard is not None  # the normaliser needs every slice before any gradient
-        or call.reduction.reduction == "none"
-        or call.options.ratio_level == "sequence"
-        or not call.options.surrogate.token_local
     )
 
 
-class _Coefficients(NamedTuple):
-    """Flat ``(N,)`` per-token constants of the loss besides each token's log-probability."""
+def _token_coefficients(
+    flat: PolicyInputs,
+    options: SurrogateOptions,
+    kl: KLTerm | None,
+    token_weights: torch.Tensor,
+    log_probs: torch.Tensor,
+    block: Block,
+) -> torch.Tensor:
+    """``dL/d log_probs`` of one chunk ``(n,)``: the formula differentiated by autograd.
 
-    old_log_probs: torch.Tensor
-    advantages: torch.Tensor
-    importance_weights: torch.Tensor | None
-    ref_log_probs: torch.Tensor | None
-    token_weights: torch.Tensor  # d loss / d (per-token loss): the reduction's weight
-    mask: torch.Tensor  # bool
-    options: SurrogateOptions
-    kl: KLTerm | None
-    dtype: torch.dtype
-
-
-def _token_coefficients(spec: _Coefficients, log_probs: torch.Tensor, block: Block) -> torch.Tensor:
-    """``dL/d log_probs`` of one chunk ``(n,)``: the formula differentiated by autograd."""
-    rows = block[0]
-    mask = spec.mask[rows]  # (n,)
-    weights = spec.importance_weights
+    ``flat``: the call's inputs as ``(1, N)`` rows; ``token_weights`` ``(1, N)``: the reduction's.
+    """
+    rows, dtype, surrogate = block[0], flat.dtype, options.surrogate
+    mask, weights = flat.mask[:, rows], flat.importance_weights  # (1, n)
     with torch.enable_grad():
-        leaf = log_probs.detach().to(spec.dtype).requires_grad_(True)
-        inputs = PolicyInputs(
-            leaf[None], spec.old_log_probs[rows][None], spec.advantages[rows][None], mask[None],
-            spec.dtype, spec.dtype, None if weights is None else weights[rows][None],
+        leaf = log_probs.detach().to(dtype).requires_grad_(True)
+        chunk = flat._replace(
+            log_probs=leaf[None], old_log_probs=flat.old_log_probs[:, rows],
+            advantages=flat.advantages[:, rows], mask=mask,
+            importance_weights=None if weights is None else weights[:, rows],
         )  # fmt: skip
-        tokens = policy_tokens(inputs, spec.options, padded(1))[0]
-        surrogate = spec.options.surrogate
+        tokens = policy_tokens(chunk, options, padded(1))[0]
         per_token = -surrogate_terms(surrogate, tokens).values  # (1, n)
         if tokens.importance_weights is not None and not surrogate.folds_importance_weights:
-            per_token = per_token * masked_fill_zero(tokens.importance_weights, tokens.mask)
-        kl = spec.kl
-        if kl is not None and spec.ref_log_probs is not None and kl.coef > 0:
-            estimate = kl_terms(
-                leaf[None], spec.ref_log_probs[rows][None], mask[None], estimator=kl.estimator,
-                straight_through=kl.straight_through,
-                log_ratio_bound=spec.options.log_ratio_bound, dtype=spec.dtype,
-            )  # fmt: skip
+            per_token = per_token * masked_fill_zero(tokens.importance_weights, mask)
+        if kl is not None and kl.coef > 0:
+            estimate = kl.estimate(leaf[None], mask, options.log_ratio_bound, dtype, rows)
             per_token = per_token + kl.coef * estimate
-        weighted = masked_fill_zero(per_token[0] * spec.token_weights[rows], mask)
+        weighted = masked_fill_zero(per_token * token_weights[:, rows], mask)
         (gradient,) = torch.autograd.grad(weighted.sum(), leaf)
-    return masked_fill_zero(gradient, mask)
+    return masked_fill_zero(gradient, mask[0])
 
 
 def _fused_loss(
@@ -438,31 +376,28 @@ def _fused_loss(
     counts = reduction_counts(inputs.mask, call.reduction, layout)  # (S,), whole sequences
     weights = row_weights(counts, call.reduction, dtype=dtype, batch=layout.num_sequences)
     token_weights = token_gradient_weights(weights, layout, dtype).expand(batch_shape)
-    mask = inputs.mask.reshape(-1)
+    token_weights = token_weights.reshape(1, -1)  # (1, N)
     importance = inputs.importance_weights
-    coefficients = _Coefficients(
-        old_log_probs=inputs.old_log_probs.to(dtype).reshape(-1),
-        advantages=inputs.advantages.to(dtype).expand(batch_shape).reshape(-1),
+    flat = inputs._replace(  # (1, N) rows; per-sequence data is not read by a token-local loss
+        old_log_probs=inputs.old_log_probs.to(dtype).reshape(1, -1),
+        advantages=inputs.advantages.to(dtype).expand(batch_shape).reshape(1, -1),
+        mask=inputs.mask.reshape(1, -1), output_dtype=dtype, sequence_weights=False, groups=None,
         importance_weights=None
         if importance is None
-        else importance.expand(batch_shape).reshape(-1),
-        ref_log_probs=None if kl is None else kl.ref_log_probs.to(dtype).reshape(-1),
-        token_weights=token_weights.reshape(-1),
-        mask=mask,
-        options=call.options,
-        kl=kl,
-        dtype=dtype,
-    )
+        else importance.expand(batch_shape).reshape(1, -1),
+    )  # fmt: skip
+    mask = flat.mask[0]  # (N,)
     entropy_weights = None
     if entropy_on(call):  # d loss / d H = -entropy_coef * (the reduction's weight)
-        entropy_weights = masked_fill_zero(-call.entropy_coef * coefficients.token_weights, mask)
-    terms = FusedTerms(mask, partial(_token_coefficients, coefficients), entropy_weights)
+        entropy_weights = masked_fill_zero(-call.entropy_coef * token_weights[0], mask)
+    coefficients = partial(_token_coefficients, flat, call.options, kl, token_weights)
+    terms = FusedTerms(mask, coefficients, entropy_weights)
     anchor, flat_log_probs, flat_entropy = FusedLinearLoss.apply(  # type: ignore[no-untyped-call]
         head.hidden, head.weight, head.bias, head._replace(dtype=dtype), terms
     )
     log_probs = flat_log_probs.reshape(batch_shape)  # (B, T), detached
     entropy = None if entropy_weights is None else flat_entropy.reshape(batch_shape)
     with torch.no_grad():
-        values = loss_value(log_probs, entropy, call, kl)
+        values = loss_value(log_probs, entropy, call, kl, head)
     # The value is the unfused composition's; the gradient flows through the anchor (value 0).
-    return fused_output(values, values.loss.detach() + anchor, log_probs, head)
+    return values._replace(loss=(values.loss + anchor).to(head.dtype))

@@ -13,22 +13,14 @@ ratio, the formula, the diagnostics' sums); with ``RLOBJECTIVES_COMPILE=1`` it r
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch.distributed import ProcessGroup
 
+from .._core.compiled import compiled
 from .._core.layout import Layout, token_ndim, token_output
-from .._core.reduction import (
-    Reduction,
-    clamp,
-    context_parts,
-    masked_fill_zero,
-    reduce,
-    reduce_context_parts,
-)
+from .._core.reduction import Reduction, clamp, masked_fill_zero, reduce_pieces
 from .._core.validation import (
     ArrayLike,
     Scalar,
@@ -50,7 +42,6 @@ from .call import (
 from .surrogates import PolicyTokens, Surrogate, SurrogateTerms
 
 __all__ = [
-    "TokenTerms",
     "policy_loss",
     "policy_terms",
     "policy_tokens",
@@ -179,7 +170,7 @@ def run_policy(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutput:
     inputs, layout = call.inputs, call.layout
     terms_of = policy_terms  # compiled on request, not under a context group or a user's compile
     if layout.context is None and not torch.compiler.is_compiling() and environment()[1]:
-        terms_of = _compiled_terms()
+        terms_of = compiled(policy_terms, "the policy loss")
     terms = terms_of(inputs, call.options, layout)
     per_token, mask, reduction = terms.per_token_loss, inputs.mask, call.reduction
     entropy, coef = inputs.entropy, call.entropy_coef
@@ -191,15 +182,8 @@ def run_policy(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutput:
     if terms.loss_mask is not None:  # M2PO: the surrogate over its kept tokens, the bonus not
         pieces = [(terms.per_token_loss, terms.loss_mask)]
         pieces += [] if bonus is None else [(bonus, mask)]
-    sums, count = terms.diagnostic_sums, torch.count_nonzero(mask)
-    if layout.context is not None and reduction.reduction != "none":
-        loss, sums, count = _reduce_over_group(pieces, sums, count, call)
-    else:
-        loss = reduce(pieces[0][0], pieces[0][1], reduction, layout)
-        for values, selection in pieces[1:]:
-            loss = loss + reduce(values, selection, reduction, layout)
-        if layout.context is not None:  # the whole sequences' sums (one all-reduce)
-            sums, count = layout.combine(sums, count)
+    extra = (terms.diagnostic_sums, torch.count_nonzero(mask))
+    loss, (sums, count) = reduce_pieces(pieces, reduction, layout, inputs.dtype, extra)
     if call.diagnostics_normalizer is None:
         denominator = count.to(sums.dtype).clamp(min=1)
     else:  # an explicit normaliser is honoured exactly
@@ -208,30 +192,6 @@ def run_policy(call: PolicyCall, *, return_per_token: bool) -> PolicyLossOutput:
     output_dtype = inputs.output_dtype
     kept = per_token.to(output_dtype) if return_per_token else None
     return PolicyLossOutput(loss.to(output_dtype), kept, diagnostics)
-
-
-def _reduce_over_group(
-    pieces: list[tuple[torch.Tensor, torch.Tensor]],
-    sums: torch.Tensor,
-    count: torch.Tensor,
-    call: PolicyCall,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The loss and the diagnostics' sums over a context group, in one all-reduce.
-
-    The reductions' partial sums (:func:`~rlobjectives._core.reduction.context_parts`) and the
-    diagnostics' travel together; the backward of the sum is the identity (replicated results).
-    """
-    layout, spec, dtype = call.layout, call.reduction, call.inputs.dtype
-    local = [context_parts(masked_fill_zero(v, m), m, spec, layout) for v, m in pieces]
-    flat = [tensor for group in local for tensor in group]
-    *combined, sums, count = layout.combine(*flat, sums, count)
-    loss, start = torch.zeros((), dtype=dtype, device=sums.device), 0
-    for group in local:
-        loss = loss + reduce_context_parts(
-            tuple(combined[start : start + len(group)]), spec, layout, dtype
-        )
-        start += len(group)
-    return loss, sums, count
 
 
 class TokenTerms(NamedTuple):
@@ -341,38 +301,3 @@ def _diagnostic_sums(
         masked_fill_zero(weight.to(x.dtype), mask).sum(),
     ]
     return torch.stack([*counts[:5], *totals, counts[5]])
-
-
-_COMPILED: dict[str, Callable[..., TokenTerms]] = {}
-
-
-def _compiled_terms() -> Callable[..., TokenTerms]:
-    """:func:`policy_terms` under ``torch.compile`` (built on the first call)."""
-    compiled = _COMPILED.get("terms")
-    if compiled is None:
-        compiled = _COMPILED["terms"] = _compiled_or_eager(policy_terms)
-    return compiled
-
-
-def _compiled_or_eager(function: Callable[..., TokenTerms]) -> Callable[..., TokenTerms]:
-    """``torch.compile(function, dynamic=True)``; eager for good if it cannot compile."""
-    compiled = torch.compile(function, dynamic=True)
-
-    def call(*args: Any) -> TokenTerms:
-        if _COMPILED.get("failed") is not None:
-            return function(*args)
-        try:  # hyperparameters are constants of the graph (thresholds computed on the host)
-            with torch._dynamo.config.patch(specialize_float=True):
-                return compiled(*args)
-        except Exception as error:  # no compiler: eager once, and say so once
-            result = function(*args)  # an error of the call itself raises here
-            _COMPILED["failed"] = function
-            warnings.warn(
-                f"RLOBJECTIVES_COMPILE=1 but torch.compile failed ({type(error).__name__}: "
-                f"{error}); the policy loss runs eagerly",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-            return result
-
-    return call

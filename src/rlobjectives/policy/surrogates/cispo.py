@@ -20,8 +20,9 @@ from typing import Any, ClassVar
 import torch
 
 from ..._core.decisions import ratio_above, ratio_below
+from ..._core.fields import check_band, check_fields
 from ..._core.reduction import clamp
-from ..._core.validation import Scalar, validate_scalar
+from ..._core.validation import Scalar
 from .base import Bound, PolicyTokens, Surrogate, SurrogateTerms, sampled_log_probs
 
 __all__ = ["CISPO", "cispo_bounds"]
@@ -91,22 +92,11 @@ class CISPO(Surrogate):
                         f"CISPO.{field} does not apply with CISPO.cap (TRL's absolute cap has no "
                         f"band), got cap={self.cap!r} and {field}={value!r}"
                     )
-            cap = validate_scalar(self.cap, "CISPO.cap", minimum=0.0, strict=True)
-            object.__setattr__(self, "cap", cap)
+            check_fields(self, "cap", strict=True)
             object.__setattr__(self, "low", None)
             return
-        low = _DEFAULT_LOW if self.low is _UNSET else self.low
-        if low is None and self.high is not None:
-            raise ValueError(
-                f"CISPO.high requires CISPO.low (low=None disables the band), got low=None and "
-                f"high={self.high!r}"
-            )
-        if low is not None:
-            low = validate_scalar(low, "CISPO.low", minimum=0.0, maximum=1.0)
-        object.__setattr__(self, "low", low)
-        if self.high is not None:
-            high = validate_scalar(self.high, "CISPO.high", minimum=0.0)
-            object.__setattr__(self, "high", high)
+        object.__setattr__(self, "low", _DEFAULT_LOW if self.low is _UNSET else self.low)
+        check_band(self, "disables the band")
 
     def terms(self, tokens: PolicyTokens) -> SurrogateTerms:
         r""":math:`\mathrm{sg}(w) A \ell`, :math:`w` the ratio capped (TRL) or clipped (verl)."""

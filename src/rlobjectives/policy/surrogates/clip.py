@@ -29,7 +29,8 @@ from typing import Any, ClassVar, NamedTuple
 import torch
 
 from ..._core.decisions import lower_threshold, upper_threshold
-from ..._core.validation import Scalar, validate_scalar
+from ..._core.fields import check_band, check_fields
+from ..._core.validation import Scalar
 from .base import Bound, Surrogate, SurrogateTerms
 
 __all__ = ["Clip", "ClipEdges", "clip_edges"]
@@ -95,22 +96,8 @@ class Clip(Surrogate):
     name: ClassVar[str] = "clip"
 
     def __post_init__(self) -> None:
-        if self.low is None and self.high is not None:
-            raise ValueError(
-                f"Clip.high requires Clip.low (low=None disables clipping), got low=None and "
-                f"high={self.high!r}"
-            )
-        if self.low is not None:  # the lower edge 1 - low must stay positive: low in [0, 1)
-            object.__setattr__(
-                self, "low", validate_scalar(self.low, "Clip.low", minimum=0.0, maximum=1.0)
-            )
-        if self.high is not None:
-            object.__setattr__(self, "high", validate_scalar(self.high, "Clip.high", minimum=0.0))
-        for field in ("dual", "delta"):
-            value = getattr(self, field)
-            if value is not None:
-                checked = validate_scalar(value, f"Clip.{field}", minimum=1.0, strict=True)
-                object.__setattr__(self, field, checked)
+        check_band(self)  # the lower edge 1 - low must stay positive: low in [0, 1)
+        check_fields(self, "dual", "delta", minimum=1.0, strict=True)
 
     def surrogate(self, log_ratio: torch.Tensor, advantages: torch.Tensor) -> SurrogateTerms:
         r""":math:`s = A\,\mathrm{clip}(r, L, H)`, clipped where the rule decides.
@@ -177,21 +164,14 @@ def clip_edges(clip: Clip, dtype: torch.dtype) -> ClipEdges:
     Tensor fields (a schedule, a learnable clip range) are thresholded on their device at every
     call; number fields on the host, exactly, once (a constant of a ``torch.compile`` graph).
     """
-    low, high, dual, delta = clip.low, clip.high, clip.dual, clip.delta
-    key = (low, high, dual, delta, dtype)
-    numbers = not (
-        isinstance(low, torch.Tensor)
-        or isinstance(high, torch.Tensor)
-        or isinstance(dual, torch.Tensor)
-        or isinstance(delta, torch.Tensor)
-    )
-    edges = _EDGES.get(key) if numbers else None
+    key = (clip.low, clip.high, clip.dual, clip.delta, dtype)
+    if any(map(torch.is_tensor, key)):
+        return _edges(clip, dtype)
+    edges = _EDGES.get(key)
     if edges is None:
-        edges = _edges(clip, dtype)
-        if numbers:
-            if len(_EDGES) >= 1024:
-                _EDGES.clear()
-            _EDGES[key] = edges
+        if len(_EDGES) >= 1024:
+            _EDGES.clear()
+        edges = _EDGES[key] = _edges(clip, dtype)
     return edges
 
 

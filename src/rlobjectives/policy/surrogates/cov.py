@@ -42,6 +42,7 @@ from typing import ClassVar, NamedTuple
 
 import torch
 
+from ..._core.fields import check_fields, check_order
 from ..._core.selection import (
     centered_covariance,
     check_selection,
@@ -52,7 +53,7 @@ from ..._core.selection import (
     validate_ratio,
     validate_selection,
 )
-from ..._core.validation import Scalar, scalar_number, validate_scalar
+from ..._core.validation import Scalar
 from .base import PolicyTokens, Surrogate, SurrogateTerms
 from .clip import Clip
 
@@ -145,21 +146,9 @@ class ClipCov(Surrogate):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ratio", validate_ratio(self.ratio, "ClipCov.ratio"))
-        low = validate_scalar(self.low, "ClipCov.low", minimum=0.0, maximum=1.0)
-        object.__setattr__(self, "low", low)
-        if self.high is not None:
-            high = validate_scalar(self.high, "ClipCov.high", minimum=0.0)
-            object.__setattr__(self, "high", high)
-        lower = validate_scalar(self.cov_lb, "ClipCov.cov_lb", minimum=None)
-        upper = validate_scalar(self.cov_ub, "ClipCov.cov_ub", minimum=None)
-        low_number, high_number = scalar_number(lower), scalar_number(upper)  # tensors too
-        if low_number is not None and high_number is not None and low_number >= high_number:
-            raise ValueError(
-                f"ClipCov.cov_lb must be < ClipCov.cov_ub, got cov_lb={low_number} and "
-                f"cov_ub={high_number}"
-            )
-        object.__setattr__(self, "cov_lb", lower)
-        object.__setattr__(self, "cov_ub", upper)
+        check_fields(self, "low", maximum=1.0, optional=False)
+        check_fields(self, "high")
+        check_order(self, "cov_lb", "cov_ub")
         if self.generator is not None and not isinstance(self.generator, torch.Generator):
             raise TypeError(
                 f"ClipCov.generator must be None or a torch.Generator, got "
@@ -271,7 +260,7 @@ class KLCov(Surrogate):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "ratio", validate_ratio(self.ratio, "KLCov.ratio"))
-        object.__setattr__(self, "coef", validate_scalar(self.coef, "KLCov.coef", minimum=0.0))
+        check_fields(self, "coef")
         validate_selection(self.selection, "KLCov.selection")
 
     def select(self, inputs: PolicyTokens) -> CovSelection:

@@ -23,7 +23,8 @@ sample outside a recomputed kept set). The decision is :func:`dppo_trust_region`
 selected log-probabilities as given.
 
 Numerics: :math:`1 - p` is :math:`-\mathrm{expm1}(\ell)` (verl's ``1 - exp(l)`` loses every digit
-in float32 for :math:`\ell > -6 \cdot 10^{-8}`, the near-certain tokens; :func:`binary_kl`),
+in float32 for :math:`\ell > -6 \cdot 10^{-8}`, the near-certain tokens;
+:func:`~rlobjectives.kl.estimators.binary_kl`),
 :math:`p^{old} \log(p^{old}/p) = p^{old}(\ell^{old} - \ell)` is 0 at
 :math:`p^{old} = 0` (its limit; verl computes NaN there and masks the token), and the direction
 clause compares :math:`\ell` with :math:`\ell^{old}` (exact).
@@ -47,13 +48,13 @@ from typing import ClassVar
 import torch
 
 from ..._core.decisions import ratio_above
+from ..._core.fields import check_fields
 from ..._core.validation import Scalar, scalar_number, validate_scalar
+from ...kl.estimators import binary_kl_gap
 from .base import PolicyTokens, Surrogate, SurrogateTerms
 
-__all__ = ["BINARY_KL_EPSILON", "DIVERGENCES", "DPPO", "binary_kl", "dppo_trust_region"]
+__all__ = ["DIVERGENCES", "DPPO", "dppo_trust_region"]
 
-#: verl's and SkyRL's epsilon in the binary KL's complement term.
-BINARY_KL_EPSILON = 1e-8
 #: The divergences of DPPO, with the default threshold of each (SkyRL's documented values; the
 #: TV one is prime-rl's ``dppo_mask_low`` / ``dppo_mask_high``).
 DIVERGENCES: dict[str, float] = {"tv": 0.2, "kl": 0.05}
@@ -133,9 +134,7 @@ class DPPO(Surrogate):
         high = low if self.high is None else self._threshold(self.high, "high")
         object.__setattr__(self, "low", low)
         object.__setattr__(self, "high", high)
-        if self.ratio_cap is not None:
-            cap = validate_scalar(self.ratio_cap, "DPPO.ratio_cap", minimum=0.0, strict=True)
-            object.__setattr__(self, "ratio_cap", cap)
+        check_fields(self, "ratio_cap", strict=True)
 
     def _threshold(self, value: Scalar, field: str) -> float | torch.Tensor:
         checked = validate_scalar(value, f"DPPO.{field}", minimum=0.0)
@@ -172,40 +171,6 @@ class DPPO(Surrogate):
         )
 
 
-def binary_kl(log_probs: torch.Tensor, old_log_probs: torch.Tensor) -> torch.Tensor:
-    r"""DPPO's binary KL :math:`D(p^{old} \| p)` with verl's :math:`\varepsilon`, no NaN at 0, 1.
-
-    .. math::
-
-        D = p^{old} (\ell^{old} - \ell) + (1 - p^{old}) \log\frac{1 - p^{old} + \varepsilon}
-            {1 - p + \varepsilon}, \qquad 1 - p = -\mathrm{expm1}(\ell),
-
-    which is :math:`p^{old}\log(p^{old}/p) + (1 - p^{old})\log\frac{1 - p^{old} + \varepsilon}
-    {1 - p + \varepsilon}` with the complements computed without cancellation (verl's
-    ``1 - exp(l)`` is 0 in float32 for :math:`\ell > -6 \cdot 10^{-8}`, which moves
-    :math:`\log(1 - p + \varepsilon)` by up to 2 there). The logarithm of the quotient is exact
-    to an ulp of itself, an absolute error of :math:`10^{-7}` in :math:`D` (float32): harmless
-    against the thresholds. :math:`\ell^{old} - \ell` is raised to the dtype's lowest finite
-    value, so that the first term is 0 (its limit) at :math:`p^{old} = 0` (:math:`\ell^{old} =
-    -\infty`: verl computes NaN there and masks the token).
-    """
-    return _binary_kl(log_probs, old_log_probs, old_log_probs - log_probs)
-
-
-def _binary_kl(
-    log_probs: torch.Tensor, old_log_probs: torch.Tensor, gap: torch.Tensor
-) -> torch.Tensor:
-    r""":func:`binary_kl` given ``gap`` = :math:`\ell^{old} - \ell` (a buffer it spends)."""
-    lowest = torch.finfo(log_probs.dtype).min
-    first = gap.clamp_(min=lowest).mul_(torch.exp(old_log_probs))  # p_old (l_old - l)
-    # p_old - 1 = expm1(l_old) kept negated (a sign flip is exact: eps - expm1(l) is
-    # 1 - p + eps bit for bit), two passes fewer than negating each complement
-    old_shortfall = torch.expm1(old_log_probs)  # p_old - 1
-    complement = torch.rsub(torch.expm1(log_probs), BINARY_KL_EPSILON)  # 1 - p + eps
-    quotient = torch.rsub(old_shortfall, BINARY_KL_EPSILON).div_(complement).log_()
-    return first.addcmul_(old_shortfall, quotient, value=-1.0)  # + (1 - p_old) log(...)
-
-
 def dppo_trust_region(
     log_probs: torch.Tensor,
     old_log_probs: torch.Tensor,
@@ -218,7 +183,8 @@ def dppo_trust_region(
     \delta_{high}` for :math:`A > 0`, :math:`p - p^{old} \ge -\delta_{low}` for :math:`A \le 0`;
     ``"kl"``: :math:`D \le \delta_{high} \lor \ell \le \ell^{old}` for :math:`A > 0`,
     :math:`D \le \delta_{low} \lor \ell \ge \ell^{old}` for :math:`A \le 0`
-    (:func:`binary_kl`). The divergences are evaluated in float64 from the inputs (the
+    (:func:`~rlobjectives.kl.estimators.binary_kl`). The divergences are evaluated in float64
+    from the inputs (the
     computation dtype) and compared with the thresholds rounded to the computation dtype
     (``docs/conventions.md``, "Decisions at a bound": the exact decision outside a window of the
     float64 evaluation's error); a NaN divergence is outside.
@@ -246,7 +212,7 @@ def dppo_trust_region(
     else:
         along = torch.le(log_ratio.sign().to(wide) * sign, 0.0)  # sign Delta <= 0: along A's
         gap = old_log_probs - wide_log_probs  # l_old - l in float64
-        divergence = _binary_kl(wide_log_probs, old_log_probs, gap)
+        divergence = binary_kl_gap(wide_log_probs, old_log_probs, gap)
         kept = torch.le(divergence, threshold, out=divergence)
         kept = torch.maximum(kept, along.to(wide), out=kept)
     return kept > 0.5

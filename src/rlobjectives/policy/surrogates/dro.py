@@ -23,7 +23,8 @@ from typing import ClassVar
 
 import torch
 
-from ..._core.validation import Scalar, validate_scalar
+from ..._core.fields import check_fields
+from ..._core.validation import Scalar
 from .base import PolicyTokens, Surrogate, SurrogateTerms
 
 __all__ = ["DRO"]
@@ -70,8 +71,7 @@ class DRO(Surrogate):
     token_ratio_reason: ClassVar[str] = "has no ratio"
 
     def __post_init__(self) -> None:
-        beta = validate_scalar(self.beta, "DRO.beta", minimum=0.0, strict=True)
-        object.__setattr__(self, "beta", beta)
+        check_fields(self, "beta", strict=True)
 
     def terms(self, tokens: PolicyTokens) -> SurrogateTerms:
         r""":math:`\ell A - \frac{1}{2}\beta\Delta^2` with the raw log-ratio :math:`\Delta`."""

@@ -26,11 +26,11 @@ from typing import ClassVar
 
 import torch
 
-from ..._core.context import carry_from_later_ranks, context_gather
 from ..._core.decisions import ratio_above
-from ..._core.layout import Layout
+from ..._core.fields import check_band, check_fields
 from ..._core.reduction import clamp, masked_fill_zero
-from ..._core.validation import Scalar, scalar_number, validate_bool, validate_scalar
+from ..._core.segments import future_discounted_sums
+from ..._core.validation import Scalar, validate_bool
 from .base import PolicyTokens, Surrogate, SurrogateTerms
 from .clip import Clip
 
@@ -104,37 +104,14 @@ class FIPO(Surrogate):
     token_ratio_reason: ClassVar[str] = "sums the future token log-ratios of each position"
 
     def __post_init__(self) -> None:
-        gamma = validate_scalar(self.gamma, "FIPO.gamma", minimum=0.0)
-        number = scalar_number(gamma)  # a 0-d tensor is held to the same range
-        if number is not None and number > 1.0:
-            raise ValueError(f"FIPO.gamma must be <= 1 (a discount), got {number}")
-        object.__setattr__(self, "gamma", gamma)
-        if self.cap is not None:
-            object.__setattr__(self, "cap", validate_scalar(self.cap, "FIPO.cap", minimum=0.0))
-        if self.low is None and self.high is not None:
-            raise ValueError(
-                f"FIPO.high requires FIPO.low (low=None disables clipping), got low=None and "
-                f"high={self.high!r}"
-            )
-        if self.low is not None:
-            low = validate_scalar(self.low, "FIPO.low", minimum=0.0, maximum=1.0)
-            object.__setattr__(self, "low", low)
-        if self.high is not None:
-            object.__setattr__(self, "high", validate_scalar(self.high, "FIPO.high", minimum=0.0))
-        if self.delta is not None:
-            delta = validate_scalar(self.delta, "FIPO.delta", minimum=1.0, strict=True)
-            object.__setattr__(self, "delta", delta)
+        check_fields(self, "gamma", at_most=1.0, reason=" (a discount)", optional=False)
+        check_fields(self, "cap")
+        check_band(self)
+        check_fields(self, "delta", minimum=1.0, strict=True)
         validate_bool(self.cap_high_only, "FIPO.cap_high_only")
-        if self.safety_threshold is not None:
-            threshold = validate_scalar(
-                self.safety_threshold, "FIPO.safety_threshold", minimum=0.0, strict=True
-            )
-            object.__setattr__(self, "safety_threshold", threshold)
-        clip = Clip.__new__(Clip)  # the fields were validated above, under FIPO's names
-        for field, value in (("low", self.low), ("high", self.high), ("dual", None)):
-            object.__setattr__(clip, field, value)
-        object.__setattr__(clip, "delta", self.delta)
-        object.__setattr__(self, "_clip", clip)
+        check_fields(self, "safety_threshold", strict=True)
+        # the band's clipped surrogate (its fields were checked above, under FIPO's names)
+        object.__setattr__(self, "_clip", Clip(low=self.low, high=self.high, delta=self.delta))
 
     def terms(self, tokens: PolicyTokens) -> SurrogateTerms:
         r""":math:`f_t\, s^{clip}_t` with the influence weight of the future log-ratio."""
@@ -142,7 +119,7 @@ class FIPO(Surrogate):
         clipped: SurrogateTerms = self._clip.surrogate(log_ratio, advantages)  # type: ignore[attr-defined]
         x = log_ratio.detach()
         future = x if self.delta is None else masked_fill_zero(x, ~ratio_above(x, self.delta))
-        total = future_sums(masked_fill_zero(future, mask), tokens.layout, self.gamma)
+        total = future_discounted_sums(masked_fill_zero(future, mask), tokens.layout, self.gamma)
         influence = torch.exp(total)
         if self.cap is not None:
             low = 1.0 if self.cap_high_only else 1.0 - self.cap
@@ -153,67 +130,3 @@ class FIPO(Surrogate):
             influence = torch.where(safety, torch.clamp(influence, *SAFETY_RANGE), influence)
         weight = None if clipped.weight is None else clipped.weight * influence
         return clipped._replace(values=influence * clipped.values, weight=weight, selected=safety)
-
-
-def future_sums(values: torch.Tensor, layout: Layout, gamma: float | torch.Tensor) -> torch.Tensor:
-    r""":math:`\sum_{s \ge t} \gamma^{s - t} v_s` over the later positions of each sequence.
-
-    ``values`` ``(B, T)`` (a row is a sequence) or packed ``(1, N)``, detached, zero where not
-    selected; the scan doubles its reach ``d = 1, 2, 4, ...``: ``F_t += gamma^d F_{t + d}``
-    where ``t + d`` lies in ``t``'s sequence. Under context parallelism the local sums take the
-    carry of the later ranks' chunks (each rank a contiguous chunk, in rank order).
-    """
-    width = values.shape[-1]
-    same = None
-    if layout.sequence_ids is not None:
-        ids = layout.sequence_ids.reshape(1, -1)  # (1, N)
-    total, factor, reach = values, gamma, 1
-    while reach < width:
-        later = total[..., reach:] * factor  # gamma^d F_{t + d}
-        if layout.sequence_ids is not None:
-            same = ids[..., reach:] == ids[..., :-reach]  # t + d in the sequence of t
-            later = torch.where(same, later, 0.0)
-        total = torch.cat([total[..., :-reach] + later, total[..., -reach:]], dim=-1)
-        factor = factor * factor
-        reach *= 2
-    if layout.context is None:
-        return total
-    return total + _carry(total, layout, gamma)
-
-
-def _carry(total: torch.Tensor, layout: Layout, gamma: float | torch.Tensor) -> torch.Tensor:
-    r""":math:`\gamma^{e - t} C` per position: the later ranks' sum :math:`C`, brought back.
-
-    :math:`e` is the end of this rank's chunk of the token's sequence; one all-gather of each
-    rank's ``[F(first position), gamma^length]`` per sequence.
-    """
-    context = layout.context
-    assert context is not None  # internal invariant: called under context parallelism
-    dtype, device = total.dtype, total.device
-    gamma = torch.as_tensor(gamma, dtype=dtype, device=device)
-    width = total.shape[-1]
-    if layout.sequence_ids is None:  # padded: each local row a slice of `width` positions
-        first = total[:, 0] if width else torch.zeros(total.shape[0], dtype=dtype, device=device)
-        lengths = torch.full_like(first, float(width))
-        distance = width - torch.arange(width, device=device).to(dtype)  # (T,)
-    else:
-        ids = layout.sequence_ids
-        ones = torch.ones(1, width, dtype=dtype, device=device)
-        lengths = layout.local_row_sums(ones)  # (S,) this rank's positions per sequence
-        ends = torch.cumsum(lengths, 0)  # one past each sequence's last position here
-        starts = (ends - lengths).to(torch.int64).clamp(max=max(width - 1, 0))
-        padded = torch.cat([total.reshape(-1), total.new_zeros(1)])
-        first = torch.where(lengths > 0, padded[starts], 0.0)
-        positions = torch.arange(width, device=device).to(dtype)
-        distance = (ends[ids] - positions).reshape(1, -1)  # (1, N)
-    states = torch.stack([first, torch.pow(gamma, lengths)], dim=-1)  # (S, 2)
-    with torch.no_grad():
-        gathered = context_gather(context, states)  # (W, S, 2) in rank order
-        start = torch.zeros_like(first).unsqueeze(-1)  # (S, 1): nothing after the last chunk
-        carry = carry_from_later_ranks(
-            gathered, context.rank, start, lambda state, c: state[:, :1] + state[:, 1:] * c
-        )  # (S, 1): the full sum at the first position of the next rank's chunk
-    carry = carry.squeeze(-1)
-    if layout.sequence_ids is None:
-        return torch.pow(gamma, distance) * carry.unsqueeze(-1)  # (B, T)
-    return torch.pow(gamma, distance) * carry[layout.sequence_ids].reshape(1, -1)

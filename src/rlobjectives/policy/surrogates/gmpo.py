@@ -23,8 +23,9 @@ from typing import ClassVar
 
 import torch
 
+from ..._core.fields import check_band
 from ..._core.reduction import clamp, masked_fill_zero
-from ..._core.validation import Scalar, validate_scalar
+from ..._core.validation import Scalar
 from .base import PolicyTokens, Surrogate, SurrogateTerms
 
 __all__ = ["GMPO"]
@@ -71,17 +72,7 @@ class GMPO(Surrogate):
     takes_sequence_ratio: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
-        if self.low is None and self.high is not None:
-            raise ValueError(
-                f"GMPO.high requires GMPO.low (low=None disables clipping), got low=None and "
-                f"high={self.high!r}"
-            )
-        if self.low is not None:
-            object.__setattr__(
-                self, "low", validate_scalar(self.low, "GMPO.low", minimum=0.0, maximum=1.0)
-            )
-        if self.high is not None:
-            object.__setattr__(self, "high", validate_scalar(self.high, "GMPO.high", minimum=0.0))
+        check_band(self)
 
     def terms(self, tokens: PolicyTokens) -> SurrogateTerms:
         r""":math:`\bar A_i \rho_i`, clipped in log space per token (verl ``geo_mean``)."""

@@ -36,8 +36,9 @@ from typing import ClassVar
 
 import torch
 
+from ..._core.fields import check_band, check_fields
 from ..._core.selection import m2po_kept
-from ..._core.validation import Scalar, validate_scalar
+from ..._core.validation import Scalar
 from .base import PolicyTokens, Surrogate, SurrogateTerms
 from .clip import Clip
 
@@ -97,18 +98,8 @@ class M2PO(Surrogate):
     token_ratio_reason: ClassVar[str] = "selects tokens of the whole call"
 
     def __post_init__(self) -> None:
-        threshold = validate_scalar(self.threshold, "M2PO.threshold", minimum=0.0, strict=True)
-        object.__setattr__(self, "threshold", threshold)
-        if self.low is None and self.high is not None:
-            raise ValueError(
-                f"M2PO.high requires M2PO.low (low=None is the unclipped r A), got low=None and "
-                f"high={self.high!r}"
-            )
-        if self.low is not None:
-            low = validate_scalar(self.low, "M2PO.low", minimum=0.0, maximum=1.0)
-            object.__setattr__(self, "low", low)
-        if self.high is not None:
-            object.__setattr__(self, "high", validate_scalar(self.high, "M2PO.high", minimum=0.0))
+        check_fields(self, "threshold", strict=True)
+        check_band(self, "is the unclipped r A")
 
     def selects_from_call(self) -> bool:
         """M2PO's mask is a selection of the whole call (see the base class)."""

@@ -22,7 +22,8 @@ from typing import ClassVar
 
 import torch
 
-from ..._core.validation import Scalar, scalar_number, validate_scalar
+from ..._core.fields import check_fields
+from ..._core.validation import Scalar
 from .base import PolicyTokens, Surrogate, SurrogateTerms
 
 __all__ = ["ProbabilityBand"]
@@ -77,13 +78,8 @@ class ProbabilityBand(Surrogate):
     token_ratio_reason: ClassVar[str] = "decides its band per token"
 
     def __post_init__(self) -> None:
-        tau = validate_scalar(self.tau, "ProbabilityBand.tau", minimum=0.0)
-        number = scalar_number(tau)  # a 0-d tensor is held to the same range
-        if number is not None and number > 1.0:
-            raise ValueError(f"ProbabilityBand.tau must be <= 1 (|p - p_old| <= 1), got {number}")
-        object.__setattr__(self, "tau", tau)
-        kappa = validate_scalar(self.kappa, "ProbabilityBand.kappa", minimum=0.0)
-        object.__setattr__(self, "kappa", kappa)
+        check_fields(self, "tau", at_most=1.0, reason=" (|p - p_old| <= 1)")
+        check_fields(self, "kappa")
 
     def terms(self, tokens: PolicyTokens) -> SurrogateTerms:
         r""":math:`\mathbb{1}[|p - p^{old}| \le \tau]\, rA - \kappa x^2`."""

@@ -27,7 +27,9 @@ from typing import ClassVar
 import torch
 
 from ..._core.context import context_sum
-from ..._core.validation import Scalar, validate_scalar
+from ..._core.fields import check_fields
+from ..._core.groups import segment_log1p_sum_exp
+from ..._core.validation import Scalar
 from .base import PolicyTokens, Surrogate, SurrogateTerms
 
 __all__ = ["REAL"]
@@ -80,8 +82,7 @@ class REAL(Surrogate):
     token_ratio_reason: ClassVar[str] = "scores each response by its mean token log-ratio"
 
     def __post_init__(self) -> None:
-        tau = validate_scalar(self.tau, "REAL.tau", minimum=0.0, strict=True)
-        object.__setattr__(self, "tau", tau)
+        check_fields(self, "tau", strict=True)
 
     def terms(self, tokens: PolicyTokens) -> SurrogateTerms:
         r""":math:`-L_g` at every selected token of group :math:`g`."""
@@ -105,15 +106,10 @@ class REAL(Surrogate):
         positive = advantage_sums > 0  # the sign of the mean advantage (0: negative)
         logits = torch.where(positive, -scores, scores) / self.tau  # (S,)
         slot = groups * 2 + positive.to(groups.dtype)  # (S,): the group's negative / positive set
-        slots = 2 * groups.shape[0]
-        zero = torch.zeros(slots, dtype=logits.dtype, device=logits.device)
-        lowest = torch.full_like(logits, -torch.inf)
-        members = torch.where(present, logits.detach(), lowest)
-        top = zero.scatter_reduce(0, slot, members, "amax")  # max(0, logits): the 1 included
-        shifted = torch.where(present, torch.exp(logits - top[slot]), 0.0)
-        total = torch.exp(-top).index_add(0, slot, shifted)  # e^{-m} + sum e^{z - m}
-        both = zero.index_add(0, slot, present.to(zero.dtype)).reshape(-1, 2).gt(0).all(-1)
-        per_group = (torch.log(total) + top).reshape(-1, 2).sum(-1)  # (S,) per group id
+        per_slot = segment_log1p_sum_exp(logits, present, slot, 2 * groups.shape[0])
+        members = torch.zeros_like(per_slot).index_add(0, slot, present.to(per_slot.dtype))
+        both = members.reshape(-1, 2).gt(0).all(-1)  # (S,) per group id: both signs present
+        per_group = per_slot.reshape(-1, 2).sum(-1)  # (S,) per group id
         loss = torch.where(both, per_group, 0.0)[groups]  # (S,) each response's group's L_g
         ratio = torch.exp(scores.detach())  # the sequence ratio e^{S_i}
         return SurrogateTerms(

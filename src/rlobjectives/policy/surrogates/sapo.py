@@ -24,7 +24,8 @@ from typing import ClassVar
 import torch
 
 from ..._core.decisions import deviation_ratios, lower_threshold, upper_threshold
-from ..._core.validation import Scalar, validate_scalar
+from ..._core.fields import check_fields
+from ..._core.validation import Scalar
 from .base import Bound, Surrogate, SurrogateTerms, by_sign
 
 __all__ = ["SAPO", "SAPO_HALF_PEAK", "soft_clip_ratios", "soft_clip_thresholds"]
@@ -71,9 +72,7 @@ class SAPO(Surrogate):
     name: ClassVar[str] = "sapo"
 
     def __post_init__(self) -> None:
-        for field in ("temperature_pos", "temperature_neg"):
-            value = validate_scalar(getattr(self, field), f"SAPO.{field}", minimum=0.0, strict=True)
-            object.__setattr__(self, field, value)
+        check_fields(self, "temperature_pos", "temperature_neg", strict=True)
 
     def surrogate(self, log_ratio: torch.Tensor, advantages: torch.Tensor) -> SurrogateTerms:
         r""":math:`\frac{4}{\tau}\sigma(\tau(r - 1)) A`, :math:`\tau_\pm` by the sign of A."""

@@ -22,8 +22,9 @@ from typing import ClassVar
 import torch
 
 from ..._core.decisions import ratio_above
+from ..._core.fields import check_fields
 from ..._core.layout import per_sequence
-from ..._core.validation import ArrayLike, Scalar, as_float_tensor, validate_scalar
+from ..._core.validation import ArrayLike, Scalar, as_float_tensor
 from .base import PolicyTokens, Surrogate, SurrogateTerms, sampled_log_probs
 
 __all__ = ["TOPR"]
@@ -86,9 +87,7 @@ class TOPR(Surrogate):
                 f"shape {tuple(rewards.shape)}"
             )
         object.__setattr__(self, "rewards", rewards)
-        for name in ("positive_weight", "negative_weight"):
-            value = validate_scalar(getattr(self, name), f"TOPR.{name}", minimum=0.0)
-            object.__setattr__(self, name, value)
+        check_fields(self, "positive_weight", "negative_weight")
 
     def terms(self, tokens: PolicyTokens) -> SurrogateTerms:
         r""":math:`w A \ell` with :math:`w` chosen by the sign of the response's reward."""

@@ -23,8 +23,9 @@ from typing import ClassVar
 
 import torch
 
+from ..._core.fields import check_fields
 from ..._core.reduction import clamp, masked_fill_zero
-from ..._core.validation import Scalar, validate_scalar
+from ..._core.validation import Scalar
 from .base import PolicyTokens, Surrogate, SurrogateTerms, by_sign, sampled_log_probs
 
 __all__ = ["VESPO", "VESPO_LOG_WEIGHT_RANGE"]
@@ -80,14 +81,8 @@ class VESPO(Surrogate):
     folds_importance_weights: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
-        for field in ("k_pos", "k_neg"):
-            value = validate_scalar(getattr(self, field), f"VESPO.{field}", minimum=0.0)
-            object.__setattr__(self, field, value)
-        for field in ("lambda_pos", "lambda_neg"):
-            value = validate_scalar(
-                getattr(self, field), f"VESPO.{field}", minimum=0.0, strict=True
-            )
-            object.__setattr__(self, field, value)
+        check_fields(self, "k_pos", "k_neg")
+        check_fields(self, "lambda_pos", "lambda_neg", strict=True)
 
     def terms(self, tokens: PolicyTokens) -> SurrogateTerms:
         r""":math:`\mathrm{sg}(\phi(W_i)) A \ell` with the gamma weight of :math:`W_i`."""
