@@ -49,11 +49,13 @@ from .kl.rewards import kl_penalized_token_rewards
 from .logprobs.alignment import (
     ResponseAlignment,
     ResponseLogProbs,
+    ResponseStatistics,
     response_alignment,
     response_log_probs,
 )
 from .logprobs.hidden import TokenLogProbsOutput, token_log_probs_from_hidden
 from .logprobs.logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, token_log_probs
+from .logprobs.statistics import LogProbStatistics
 from .logprobs.vocab_parallel import VocabParallel
 from .policy.entropy import top_entropy_mask
 from .policy.from_hidden import FusedPolicyLossOutput, fused_policy_loss_from_hidden
@@ -98,6 +100,7 @@ __all__ = [
     "ClipCov",
     "CovSelection",
     "KLCov",
+    "LogProbStatistics",
     "BiasedGradientWarning",
     "FixedKLController",
     "FusedPolicyLossOutput",
@@ -109,6 +112,7 @@ __all__ = [
     "Reduction",
     "ResponseAlignment",
     "ResponseLogProbs",
+    "ResponseStatistics",
     "RolloutCorrection",
     "RolloutCorrectionMetrics",
     "SurrogateObjective",

@@ -1,14 +1,25 @@
-"""The LM head of the hidden-state functions: validated arguments, chunk size and chunk buffers.
+r"""The LM head of the hidden-state functions: validated arguments, chunk size and chunk buffers.
 
 :func:`prepare_head` validates ``hidden`` ``(B, T, H)`` (packed: ``(N, H)``), ``weight``
 ``(V, H)``, ``bias``, the token ids, the temperature and the chunk size once, into a
 :class:`Head` of flat tensors. The ``(N, V)`` logits ``hidden @ weight.T + bias`` are never formed
 whole: every pass (:mod:`rlobjectives.logprobs.passes`, :mod:`rlobjectives.logprobs.fused_linear`)
 works chunk by chunk in one :class:`ChunkBuffers` (one ``(chunk, V)`` block in the computation
-dtype, plus one in the weight's dtype for bf16/fp16 heads and a few rows of scratch for the
+dtype, plus one in the weight's dtype for a bf16/fp16 head whose product is rounded to it
+(``fp32_head=False``), one for the softcap's derivative and a few rows of scratch for the
 entropy), sized by :data:`HEAD_BUDGET` unless ``chunk_size`` is given, with the per-chunk
 helpers they share (:func:`chunk_scores`, :func:`softmax_`, :func:`select_rows`, the gradient
 accumulators :class:`Grads`).
+
+**The product's precision.** From bf16/fp16 hidden states and weight the product
+:math:`h W^\top + b` is formed with float32 accumulation and a float32 result by default
+(``fp32_head=True``; TRL's ``cast_lm_head_to_fp32=True``, prime-rl's
+``enable_fp32_lm_head``): on CUDA by ``torch.mm(..., out_dtype=torch.float32)``, on other
+devices in float32 arithmetic (the weight widened one vocabulary slice at a time, a few MiB).
+``fp32_head=False`` rounds the product to the input dtype before the float32 softmax, as
+``hidden @ weight.T`` does (TRL's default forward, vLLM's bf16 logits). The gradient products
+accumulate in float32 either way; with ``fp32_head=True`` off CUDA they also read the float32
+logits' gradient unrounded.
 """
 
 from __future__ import annotations
@@ -27,13 +38,14 @@ from .._core.layout import token_matrix
 from .._core.reduction import masked_fill_zero
 from .._core.validation import (
     ArrayLike,
+    as_mask,
     as_token_ids,
     check_same_device,
     check_shape,
     compute_dtype,
     describe,
-    validate_scalar,
 )
+from .transform import LogitTransform, apply_transform_, softcap_derivative, validate_transform
 from .truncation import KeptOptions, KeptSet, Restriction, restriction_of
 from .vocab_parallel import Shard
 
@@ -42,6 +54,7 @@ __all__ = [
     "Grads",
     "HEAD_BUDGET",
     "Head",
+    "HeadOptions",
     "SCRATCH_ELEMENTS",
     "accumulate_grads",
     "chunk_row_bytes",
@@ -75,7 +88,8 @@ def chunk_row_bytes(vocab_size: int, dtype: torch.dtype) -> int:
     """Bytes of one row of a chunk's buffers (:class:`ChunkBuffers`) for a head of ``dtype``.
 
     ``V`` scores in the computation dtype (float64 for a float64 head, float32 else), plus ``V``
-    values in ``dtype`` for a low-precision head (its product and its gradient's cast).
+    values in ``dtype`` for a low-precision head (its rounded product and its gradient's cast
+    with ``fp32_head=False``; the bound the default chunk size is computed with).
     """
     if dtype == torch.float64:
         return 8 * vocab_size
@@ -103,18 +117,34 @@ class Head(NamedTuple):
 
     Under vocabulary parallelism ``weight`` and ``bias`` are this rank's rows (``shard``) and
     ``tokens`` stay global; ``kept`` is the sampler's kept set
-    (:mod:`rlobjectives.logprobs.truncation`).
+    (:mod:`rlobjectives.logprobs.truncation`); ``transform`` the logit transform (scale,
+    softcap, temperature: :mod:`rlobjectives.logprobs.transform`, a per-token temperature as
+    ``(N,)`` rows); ``fp32`` whether a bf16/fp16 product is formed in float32.
     """
 
     hidden: torch.Tensor  # (N, H), original dtype
     weight: torch.Tensor  # (V, H), same dtype as hidden
     bias: torch.Tensor | None  # (V,)
     tokens: torch.Tensor  # (N,) int64
-    inv_temperature: float
+    transform: LogitTransform
     chunk_size: int
     dtype: torch.dtype  # computation dtype of the log-softmax (float32 or float64)
     shard: Shard | None = None
     kept: KeptSet | None = None
+    fp32: bool = True
+
+    @property
+    def rounds_product(self) -> bool:
+        """Whether the product is formed in the weight's (low-precision) dtype."""
+        return self.weight.dtype in _LOW_PRECISION and not self.fp32
+
+
+class HeadOptions(NamedTuple):
+    """The head's transform arguments as the public functions take them."""
+
+    final_logit_softcapping: object = None
+    logit_scale: object = 1.0
+    fp32_head: object = True
 
 
 class ChunkBuffers(NamedTuple):
@@ -126,55 +156,122 @@ class ChunkBuffers(NamedTuple):
     """
 
     scores: torch.Tensor  # (chunk, V) computation dtype: logits, then their gradient
-    # (chunk, V) in the weight's dtype where it is not the computation dtype (bf16/fp16 heads, or
-    # a float32 head in a float64 loss): the product, then the gradient's cast
+    # (chunk, V) in the weight's dtype where the product is formed in it (fp32_head=False with a
+    # bf16/fp16 head, or a float32 head in a float64 loss): the product, then the gradient's cast
     product: torch.Tensor | None
     scratch: torch.Tensor | None  # (c, V) computation dtype: a few rows of probabilities (entropy)
+    derivative: torch.Tensor | None = None  # (chunk, V) the softcap's 1 - t^2
+
+
+def _casts(head: Head) -> bool:
+    """Whether the product is formed in the weight's dtype and then widened (a cast buffer)."""
+    return head.weight.dtype != head.dtype and (
+        head.rounds_product or head.weight.dtype not in _LOW_PRECISION
+    )
 
 
 def new_buffers(head: Head, *, with_entropy: bool, rows: int | None = None) -> ChunkBuffers:
-    """The buffers of a pass over ``head`` (:func:`chunk_row_bytes` bytes per chunk row).
+    """The buffers of a pass over ``head``.
 
-    ``rows``: rows per buffer; by default the chunk size (at most N).
+    At most :func:`chunk_row_bytes` bytes per row, and one ``(chunk, V)`` block more with a
+    softcap. ``rows``: rows per buffer; by default the chunk size (at most N).
     """
     if rows is None:
         rows = min(head.chunk_size, head.hidden.shape[0])
     vocab, weight, dtype = head.weight.shape[0], head.weight, head.dtype
-    cast = weight.dtype != dtype
     scratch = min(rows, scratch_rows(vocab))
+    softcap = head.transform.softcap is not None
     return ChunkBuffers(
         scores=torch.empty(rows, vocab, dtype=dtype, device=weight.device),
         product=torch.empty(rows, vocab, dtype=weight.dtype, device=weight.device)
-        if cast
+        if _casts(head)
         else None,
         scratch=torch.empty(scratch, vocab, dtype=dtype, device=weight.device)
         if with_entropy
         else None,
+        derivative=torch.empty(rows, vocab, dtype=dtype, device=weight.device) if softcap else None,
     )
 
 
-def chunk_scores(
-    hidden_chunk: torch.Tensor, head: Head, buffers: ChunkBuffers | None = None
-) -> torch.Tensor:
-    """Temperature-scaled logits ``(h W^T + b) / tau`` of one chunk, ``(n, V)`` in ``head.dtype``.
+#: Elements of the float32 slice of a bf16/fp16 weight widened at a time off CUDA (4 MiB).
+WIDEN_ELEMENTS = 1 << 20
 
-    The product runs in the weight's dtype (as ``hidden @ weight.T`` would); low-precision logits
-    are then widened for the softmax. The result is the first ``n`` rows of ``buffers.scores``
-    (a fresh tensor without ``buffers``), which the caller may overwrite.
+
+def _widened_rows(width: int) -> int:
+    return max(1, WIDEN_ELEMENTS // max(width, 1))
+
+
+def wide_product(
+    left: torch.Tensor, right: torch.Tensor, out: torch.Tensor, *, transpose: bool
+) -> torch.Tensor:
+    """``out = left @ right.T`` (``transpose``) or ``left @ right`` with a float32 ``out``.
+
+    ``right`` is a bf16/fp16 matrix; ``left`` float32 or ``right``'s dtype. On CUDA (16-bit
+    ``left``): one ``torch.mm(..., out_dtype=torch.float32)`` (float32 accumulation in the
+    tensor cores, no rounding of the result). Elsewhere ``right`` is widened to float32 a slice
+    of its rows at a time and the products run in float32 arithmetic.
     """
-    rows = hidden_chunk.shape[0]
+    if out.device.type == "cuda" and left.dtype == right.dtype:
+        operand = right.T if transpose else right
+        return torch.mm(left, operand, out_dtype=torch.float32, out=out)
+    left_wide = left if left.dtype == out.dtype else left.to(out.dtype)
+    step = _widened_rows(right.shape[1])
+    if transpose:  # out (n, V): slices of V
+        for start in range(0, right.shape[0], step):
+            part = right[start : start + step].to(out.dtype)  # (s, H)
+            torch.mm(left_wide, part.T, out=out[:, start : start + step])
+        return out
+    # out (n, H) = left (n, V) @ right (V, H): sum over slices of V
+    for index, start in enumerate(range(0, right.shape[0], step)):
+        part = right[start : start + step].to(out.dtype)  # (s, H)
+        piece = left_wide[:, start : start + step]
+        if index == 0:
+            torch.mm(piece, part, out=out)
+        else:
+            out.addmm_(piece, part)
+    return out
+
+
+def chunk_scores(
+    hidden_chunk: torch.Tensor,
+    head: Head,
+    buffers: ChunkBuffers | None = None,
+    rows: object = None,
+) -> torch.Tensor:
+    r"""The transformed logits :math:`x = \mathrm{cap}_c(s(h W^\top + b))/\tau` of one chunk.
+
+    ``(n, V)`` in ``head.dtype``; ``rows`` is the chunk's block (for a per-token temperature).
+    The product is formed in float32 from a bf16/fp16 head by default (module docstring), in
+    the weight's dtype with ``fp32_head=False`` (then widened for the softmax). With a softcap
+    :math:`1 - t^2` goes into ``buffers.derivative``. The result is the first ``n`` rows of
+    ``buffers.scores`` (a fresh tensor without ``buffers``), which the caller may overwrite.
+    """
+    count = hidden_chunk.shape[0]
     if buffers is None:
-        buffers = new_buffers(head, with_entropy=False, rows=rows)
-    scores = buffers.scores[:rows]  # (n, V)
-    product = scores if buffers.product is None else buffers.product[:rows]  # (n, V), weight dtype
-    if head.bias is None:
-        torch.mm(hidden_chunk, head.weight.T, out=product)
-    else:
-        torch.addmm(head.bias, hidden_chunk, head.weight.T, out=product)
-    if buffers.product is not None:
+        buffers = new_buffers(head, with_entropy=False, rows=count)
+    scores = buffers.scores[:count]  # (n, V)
+    weight = head.weight
+    if buffers.product is not None:  # the product in the weight's dtype, then widened
+        product = buffers.product[:count]
+        if head.bias is None:
+            torch.mm(hidden_chunk, weight.T, out=product)
+        else:
+            torch.addmm(head.bias, hidden_chunk, weight.T, out=product)
         scores.copy_(product)
-    if head.inv_temperature != 1.0:
-        scores.mul_(head.inv_temperature)
+    elif weight.dtype != scores.dtype:  # a bf16/fp16 head, float32 accumulation and result
+        wide_product(hidden_chunk, weight, scores, transpose=True)
+        if head.bias is not None:
+            scores.add_(head.bias)
+    elif head.bias is None:
+        torch.mm(hidden_chunk, weight.T, out=scores)
+    else:
+        torch.addmm(head.bias, hidden_chunk, weight.T, out=scores)
+    if rows is None:
+        rows = slice(0, count)
+    if not head.transform.plain:
+        apply_transform_(scores, head.transform, rows)
+    if buffers.derivative is not None:
+        softcap_derivative(scores, head.transform, rows, buffers.derivative)
     return scores
 
 
@@ -239,16 +336,29 @@ def accumulate_grads(
     """Write one chunk's ``grad_hidden`` rows (at ``block``); add its ``grad_weight``/``grad_bias``.
 
     ``grad_scores`` is the gradient with respect to the chunk's logits, ``(n, V)`` in the
-    computation dtype. A weight in another dtype gets the ``grad_hidden`` product in its dtype
-    (as autograd casts the gradient of ``(hidden @ weight.T).float()``, through
-    ``buffers.product``); ``grad_weight`` accumulates over chunks in float32 (float64) (casting
-    a low-precision product afterwards would not help: Liger-Kernel #1432).
+    computation dtype. With ``fp32_head=False`` a weight in another dtype gets the
+    ``grad_hidden`` product in its dtype (as autograd casts the gradient of ``(hidden @
+    weight.T).float()``, through ``buffers.product``); with ``fp32_head=True`` (a bf16/fp16
+    head) the product accumulates in float32 (:func:`wide_product`) and is rounded once.
+    ``grad_weight`` accumulates over chunks in float32 (float64) (casting a low-precision
+    product afterwards would not help: Liger-Kernel #1432).
     """
     weight = head.weight
     if grads.hidden is not None:
         if buffers.product is not None:
             grad_cast = buffers.product[: grad_scores.shape[0]].copy_(grad_scores)  # (n, V)
             torch.mm(grad_cast, weight, out=grads.hidden[block])  # (n, H)
+        elif weight.dtype != grad_scores.dtype:  # float32 accumulation, one rounding
+            if grad_scores.device.type == "cuda":  # the tensor cores read the 16-bit gradient
+                left = grad_scores.to(weight.dtype)
+            else:
+                left = grad_scores
+            wide = torch.empty(
+                grad_scores.shape[0], weight.shape[1], dtype=grad_scores.dtype,
+                device=grad_scores.device,
+            )  # fmt: skip
+            wide_product(left, weight, wide, transpose=False)
+            grads.hidden[block] = wide
         else:
             torch.mm(grad_scores, weight, out=grads.hidden[block])  # (n, H)
     if grads.weight is not None:  # grad_scores has the accumulator's dtype
@@ -326,9 +436,10 @@ def _restriction(
     """The vocabulary slice and kept set; None for a plain call (nothing else runs then)."""
     if options is None:
         return None
-    vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p = options
+    vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p = options[:6]
+    min_p = options[6] if len(options) > 6 else None  # type: ignore[misc]
     plain = vocab_group is None and kept_ids is None and kept_mask is None
-    if plain and top_k is None and top_p is None and type(kept_pad) is int:
+    if plain and top_k is None and top_p is None and min_p is None and type(kept_pad) is int:
         return None
     return restriction_of(
         options,
@@ -345,17 +456,23 @@ def prepare_head(
     weight: object,
     tokens: ArrayLike,
     bias: object,
-    temperature: float,
+    temperature: object,
     chunk_size: int | None,
     *,
     packed: bool = False,
     options: KeptOptions | None = None,
+    head_options: HeadOptions | None = None,
+    mask: ArrayLike | None = None,
 ) -> tuple[Head, tuple[int, int]]:
     """Validate the hidden states, LM head and token ids; flatten to ``(N, H)`` / ``(N,)``.
 
     ``packed``: hidden ``(N, H)`` / ``(1, N, H)`` and tokens ``(N,)`` / ``(1, N)``, whose
     ``batch_shape`` is ``(1, N)``. ``options``: ``(vocab_group, kept_ids, kept_pad, kept_mask,
-    top_k, top_p)`` (:class:`~rlobjectives.logprobs.truncation.KeptOptions`).
+    top_k, top_p, min_p)`` (:class:`~rlobjectives.logprobs.truncation.KeptOptions`).
+    ``head_options``: ``(final_logit_softcapping, logit_scale, fp32_head)``. ``temperature``:
+    a number or a per-token tensor (``(B, T)``; packed ``(N,)``); ``mask``: the selected
+    tokens (a per-token temperature is 1 elsewhere; the mask itself is validated by the caller,
+    so a wrong one is ignored here).
     """
     hidden_t = _hidden_matrix(_check_floating(hidden, "hidden"), packed)
     if hidden_t.shape[2] < 1:
@@ -372,7 +489,20 @@ def prepare_head(
     check_same_device(tensors if bias_t is None else {**tensors, "bias": bias_t})
     batch_shape = (hidden_t.shape[0], hidden_t.shape[1])
     check_shape(tokens_t, "tokens", batch_shape, "hidden[..., 0]")
-    tau = validate_scalar(temperature, "temperature", minimum=0.0, strict=True, allow_tensor=False)
+    head_options = head_options or HeadOptions()
+    fp32 = head_options.fp32_head
+    if not isinstance(fp32, bool):
+        raise TypeError(f"fp32_head must be a bool, got {describe(fp32)}")
+    transform = validate_transform(
+        temperature,
+        head_options.final_logit_softcapping,
+        head_options.logit_scale,
+        shape=batch_shape,
+        device=hidden_t.device,
+        dtype=compute_dtype(hidden_t),
+        active=_temperature_rows(mask, batch_shape, hidden_t.device, packed),
+        packed=packed,
+    )
     restriction = _restriction(options, batch_shape, weight_t, packed)
     shard = None if restriction is None else restriction.shard
     kept = None if restriction is None else restriction.kept
@@ -388,10 +518,28 @@ def prepare_head(
         weight=weight_t,
         bias=bias_t,
         tokens=tokens_t.reshape(-1).long(),
-        inv_temperature=1.0 / float(tau),
+        transform=transform.flat(),
         chunk_size=rows,
         dtype=compute_dtype(hidden_t),
         shard=shard,
         kept=kept,
+        fp32=fp32,
     )
     return head, batch_shape
+
+
+def _temperature_rows(
+    mask: ArrayLike | None, batch_shape: tuple[int, int], device: torch.device, packed: bool
+) -> torch.Tensor | None:
+    """The selected tokens as a ``batch_shape`` bool, or None.
+
+    A mask of another shape or device is left to the caller's validation (None here).
+    """
+    if mask is None:
+        return None
+    mask_t = as_mask(mask, "mask", device)
+    if mask_t.device != device or mask_t.numel() != batch_shape[0] * batch_shape[1]:
+        return None
+    if not packed and tuple(mask_t.shape) != batch_shape:
+        return None
+    return mask_t.reshape(batch_shape)

@@ -33,8 +33,9 @@ from .._core.reduction import (
 from .._core.validation import ArrayLike, Scalar, checks_environment, compute_dtype
 from ..kl.estimators import Estimator, kl_gradient, warn_biased_kl_loss
 from ..logprobs.fused_linear import FusedLinearLoss, FusedTerms
-from ..logprobs.head import Head, prepare_head
+from ..logprobs.head import Head, HeadOptions, prepare_head
 from ..logprobs.passes import LogProbsFromHidden
+from ..logprobs.transform import Temperature
 from ..logprobs.triton_head import triton_log_probs
 from ..logprobs.vocab_parallel import VocabGroup, reduce_hidden_gradient
 from .composition import (
@@ -71,7 +72,7 @@ def fused_policy_loss_from_hidden(
     mask: ArrayLike,
     *,
     bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     chunk_size: int | None = None,
     surrogate: Surrogate = "clip",
     ratio_level: RatioLevel = "token",
@@ -94,6 +95,10 @@ def fused_policy_loss_from_hidden(
     kept_mask: ArrayLike | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    fp32_head: bool = True,
 ) -> FusedPolicyLossOutput:
     r"""Policy loss (+ optional KL penalty and entropy bonus) from hidden states, chunk by chunk.
 
@@ -168,7 +173,7 @@ def fused_policy_loss_from_hidden(
         mask: ``(B, T)`` bool/numeric; nonzero selects the token. Unselected rows of ``hidden``
             and ids of ``tokens`` never reach an output or a gradient (NaN-safe).
         bias: optional ``(V,)`` LM-head bias.
-        temperature: :math:`\tau > 0`.
+        temperature: :math:`\tau > 0`, or a per-token tensor ``(B, T)`` (packed ``(N,)``).
         chunk_size: rows per chunk; None uses :func:`default_chunk_size`.
         surrogate: as :func:`policy_loss`: a surrogate object (:class:`~rlobjectives.Clip`,
             :class:`~rlobjectives.CISPO`, :class:`~rlobjectives.SAPO`,
@@ -202,6 +207,10 @@ def fused_policy_loss_from_hidden(
         kept_mask: as :func:`token_log_probs_from_hidden`.
         top_k: as :func:`token_log_probs_from_hidden`.
         top_p: as :func:`token_log_probs_from_hidden`.
+        min_p: as :func:`token_log_probs_from_hidden`.
+        final_logit_softcapping: as :func:`token_log_probs_from_hidden`.
+        logit_scale: as :func:`token_log_probs_from_hidden`.
+        fp32_head: as :func:`token_log_probs_from_hidden`.
 
     Returns:
         :class:`FusedPolicyLossOutput` ``(loss, policy_loss, kl_loss, log_probs, diagnostics,
@@ -244,10 +253,12 @@ def fused_policy_loss_from_hidden(
        :func:`policy_loss` (``clip_low=a`` is ``surrogate=Clip(low=a)``).
     """
     packed = cu_seqlens is not None
-    kept_options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p)
+    kept_options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p, min_p)
+    head_options = HeadOptions(final_logit_softcapping, logit_scale, fp32_head)
     head, batch_shape = prepare_head(
-        hidden, weight, tokens, bias, temperature, chunk_size, packed=packed, options=kept_options
-    )
+        hidden, weight, tokens, bias, temperature, chunk_size, packed=packed, options=kept_options,
+        head_options=head_options, mask=mask,
+    )  # fmt: skip
     check_old_log_probs(old_log_probs, head, batch_shape, packed)
     options = validate_surrogate_options(
         surrogate=surrogate, ratio_level=ratio_level, log_ratio_bound=log_ratio_bound
