@@ -14,6 +14,7 @@ from .advantages.gae import GAEOutput, gae, reinforce_plus_plus_advantages
 from .advantages.gdpo import gdpo_advantages
 from .advantages.length import length_adaptive_lambda, overlong_penalty
 from .advantages.maxrl import maxrl_advantages
+from .advantages.otb import OptimalTokenBaselineOutput, optimal_token_baseline_advantages
 from .advantages.outcome import (
     group_relative_advantages,
     opo_advantages,
@@ -101,6 +102,7 @@ __all__ = [
     "CovSelection",
     "KLCov",
     "LogProbStatistics",
+    "OptimalTokenBaselineOutput",
     "BiasedGradientWarning",
     "FixedKLController",
     "FusedPolicyLossOutput",
@@ -153,6 +155,7 @@ __all__ = [
     "normalizer_for_reduction",
     "off_policy_sequence_mask",
     "opo_advantages",
+    "optimal_token_baseline_advantages",
     "overlong_penalty",
     "passk_advantages",
     "pack",

@@ -16,7 +16,9 @@ equals the peer's loss, value and gradient, for the same tensors, with the peer'
   :mod:`rlobjectives.integrations.openrlhf` installs it in the actor).
 - :func:`trl_grpo_advantages`: TRL's advantages with ``multi_objective_aggregation``
   (``sum_then_normalize``, ``normalize_then_sum``) and ``scale_rewards``;
-  :func:`verl_gdpo_advantages`: verl's ``adv_estimator="gdpo"``.
+  :func:`verl_gdpo_advantages`: verl's ``adv_estimator="gdpo"``;
+  :func:`verl_optimal_token_baseline_advantages`: verl's ``"optimal_token_baseline"`` and
+  ``"tir_optimal_token_baseline"``.
 - :func:`verl_distillation_loss`: verl's distillation losses (``forward_kl_topk``, the
   estimators, ``use_policy_gradient``, the clamps); :func:`trl_generalized_jsd_loss` (TRL GKD /
   GOLD) and :func:`trl_server_forward_kl_loss` (TRL server distillation, ``loss_add_tail``).
@@ -26,7 +28,12 @@ the public API; see ``docs/objectives/drop-in.md`` for what is covered and the p
 left out.
 """
 
-from ._advantages import VerlAdvantageOutput, trl_grpo_advantages, verl_gdpo_advantages
+from ._advantages import (
+    VerlAdvantageOutput,
+    trl_grpo_advantages,
+    verl_gdpo_advantages,
+    verl_optimal_token_baseline_advantages,
+)
 from ._distillation import (
     VerlDistillationLoss,
     trl_generalized_jsd_loss,
@@ -53,5 +60,6 @@ __all__ = [
     "trl_server_forward_kl_loss",
     "verl_distillation_loss",
     "verl_gdpo_advantages",
+    "verl_optimal_token_baseline_advantages",
     "verl_policy_loss",
 ]
