@@ -25,6 +25,7 @@ POSITIONAL_GROUPING = {
     ("opo_advantages", "group_size"),
     ("gdpo_advantages", "group_size"),
     ("maxrl_advantages", "group_size"),
+    ("optimal_token_baseline_advantages", "group_size"),
 }
 
 

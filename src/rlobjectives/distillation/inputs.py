@@ -31,8 +31,7 @@ from .._core.validation import (
     check_same_device,
     check_shape,
 )
-from ..logprobs.head import Head, HeadOptions, prepare_head
-from ..logprobs.transform import validate_transform
+from ..logprobs.head import Head, HeadOptions, prepare_head, validate_transform
 from .chunks import ChunkRule, FusedHiddenDivergence, HiddenDivergence
 
 __all__ = [

@@ -34,8 +34,7 @@ from .._core.validation import (
     validate_scalar,
 )
 from ..logprobs.blocks import xlogy_terms
-from ..logprobs.head import Head, HeadOptions
-from ..logprobs.transform import Temperature, validate_scale, validate_softcap
+from ..logprobs.head import Head, HeadOptions, Temperature, validate_scale, validate_softcap
 from .chunks import (
     ChunkOutput,
     Inverse,

@@ -43,8 +43,7 @@ from ..kl.estimators import (
     warn_biased,
     warn_biased_kl_loss,
 )
-from ..logprobs.head import HeadOptions
-from ..logprobs.transform import Temperature
+from ..logprobs.head import HeadOptions, Temperature
 from .chunks import ChunkOutput, LogitsDivergence, logits_rows, softmax_rows_
 from .inputs import hidden_call, hidden_loss, logits_call, per_token, reduced, temperature_inverse
 

@@ -27,8 +27,7 @@ import torch
 from .._core.chunking import Block, resolve_chunk_size
 from .._core.reduction import Reduction
 from .._core.validation import ArrayLike, Scalar, checks_environment, compute_dtype, validate_bool
-from ..logprobs.head import HeadOptions
-from ..logprobs.transform import Temperature
+from ..logprobs.head import HeadOptions, Temperature
 from .chunks import ChunkOutput, LogitsDivergence, logits_rows, softmax_rows_
 from .inputs import (
     Rows,

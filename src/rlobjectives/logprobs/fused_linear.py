@@ -11,7 +11,7 @@ For a loss whose derivative with respect to each token's log-probability, :math:
         \Big(c_n(\mathbb{1}[v = y_n] - p_{nv}) - g_n\, p_{nv}(\log p_{nv} + H_n)\Big)
 
 (:math:`\partial x / \partial z` the logit transform's, :math:`s(1 - t^2)/\tau` with a softcap,
-:math:`s/\tau` without: :mod:`rlobjectives.logprobs.transform`) and its products with the
+:math:`s/\tau` without: :mod:`rlobjectives.logprobs.head`) and its products with the
 weight and the hidden rows right away: the fused-linear-cross-entropy technique (Liger-Kernel,
 Cut Cross-Entropy), with no recompute in backward.
 :class:`FusedLinearLoss` wires it to autograd through a zero-valued anchor. One

@@ -27,10 +27,9 @@ from .._core.validation import (
     checks_environment,
     validate_bool,
 )
-from .head import Head, HeadOptions, default_chunk_size, prepare_head
+from .head import Head, HeadOptions, Temperature, default_chunk_size, prepare_head
 from .passes import LogProbsFromHidden
 from .statistics import LogProbStatistics, Wanted, validate_statistics
-from .transform import Temperature
 from .triton_head import triton_log_probs
 from .vocab_parallel import VocabGroup, reduce_hidden_gradient
 

@@ -43,10 +43,10 @@ from .head import (
     new_buffers,
     new_grads,
     select_rows,
+    softcap_derivative,
     softmax_,
 )
 from .statistics import Wanted
-from .transform import softcap_derivative
 from .truncation import kept_rows, restrict_
 from .vocab_parallel import combine_rows, first_argmax
 

@@ -34,8 +34,8 @@ from .blocks import (
     slice_stats,
 )
 from .functions import backward_rows, load_block, row_layout
+from .head import LogitTransform, apply_transform_, softcap_derivative
 from .statistics import Wanted
-from .transform import LogitTransform, apply_transform_, softcap_derivative
 from .truncation import Restriction, kept_rows, restrict_
 from .vocab_parallel import Shard, combine_rows, first_argmax, sum_over_ranks
 
@@ -280,9 +280,7 @@ class RestrictedLogProbsFunction(torch.autograd.Function):
         log_normalizer = totals.log_normalizer.reshape(leading)
         target = totals.sums[0].reshape(leading)
         log_probs = target - log_normalizer  # -inf where the token is outside the kept set
-        differentiated = active
-        if restriction.kept is not None:  # no gradient for a token outside the set
-            differentiated = active & (target > -torch.inf)
+        in_set = target > -torch.inf  # no log-prob gradient for a token outside the kept set
         others: list[torch.Tensor] = []
         if totals.log_sum_sq is not None:
             others.append(totals.log_sum_sq.reshape(leading))
@@ -298,7 +296,7 @@ class RestrictedLogProbsFunction(torch.autograd.Function):
         )
         ctx.save_for_backward(
             logits, local, owned if owned is not None else local.new_zeros(0, dtype=torch.bool),
-            differentiated, log_normalizer, entropy_out,
+            active, in_set, log_normalizer, entropy_out,
             thresholds, *([call.transform.inverse] if call.transform.per_row else []),  # type: ignore[list-item]
         )  # fmt: skip
         ctx.options = (call._replace(leading=leading), chunk_size)
@@ -316,12 +314,13 @@ class RestrictedLogProbsFunction(torch.autograd.Function):
         ctx: Any, grad: torch.Tensor | None, grad_entropy: torch.Tensor | None, *_: Any
     ) -> tuple[torch.Tensor | None, ...]:
         """The backward pass (see the class docstring)."""
-        logits, local, owned, active, log_normalizer, entropy, thresholds, *inverse = (
+        logits, local, owned, active, in_set, log_normalizer, entropy, thresholds, *inverse = (
             ctx.saved_tensors
         )
         call, chunk_size = ctx.options
         if grad is None:
             grad = torch.zeros_like(log_normalizer)
+        grad = masked_fill_zero(grad, in_set)  # the entropy's gradient stays
         if not call.wanted.entropy or grad_entropy is None or grad_entropy.numel() == 0:
             grad_entropy = None
         per_row = [local, active, log_normalizer, grad]

@@ -33,9 +33,8 @@ from .._core.reduction import (
 from .._core.validation import ArrayLike, Scalar, checks_environment, compute_dtype
 from ..kl.estimators import Estimator, kl_gradient, warn_biased_kl_loss
 from ..logprobs.fused_linear import FusedLinearLoss, FusedTerms
-from ..logprobs.head import Head, HeadOptions, prepare_head
+from ..logprobs.head import Head, HeadOptions, Temperature, prepare_head
 from ..logprobs.passes import LogProbsFromHidden
-from ..logprobs.transform import Temperature
 from ..logprobs.triton_head import triton_log_probs
 from ..logprobs.vocab_parallel import VocabGroup, reduce_hidden_gradient
 from .composition import (
