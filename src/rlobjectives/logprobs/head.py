@@ -103,6 +103,7 @@ __all__ = [
     "new_grads",
     "prepare_head",
     "scratch_rows",
+    "log_normalizer",
     "select_rows",
     "softcap_derivative",
     "softmax_",
@@ -561,6 +562,23 @@ def softmax_(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         probs = torch.softmax(scores, dim=1)  # (n, V)
     return probs, maximum - probs.amax(dim=1).log()
+
+
+def log_normalizer(scores: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``logsumexp`` of each row of ``scores`` ``(n, V)`` (not modified), ``(n,)``.
+
+    :func:`softmax_`'s recovery from the largest probability, the probabilities written into
+    ``out`` ``(n, V)`` (a scratch buffer, never allocated per call: ``torch.logsumexp`` forms an
+    ``(n, V)`` temporary). A row without a finite value gives ``-inf`` (a vocabulary slice with
+    no kept token); NaN propagates.
+    """
+    maximum = scores.amax(dim=1)  # (n,)
+    if scores.device.type == "cpu":
+        probs = torch.ops.aten._softmax.out(scores, 1, False, out=out)  # (n, V)
+    else:
+        probs = torch.softmax(scores, dim=1, out=out)
+    lse = maximum - probs.amax(dim=1).log()
+    return torch.where(maximum > -torch.inf, lse, maximum)
 
 
 def select_rows(

@@ -40,11 +40,11 @@ from .head import (
     accumulate_grads,
     chunk_scores,
     finish_grads,
+    log_normalizer,
     new_buffers,
     new_grads,
     select_rows,
     softcap_derivative,
-    softmax_,
 )
 from .statistics import Wanted
 from .truncation import kept_rows, restrict_
@@ -112,12 +112,18 @@ def _forward_step(
     buffers, thresholds, saved, wanted = state
     active = None if mask is None else mask[block]
     hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], active)
+    moments = buffers.scratch is not None  # the entropy's and Sum p^2's passes consume scores
+    in_place = _is_saved(saved, block) and not moments
+    work = buffers.scores[: hidden_chunk.shape[0]]  # (n, V) the chunk's buffer
+    if in_place:  # the logits are formed in the saved rows themselves: no copy
+        assert saved is not None
+        buffers = buffers._replace(scores=saved.values[block])
     scores = chunk_scores(hidden_chunk, head, buffers, block[0])  # (n, V)
     logit_sum = scores.sum(dim=1) if wanted.mean_logits else None  # (n,)
     if head.kept is not None:  # the logits outside the kept set become -inf
         flat = kept_rows(block, ())  # unselected (zeroed) rows keep everything: finite softmax
         restrict_(scores, head.kept, flat, head.shard, thresholds, decide=True, active=active)
-    if _is_saved(saved, block):
+    if _is_saved(saved, block) and not in_place:
         assert saved is not None
         saved.values[block].copy_(scores)
     owned = None
@@ -132,10 +138,8 @@ def _forward_step(
         lse, entropy, log_sum_sq, _ = slice_moments_(
             scores, buffers.scratch, entropy=wanted.entropy, squares=squares
         )
-    elif head.shard is not None:  # a slice may hold no finite logit in a row: -inf, not NaN
-        lse, entropy, log_sum_sq = torch.logsumexp(scores, dim=1), None, None
-    else:
-        lse, entropy, log_sum_sq = softmax_(scores)[1], None, None
+    else:  # -inf for a slice without a finite logit in a row, not NaN; scores kept
+        lse, entropy, log_sum_sq = log_normalizer(scores, work), None, None
     extra = [value for value in (entropy, log_sum_sq, logit_sum) if value is not None]
     if top is not None:
         extra += [top.values, top.indices]
@@ -275,10 +279,8 @@ def _backward_step(
         target_grad = masked_fill_zero(g_lp, owned)  # the target's slice adds g 1[v = y]
     log_normalizer = upstream.log_normalizer[block].unsqueeze(1)  # (n, 1)
     if upstream.entropy is None or upstream.entropy_values is None or buffers.scratch is None:
-        if head.shard is not None:  # p from the saved normaliser of the whole vocabulary
-            grad_scores = scores.sub_(log_normalizer).exp_().mul_(-g_lp.unsqueeze(1))
-        else:
-            grad_scores = softmax_(scores)[0].mul_(-g_lp.unsqueeze(1))  # -g p, (n, V)
+        # p from the forward's normaliser (of the whole vocabulary under a shard): -g p, (n, V)
+        grad_scores = scores.sub_(log_normalizer).exp_().mul_(-g_lp.unsqueeze(1))
     else:
         # log p, with -inf (banned tokens) made finite so that p * log p = 0 * finite = 0
         log_p = finite_log_probs_(scores.sub_(log_normalizer))
