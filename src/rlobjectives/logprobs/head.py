@@ -484,7 +484,7 @@ def wide_product(
     tensor cores, no rounding of the result). Elsewhere ``right`` is widened to float32 a slice
     of its rows at a time and the products run in float32 arithmetic.
     """
-    if out.device.type == "cuda" and left.dtype == right.dtype:
+    if out.device.type == "cuda" and left.dtype == right.dtype and out.dtype == torch.float32:
         operand = right.T if transpose else right
         return torch.mm(left, operand, out_dtype=torch.float32, out=out)
     left_wide = left if left.dtype == out.dtype else left.to(out.dtype)
@@ -508,12 +508,12 @@ def wide_product(
 def chunk_scores(
     hidden_chunk: torch.Tensor,
     head: Head,
-    buffers: ChunkBuffers | None = None,
-    rows: object = None,
+    buffers: ChunkBuffers | None,
+    rows: slice | int,
 ) -> torch.Tensor:
     r"""The transformed logits :math:`x = \mathrm{cap}_c(s(h W^\top + b))/\tau` of one chunk.
 
-    ``(n, V)`` in ``head.dtype``; ``rows`` is the chunk's block (for a per-token temperature).
+    ``(n, V)`` in ``head.dtype``; ``rows`` is the chunk's row range (its per-token temperature).
     The product is formed in float32 from a bf16/fp16 head by default (module docstring), in
     the weight's dtype with ``fp32_head=False`` (then widened for the softmax). With a softcap
     :math:`1 - t^2` goes into ``buffers.derivative``. The result is the first ``n`` rows of
@@ -539,8 +539,6 @@ def chunk_scores(
         torch.mm(hidden_chunk, weight.T, out=scores)
     else:
         torch.addmm(head.bias, hidden_chunk, weight.T, out=scores)
-    if rows is None:
-        rows = slice(0, count)
     if not head.transform.plain:
         apply_transform_(scores, head.transform, rows)
     if buffers.derivative is not None:
@@ -639,7 +637,8 @@ def accumulate_grads(
             grad_cast = buffers.product[: grad_scores.shape[0]].copy_(grad_scores)  # (n, V)
             torch.mm(grad_cast, weight, out=grads.hidden[block])  # (n, H)
         elif weight.dtype != grad_scores.dtype:  # float32 accumulation, one rounding
-            if grad_scores.device.type == "cuda":  # the tensor cores read the 16-bit gradient
+            if grad_scores.device.type == "cuda" and grad_scores.dtype == torch.float32:
+                # the tensor cores read the 16-bit gradient (TRL's _addmm_fp32)
                 left = grad_scores.to(weight.dtype)
             else:
                 left = grad_scores
