@@ -96,6 +96,7 @@ __all__ = [
     "accumulate_grads",
     "apply_transform_",
     "chunk_row_bytes",
+    "chunk_product",
     "chunk_scores",
     "default_chunk_size",
     "finish_grads",
@@ -103,10 +104,10 @@ __all__ = [
     "new_grads",
     "prepare_head",
     "scratch_rows",
-    "log_normalizer",
     "select_rows",
     "softcap_derivative",
     "softmax_",
+    "transform_scores_",
     "validate_scale",
     "validate_softcap",
     "validate_transform",
@@ -505,23 +506,14 @@ def wide_product(
     return out
 
 
-def chunk_scores(
-    hidden_chunk: torch.Tensor,
-    head: Head,
-    buffers: ChunkBuffers | None,
-    rows: slice | int,
-) -> torch.Tensor:
-    r"""The transformed logits :math:`x = \mathrm{cap}_c(s(h W^\top + b))/\tau` of one chunk.
+def chunk_product(hidden_chunk: torch.Tensor, head: Head, buffers: ChunkBuffers) -> torch.Tensor:
+    r"""The product :math:`z = h W^\top + b` of ``n`` rows, into ``buffers.scores[:n]``.
 
-    ``(n, V)`` in ``head.dtype``; ``rows`` is the chunk's row range (its per-token temperature).
-    The product is formed in float32 from a bf16/fp16 head by default (module docstring), in
-    the weight's dtype with ``fp32_head=False`` (then widened for the softmax). With a softcap
-    :math:`1 - t^2` goes into ``buffers.derivative``. The result is the first ``n`` rows of
-    ``buffers.scores`` (a fresh tensor without ``buffers``), which the caller may overwrite.
+    ``(n, V)`` in ``head.dtype``: formed in float32 from a bf16/fp16 head by default (module
+    docstring), in the weight's dtype with ``fp32_head=False`` (through ``buffers.product``, then
+    widened for the softmax).
     """
     count = hidden_chunk.shape[0]
-    if buffers is None:
-        buffers = new_buffers(head, with_entropy=False, rows=count)
     scores = buffers.scores[:count]  # (n, V)
     weight = head.weight
     if buffers.product is not None:  # the product in the weight's dtype, then widened
@@ -539,11 +531,39 @@ def chunk_scores(
         torch.mm(hidden_chunk, weight.T, out=scores)
     else:
         torch.addmm(head.bias, hidden_chunk, weight.T, out=scores)
+    return scores
+
+
+def transform_scores_(
+    scores: torch.Tensor, head: Head, buffers: ChunkBuffers, rows: slice | int
+) -> torch.Tensor:
+    r"""``scores`` :math:`z` ``(n, V)`` become :math:`x = \mathrm{cap}_c(s z)/\tau`, in place.
+
+    ``rows`` is the chunk's row range (its per-token temperature). With a softcap and a
+    ``buffers.derivative`` :math:`1 - t^2` goes there.
+    """
     if not head.transform.plain:
         apply_transform_(scores, head.transform, rows)
     if buffers.derivative is not None:
         softcap_derivative(scores, head.transform, rows, buffers.derivative)
     return scores
+
+
+def chunk_scores(
+    hidden_chunk: torch.Tensor,
+    head: Head,
+    buffers: ChunkBuffers | None,
+    rows: slice | int,
+) -> torch.Tensor:
+    r"""The transformed logits :math:`x = \mathrm{cap}_c(s(h W^\top + b))/\tau` of one chunk.
+
+    :func:`chunk_product`, then :func:`transform_scores_`: ``(n, V)`` in ``head.dtype``, the
+    first ``n`` rows of ``buffers.scores`` (a fresh tensor without ``buffers``), which the
+    caller may overwrite; ``rows`` is the chunk's row range.
+    """
+    if buffers is None:
+        buffers = new_buffers(head, with_entropy=False, rows=hidden_chunk.shape[0])
+    return transform_scores_(chunk_product(hidden_chunk, head, buffers), head, buffers, rows)
 
 
 def softmax_(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -560,23 +580,6 @@ def softmax_(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     else:
         probs = torch.softmax(scores, dim=1)  # (n, V)
     return probs, maximum - probs.amax(dim=1).log()
-
-
-def log_normalizer(scores: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """``logsumexp`` of each row of ``scores`` ``(n, V)`` (not modified), ``(n,)``.
-
-    :func:`softmax_`'s recovery from the largest probability, the probabilities written into
-    ``out`` ``(n, V)`` (a scratch buffer, never allocated per call: ``torch.logsumexp`` forms an
-    ``(n, V)`` temporary). A row without a finite value gives ``-inf`` (a vocabulary slice with
-    no kept token); NaN propagates.
-    """
-    maximum = scores.amax(dim=1)  # (n,)
-    if scores.device.type == "cpu":
-        probs = torch.ops.aten._softmax.out(scores, 1, False, out=out)  # (n, V)
-    else:
-        probs = torch.softmax(scores, dim=1, out=out)
-    lse = maximum - probs.amax(dim=1).log()
-    return torch.where(maximum > -torch.inf, lse, maximum)
 
 
 def select_rows(
@@ -598,15 +601,16 @@ class Grads(NamedTuple):
     bias: torch.Tensor | None  # (V,)
 
 
-def new_grads(head: Head, needs: tuple[bool, bool, bool]) -> Grads:
-    """Zeroed accumulators for the inputs that need a gradient."""
+def new_grads(head: Head, needs: tuple[bool, bool, bool], *, zeroed: bool = True) -> Grads:
+    """Accumulators for the inputs that need a gradient: zeroed unless written once (``first``)."""
     accumulate = torch.float64 if head.dtype == torch.float64 else torch.float32
     weight, device = head.weight, head.weight.device
+    new = torch.zeros if zeroed else torch.empty
     return Grads(
         hidden=torch.empty_like(head.hidden) if needs[0] else None,
-        weight=torch.zeros(weight.shape, dtype=accumulate, device=device) if needs[1] else None,
+        weight=new(weight.shape, dtype=accumulate, device=device) if needs[1] else None,
         bias=(
-            torch.zeros(weight.shape[0], dtype=accumulate, device=device)
+            new(weight.shape[0], dtype=accumulate, device=device)
             if needs[2] and head.bias is not None
             else None
         ),
@@ -620,6 +624,8 @@ def accumulate_grads(
     grads: Grads,
     buffers: ChunkBuffers,
     block: Block,
+    *,
+    first: bool = False,
 ) -> None:
     """Write one chunk's ``grad_hidden`` rows (at ``block``); add its ``grad_weight``/``grad_bias``.
 
@@ -651,9 +657,15 @@ def accumulate_grads(
         else:
             torch.mm(grad_scores, weight, out=grads.hidden[block])  # (n, H)
     if grads.weight is not None:  # grad_scores has the accumulator's dtype
-        grads.weight.addmm_(grad_scores.T, hidden_chunk.to(grads.weight.dtype))  # (V, H)
+        if first:  # the only contribution (no zeroed accumulator to add to)
+            torch.mm(grad_scores.T, hidden_chunk.to(grads.weight.dtype), out=grads.weight)
+        else:
+            grads.weight.addmm_(grad_scores.T, hidden_chunk.to(grads.weight.dtype))  # (V, H)
     if grads.bias is not None:
-        grads.bias.add_(grad_scores.sum(dim=0))  # (V,)
+        if first:
+            torch.sum(grad_scores, dim=0, out=grads.bias)
+        else:
+            grads.bias.add_(grad_scores.sum(dim=0))  # (V,)
 
 
 def finish_grads(head: Head, grads: Grads) -> tuple[torch.Tensor | None, ...]:
