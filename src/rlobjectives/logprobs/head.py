@@ -96,6 +96,7 @@ __all__ = [
     "accumulate_grads",
     "apply_transform_",
     "chunk_row_bytes",
+    "casts_product",
     "chunk_product",
     "chunk_scores",
     "default_chunk_size",
@@ -437,28 +438,37 @@ class ChunkBuffers(NamedTuple):
     derivative: torch.Tensor | None = None  # (chunk, V) the softcap's 1 - t^2
 
 
-def _casts(head: Head) -> bool:
+def casts_product(head: Head) -> bool:
     """Whether the product is formed in the weight's dtype and then widened (a cast buffer)."""
     return head.weight.dtype != head.dtype and (
         head.rounds_product or head.weight.dtype not in _LOW_PRECISION
     )
 
 
-def new_buffers(head: Head, *, with_entropy: bool, rows: int | None = None) -> ChunkBuffers:
+def new_buffers(
+    head: Head,
+    *,
+    with_entropy: bool,
+    rows: int | None = None,
+    scores: bool = True,
+    derivative: bool = True,
+) -> ChunkBuffers:
     """The buffers of a pass over ``head``.
 
     At most :func:`chunk_row_bytes` bytes per row, and one ``(chunk, V)`` block more with a
-    softcap. ``rows``: rows per buffer; by default the chunk size (at most N).
+    softcap. ``rows``: rows per buffer; by default the chunk size (at most N). ``scores=False``:
+    no ``scores`` block (every chunk's logits are formed elsewhere, in saved rows);
+    ``derivative=False``: no softcap derivative (a pass that needs no gradient).
     """
     if rows is None:
         rows = min(head.chunk_size, head.hidden.shape[0])
     vocab, weight, dtype = head.weight.shape[0], head.weight, head.dtype
     scratch = min(rows, scratch_rows(vocab))
-    softcap = head.transform.softcap is not None
+    softcap = head.transform.softcap is not None and derivative
     return ChunkBuffers(
-        scores=torch.empty(rows, vocab, dtype=dtype, device=weight.device),
+        scores=torch.empty(rows if scores else 0, vocab, dtype=dtype, device=weight.device),
         product=torch.empty(rows, vocab, dtype=weight.dtype, device=weight.device)
-        if _casts(head)
+        if casts_product(head)
         else None,
         scratch=torch.empty(scratch, vocab, dtype=dtype, device=weight.device)
         if with_entropy

@@ -38,6 +38,7 @@ from .head import (
     Grads,
     Head,
     accumulate_grads,
+    casts_product,
     chunk_product,
     chunk_scores,
     finish_grads,
@@ -80,7 +81,7 @@ class SavedLogits(NamedTuple):
     whole: bool
 
 
-def _saved_logits(head: Head, buffers: ChunkBuffers) -> SavedLogits | None:
+def _saved_logits(head: Head) -> SavedLogits | None:
     """The buffer of the saved chunks (whole chunks within :data:`SAVED_LOGITS`), or None."""
     count, vocab = head.hidden.shape[0], head.weight.shape[0]
     rows = min(count, SAVED_LOGITS // max(vocab, 1))
@@ -90,7 +91,12 @@ def _saved_logits(head: Head, buffers: ChunkBuffers) -> SavedLogits | None:
         return None
     values = torch.empty(rows, vocab, dtype=head.dtype, device=head.weight.device)
     # at once where no rounding buffer is needed (the product formed in the computation dtype)
-    return SavedLogits(values, rows, whole=buffers.product is None)
+    return SavedLogits(values, rows, whole=not casts_product(head))
+
+
+def _covers(saved: SavedLogits | None, head: Head) -> bool:
+    """Whether every row is saved with its product formed at once: no ``(chunk, V)`` block."""
+    return saved is not None and saved.whole and saved.rows == head.hidden.shape[0]
 
 
 def _transformed(
@@ -112,9 +118,11 @@ def _refill(head: Head, mask: torch.Tensor | None, thresholds: torch.Tensor | No
     The first backward consumed them; the same products, transform and kept set (its
     thresholds replayed) give the same values to the bit, so backward is reentrant.
     """
-    buffers = new_buffers(head, with_entropy=False)._replace(derivative=None)
-    saved = _saved_logits(head, buffers)
+    saved = _saved_logits(head)
     assert saved is not None
+    buffers = new_buffers(
+        head, with_entropy=False, scores=not _covers(saved, head), derivative=False
+    )
     _whole_product(head, mask, buffers, saved)
     for block in block_rows((saved.rows,), head.chunk_size, flat=True):
         active = None if mask is None else mask[block]
@@ -236,9 +244,11 @@ def log_probs_forward(
     if head.kept is not None and head.kept.rule:
         thresholds = torch.zeros(rows, dtype=dtype, device=device)
     # the scratch rows of slice_moments_; no softcap derivative (the backward's)
-    buffers = new_buffers(head, with_entropy=True)._replace(derivative=None)
+    saved = _saved_logits(head) if save else None
+    buffers = new_buffers(
+        head, with_entropy=True, scores=not _covers(saved, head), derivative=False
+    )
     assert buffers.scratch is not None
-    saved = _saved_logits(head, buffers) if save else None
     if saved is not None:
         _whole_product(head, mask, buffers, saved)
     shifted = torch.empty_like(buffers.scratch)
@@ -412,7 +422,7 @@ def log_probs_backward(
         log_normalizer=torch.where(active, saved.log_normalizer, uniform),
         entropy_values=None if grad_h is None else masked_fill_zero(saved.entropy, active),
     )
-    buffers = new_buffers(head, with_entropy=grad_h is not None)
+    buffers = new_buffers(head, with_entropy=grad_h is not None, scores=not _covers(logits, head))
     # all the rows saved and their products formed at once: the accumulators are written once
     alone = logits is not None and logits.whole and logits.rows == head.hidden.shape[0]
     grads = new_grads(head, needs, zeroed=not alone)
