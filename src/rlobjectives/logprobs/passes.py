@@ -16,9 +16,14 @@ them costs a fourth GEMM (the forward's :math:`h W^\top`, again) on top of the g
 and the forward's one: 1.33x the three-GEMM floor before any element-wise pass. When the
 inputs need a gradient the forward therefore keeps the first chunks' :math:`x` (after the
 transform and the kept set), at most :data:`SAVED_LOGITS` values (2**27: 512 MiB of float32,
-the size of the ``4096 x 32768`` tile TRL's ``ChunkedLogProbFunction`` holds), and the
-backward reads them back with one row gather instead of a GEMM; the remaining chunks are
-recomputed. The values are the same either way (the same product, the same transform).
+the size of the ``4096 x 32768`` tile TRL's ``ChunkedLogProbFunction`` holds); the remaining
+chunks are recomputed. Unless the product needs a rounding buffer (``fp32_head=False`` with a
+bf16/fp16 head, a float32 head in a float64 computation) the saved rows' product is formed at
+once into that buffer (one GEMM instead of one per chunk, which on CPU re-reads and re-packs the
+whole weight each time), the chunks then transform it and take their statistics in place, and
+the backward forms the gradient in place of the logits and its two products once over the
+saved rows. A second backward through the same graph (``retain_graph=True``) forms the saved
+logits again by the same operations, so it gives the same gradients to the bit.
 
 All tensors are flat: hidden ``(N, H)``, tokens and masks ``(N,)``.
 """
