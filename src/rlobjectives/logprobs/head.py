@@ -101,6 +101,7 @@ __all__ = [
     "chunk_scores",
     "default_chunk_size",
     "finish_grads",
+    "leads",
     "new_buffers",
     "new_grads",
     "prepare_head",
@@ -194,6 +195,20 @@ class LogitTransform(NamedTuple):
         """Whether the temperature is one value per token."""
         return isinstance(self.inverse, torch.Tensor)
 
+    @property
+    def leading(self) -> float:
+        r"""The transform's first constant factor: :math:`s/c`, else :math:`s/\tau` (or :math:`s`).
+
+        The number the product is multiplied by before anything else (the ``tanh``'s argument
+        under a softcap; the whole transform with one temperature), which a GEMM can apply as
+        its ``alpha`` (:func:`chunk_product`).
+        """
+        if self.softcap is not None:
+            return self.scale / self.softcap
+        if isinstance(self.inverse, torch.Tensor):
+            return self.scale
+        return self.scale * self.inverse
+
     def row_inverse(self, rows: object) -> float | torch.Tensor:
         r""":math:`1/\tau` of the rows ``rows`` (a block index): a float or an ``(n, 1)`` tensor."""
         if isinstance(self.inverse, torch.Tensor):
@@ -221,17 +236,24 @@ class LogitTransform(NamedTuple):
 PLAIN = LogitTransform()
 
 
-def apply_transform_(scores: torch.Tensor, transform: LogitTransform, rows: object) -> torch.Tensor:
+def apply_transform_(
+    scores: torch.Tensor, transform: LogitTransform, rows: object, *, led: bool = False
+) -> torch.Tensor:
     r"""``scores`` :math:`z` ``(n, V)`` becomes :math:`x = \mathrm{cap}_c(s z)/\tau`, in place.
 
     ``rows`` indexes the per-token temperature (the chunk's block); ``scores`` is in the
-    computation dtype. Returns ``scores``.
+    computation dtype. ``led``: ``scores`` holds :math:`z` times
+    :attr:`LogitTransform.leading` already. Returns ``scores``.
     """
     inverse = transform.row_inverse(rows)
+    factor: float | torch.Tensor
     if transform.softcap is not None:
-        cap = transform.softcap
-        scores.mul_(transform.scale / cap).tanh_()
-        factor: float | torch.Tensor = inverse * cap
+        if not led:
+            scores.mul_(transform.leading)
+        scores.tanh_()
+        factor = inverse * transform.softcap
+    elif led:  # what remains: a per-token 1/tau, or nothing
+        factor = inverse if isinstance(inverse, torch.Tensor) else 1.0
     else:
         factor = inverse * transform.scale
     if isinstance(factor, torch.Tensor):
@@ -247,18 +269,22 @@ def softcap_derivative(
     r""":math:`1 - t^2` with :math:`t = \mathrm{clamp}(x \tau / c, -1, 1)`, written into ``out``.
 
     ``scores`` are the transformed logits :math:`x` ``(n, V)`` (not modified); ``out`` an
-    ``(n, V)`` buffer of their dtype. Only for a transform with a softcap.
+    ``(n, V)`` buffer of their dtype. Only for a transform with a softcap. Formed as
+    :math:`\max(1 - (\tau/c)^2 x^2, 0)` (equal in exact arithmetic: :math:`|t| \le 1` exactly
+    where the clamp does nothing), two passes for one temperature (``-inf`` outside a kept set
+    gives 0).
     """
     assert transform.softcap is not None
     inverse = transform.row_inverse(rows)
     rows_out = out[: scores.shape[0]]
+    one = torch.ones((), dtype=scores.dtype, device=scores.device)
     if isinstance(inverse, torch.Tensor):
         torch.mul(scores, (1.0 / (inverse * transform.softcap)).to(scores.dtype), out=rows_out)
+        torch.addcmul(one, rows_out, rows_out, value=-1.0, out=rows_out)
     else:
-        torch.mul(scores, 1.0 / (inverse * transform.softcap), out=rows_out)
-    rows_out.clamp_(-1.0, 1.0)
-    one = torch.ones((), dtype=scores.dtype, device=scores.device)
-    return torch.addcmul(one, rows_out, rows_out, value=-1.0, out=rows_out)
+        factor = 1.0 / (inverse * transform.softcap)  # tau / c
+        torch.addcmul(one, scores, scores, value=-(factor * factor), out=rows_out)
+    return rows_out.clamp_(min=0.0)
 
 
 def validate_softcap(
@@ -521,7 +547,8 @@ def chunk_product(hidden_chunk: torch.Tensor, head: Head, buffers: ChunkBuffers)
 
     ``(n, V)`` in ``head.dtype``: formed in float32 from a bf16/fp16 head by default (module
     docstring), in the weight's dtype with ``fp32_head=False`` (through ``buffers.product``, then
-    widened for the softmax).
+    widened for the softmax). Where :func:`leads`, the GEMM's ``alpha`` (and ``beta``) also
+    multiply it by :attr:`LogitTransform.leading` (one element-wise pass fewer).
     """
     count = hidden_chunk.shape[0]
     scores = buffers.scores[:count]  # (n, V)
@@ -537,11 +564,26 @@ def chunk_product(hidden_chunk: torch.Tensor, head: Head, buffers: ChunkBuffers)
         wide_product(hidden_chunk, weight, scores, transpose=True)
         if head.bias is not None:
             scores.add_(head.bias)
+    elif leads(head):
+        alpha = head.transform.leading
+        if head.bias is None:  # beta = 0: the buffer's old values are not read
+            torch.addmm(scores, hidden_chunk, weight.T, beta=0.0, alpha=alpha, out=scores)
+        else:
+            torch.addmm(head.bias, hidden_chunk, weight.T, beta=alpha, alpha=alpha, out=scores)
     elif head.bias is None:
         torch.mm(hidden_chunk, weight.T, out=scores)
     else:
         torch.addmm(head.bias, hidden_chunk, weight.T, out=scores)
     return scores
+
+
+def leads(head: Head) -> bool:
+    """Whether :func:`chunk_product` applies the transform's leading factor in its GEMM.
+
+    For a product formed in the computation dtype itself (not widened, not rounded first) and a
+    leading factor other than 1.
+    """
+    return head.weight.dtype == head.dtype and head.transform.leading != 1.0
 
 
 def transform_scores_(
@@ -553,7 +595,7 @@ def transform_scores_(
     ``buffers.derivative`` :math:`1 - t^2` goes there.
     """
     if not head.transform.plain:
-        apply_transform_(scores, head.transform, rows)
+        apply_transform_(scores, head.transform, rows, led=leads(head))
     if buffers.derivative is not None:
         softcap_derivative(scores, head.transform, rows, buffers.derivative)
     return scores
