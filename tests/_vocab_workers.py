@@ -144,6 +144,50 @@ def _logits_case(kind: str) -> Case:
     return run
 
 
+STATS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+
+
+def _head_options(data: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """The logit transform with one temperature per token (issue 33)."""
+    generator = torch.Generator().manual_seed(33)
+    temperature = 0.5 + torch.rand(data["mask"].shape, generator=generator, dtype=F64)
+    return {"temperature": temperature, "final_logit_softcapping": 4.0, "logit_scale": 0.8}
+
+
+def _statistics_case(kind: str) -> Case:
+    def run(data: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor], group: Any,
+            part: slice) -> list[torch.Tensor]:  # fmt: skip
+        options: dict[str, Any] = {"mask": data["mask"], "chunk_size": 3, "vocab_group": group}
+        options |= _head_options(data)
+        options |= {"min_p": {"min_p": 0.05}, "min_p+top_k": {"min_p": 0.05, "top_k": 5}}.get(
+            kind, {}) if kind.startswith("min_p") else _kept(data, kind, part)  # fmt: skip
+        out = rlo.token_log_probs(leaves["logits"], data["tokens"], statistics=STATS, **options)
+        return [out.log_probs, out.entropy, out.log_sum_sq_probs, out.mean_logits, out.is_top1]
+
+    return run
+
+
+def _hidden_statistics(data: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor], group: Any,
+                       part: slice) -> list[torch.Tensor]:  # fmt: skip
+    options = _head_options(data)
+    out = rlo.token_log_probs_from_hidden(
+        leaves["hidden"], leaves["weight"], data["tokens"], bias=leaves["bias"], mask=data["mask"],
+        chunk_size=3, vocab_group=group, statistics=STATS, min_p=0.05, top_k=4, **options,
+    )  # fmt: skip
+    return [out.log_probs, out.entropy, out.log_sum_sq_probs, out.mean_logits, out.is_top1]
+
+
+def _response_statistics(data: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor],
+                         group: Any, part: slice) -> list[torch.Tensor]:  # fmt: skip
+    logits = torch.nan_to_num(leaves["logits"], nan=0.0)
+    out = rlo.response_log_probs(
+        logits, data["input_ids"], torch.tensor([1, 2]), torch.ones(BATCH, STEPS),
+        response_length=4, temperature=0.7, vocab_group=group, final_logit_softcapping=3.0,
+        statistics=STATS,
+    )  # fmt: skip
+    return [out.log_probs, out.entropy, out.log_sum_sq_probs, out.mean_logits, out.is_top1]
+
+
 def _kl(data: dict[str, torch.Tensor], leaves: dict[str, torch.Tensor], group: Any,
         part: slice) -> list[torch.Tensor]:  # fmt: skip
     packed = {name: leaves[name].reshape(-1, leaves[name].shape[-1]) for name in leaves}
@@ -249,6 +293,10 @@ CASES: dict[str, tuple[Case, tuple[str, ...], torch.dtype]] = {
     **{f"hidden-{kind}-{grad}": (_hidden_case(kind, grad), HEAD, F64)
        for kind in ("none", "top_k+top_p") for grad in ("partial", "reduced")},
     "hidden-ids-partial": (_hidden_case("ids", "partial"), HEAD, F64),
+    **{f"statistics-{kind}": (_statistics_case(kind), LOGITS, F64)
+       for kind in ("none", "mask", "top_k+top_p", "min_p", "min_p+top_k")},
+    "hidden-statistics-partial": (_hidden_statistics, HEAD, F64),
+    "response_log_probs-statistics": (_response_statistics, LOGITS, F64),
     **{f"fused-{kind}-{grad}": (_fused_case(kind, grad), HEAD, F64)
        for kind, grad in (("none", "partial"), ("none", "reduced"), ("ids", "partial"))},
     # a user's own surrogate, written outside the library (tests/custom_surrogate.py)
@@ -335,6 +383,59 @@ def hostile(group: Any, world: int | None = None, rank: int | None = None) -> di
     return results
 
 
+def _verl_sum_pi_squared(world: int, rank: int, group: Any) -> torch.Tensor:
+    """verl 0.9.1's ``vocab_parallel_sum_pi_squared`` on this rank's slice of the logits.
+
+    verl reads the tensor-parallel group from Megatron's ``parallel_state``; Megatron is not
+    installed, so a module standing in for ``megatron.core.parallel_state`` gives it ours.
+    """
+    import sys
+    import types
+
+    state = types.ModuleType("megatron.core.parallel_state")
+    state.get_tensor_model_parallel_group = lambda: group  # type: ignore[attr-defined]
+    core = types.ModuleType("megatron.core")
+    core.parallel_state = state  # type: ignore[attr-defined]
+    core.ModelParallelConfig = object  # type: ignore[attr-defined]
+    sys.modules.setdefault("megatron", types.ModuleType("megatron"))
+    sys.modules.setdefault("megatron.core", core)
+    sys.modules.setdefault("megatron.core.parallel_state", state)
+    from verl.utils.megatron.tensor_parallel import vocab_parallel_sum_pi_squared
+
+    logits = torch.nan_to_num(problem()["logits"], nan=0.0)[..., vocab_slice(world, rank)]
+    return vocab_parallel_sum_pi_squared(logits.contiguous())
+
+
+def _statistics_bytes(world: int, rank: int, group: Any) -> dict[str, int]:
+    """Bytes this rank contributes to collectives in one call, without and with statistics."""
+    counted = {"bytes": 0}
+    reduce, gather = dist.all_reduce, dist.all_gather
+
+    def counting_reduce(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        counted["bytes"] += tensor.numel() * tensor.element_size()
+        return reduce(tensor, *args, **kwargs)
+
+    def counting_gather(parts: list[torch.Tensor], tensor: torch.Tensor, *args: Any,
+                        **kwargs: Any) -> Any:  # fmt: skip
+        counted["bytes"] += tensor.numel() * tensor.element_size()
+        return gather(parts, tensor, *args, **kwargs)
+
+    logits = torch.nan_to_num(problem()["logits"], nan=0.0)[..., vocab_slice(world, rank)]
+    tokens = problem()["tokens"].clamp(min=0)
+    sizes = rlo.VocabParallel(group, vocab_sizes=SIZES[world])
+    out: dict[str, int] = {}
+    dist.all_reduce, dist.all_gather = counting_reduce, counting_gather  # type: ignore[assignment]
+    try:
+        for label, statistics in (("log_probs", None), ("entropy", ("entropy",)),
+                                  ("all", STATS)):  # fmt: skip
+            counted["bytes"] = 0
+            rlo.token_log_probs(logits, tokens, vocab_group=sizes, statistics=statistics)
+            out[label] = counted["bytes"]
+    finally:
+        dist.all_reduce, dist.all_gather = reduce, gather  # type: ignore[assignment]
+    return out
+
+
 def worker(rank: int, world: int, store: str, out_dir: str, kernels: bool) -> None:
     """A spawned rank: every case, saved to ``rank{r}.pt``; a traceback to ``rank{r}.err``."""
     torch.set_num_threads(1)
@@ -354,6 +455,8 @@ def worker(rank: int, world: int, store: str, out_dir: str, kernels: bool) -> No
         )  # fmt: skip
         results["errors"] = _errors(group)
         results["hostile"] = hostile(group, world, rank)
+        results["verl-sum-pi-squared"] = _verl_sum_pi_squared(world, rank, group)
+        results["statistics-bytes"] = _statistics_bytes(world, rank, group)
         torch.save(results, Path(out_dir) / f"rank{rank}.pt")
         dist.barrier()
     except BaseException:

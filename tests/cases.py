@@ -378,8 +378,36 @@ def kept_wrongs(shape: tuple[int, ...] = (B, T), vocab: int = V) -> tuple[Wrong,
                                                       tensors=False)  # fmt: skip
 
 
-TEMPERATURE = scalar_wrongs("temperature", below=0.0)
+def temperature_wrongs() -> tuple[Wrong, ...]:
+    """A temperature: a positive number, or a per-token tensor of the call's leading shape."""
+    numbers = scalar_wrongs("temperature", below=0.0, tensors=False)
+    tensors: list[tuple[str, str, Any, Any]] = [
+        ("shape", "tensor-1d", torch.tensor([0.5], dtype=torch.float64), ValueError),
+        ("shape", "tensor-rows+1", torch.ones(B + 1, T, dtype=torch.float64), ValueError),
+        ("type", "tensor-0d", torch.tensor(0.5, dtype=torch.float64), TypeError),
+        ("dtype", "tensor-bool", torch.ones(B, T, dtype=torch.bool), TypeError),
+        ("dtype", "tensor-complex", torch.ones(B, T, dtype=torch.complex64), TypeError),
+        ("device", "tensor-meta", torch.ones(B, T, device="meta"), ValueError),
+    ]
+    return numbers + tuple(
+        Wrong("temperature", kind, label, lambda a, v=value: v, error, subject("temperature"))
+        for kind, label, value, error in tensors
+    )
+
+
+TEMPERATURE = temperature_wrongs()
 CHUNK = int_wrongs("chunk_size", minimum=1)
+SOFTCAP = scalar_wrongs("final_logit_softcapping", below=0.0, tensors=False)
+SCALE = scalar_wrongs("logit_scale", below=None, tensors=False)
+MIN_P = scalar_wrongs("min_p", below=-0.1, above=1.5, tensors=False)
+FP32_HEAD = flag_wrongs("fp32_head")
+HEAD_OPTIONS = SOFTCAP + SCALE
+STATISTICS = (
+    Wrong("statistics", "type", "str", lambda a: "entropy", TypeError, subject("statistics")),
+    Wrong("statistics", "type", "ints", lambda a: (1,), TypeError, subject("statistics")),
+    Wrong("statistics", "value", "unknown", lambda a: ("entropy", "variance"), ValueError,
+          subject("statistics")),
+)  # fmt: skip
 VOCAB_GROUP = tuple(w for w in kept_wrongs() if w.argument == "vocab_group")
 
 
@@ -1124,7 +1152,8 @@ ISSUE25_CASES: tuple[Case, ...] = (
         rlo.topk_forward_kl_from_hidden,
         lambda: {**_head_arguments(), **_teacher_slots(), "mask": token_mask(),
                  "reduction": "sequence_sum_normalized"},
-        HEAD_WRONGS + SLOT_WRONGS + mask_wrongs() + TOPK_OPTIONS + cu_seqlens_wrongs(),
+        HEAD_WRONGS + SLOT_WRONGS + mask_wrongs() + TOPK_OPTIONS + cu_seqlens_wrongs()
+        + HEAD_OPTIONS + FP32_HEAD,
     ),
     Case(
         "reverse_kl_loss",
@@ -1138,7 +1167,8 @@ ISSUE25_CASES: tuple[Case, ...] = (
         rlo.reverse_kl_loss_from_hidden,
         lambda: {**_head_arguments(), **_reverse_arguments()},
         HIDDEN_WRONGS + REVERSE_WRONGS[len(tensor_wrongs("tokens", shapes=MATRIX_SHAPES,
-                                                          dtype=torch.int64)):],
+                                                          dtype=torch.int64)):]
+        + HEAD_OPTIONS + FP32_HEAD,
     ),
     Case(
         "reverse_kl_rewards",
@@ -1171,7 +1201,9 @@ ISSUE25_CASES: tuple[Case, ...] = (
         + tensor_wrongs("teacher_hidden", shapes=((B, T), (B, T + 1, 2)))
         + tensor_wrongs("teacher_weight", shapes=((V, 3), (V,), (V + 1, 2)))
         + tensor_wrongs("teacher_bias", shapes=((V + 1,), (V, 1)))
-        + mask_wrongs() + BETA + reduction_wrongs() + cu_seqlens_wrongs(),
+        + mask_wrongs() + BETA + reduction_wrongs() + cu_seqlens_wrongs() + HEAD_OPTIONS
+        + FP32_HEAD + scalar_wrongs("teacher_final_logit_softcapping", below=0.0, tensors=False)
+        + scalar_wrongs("teacher_logit_scale", below=None, tensors=False),
     ),
     Case(
         "gdpo_advantages",
@@ -1216,6 +1248,26 @@ ISSUE25_CASES: tuple[Case, ...] = (
         + int_wrongs("group_size", minimum=1)
         + group_ids_wrongs()
         + hyper("f_norm", below=0.0),
+    ),
+    Case(
+        "optimal_token_baseline_advantages",
+        rlo.optimal_token_baseline_advantages,
+        lambda: {"rewards": torch.randn(B * G, T, dtype=torch.float64),
+                 "mask": torch.rand(B * G, T) < 0.8,
+                 "old_log_probs": -torch.rand(B * G, T, dtype=torch.float64),
+                 "log_sum_sq_probs": -torch.rand(B * G, T, dtype=torch.float64),
+                 "group_size": G,
+                 "importance_weights": torch.rand(B * G, T, dtype=torch.float64)},
+        tensor_wrongs("rewards", shapes=((B * G,), (B * G, T, 1)), reference=True)
+        + tensor_wrongs("mask", shapes=((B * G, T + 1), (B * G + 1, T)), dtype=torch.bool)
+        + tensor_wrongs("old_log_probs", shapes=((B * G, T + 1), (B * G + 1, T)))
+        + tensor_wrongs("log_sum_sq_probs", shapes=((B * G, T + 1), (B * G + 1, T)))
+        + tensor_wrongs("importance_weights", shapes=((B * G, T + 1), (B * G,)))
+        + int_wrongs("group_size", minimum=1)
+        + group_ids_wrongs()
+        + choice_wrongs("alignment")
+        + flag_wrongs("handle_zero_tail")
+        + hyper("eps", below=-0.1),
     ),
     Case(
         "length_adaptive_lambda",
@@ -1440,7 +1492,10 @@ CASES: tuple[Case, ...] = (
         + cu_seqlens_wrongs()
         + context_group_wrongs()
         + kept_wrongs()
-        + prompt_group_wrongs(),
+        + prompt_group_wrongs()
+        + MIN_P
+        + HEAD_OPTIONS
+        + FP32_HEAD,
     ),
     Case(
         "gae",
@@ -1785,7 +1840,10 @@ CASES: tuple[Case, ...] = (
         + TEMPERATURE
         + CHUNK
         + cu_seqlens_wrongs(4)
-        + kept_wrongs((B, 2)),  # (B, R): the set of each response token
+        + kept_wrongs((B, 2))  # (B, R): the set of each response token
+        + MIN_P
+        + HEAD_OPTIONS
+        + STATISTICS,
     ),
     Case(
         "rloo_advantages",
@@ -1830,7 +1888,9 @@ CASES: tuple[Case, ...] = (
         + mask_wrongs()
         + TEMPERATURE
         + CHUNK
-        + kept_wrongs(),
+        + kept_wrongs()
+        + MIN_P
+        + HEAD_OPTIONS,
     ),
     Case(
         "token_log_probs",
@@ -1841,7 +1901,10 @@ CASES: tuple[Case, ...] = (
         + mask_wrongs()
         + TEMPERATURE
         + CHUNK
-        + kept_wrongs(),
+        + kept_wrongs()
+        + MIN_P
+        + HEAD_OPTIONS
+        + STATISTICS,
     ),
     Case(
         "value_loss",
@@ -1931,7 +1994,11 @@ CASES: tuple[Case, ...] = (
         + mask_wrongs()
         + flag_wrongs("return_entropy")
         + cu_seqlens_wrongs()
-        + kept_wrongs(),
+        + kept_wrongs()
+        + MIN_P
+        + HEAD_OPTIONS
+        + FP32_HEAD
+        + STATISTICS,
     ),
     Case(
         "top_entropy_mask",

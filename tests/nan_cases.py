@@ -194,11 +194,34 @@ def draw_importance_weights(
         poison["importance_weights"] = t.empty_rows.clone().unsqueeze(-1)
 
 
-def draw_logits_options(draw: Draw) -> dict[str, Any]:
-    return {
+def draw_logits_options(
+    draw: Draw,
+    t: Tokens | None = None,
+    poison: dict[str, torch.Tensor] | None = None,
+    *,
+    head: bool = False,
+) -> dict[str, Any]:
+    """The temperature (with ``t``: sometimes one per token, poisoned where unselected), the
+    chunk size and, with ``head``, the logit scale and softcap."""
+    options: dict[str, Any] = {
         "temperature": draw(st.sampled_from((1.0, 0.7))),
         "chunk_size": draw(st.sampled_from((None, 1, 2, 5))),
     }
+    if t is not None and poison is not None and draw(st.booleans()):
+        options["temperature"] = 0.5 + torch.rand(*t.shape, generator=t.generator, dtype=F64)
+        poison["temperature"] = t.unselected.clone()
+    if head:
+        options["final_logit_softcapping"] = draw(st.sampled_from((None, 2.0)))
+        options["logit_scale"] = draw(st.sampled_from((1.0, 0.7)))
+    return options
+
+
+def draw_statistics(draw: Draw) -> dict[str, Any]:
+    """Sometimes ``statistics=``: a subset of the four names."""
+    names = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+    if not draw(st.booleans()):
+        return {}
+    return {"statistics": tuple(name for name in names if draw(st.booleans()))}
 
 
 def draw_kept_options(
@@ -213,7 +236,8 @@ def draw_kept_options(
     With ``tokens`` the sets hold the sampled tokens (as an engine's do) and no rule is drawn:
     a loss of a token outside its set is not finite for every surrogate (CISPO: -sg(r) A log p).
     """
-    kinds = ("none", "none", "ids", "mask") + (("top_k", "rule") if tokens is None else ())
+    rules = ("top_k", "rule", "min_p", "min_p+rule")
+    kinds = ("none", "none", "ids", "mask") + (rules if tokens is None else ())
     kind = draw(st.sampled_from(kinds))
     if kind == "ids":
         ids = torch.randint(-1, vocabulary, (*shape, 3), generator=generator)
@@ -229,6 +253,10 @@ def draw_kept_options(
         return {"top_k": draw(st.integers(1, vocabulary))}
     if kind == "rule":
         return {"top_k": draw(st.integers(1, vocabulary)), "top_p": 0.7}
+    if kind == "min_p":
+        return {"min_p": draw(st.sampled_from((0.1, 0.5, 1.0)))}
+    if kind == "min_p+rule":
+        return {"min_p": 0.2, "top_k": draw(st.integers(1, vocabulary)), "top_p": 0.8}
     return {}
 
 
@@ -530,16 +558,18 @@ def _logits_case(kind: str) -> Callable[[Draw], Batch]:
     def draw_batch(draw: Draw) -> Batch:
         t = draw_tokens(draw)
         vocabulary = draw(st.integers(2, 7))
+        poison = {"logits": t.unselected_rows(vocabulary)}
+        head = kind in ("token_log_probs", "token_entropy")
         arguments: dict[str, Any] = {
             "logits": t.randn(*t.shape, vocabulary) * 3,
             "mask": t.mask,
-            **draw_logits_options(draw),
+            **draw_logits_options(draw, t, poison, head=head),
         }
-        poison = {"logits": t.unselected_rows(vocabulary)}
-        if kind in ("token_log_probs", "token_entropy"):
+        if head:
             arguments.update(draw_kept_options(draw, t.generator, t.shape, vocabulary))
         if kind == "token_log_probs":
             arguments["tokens"] = torch.randint(0, vocabulary, t.shape, generator=t.generator)
+            arguments.update(draw_statistics(draw))
         if kind.startswith("full_vocab_kl"):
             arguments["ref_logits"] = t.randn(*t.shape, vocabulary) * 3
             poison["ref_logits"] = t.unselected_rows(vocabulary)
@@ -553,20 +583,21 @@ def _logits_case(kind: str) -> Callable[[Draw], Batch]:
 def _hidden(draw: Draw, t: Tokens) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """hidden ``(B, T, H)`` (rows of unselected tokens poisoned), weight, bias, tokens."""
     width, vocabulary = draw(st.integers(1, 4)), draw(st.integers(2, 6))
+    poison = {"hidden": t.unselected_rows(width)}
     arguments: dict[str, Any] = {
         "hidden": t.randn(*t.shape, width),
         "weight": t.randn(vocabulary, width),
         "tokens": torch.randint(0, vocabulary, t.shape, generator=t.generator),
         "bias": t.randn(vocabulary) if draw(st.booleans()) else None,
-        **draw_logits_options(draw),
+        **draw_logits_options(draw, t, poison, head=True),
     }
-    return arguments, {"hidden": t.unselected_rows(width)}
+    return arguments, poison
 
 
 def _token_log_probs_from_hidden(draw: Draw) -> Batch:
     t = draw_tokens(draw)
     arguments, poison = _hidden(draw, t)
-    arguments.update(mask=t.mask, return_entropy=draw(st.booleans()))
+    arguments.update(mask=t.mask, return_entropy=draw(st.booleans()), **draw_statistics(draw))
     vocabulary = arguments["weight"].shape[0]
     arguments.update(draw_kept_options(draw, t.generator, t.shape, vocabulary))
     differentiate = ("hidden", "weight") + (("bias",) if arguments["bias"] is not None else ())
@@ -618,12 +649,17 @@ def _response_log_probs(draw: Draw) -> Batch:
         "prompt_lengths": torch.tensor(prompts),
         "attention_mask": attention,
         "response_length": max(1, *responses) + draw(st.integers(0, 1)),
-        **draw_logits_options(draw),
+        **draw_logits_options(draw, head=True),
+        **draw_statistics(draw),
     }
     response = (batch, arguments["response_length"])
     arguments.update(draw_kept_options(draw, t.generator, response, vocabulary))
-    poison = (~scoring).unsqueeze(-1).expand(batch, length, vocabulary).clone()
-    return Batch(arguments, {"logits": poison}, ("logits",))
+    poisons = {"logits": (~scoring).unsqueeze(-1).expand(batch, length, vocabulary).clone()}
+    if draw(st.booleans()):  # one temperature per response token, poisoned past each response
+        arguments["temperature"] = 0.5 + torch.rand(response, generator=t.generator, dtype=F64)
+        columns = torch.arange(response[1])
+        poisons["temperature"] = columns >= torch.tensor(responses).unsqueeze(1)
+    return Batch(arguments, poisons, ("logits",))
 
 
 def _entropy_mask(draw: Draw) -> Batch:
@@ -696,9 +732,9 @@ def _distillation(kind: str, hidden: bool) -> Callable[[Draw], Batch]:
     def draw_batch(draw: Draw) -> Batch:
         t = draw_tokens(draw)
         vocabulary = draw(st.integers(2, 6))
-        arguments: dict[str, Any] = {"mask": t.mask, **draw_reduction(draw, t),
-                                     **draw_logits_options(draw)}  # fmt: skip
         poison: dict[str, torch.Tensor] = {}
+        arguments: dict[str, Any] = {"mask": t.mask, **draw_reduction(draw, t)}
+        arguments.update(draw_logits_options(draw, t, poison, head=hidden))
         if hidden:
             width = draw(st.integers(1, 3))
             arguments.update(hidden=t.randn(*t.shape, width), weight=t.randn(vocabulary, width),
@@ -734,6 +770,25 @@ def _distillation(kind: str, hidden: bool) -> Callable[[Draw], Batch]:
     return draw_batch
 
 
+def _optimal_token_baseline(draw: Draw) -> Batch:
+    group = draw(st.sampled_from((1, 2)))
+    t = draw_tokens(draw, batch_multiple=group)
+    arguments: dict[str, Any] = {
+        "rewards": t.randn(*t.shape),
+        "mask": t.mask,
+        "old_log_probs": t.log_probs(),
+        "log_sum_sq_probs": t.log_probs(),
+        "group_size": group,
+        "alignment": draw(st.sampled_from(("position", "token"))),
+        "handle_zero_tail": draw(st.booleans()),
+    }
+    poison = {name: t.unselected for name in ("rewards", "old_log_probs", "log_sum_sq_probs")}
+    if draw(st.booleans()):
+        arguments["importance_weights"] = torch.rand(*t.shape, generator=t.generator, dtype=F64)
+        poison["importance_weights"] = t.unselected
+    return Batch(arguments, poison, ())
+
+
 def _reverse_kl_rewards(draw: Draw) -> Batch:
     t = draw_tokens(draw)
     arguments = {
@@ -758,6 +813,8 @@ ISSUE25_NAN_CASES: tuple[NanCase, ...] = (
     NanCase("generalized_jsd_loss_from_hidden", rlo.generalized_jsd_loss_from_hidden,
             _distillation("jsd", True), 12),
     NanCase("reverse_kl_rewards", rlo.reverse_kl_rewards, _reverse_kl_rewards, 8),
+    NanCase("optimal_token_baseline_advantages", rlo.optimal_token_baseline_advantages,
+            _optimal_token_baseline, 12),
 )  # fmt: skip
 
 

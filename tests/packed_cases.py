@@ -124,6 +124,8 @@ def make_tensors(
     kept = torch.randint(-1, VOCAB, (sequences, width, 3), generator=generator)
     kept[..., 0] = torch.where(bad, kept[..., 0], tokens)
     tensors["kept_ids"] = kept
+    # one sampling temperature per token (issue 33)
+    tensors["token_temperature"] = token(0.5 + randn(sequences, width).abs())
     return tensors
 
 
@@ -280,16 +282,29 @@ def _from_hidden(v: View, **kept: str) -> Outputs:
     return {"log_probs": v.tokens(out.log_probs), "entropy": v.tokens(out.entropy)}
 
 
+def _from_hidden_head(v: View) -> Outputs:
+    """The logit transform with a per-token temperature, and every statistic."""
+    out = rlo.token_log_probs_from_hidden(
+        v["hidden"], v["weight"], v["tokens"], mask=v["mask"], temperature=v["token_temperature"],
+        final_logit_softcapping=2.0, logit_scale=0.8,
+        statistics=("entropy", "log_sum_sq_probs", "mean_logits", "is_top1"), **v.layout,
+    )  # fmt: skip
+    return {name: v.tokens(value) for name, value in out._asdict().items()}
+
+
 def _fused_hidden(
     advantages: str = "advantages",
     weights: str | None = None,
     kept: str | None = None,
+    temperature: str | None = None,
     **options: Any,
 ) -> Callable[[View], Outputs]:
     def run(v: View) -> Outputs:
         weighted = {} if weights is None else {"importance_weights": v.row(weights)}
         if kept is not None:
             weighted["kept_ids"] = v[kept]
+        if temperature is not None:
+            weighted["temperature"] = v[temperature]
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", rlo.BiasedGradientWarning)
             out = rlo.fused_policy_loss_from_hidden(
@@ -312,14 +327,16 @@ def _fused_hidden(
     return run
 
 
-def _full_vocab_kl(reduction: str) -> Callable[[View], Outputs]:
+def _full_vocab_kl(reduction: str, temperature: str | None = None) -> Callable[[View], Outputs]:
     def run(v: View) -> Outputs:
+        options = {} if temperature is None else {"temperature": v[temperature]}
         out = rlo.full_vocab_kl_loss(
             v["logits"],
             v["ref_logits"],
             v["mask"],
             reduction=reduction,
             max_response_length=9,
+            **options,
             **v.layout,
         )
         return {"loss": v.tokens(out) if out.ndim else out}
@@ -782,6 +799,30 @@ CASES: list[Case] = [
     Case("kl_penalized_token_rewards", _kl_token_rewards()),
     Case("full_vocab_kl_loss", _full_vocab_kl("sequence_mean"), ("logits_leaf",), heavy=True),
     Case("token_log_probs_from_hidden", _from_hidden, HIDDEN_LEAVES, heavy=True),
+    Case(
+        "token_log_probs_from_hidden-head-statistics",
+        _from_hidden_head,
+        HIDDEN_LEAVES,
+        heavy=True,
+        kernels=False,  # the statistics run on PyTorch
+    ),
+    Case(
+        "full_vocab_kl_loss-token-temperature",
+        _full_vocab_kl("sequence_mean", "token_temperature"),
+        ("logits_leaf",),
+        heavy=True,
+    ),
+    Case(
+        "fused_policy_loss_from_hidden-head",
+        _fused_hidden(
+            reduction="sequence_mean",
+            temperature="token_temperature",
+            final_logit_softcapping=2.0,
+            logit_scale=0.8,
+        ),  # fmt: skip
+        HIDDEN_LEAVES,
+        heavy=True,
+    ),
     Case(
         "token_log_probs_from_hidden-kept_ids",
         lambda v: _from_hidden(v, kept_ids="kept_ids"),

@@ -3048,13 +3048,16 @@ def kept_set(
     keep: list[bool] | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
 ) -> list[bool]:
     """The kept set of one row of logits (already divided by the temperature), as booleans.
 
     ``ids``: kept ids (``pad`` ignored; none left: the whole vocabulary). ``keep``: a mask
-    (all False: the whole vocabulary). Otherwise the rule, written from its definition: top-k
-    keeps ``x >= x_(k)`` (the k-th largest value, ties kept); top-p keeps, of those, every token
-    whose renormalised mass strictly above it is below p (the top token always).
+    (all False: the whole vocabulary). Otherwise the rule, written from its definition in
+    vLLM V1's order: min-p keeps ``p_v >= min_p * max_u p_u`` (the probabilities of the whole
+    row); top-k keeps, of those, ``x >= x_(k)`` (the k-th largest value, ties kept); top-p keeps,
+    of those, every token whose renormalised mass strictly above it is below p (the top token
+    always).
     """
     vocab = row.shape[0]
     if ids is not None:
@@ -3064,9 +3067,16 @@ def kept_set(
         return list(keep) if any(keep) else [True] * vocab
     values = [float(x) for x in row.tolist()]
     kept = [True] * vocab
-    if top_k is not None and top_k < vocab:
-        kth = sorted(values, reverse=True)[top_k - 1]
-        kept = [x >= kth for x in values]
+    if min_p is not None:
+        largest = max(values)
+        total = sum(math.exp(x - largest) for x in values)
+        probs = [math.exp(x - largest) / total for x in values]
+        kept = [p >= min_p * max(probs) for p in probs]
+    if top_k is not None:
+        inside = sorted((x for x, k in zip(values, kept, strict=True) if k), reverse=True)
+        if top_k < len(inside):
+            kth = inside[top_k - 1]
+            kept = [k and x >= kth for x, k in zip(values, kept, strict=True)]
     if top_p is not None:
         top = max(x for x, k in zip(values, kept, strict=True) if k)
         total = sum(math.exp(x - top) for x, k in zip(values, kept, strict=True) if k)
@@ -3083,6 +3093,7 @@ def _kept_rows(
     pad: int,
     top_k: int | None,
     top_p: float | None,
+    min_p: float | None = None,
 ) -> list[list[bool]]:
     """The kept set of every row of ``rows`` ``(N, V)`` (after the temperature)."""
     sets = []
@@ -3098,7 +3109,9 @@ def _kept_rows(
             else [bool(k) for k in kept_mask.reshape(-1, rows.shape[1])[n]]
         )
         sets.append(
-            kept_set(rows[n].detach(), ids=ids, pad=pad, keep=keep, top_k=top_k, top_p=top_p)
+            kept_set(
+                rows[n].detach(), ids=ids, pad=pad, keep=keep, top_k=top_k, top_p=top_p, min_p=min_p
+            )  # fmt: skip
         )
     return sets
 
@@ -3594,3 +3607,174 @@ def reward_model_loss(
             value = torch.log1p(torch.exp(rejected[i] - chosen[i] + m))
         total = total + value + center * (chosen[i] + rejected[i]) ** 2
     return total / max(chosen.shape[0], 1)
+
+
+# --- the LM head as trainers and samplers compute it (issue 33) -------------------------------
+
+
+def transformed_logits(
+    logits: Tensor,
+    *,
+    temperature: float | Tensor = 1.0,
+    logit_scale: float = 1.0,
+    final_logit_softcapping: float | None = None,
+) -> Tensor:
+    """``cap_c(s z) / tau`` in float64, differentiable: ``c tanh(s z / c)`` with a softcap.
+
+    ``temperature``: a number or a per-row tensor of the leading shape of ``logits``.
+    """
+    scaled = logits.double() * logit_scale
+    if final_logit_softcapping is not None:
+        cap = final_logit_softcapping
+        scaled = cap * torch.tanh(scaled / cap)
+    if isinstance(temperature, Tensor):
+        return scaled / temperature.double().unsqueeze(-1)
+    return scaled / temperature
+
+
+def head_statistics(
+    logits: Tensor,
+    tokens: Tensor,
+    mask: Tensor | None = None,
+    *,
+    temperature: float | Tensor = 1.0,
+    logit_scale: float = 1.0,
+    final_logit_softcapping: float | None = None,
+    kept_ids: Tensor | None = None,
+    kept_mask: Tensor | None = None,
+    kept_pad: int = -1,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    min_p: float | None = None,
+) -> dict[str, Tensor]:
+    """Reference of ``token_log_probs(..., statistics=...)``: every statistic, row by row.
+
+    ``x`` = :func:`transformed_logits`; K the kept set of ``x`` (:func:`kept_set`, the whole
+    vocabulary without one); ``log_probs = x_y - logsumexp(x_K)`` (``-inf`` outside K),
+    ``entropy = -sum_K q log q``, ``log_sum_sq_probs = log sum_K q^2``, ``mean_logits`` the mean
+    of ``x`` over the whole vocabulary, ``is_top1``: y is the first index of ``max_K x``. 0 (and
+    False) where masked. Differentiable with respect to ``logits``.
+    """
+    x = transformed_logits(
+        logits, temperature=temperature, logit_scale=logit_scale,
+        final_logit_softcapping=final_logit_softcapping,
+    )  # fmt: skip
+    rows, shape = _rows(x)
+    sets = _kept_rows(rows, kept_ids, kept_mask, kept_pad, top_k, top_p, min_p)
+    flat_tokens = tokens.reshape(-1).tolist()
+    zero = torch.zeros((), dtype=torch.float64)
+    names = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits")
+    out: dict[str, list[Tensor]] = {name: [] for name in names}
+    top1: list[bool] = []
+    for n, keep in enumerate(_row_keep(mask, rows.shape[0])):
+        if not keep:
+            for name in names:
+                out[name].append(zero)
+            top1.append(False)
+            continue
+        index = torch.tensor([v for v, k in enumerate(sets[n]) if k])
+        inside = rows[n][index]
+        lse = torch.logsumexp(inside, 0)
+        y = int(flat_tokens[n])
+        minus_inf = torch.tensor(-math.inf, dtype=torch.float64)
+        out["log_probs"].append(rows[n][y] - lse if sets[n][y] else minus_inf)
+        log_q = inside - lse
+        out["entropy"].append(-(log_q.exp() * log_q).sum())
+        out["log_sum_sq_probs"].append(torch.log((2 * log_q).exp().sum()))
+        out["mean_logits"].append(rows[n].mean())
+        values = [float(v) if k else -math.inf for v, k in zip(rows[n].tolist(), sets[n],
+                                                                 strict=True)]  # fmt: skip
+        top1.append(values.index(max(values)) == y)
+    result = {
+        name: torch.stack(values).reshape(shape) if values else torch.zeros(shape,
+                                                                            dtype=torch.float64)
+        for name, values in out.items()
+    }  # fmt: skip
+    result["is_top1"] = torch.tensor(top1, dtype=torch.bool).reshape(shape)
+    return result
+
+
+def head_statistics_from_hidden(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    *,
+    bias: Tensor | None = None,
+    **options: Any,
+) -> dict[str, Tensor]:
+    """Reference of ``token_log_probs_from_hidden(..., statistics=...)``: the float64 product
+    ``hidden @ weight.T + bias`` of the given numbers, then :func:`head_statistics`."""
+    logits = hidden.double() @ weight.double().T
+    if bias is not None:
+        logits = logits + bias.double()
+    return head_statistics(logits, tokens, **options)
+
+
+def optimal_token_baseline(
+    rewards: Tensor,
+    mask: list[list[bool]],
+    old_log_probs: Tensor,
+    sum_pi_squared: Tensor,
+    groups: list[object],
+    *,
+    importance_weights: Tensor | None = None,
+    alignment: str = "position",
+    handle_zero_tail: bool = True,
+    eps: float = 1e-8,
+) -> Tensor:
+    """Reference of optimal_token_baseline_advantages (advantages), written from the definition.
+
+    Per row: ``G_t = sum_{s >= t, selected} r_s`` and ``W_t = sum_{s <= t, selected} rho_s^2 (1 -
+    2 pi_s + sum pi^2_s)``; the steps of a group aligned by column (``"position"``) or by the
+    rank among the row's selected tokens (``"token"``, rows without a token belong to no
+    group); ``b_k = sum_i G W / (sum_i W + eps)`` over the group's rows that hold step k; 0 for
+    a group of one; with ``handle_zero_tail`` a unique longest row gets 0 from the second
+    longest length on; ``A = G - b`` at the selected tokens.
+    """
+    batch, width = rewards.shape
+    steps: list[list[tuple[int, float, float]]] = []  # per row: (column, G, W) of its steps
+    for i in range(batch):
+        g = [sum(float(rewards[i, s]) for s in range(t, width) if mask[i][s])
+             for t in range(width)]  # fmt: skip
+        w_sum, row = 0.0, []
+        for t in range(width):
+            if mask[i][t]:
+                rho = 1.0 if importance_weights is None else float(importance_weights[i, t])
+                pi = math.exp(float(old_log_probs[i, t]))
+                w_sum += rho * rho * (1 - 2 * pi + float(sum_pi_squared[i, t]))
+            row.append((t, g[t], w_sum))
+        if alignment == "token":
+            row = [(rank, gt, wt) for rank, (t, gt, wt) in
+                   enumerate(entry for entry in row if mask[i][entry[0]])]  # fmt: skip
+        steps.append(row)
+    lengths = [sum(mask[i]) for i in range(batch)]
+    members: dict[object, list[int]] = {}
+    for i, label in enumerate(groups):
+        if alignment == "position" or lengths[i] > 0:
+            members.setdefault(label, []).append(i)
+    baseline = [[0.0] * width for _ in range(batch)]
+    for rows in members.values():
+        if len(rows) < 2:
+            continue
+        for i in rows:
+            for k, _, _ in steps[i]:
+                holders = [
+                    (gt, wt) for j in rows for kk, gt, wt in steps[j]
+                    if kk == k and (alignment == "token" or mask[j][k])
+                ]  # fmt: skip
+                numerator = sum(gt * wt for gt, wt in holders)
+                denominator = sum(wt for _, wt in holders) + eps
+                baseline[i][k] = numerator / denominator
+        if handle_zero_tail:
+            ordered = sorted(lengths[i] for i in rows)
+            longest = [i for i in rows if lengths[i] == ordered[-1]]
+            if len(longest) == 1 and ordered[-1] > ordered[-2]:
+                for k in range(ordered[-2], width):
+                    baseline[longest[0]][k] = 0.0
+    advantages = torch.zeros(batch, width, dtype=torch.float64)
+    for i in range(batch):
+        for k, gt, _ in steps[i]:
+            column = k if alignment == "position" else [t for t in range(width) if mask[i][t]][k]
+            if mask[i][column]:
+                advantages[i, column] = gt - baseline[i][k]
+    return advantages

@@ -26,6 +26,7 @@ POSITIONAL_GROUPING = {
     ("gdpo_advantages", "group_size"),
     ("maxrl_advantages", "group_size"),
     ("gpg_advantages", "group_size"),
+    ("optimal_token_baseline_advantages", "group_size"),
 }
 
 

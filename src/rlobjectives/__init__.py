@@ -21,6 +21,7 @@ from .advantages.length import (
     relative_position_lambda,
 )
 from .advantages.maxrl import maxrl_advantages
+from .advantages.otb import OptimalTokenBaselineOutput, optimal_token_baseline_advantages
 from .advantages.outcome import (
     group_relative_advantages,
     opo_advantages,
@@ -58,11 +59,13 @@ from .kl.rewards import kl_penalized_rewards, kl_penalized_token_rewards
 from .logprobs.alignment import (
     ResponseAlignment,
     ResponseLogProbs,
+    ResponseStatistics,
     response_alignment,
     response_log_probs,
 )
 from .logprobs.hidden import TokenLogProbsOutput, token_log_probs_from_hidden
 from .logprobs.logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, token_log_probs
+from .logprobs.statistics import LogProbStatistics
 from .logprobs.vocab_parallel import VocabParallel
 from .policy.call import PolicyLossDiagnostics, PolicyLossOutput
 from .policy.from_hidden import FusedPolicyLossOutput, fused_policy_loss_from_hidden
@@ -162,6 +165,8 @@ __all__ = [
     "ClipCov",
     "CovSelection",
     "KLCov",
+    "LogProbStatistics",
+    "OptimalTokenBaselineOutput",
     "BiasedGradientWarning",
     "FixedKLController",
     "FusedPolicyLossOutput",
@@ -173,6 +178,7 @@ __all__ = [
     "Reduction",
     "ResponseAlignment",
     "ResponseLogProbs",
+    "ResponseStatistics",
     "RolloutCorrection",
     "RolloutCorrectionMetrics",
     "PolicyTokens",
@@ -222,6 +228,7 @@ __all__ = [
     "normalizer_for_reduction",
     "off_policy_sequence_mask",
     "opo_advantages",
+    "optimal_token_baseline_advantages",
     "overlong_penalty",
     "passk_advantages",
     "pack",

@@ -386,23 +386,29 @@ def test_from_hidden_chunk_sizes_and_low_precision_heads() -> None:
             chunk_size=chunk,
         )
         torch.testing.assert_close(actual, expected, rtol=1e-13, atol=1e-13)
-    # bf16 head: the product in bf16 (as the model's), the softmax and the KL in float32.
+    # bf16 head: the product in float32 (fp32_head=True, the default) or rounded to bf16 (as the
+    # model's own product, fp32_head=False), the softmax and the KL in float32.
     head = [b[n].to(torch.bfloat16).requires_grad_(True) for n in ("hidden", "weight", "bias")]
-    loss = rlo.topk_forward_kl_from_hidden(
-        head[0], head[1], b["log_probs"].float(), b["ids"], b["mask"], bias=head[2]
-    )
-    loss.backward()
-    assert loss.dtype == torch.float32 and head[0].grad is not None
-    assert head[0].grad.dtype == torch.bfloat16 and head[1].grad is not None
-    # the reference on the bf16 logits the model's own product gives
-    logits = torch.addmm(head[2].detach(), head[0].detach().reshape(-1, 3), head[1].detach().T)
-    logits = logits.double().reshape(*b["mask"].shape, -1)
-    reference_loss = _reduce(
-        reference.topk_forward_kl(logits, b["log_probs"], b["ids"], b["mask"]),
-        b["mask"],
-        "token_mean",
-    )
-    assert_close(loss, reference_loss, torch.float32)
+    for fp32_head in (True, False):
+        loss = rlo.topk_forward_kl_from_hidden(
+            head[0], head[1], b["log_probs"].float(), b["ids"], b["mask"], bias=head[2],
+            fp32_head=fp32_head,
+        )  # fmt: skip
+        loss.backward()
+        assert loss.dtype == torch.float32 and head[0].grad is not None
+        assert head[0].grad.dtype == torch.bfloat16 and head[1].grad is not None
+        hidden, weight, bias = (t.detach() for t in head)
+        if fp32_head:  # the exact product of the bf16 numbers
+            logits = torch.addmm(bias.double(), hidden.reshape(-1, 3).double(), weight.double().T)
+        else:  # the bf16 logits the model's own product gives
+            logits = torch.addmm(bias, hidden.reshape(-1, 3), weight.T).double()
+        logits = logits.reshape(*b["mask"].shape, -1)
+        reference_loss = _reduce(
+            reference.topk_forward_kl(logits, b["log_probs"], b["ids"], b["mask"]),
+            b["mask"],
+            "token_mean",
+        )
+        assert_close(loss, reference_loss, torch.float32)
 
 
 # --- numerics -------------------------------------------------------------------------------------

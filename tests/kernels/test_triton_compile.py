@@ -16,7 +16,7 @@ from backends import requires_triton
 
 pytestmark = requires_triton
 
-FLOATS = ("inv_temperature",)
+FLOATS = ("inv_temperature", "scale", "softcap")
 
 
 def _compile(kernel: Any, pointers: dict[str, str], constexprs: dict[str, Any]) -> None:
@@ -68,18 +68,21 @@ def kernels() -> Any:
     return load("cuda")  # the compiled-mode package (no GPU needed to compile)
 
 
+@pytest.mark.parametrize("transform", [False, True], ids=["plain", "softcap+rows+round"])
 @pytest.mark.parametrize("dtype", ["bf16", "fp32"])
-def test_lm_head_kernels_compile(kernels: Any, dtype: str) -> None:
+def test_lm_head_kernels_compile(kernels: Any, dtype: str, transform: bool) -> None:
     tiles = (128, 128, 64) if dtype == "bf16" else (64, 64, 32)
     common = {"PRECISION": "ieee", "UPCAST": False}
+    logit = {"HAS_SOFTCAP": transform, "ROW_TEMPERATURE": transform,
+             "ROUND": transform and dtype == "bf16"}  # fmt: skip
     head = {"hidden_ptr": f"*{dtype}", "weight_ptr": f"*{dtype}", "bias_ptr": f"*{dtype}",
-            "tokens_ptr": "*i64", "mask_ptr": "*u8"}  # fmt: skip
+            "tokens_ptr": "*i64", "mask_ptr": "*u8", "inverse_ptr": "*fp32"}  # fmt: skip
     module = kernels.lm_head
     _compile(
         module.lse_partial_kernel,
         dict(head, max_ptr="*fp32", sum_ptr="*fp32", moment_ptr="*fp32", target_ptr="*fp32"),
-        dict(common, HAS_BIAS=True, WITH_ENTROPY=True, BLOCK_N=tiles[0], BLOCK_V=tiles[1],
-             BLOCK_H=tiles[2]),
+        dict(common, **logit, HAS_BIAS=True, WITH_ENTROPY=True, BLOCK_N=tiles[0],
+             BLOCK_V=tiles[1], BLOCK_H=tiles[2]),
     )  # fmt: skip
     _compile(
         module.lse_combine_kernel,
@@ -91,8 +94,8 @@ def test_lm_head_kernels_compile(kernels: Any, dtype: str) -> None:
         module.grad_logits_kernel,
         dict(head, lse_ptr="*fp32", entropy_ptr="*fp32", grad_log_probs_ptr="*fp32",
              grad_entropy_ptr="*fp32", out_ptr=f"*{dtype}", bias_partial_ptr="*fp32"),
-        dict(common, HAS_BIAS=True, HAS_ENTROPY_GRAD=True, NEED_BIAS=True, BLOCK_N=tiles[0],
-             BLOCK_V=tiles[1], BLOCK_H=tiles[2], GROUP=8),
+        dict(common, **logit, HAS_BIAS=True, HAS_ENTROPY_GRAD=True, NEED_BIAS=True,
+             BLOCK_N=tiles[0], BLOCK_V=tiles[1], BLOCK_H=tiles[2], GROUP=8),
     )  # fmt: skip
     _compile(
         module.matmul_kernel,

@@ -172,3 +172,51 @@ def test_a_selected_id_outside_the_vocabulary_raises_as_on_pytorch() -> None:
             hidden, weight, torch.tensor([[1, -100]]), mask=torch.tensor([[True, False]])
         )
     assert torch.isfinite(out[0, 0]) and out[0, 1] == 0.0
+
+
+@pytest.mark.parametrize(
+    ("dtype", "fp32_head"),
+    [(torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)],
+)
+def test_logit_transform_on_the_kernels(dtype: torch.dtype, fp32_head: bool) -> None:
+    # The scale, the softcap, one temperature per row, and the product rounded to bf16 with
+    # fp32_head=False, on the interpreted kernels against the float64 reference (issue 33).
+    import reference
+    import rlobjectives as rlo
+    from tolerances import tolerance
+
+    head = _head(dtype, banned=True, seed=3)
+    temperature = 0.5 + torch.rand(N, generator=torch.Generator().manual_seed(4))
+    leaves = {
+        name: head[name].clone().requires_grad_(True) for name in ("hidden", "weight", "bias")
+    }
+    options = {"final_logit_softcapping": 2.0, "logit_scale": 1.5, "temperature": temperature}
+    out = rlo.token_log_probs_from_hidden(
+        leaves["hidden"], leaves["weight"], head["tokens"], bias=leaves["bias"], mask=head["mask"],
+        cu_seqlens=torch.tensor([0, N]), return_entropy=True, fp32_head=fp32_head, **options,
+    )  # fmt: skip
+    assert "TritonLogProbsBackward" in str(out.log_probs.grad_fn.next_functions)  # type: ignore[union-attr]
+    mask = head["mask"]
+    exact = {name: head[name].double().requires_grad_(True) for name in ("weight", "bias")}
+    exact["hidden"] = torch.where(mask.unsqueeze(-1), head["hidden"], 0.0).double()
+    exact["hidden"].requires_grad_(True)
+    logits = exact["hidden"] @ exact["weight"].T + exact["bias"]
+    if not fp32_head:  # the reference on the model's own rounded product
+        rounding_error = (logits.to(dtype).double() - logits).detach()
+        logits = logits + torch.where(logits.isfinite(), rounding_error, 0.0)
+    want = reference.head_statistics(logits, head["tokens"].clamp(min=0), mask, **options)
+    rounding = tolerance(torch.float32 if fp32_head else torch.bfloat16)
+    torch.testing.assert_close(out.log_probs.double(), want["log_probs"], **rounding)
+    torch.testing.assert_close(out.entropy.double(), want["entropy"], **rounding)
+    upstream = torch.randn(2, N, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    total = (out.log_probs * upstream[0]).sum() + (out.entropy * upstream[1]).sum()
+    grads = torch.autograd.grad(total, [leaves[name] for name in ("hidden", "weight", "bias")])
+    expected = torch.autograd.grad(
+        (want["log_probs"] * upstream[0]).sum() + (want["entropy"] * upstream[1]).sum(),
+        [exact[name] for name in ("hidden", "weight", "bias")],
+    )
+    loose = {"rtol": 2e-2, "atol": 2e-2} if dtype == torch.bfloat16 else FP32
+    for name, got, wanted in zip(("hidden", "weight", "bias"), grads, expected, strict=True):
+        if name == "hidden":
+            got, wanted = got[mask], wanted[mask]
+        torch.testing.assert_close(got.double(), wanted, **loose, msg=name)

@@ -25,6 +25,7 @@ from backends import FIXTURE_HEALTH, dtype_for, triton_param
 from family_cases import FAMILY_OPTION_SETS
 from rlobjectives import CISPO, Clip, kl_loss, policy_loss
 from rlobjectives.kl.estimators import BiasedGradientWarning
+from rlobjectives.logprobs import passes
 from rlobjectives.logprobs.head import HEAD_BUDGET, chunk_row_bytes
 from rlobjectives.logprobs.hidden import (
     TokenLogProbsOutput,
@@ -317,32 +318,43 @@ class _LargeAllocations(TorchDispatchMode):
         return out
 
 
+@pytest.mark.parametrize("fp32_head", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("entropy_coef", [0.0, 0.1])
-def test_one_chunk_buffer_per_pass(dtype: torch.dtype, entropy_coef: float) -> None:
+def test_one_chunk_buffer_per_pass(
+    dtype: torch.dtype, entropy_coef: float, fp32_head: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Every chunk reuses the pass's ``(chunk, V)`` buffers: no per-chunk ``(n, V)`` temporary.
 
     N = 96 rows in 3 chunks of 32; a ``(16, V)`` block is half a chunk, larger than the
     entropy's scratch (8 rows at V = 16384) and than the weight and its gradient ``(V, 8)``.
+    The log-probabilities keep the logits of the chunks within ``SAVED_LOGITS`` for the
+    backward pass (one buffer, here all the rows: then, with the product formed at once, there
+    is no chunk block at all); with ``SAVED_LOGITS = 0`` they recompute every chunk.
     """
     vocab, chunk = 16384, 32
     case = make_case(2, 48, 8, vocab, seed=5, dtype=dtype)
     inputs = leaves(case)
     common = {k: case[k] for k in ("tokens", "mask")}
     common |= {k: case[k].float() for k in ("old_log_probs", "advantages")}  # float32 loss
-    low = dtype != torch.float32
+    low = dtype != torch.float32 and not fp32_head  # the product rounded in its own buffer
     with _LargeAllocations(16 * vocab) as fused:
         out = fused_policy_loss_from_hidden(
-            *inputs[:2], bias=inputs[2], **common, chunk_size=chunk, entropy_coef=entropy_coef
-        )
+            *inputs[:2], bias=inputs[2], **common, chunk_size=chunk, entropy_coef=entropy_coef,
+            fp32_head=fp32_head,
+        )  # fmt: skip
         out.loss.backward()
     assert fused.count == 1 + low  # the scores (and the low-precision product)
-    with _LargeAllocations(16 * vocab) as recompute:
-        log_probs, entropy = token_log_probs_from_hidden(
-            *inputs[:2], case["tokens"], bias=inputs[2], chunk_size=chunk, return_entropy=True
-        )
-        (log_probs.sum() + entropy.sum()).backward()
-    assert recompute.count == 2 * (1 + low)  # the same, in forward and in backward
+    for budget, saved in ((passes.SAVED_LOGITS, 1), (0, 0)):
+        monkeypatch.setattr(passes, "SAVED_LOGITS", budget)
+        with _LargeAllocations(16 * vocab) as recompute:
+            log_probs, entropy = token_log_probs_from_hidden(
+                *inputs[:2], case["tokens"], bias=inputs[2], chunk_size=chunk,
+                return_entropy=True, fp32_head=fp32_head,
+            )  # fmt: skip
+            (log_probs.sum() + entropy.sum()).backward()
+        # the saved logits alone, or the chunk blocks in forward and in backward (and those)
+        assert recompute.count == (1 if saved and not low else 2 * (1 + low) + saved)
 
 
 def assert_bf16_gradient(

@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 
 import reference
 import rlobjectives as rlo
+from rlobjectives.logprobs import passes
 from tolerances import assert_close, tolerance
 
 PEERS = Path(__file__).resolve().parents[1] / "data" / "truncation_peers.pt"
@@ -532,8 +533,12 @@ class _LargeAllocations(torch.utils._python_dispatch.TorchDispatchMode):
 
 
 @pytest.mark.parametrize("kind", ["ids", "top_k+top_p"])
-def test_from_hidden_never_forms_the_full_logits(kind: str) -> None:
-    # N = 96 rows in chunks of 32 at V = 4096: nothing of half the (N, V) logits is allocated.
+def test_from_hidden_never_forms_the_full_logits(
+    kind: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # N = 96 rows in chunks of 32 at V = 4096: nothing of half the (N, V) logits is allocated
+    # once no logits are kept for the backward pass (SAVED_LOGITS = 0: every chunk recomputed).
+    monkeypatch.setattr(passes, "SAVED_LOGITS", 0)
     rows, vocab, width = 96, 4096, 8
     generator = torch.Generator().manual_seed(6)
     hidden = torch.randn(2, rows // 2, width, generator=generator, requires_grad=True)

@@ -121,6 +121,36 @@ def test_hostile_ids_as_one_process(ranks: tuple[int, list[dict[str, Any]]]) -> 
                 assert result["hostile"][key] == error, (key, result["hostile"][key])
 
 
+def test_sum_pi_squared_equals_verl_vocab_parallel(
+    ranks: tuple[int, list[dict[str, Any]]],
+) -> None:
+    # verl 0.9.1's vocab_parallel_sum_pi_squared on each rank's slice equals exp of our
+    # log_sum_sq_probs (one process, the whole vocabulary).
+    _, results = ranks
+    data = workers.problem()
+    logits = torch.nan_to_num(data["logits"], nan=0.0)
+    ours = rlo.token_log_probs(
+        logits, data["tokens"].clamp(min=0), statistics=("log_sum_sq_probs",)
+    )
+    assert ours.log_sum_sq_probs is not None
+    for result in results:
+        torch.testing.assert_close(result["verl-sum-pi-squared"], ours.log_sum_sq_probs.exp(),
+                                   **EXACT)  # fmt: skip
+
+
+def test_statistics_bytes(ranks: tuple[int, list[dict[str, Any]]]) -> None:
+    # N = 10 rows, float64: the log-probs send one MAX of N and one SUM of 2 N; the entropy one
+    # SUM row more; all four statistics: the entropy's and Sum p^2's rows in the same SUM, the
+    # logit sum too (4 rows more than the log-probs), a MAX of N values and a MIN of N int64.
+    _, results = ranks
+    n = workers.BATCH * workers.STEPS
+    for result in results:
+        sent = result["statistics-bytes"]
+        assert sent["log_probs"] == 8 * (n + 2 * n)
+        assert sent["entropy"] == 8 * (n + 3 * n)
+        assert sent["all"] == 8 * (n + 5 * n) + 8 * n + 8 * n
+
+
 def test_hidden_grad_conventions_differ_by_the_sum(two_ranks: list[dict[str, Any]]) -> None:
     # "partial": rank r holds dZ_r W_r; "reduced": every rank holds the sum of the parts.
     partial = [r["hidden-none-partial"]["grads"]["hidden"] for r in two_ranks]

@@ -88,9 +88,16 @@ def chosen_backend() -> str:
 
 
 def lm_head_backend(
-    device: torch.device | str, *, dtype: torch.dtype, kept_set: bool = False
+    device: torch.device | str,
+    *,
+    dtype: torch.dtype,
+    kept_set: bool = False,
+    unsupported: str | None = None,
 ) -> Backend:
     """``"triton"`` or ``"torch"`` for an LM-head call on ``device`` computing in ``dtype``.
+
+    ``kept_set``: the call has a kept set; ``unsupported``: another reason the kernels cannot
+    take the call (a sentence naming the option), or None.
 
     Raises:
         ValueError: an explicit ``triton`` for a call the kernels cannot take (naming why), or
@@ -110,7 +117,9 @@ def lm_head_backend(
     elif dtype == torch.float64:
         reason = "the kernels compute in float32 and the inputs are float64"
     elif kept_set:
-        reason = "the kernels take no kept set (kept_ids, kept_mask, top_k, top_p)"
+        reason = "the kernels take no kept set (kept_ids, kept_mask, top_k, top_p, min_p)"
+    elif unsupported is not None:
+        reason = unsupported
     elif kind not in ("cuda", "cpu"):
         reason = f"the kernels run on CUDA (compiled) or CPU (interpreted), not {kind!r}"
     if choice == "auto":

@@ -45,6 +45,7 @@ from ..logprobs.head import (
 
 __all__ = [
     "ChunkOutput",
+    "Inverse",
     "ChunkRule",
     "FusedHiddenDivergence",
     "HiddenDivergence",
@@ -52,6 +53,7 @@ __all__ = [
     "TeacherHead",
     "hidden_rows",
     "logits_rows",
+    "scale_rows",
     "softmax_rows_",
 ]
 
@@ -133,29 +135,49 @@ def logits_rows(logits: torch.Tensor, chunk_size: int) -> LogitsRows:
     return LogitsRows(flat, block_rows((flat.shape[0],), chunk_size, flat=True), True)
 
 
+#: :math:`1/\tau`: one number, or one per row (laid out like the rows of the chunk loop).
+Inverse = float | torch.Tensor
+
+
+def scale_rows(values: torch.Tensor, inverse: Inverse, block: Block) -> torch.Tensor:
+    r"""``values`` ``(n, ...)`` times the rows' :math:`1/\tau` (a new tensor, or ``values``)."""
+    if isinstance(inverse, torch.Tensor):
+        factor = inverse[block].to(values.dtype)
+        return values * factor.reshape(-1, *(1,) * (values.ndim - 1))
+    return values * inverse if inverse != 1.0 else values
+
+
 def load_scores(
     rows: torch.Tensor,
     block: Block,
     active: torch.Tensor,
-    inv_temperature: float,
+    inverse: Inverse,
     buffer: torch.Tensor,
 ) -> torch.Tensor:
-    """``rows[block] / tau`` in ``buffer`` (the computation dtype), zeros at inactive rows.
+    r"""``rows[block] / tau`` in ``buffer`` (the computation dtype), zeros at inactive rows.
 
     The block is copied first and its inactive rows are overwritten (a selection, before any
-    arithmetic), so NaN/inf there reaches nothing.
+    arithmetic), so NaN/inf there reaches nothing. ``inverse``: :math:`1/\tau`, one number or
+    per row (laid out like ``rows``).
     """
     chunk = rows[block]  # (n, V)
     scores = buffer[: chunk.shape[0]]  # (n, V)
     scores.copy_(chunk)
     scores.masked_fill_(~active.unsqueeze(1), 0.0)
-    if inv_temperature != 1.0:
-        scores.mul_(inv_temperature)
+    if isinstance(inverse, torch.Tensor):
+        scores.mul_(inverse[block].to(scores.dtype).reshape(-1, 1))
+    elif inverse != 1.0:
+        scores.mul_(inverse)
     return scores
 
 
 def _rule_rows(tensor: torch.Tensor, flat: bool, leading: int) -> torch.Tensor:
     return tensor.reshape(-1, *tensor.shape[leading:]) if flat else tensor
+
+
+def _rule_inverse(inverse: Inverse, flat: bool, leading: int) -> Inverse:
+    r"""A per-row :math:`1/\tau` laid out like the loop's rows (flat or leading-shaped)."""
+    return _rule_rows(inverse, flat, leading) if isinstance(inverse, torch.Tensor) else inverse
 
 
 class LogitsDivergence(torch.autograd.Function):
@@ -173,19 +195,20 @@ class LogitsDivergence(torch.autograd.Function):
         logits: torch.Tensor,
         rule: ChunkRule,
         active: torch.Tensor,
-        inv_temperature: float,
+        inv_temperature: Inverse,
         chunk_size: int,
         dtype: torch.dtype,
     ) -> torch.Tensor:
         """The forward pass (see the class docstring)."""
         layout = logits_rows(logits, chunk_size)
         selected = _rule_rows(active, layout.flat, active.ndim)
+        inverse = _rule_inverse(inv_temperature, layout.flat, active.ndim)
         values = torch.zeros(
             (*selected.shape, *rule.value_shape), dtype=dtype, device=logits.device
         )
         buffer = _logits_buffer(layout, chunk_size, dtype)
         for block in layout.blocks:
-            scores = load_scores(layout.rows, block, selected[block], inv_temperature, buffer)
+            scores = load_scores(layout.rows, block, selected[block], inverse, buffer)
             values[block] = rule(scores, block, selected[block], None).values
         ctx.save_for_backward(logits, active)
         ctx.rule, ctx.options = rule, (inv_temperature, chunk_size, dtype)
@@ -204,10 +227,11 @@ class LogitsDivergence(torch.autograd.Function):
         upstream = _upstream(grad, active, len(rule.value_shape), inv_temperature, dtype)
         selected = _rule_rows(_rows_with_gradient(active, upstream, leading), layout.flat, leading)
         upstream = _rule_rows(upstream, layout.flat, leading)
+        inverse = _rule_inverse(inv_temperature, layout.flat, leading)
         grad_rows = torch.empty(layout.rows.shape, dtype=logits.dtype, device=logits.device)
         buffer = _logits_buffer(layout, chunk_size, dtype)
         for block in layout.blocks:
-            scores = load_scores(layout.rows, block, selected[block], inv_temperature, buffer)
+            scores = load_scores(layout.rows, block, selected[block], inverse, buffer)
             out = rule(scores, block, selected[block], upstream[block])
             assert out.grad is not None  # an upstream was given
             grad_rows[block] = out.grad
@@ -222,11 +246,18 @@ def _logits_buffer(layout: LogitsRows, chunk_size: int, dtype: torch.dtype) -> t
 
 
 def _upstream(
-    grad: torch.Tensor, active: torch.Tensor, extra: int, inv_temperature: float, dtype: torch.dtype
+    grad: torch.Tensor, active: torch.Tensor, extra: int, factor: Inverse, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The upstream gradient in ``dtype``, 0 at inactive rows, divided by the temperature."""
+    r"""The upstream gradient in ``dtype``, 0 at inactive rows, times ``factor``.
+
+    ``factor``: :math:`\partial x / \partial z` per row without the softcap's :math:`1 - t^2`
+    (:math:`s/\tau`; one number, or ``active``'s shape).
+    """
     selected = active.reshape(*active.shape, *(1,) * extra)
-    return masked_fill_zero(grad.to(dtype), selected) * inv_temperature
+    upstream = masked_fill_zero(grad.to(dtype), selected)
+    if isinstance(factor, torch.Tensor):
+        return upstream * factor.to(dtype).reshape(*active.shape, *(1,) * extra)
+    return upstream * factor
 
 
 def _rows_with_gradient(active: torch.Tensor, upstream: torch.Tensor, leading: int) -> torch.Tensor:
@@ -250,9 +281,13 @@ def hidden_rows(head: Head) -> list[Block]:
 def _hidden_scores(
     head: Head, block: Block, active: torch.Tensor, buffers: ChunkBuffers
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(hidden_chunk, scores)``: inactive hidden rows zeroed, then ``(h W^T + b) / tau``."""
+    r"""``(hidden_chunk, scores)``: inactive hidden rows zeroed, then the transformed logits.
+
+    :math:`\mathrm{cap}_c(s(h W^T + b)) / \tau` (:func:`~rlobjectives.logprobs.head.chunk_scores`;
+    with a softcap its :math:`1 - t^2` in ``buffers.derivative``).
+    """
     hidden_chunk = masked_fill_zero(head.hidden[block], active.unsqueeze(-1))  # (n, H)
-    return hidden_chunk, chunk_scores(hidden_chunk, head, buffers)
+    return hidden_chunk, chunk_scores(hidden_chunk, head, buffers, block[0])
 
 
 class TeacherHead:
@@ -264,7 +299,8 @@ class TeacherHead:
 
     def __init__(self, head: Head, rows: int) -> None:
         self.head = head
-        self.buffers = new_buffers(head, with_entropy=False, rows=rows)
+        buffers = new_buffers(head, with_entropy=False, rows=rows)
+        self.buffers = buffers._replace(derivative=None)  # the teacher gets no gradient
 
     def __call__(self, block: Block, active: torch.Tensor) -> torch.Tensor:
         """The ``(n, V)`` scaled teacher logits of ``block`` (zeros-hidden rows where inactive)."""
@@ -293,7 +329,10 @@ def _hidden_pass(
         out = rule(scores, block, selected, None if upstream is None else upstream[block])
         values[block] = out.values
         if grads is not None and out.grad is not None:
-            accumulate_grads(out.grad, hidden_chunk, head, grads, buffers, block)
+            grad = out.grad
+            if buffers.derivative is not None:  # the softcap's 1 - t^2
+                grad = grad.mul_(buffers.derivative[: grad.shape[0]])
+            accumulate_grads(grad, hidden_chunk, head, grads, buffers, block)
     values = masked_fill_zero(values, active.reshape(-1, *(1,) * len(rule.value_shape)))
     return values, grads
 
@@ -328,7 +367,8 @@ class HiddenDivergence(torch.autograd.Function):
         hidden, weight, bias, active = ctx.saved_tensors
         head: Head = ctx.head._replace(hidden=hidden, weight=weight, bias=bias)
         rule: ChunkRule = ctx.rule
-        upstream = _upstream(grad, active, len(rule.value_shape), head.inv_temperature, head.dtype)
+        factor = head.transform.row_factor(slice(None))
+        upstream = _upstream(grad, active, len(rule.value_shape), factor, head.dtype)
         selected = _rows_with_gradient(active, upstream, 1)
         needs = tuple(bool(ctx.needs_input_grad[i]) for i in range(3))
         _, grads = _hidden_pass(head, rule, selected, upstream, needs)  # type: ignore[arg-type]
@@ -358,7 +398,7 @@ class FusedHiddenDivergence(torch.autograd.Function):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward pass (see the class docstring)."""
         needs = tuple(bool(ctx.needs_input_grad[i]) for i in range(3))
-        upstream = masked_fill_zero(weights.to(head.dtype), active) * head.inv_temperature
+        upstream = _upstream(weights, active, 0, head.transform.row_factor(slice(None)), head.dtype)
         values, grads = _hidden_pass(head, rule, active, upstream, needs)  # type: ignore[arg-type]
         assert grads is not None  # an upstream was given
         ctx.save_for_backward(*grads)

@@ -30,9 +30,8 @@ from .._core.validation import (
     as_token_ids,
     check_same_device,
     check_shape,
-    validate_scalar,
 )
-from ..logprobs.head import Head, prepare_head
+from ..logprobs.head import Head, HeadOptions, prepare_head, validate_transform
 from .chunks import ChunkRule, FusedHiddenDivergence, HiddenDivergence
 
 __all__ = [
@@ -45,7 +44,7 @@ __all__ = [
     "teacher_logits",
     "token_slots",
     "token_weights",
-    "validate_temperature",
+    "temperature_inverse",
 ]
 
 
@@ -70,12 +69,24 @@ class Rows(NamedTuple):
         return (self.mask.shape[0], self.mask.shape[1])
 
 
-def validate_temperature(temperature: float) -> float:
-    """A Python number ``tau > 0`` (finite)."""
-    value = validate_scalar(
-        temperature, "temperature", minimum=0.0, strict=True, allow_tensor=False
+def temperature_inverse(
+    temperature: object, rows: Rows, device: torch.device, dtype: torch.dtype
+) -> float | torch.Tensor:
+    r""":math:`1/\tau` of the temperature: one number, or one per token.
+
+    ``temperature``: a Python number ``tau > 0`` (finite), or a per-token tensor of the rows'
+    shape ``(B, T)`` (packed: ``(N,)`` or ``(1, N)``); the inverse is 1 at unselected tokens.
+    """
+    transform = validate_transform(
+        temperature,
+        shape=rows.batch_shape,
+        device=device,
+        dtype=dtype,
+        active=rows.mask,
+        packed=rows.layout.sequence_ids is not None,
+        reference="mask",
     )
-    return float(value)
+    return transform.inverse
 
 
 def _rows(
@@ -152,16 +163,19 @@ def hidden_call(
     bias: object,
     mask: ArrayLike,
     *,
-    temperature: float,
+    temperature: object,
     chunk_size: int | None,
     cu_seqlens: ArrayLike | None,
     reduction: object,
     normalizer: Scalar | None,
     max_response_length: Scalar | None,
+    head_options: HeadOptions | None = None,
 ) -> tuple[Head, Rows]:
     """The validated LM head (flat ``(N, H)`` rows) and the rows.
 
     ``tokens`` None: a loss that reads no sampled token (zeros stand in for the ids).
+    ``temperature``: a number or a per-token tensor; ``head_options``: the logit scale, softcap
+    and the product's precision.
     """
     packed = cu_seqlens is not None
     ids: ArrayLike = tokens
@@ -174,8 +188,9 @@ def hidden_call(
         device = hidden.device if isinstance(hidden, torch.Tensor) else None
         ids = torch.zeros(shape, dtype=torch.int64, device=device)
     head, batch_shape = prepare_head(
-        hidden, weight, ids, bias, temperature, chunk_size, packed=packed
-    )
+        hidden, weight, ids, bias, temperature, chunk_size, packed=packed,
+        head_options=head_options, mask=mask,
+    )  # fmt: skip
     reference = head.hidden.reshape(*batch_shape, head.hidden.shape[-1])
     rows = _rows(
         mask,

@@ -34,9 +34,10 @@ from .._core.validation import (
     validate_scalar,
 )
 from ..logprobs.blocks import xlogy_terms
-from ..logprobs.head import Head
+from ..logprobs.head import Head, HeadOptions, Temperature, validate_scale, validate_softcap
 from .chunks import (
     ChunkOutput,
+    Inverse,
     LogitsDivergence,
     TeacherHead,
     TeacherLogits,
@@ -49,7 +50,7 @@ from .inputs import (
     hidden_loss,
     logits_call,
     reduced,
-    validate_temperature,
+    temperature_inverse,
 )
 from .inputs import teacher_logits as validate_teacher_logits
 
@@ -121,9 +122,11 @@ class JSDRule:
 class _TeacherLogitsRows:
     """The teacher's logits block by block (the student's row layout), scaled, in a buffer."""
 
-    def __init__(self, logits: torch.Tensor, flat: bool, inv_temperature: float,
+    def __init__(self, logits: torch.Tensor, flat: bool, inv_temperature: Inverse,
                  buffer: torch.Tensor) -> None:  # fmt: skip
         self.rows = logits.reshape(-1, logits.shape[-1]) if flat else logits
+        if isinstance(inv_temperature, torch.Tensor) and flat:  # laid out like the rows
+            inv_temperature = inv_temperature.reshape(-1)
         self.inv_temperature, self.buffer = inv_temperature, buffer
 
     def __call__(self, block: Block, active: torch.Tensor) -> torch.Tensor:
@@ -149,7 +152,7 @@ def generalized_jsd_loss(
     mask: ArrayLike,
     *,
     beta: float = 0.5,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     reduction: Reduction = "token_mean",
     normalizer: Scalar | None = None,
     max_response_length: Scalar | None = None,
@@ -200,7 +203,8 @@ def generalized_jsd_loss(
         teacher_logits: the teacher's logits, the shape of ``logits`` (same vocabulary).
         mask: ``(B, T)`` bool or numeric; nonzero selects the token.
         beta: :math:`\beta \in [0, 1]`, a Python number.
-        temperature: :math:`\tau > 0` dividing both logit tensors.
+        temperature: :math:`\tau > 0` dividing both logit tensors,
+            or a per-token tensor ``(B, T)`` (packed ``(N,)``).
         reduction: as :func:`rlobjectives.aggregate`.
         normalizer: explicit positive denominator (TRL's ``num_items_in_batch``).
         max_response_length: the Dr. GRPO constant.
@@ -244,20 +248,20 @@ def generalized_jsd_loss(
     teacher = validate_teacher_logits(teacher_logits, rows, logits_t.shape[-1]).detach()
     check_same_device({"logits": logits_t, "teacher_logits": teacher})
     beta_value = _validate_beta(beta)
-    tau = validate_temperature(temperature)
     if chunk_size is None:
         chunk = max(1, resolve_chunk_size(None, row_width=logits_t.shape[-1]) // _JSD_BLOCKS)
     else:
         chunk = resolve_chunk_size(chunk_size, row_width=logits_t.shape[-1])
     dtype = compute_dtype(logits_t, teacher)
+    inverse = temperature_inverse(temperature, rows, logits_t.device, dtype)
     layout = logits_rows(logits_t, chunk)
     width = layout.rows.shape[0] if layout.flat else layout.rows.shape[1]
     buffer = torch.empty(
         min(chunk, max(width, 1)), logits_t.shape[-1], dtype=dtype, device=logits_t.device
     )
-    source = _TeacherLogitsRows(teacher, layout.flat, 1.0 / tau, buffer)
+    source = _TeacherLogitsRows(teacher, layout.flat, inverse, buffer)
     rule = JSDRule(source, beta_value)
-    values = LogitsDivergence.apply(logits_t, rule, rows.mask, 1.0 / tau, chunk, dtype)  # type: ignore[no-untyped-call]
+    values = LogitsDivergence.apply(logits_t, rule, rows.mask, inverse, chunk, dtype)  # type: ignore[no-untyped-call]
     return reduced(values, rows)
 
 
@@ -267,11 +271,19 @@ def _floating(value: object, name: str) -> torch.Tensor:
     return value
 
 
-def _teacher_head(hidden: object, weight: object, bias: object, student: Head, rows: Rows) -> Head:
+def _teacher_head(
+    hidden: object,
+    weight: object,
+    bias: object,
+    student: Head,
+    rows: Rows,
+    options: tuple[object, object],
+) -> Head:
     """The teacher's LM head: ``(B, T, H_T)`` hidden states, ``(V, H_T)`` weight, ``(V,)`` bias.
 
     The teacher may have another hidden size than the student (TRL's ``DistillationTrainer``),
-    never another vocabulary. Read detached, in the call's computation dtype.
+    never another vocabulary. Read detached, in the call's computation dtype. ``options``: the
+    teacher's ``(final_logit_softcapping, logit_scale)``; its temperature is the student's.
     """
     packed = rows.layout.sequence_ids is not None
     hidden_t = _floating(hidden, "teacher_hidden")
@@ -300,14 +312,18 @@ def _teacher_head(hidden: object, weight: object, bias: object, student: Head, r
         )
     tensors = {"hidden": student.hidden, "teacher_hidden": hidden_t, "teacher_weight": weight_t}
     check_same_device(tensors if bias_t is None else {**tensors, "teacher_bias": bias_t})
+    softcap = validate_softcap(options[0], "teacher_final_logit_softcapping")
+    scale = validate_scale(options[1], "teacher_logit_scale")
+    transform = student.transform._replace(scale=scale, softcap=softcap)
     return Head(
         hidden=hidden_t.detach().reshape(-1, hidden_t.shape[2]),
         weight=weight_t.detach(),
         bias=None if bias_t is None else bias_t.detach(),
         tokens=student.tokens,
-        inv_temperature=student.inv_temperature,
+        transform=transform,
         chunk_size=student.chunk_size,
         dtype=student.dtype,
+        fp32=student.fp32,
     )
 
 
@@ -322,12 +338,17 @@ def generalized_jsd_loss_from_hidden(
     beta: float = 0.5,
     bias: torch.Tensor | None = None,
     teacher_bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     reduction: Reduction = "token_mean",
     normalizer: Scalar | None = None,
     max_response_length: Scalar | None = None,
     chunk_size: int | None = None,
     cu_seqlens: ArrayLike | None = None,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    fp32_head: bool = True,
+    teacher_final_logit_softcapping: float | None = None,
+    teacher_logit_scale: float = 1.0,
 ) -> torch.Tensor:
     r""":func:`generalized_jsd_loss` from both models' hidden states and LM heads, chunked.
 
@@ -351,12 +372,22 @@ def generalized_jsd_loss_from_hidden(
         beta: :math:`\beta \in [0, 1]` (0: forward KL, 1: reverse KL).
         bias: optional ``(V,)`` student LM-head bias.
         teacher_bias: optional ``(V,)`` teacher LM-head bias.
-        temperature: :math:`\tau > 0` dividing both models' logits.
+        temperature: :math:`\tau > 0` dividing both models' logits,
+            or a per-token tensor ``(B, T)`` (packed ``(N,)``).
         reduction: as :func:`rlobjectives.aggregate`.
         normalizer: explicit positive denominator (TRL's ``num_items_in_batch``).
         max_response_length: the Dr. GRPO constant.
         chunk_size: rows per chunk; None: the head's default (at least 256 rows).
         cu_seqlens: optional ``(S + 1,)`` boundaries of packed sequences.
+        final_logit_softcapping: :math:`c > 0` capping the student logits
+            :math:`c \tanh(s z / c)` before the temperature (Gemma 2/3), or None; as
+            :func:`rlobjectives.token_log_probs_from_hidden`.
+        logit_scale: :math:`s` multiplying the student logits first (Cohere, Granite).
+        fp32_head: the bf16/fp16 product with a float32 result (default), as
+            :func:`rlobjectives.token_log_probs_from_hidden`.
+        teacher_final_logit_softcapping: the teacher's softcap (TRL's
+            ``teacher_final_logit_softcapping``), or None.
+        teacher_logit_scale: the teacher's logit scale (TRL's ``teacher_logit_scale``).
 
     Returns:
         As :func:`generalized_jsd_loss`.
@@ -394,10 +425,13 @@ def generalized_jsd_loss_from_hidden(
         reduction=reduction,
         normalizer=normalizer,
         max_response_length=max_response_length,
+        head_options=HeadOptions(final_logit_softcapping, logit_scale, fp32_head),
     )
     beta_value = _validate_beta(beta)
     dtype = compute_dtype(head.hidden, _floating(teacher_hidden, "teacher_hidden"))
     head = head._replace(dtype=dtype)
-    teacher = _teacher_head(teacher_hidden, teacher_weight, teacher_bias, head, rows)
+    teacher_options = (teacher_final_logit_softcapping, teacher_logit_scale)
+    teacher = _teacher_head(teacher_hidden, teacher_weight, teacher_bias, head, rows,
+                            teacher_options)  # fmt: skip
     rule = JSDRule(TeacherHead(teacher, min(head.chunk_size, head.hidden.shape[0])), beta_value)
     return hidden_loss(head, rule, rows)

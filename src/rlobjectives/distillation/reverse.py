@@ -43,8 +43,9 @@ from ..kl.estimators import (
     warn_biased,
     warn_biased_kl_loss,
 )
+from ..logprobs.head import HeadOptions, Temperature
 from .chunks import ChunkOutput, LogitsDivergence, logits_rows, softmax_rows_
-from .inputs import hidden_call, hidden_loss, logits_call, per_token, reduced, validate_temperature
+from .inputs import hidden_call, hidden_loss, logits_call, per_token, reduced, temperature_inverse
 
 __all__ = ["SampledRule", "reverse_kl_loss", "reverse_kl_loss_from_hidden", "reverse_kl_rewards"]
 
@@ -107,7 +108,7 @@ def reverse_kl_loss(
     estimator: Estimator = "k3",
     straight_through: bool = False,
     log_ratio_bound: Scalar | None = 20.0,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     reduction: Reduction = "token_mean",
     normalizer: Scalar | None = None,
     max_response_length: Scalar | None = None,
@@ -152,7 +153,8 @@ def reverse_kl_loss(
         estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"``.
         straight_through: value of ``estimator``, gradient of ``k2``.
         log_ratio_bound: :math:`b > 0` clamping :math:`d` (before ``exp``), or None.
-        temperature: :math:`\tau > 0` dividing the student logits.
+        temperature: :math:`\tau > 0` dividing the student logits,
+            or a per-token tensor ``(B, T)`` (packed ``(N,)``).
         reduction: as :func:`rlobjectives.aggregate`.
         normalizer: explicit positive denominator for micro-batches and ranks.
         max_response_length: the Dr. GRPO constant.
@@ -199,15 +201,15 @@ def reverse_kl_loss(
     teacher = per_token(teacher_log_probs, "teacher_log_probs", rows, device).detach()
     check_same_device({"logits": logits_t, "tokens": tokens_t, "teacher_log_probs": teacher})
     bound = validate_kl_options(estimator, straight_through, log_ratio_bound)
-    tau = validate_temperature(temperature)
     chunk = resolve_chunk_size(chunk_size, row_width=logits_t.shape[-1])
     warn_biased_kl_loss(estimator, straight_through, "reverse_kl_loss")
     dtype = compute_dtype(logits_t, teacher)  # a float64 teacher makes the log-softmax float64
+    inverse = temperature_inverse(temperature, rows, device, dtype)
     flat = logits_rows(logits_t, chunk).flat
     tokens_r = tokens_t.reshape(-1) if flat else tokens_t
     rule = SampledRule(tokens_r.long(), teacher.reshape(-1) if flat else teacher, estimator,
                        straight_through, bound, dtype)  # fmt: skip
-    terms = LogitsDivergence.apply(logits_t, rule, rows.mask, 1.0 / tau, chunk, dtype)  # type: ignore[no-untyped-call]
+    terms = LogitsDivergence.apply(logits_t, rule, rows.mask, inverse, chunk, dtype)  # type: ignore[no-untyped-call]
     return reduced(terms, rows)
 
 
@@ -223,12 +225,15 @@ def reverse_kl_loss_from_hidden(
     estimator: Estimator = "k3",
     straight_through: bool = False,
     log_ratio_bound: Scalar | None = 20.0,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     reduction: Reduction = "token_mean",
     normalizer: Scalar | None = None,
     max_response_length: Scalar | None = None,
     chunk_size: int | None = None,
     cu_seqlens: ArrayLike | None = None,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    fp32_head: bool = True,
 ) -> torch.Tensor:
     r""":func:`reverse_kl_loss` from hidden states and the LM head, without the ``(N, V)`` logits.
 
@@ -249,12 +254,19 @@ def reverse_kl_loss_from_hidden(
         estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"``.
         straight_through: value of ``estimator``, gradient of ``k2``.
         log_ratio_bound: :math:`b > 0` clamping :math:`d`, or None.
-        temperature: :math:`\tau > 0`.
+        temperature: :math:`\tau > 0`,
+            or a per-token tensor ``(B, T)`` (packed ``(N,)``).
         reduction: as :func:`rlobjectives.aggregate`.
         normalizer: explicit positive denominator for micro-batches and ranks.
         max_response_length: the Dr. GRPO constant.
         chunk_size: rows per chunk; None: the head's default (at least 256 rows).
         cu_seqlens: optional ``(S + 1,)`` boundaries of packed sequences.
+        final_logit_softcapping: :math:`c > 0` capping the student logits
+            :math:`c \tanh(s z / c)` before the temperature (Gemma 2/3), or None; as
+            :func:`rlobjectives.token_log_probs_from_hidden`.
+        logit_scale: :math:`s` multiplying the student logits first (Cohere, Granite).
+        fp32_head: the bf16/fp16 product with a float32 result (default), as
+            :func:`rlobjectives.token_log_probs_from_hidden`.
 
     Returns:
         As :func:`reverse_kl_loss`.
@@ -291,6 +303,7 @@ def reverse_kl_loss_from_hidden(
         reduction=reduction,
         normalizer=normalizer,
         max_response_length=max_response_length,
+        head_options=HeadOptions(final_logit_softcapping, logit_scale, fp32_head),
     )
     teacher = per_token(teacher_log_probs, "teacher_log_probs", rows, head.hidden.device).detach()
     check_same_device({"hidden": head.hidden, "teacher_log_probs": teacher})

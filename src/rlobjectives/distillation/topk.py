@@ -27,6 +27,7 @@ import torch
 from .._core.chunking import Block, resolve_chunk_size
 from .._core.reduction import Reduction
 from .._core.validation import ArrayLike, Scalar, checks_environment, compute_dtype, validate_bool
+from ..logprobs.head import HeadOptions, Temperature
 from .chunks import ChunkOutput, LogitsDivergence, logits_rows, softmax_rows_
 from .inputs import (
     Rows,
@@ -34,8 +35,8 @@ from .inputs import (
     hidden_loss,
     logits_call,
     reduced,
+    temperature_inverse,
     token_slots,
-    validate_temperature,
 )
 
 __all__ = [
@@ -269,7 +270,7 @@ def topk_forward_kl(
     *,
     tail: bool = True,
     renormalize: bool = False,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     reduction: Reduction = "token_mean",
     normalizer: Scalar | None = None,
     max_response_length: Scalar | None = None,
@@ -397,12 +398,12 @@ def topk_forward_kl(
     )
     log_probs, ids = _teacher(teacher_log_probs, teacher_ids, rows, logits_t.device)
     mode = _mode(tail, renormalize)
-    tau = validate_temperature(temperature)
     chunk = resolve_chunk_size(chunk_size, row_width=logits_t.shape[-1])
     dtype = compute_dtype(logits_t, log_probs)
+    inverse = temperature_inverse(temperature, rows, logits_t.device, dtype)
     flat = logits_rows(logits_t, chunk).flat
     rule = TopKRule(_flatten(log_probs, flat), _flatten(ids, flat), mode, dtype)
-    values = LogitsDivergence.apply(logits_t, rule, rows.mask, 1.0 / tau, chunk, dtype)  # type: ignore[no-untyped-call]
+    values = LogitsDivergence.apply(logits_t, rule, rows.mask, inverse, chunk, dtype)  # type: ignore[no-untyped-call]
     return reduced(values, rows)
 
 
@@ -422,12 +423,15 @@ def topk_forward_kl_from_hidden(
     bias: torch.Tensor | None = None,
     tail: bool = True,
     renormalize: bool = False,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     reduction: Reduction = "token_mean",
     normalizer: Scalar | None = None,
     max_response_length: Scalar | None = None,
     chunk_size: int | None = None,
     cu_seqlens: ArrayLike | None = None,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    fp32_head: bool = True,
 ) -> torch.Tensor:
     r""":func:`topk_forward_kl` from hidden states and the LM head, without the ``(N, V)`` logits.
 
@@ -453,13 +457,20 @@ def topk_forward_kl_from_hidden(
         bias: optional ``(V,)`` LM-head bias, the dtype of ``weight``.
         tail: add the tail bucket (default).
         renormalize: renormalise both over the teacher's slots.
-        temperature: :math:`\tau > 0` dividing the student logits.
+        temperature: :math:`\tau > 0` dividing the student logits,
+            or a per-token tensor ``(B, T)`` (packed ``(N,)``).
         reduction: as :func:`topk_forward_kl`.
         normalizer: explicit positive denominator for micro-batches and ranks.
         max_response_length: the Dr. GRPO constant.
         chunk_size: rows per chunk; None: at most N/16 rows and 64 MiB of buffers, at least 256
             rows (:func:`rlobjectives.logprobs.hidden.default_chunk_size`).
         cu_seqlens: optional ``(S + 1,)`` boundaries of packed sequences.
+        final_logit_softcapping: :math:`c > 0` capping the student logits
+            :math:`c \tanh(s z / c)` before the temperature (Gemma 2/3), or None; as
+            :func:`rlobjectives.token_log_probs_from_hidden`.
+        logit_scale: :math:`s` multiplying the student logits first (Cohere, Granite).
+        fp32_head: the bf16/fp16 product with a float32 result (default), as
+            :func:`rlobjectives.token_log_probs_from_hidden`.
 
     Returns:
         As :func:`topk_forward_kl`: a 0-d loss, or the ``(B, T)`` per-token KL for ``"none"``.
@@ -494,6 +505,7 @@ def topk_forward_kl_from_hidden(
         reduction=reduction,
         normalizer=normalizer,
         max_response_length=max_response_length,
+        head_options=HeadOptions(final_logit_softcapping, logit_scale, fp32_head),
     )
     log_probs, ids = _teacher(teacher_log_probs, teacher_ids, rows, head.hidden.device)
     mode = _mode(tail, renormalize)
@@ -510,7 +522,7 @@ def teacher_slot_log_probs(
     teacher_ids: ArrayLike,
     mask: ArrayLike,
     *,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     chunk_size: int | None = None,
 ) -> torch.Tensor:
     r"""The student's log-probabilities at the teacher's slots, ``(B, T, K)``, chunked.
@@ -524,12 +536,12 @@ def teacher_slot_log_probs(
     logits_t, rows = logits_call(logits, mask, cu_seqlens=None, reduction="none",
                                  normalizer=None, max_response_length=None)  # fmt: skip
     log_probs, ids = _teacher(teacher_log_probs, teacher_ids, rows, logits_t.device)
-    tau = validate_temperature(temperature)
     chunk = resolve_chunk_size(chunk_size, row_width=logits_t.shape[-1])
     dtype = compute_dtype(logits_t, log_probs)
+    inverse = temperature_inverse(temperature, rows, logits_t.device, dtype)
     flat = logits_rows(logits_t, chunk).flat
     rule = SlotLogProbsRule(_flatten(log_probs, flat), _flatten(ids, flat), dtype, ids.shape[-1])
     values: torch.Tensor = LogitsDivergence.apply(  # type: ignore[no-untyped-call]
-        logits_t, rule, rows.mask, 1.0 / tau, chunk, dtype
+        logits_t, rule, rows.mask, inverse, chunk, dtype
     )
     return values

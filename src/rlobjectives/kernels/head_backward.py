@@ -5,11 +5,13 @@ entropy), the gradient of the logits is
 
 .. math::
 
-    \frac{\partial L}{\partial z_{nv}} = \frac{1}{\tau}\Big(
+    \frac{\partial L}{\partial z_{nv}} = \frac{\partial x_{nv}}{\partial z_{nv}}\Big(
         g_{\ell,n} (\mathbb{1}[v = y_n] - p_{nv}) - g_{H,n}\, p_{nv} (\log p_{nv} + H_n)\Big),
 
-with :math:`p = e^{z - \mathrm{lse}}` recomputed from the saved ``lse`` (zero at ``-inf`` logits,
-and :math:`p \log p = 0` there). Scheme, per vocabulary chunk ``[v0, v0 + C)``:
+with :math:`\partial x / \partial z = s(1 - t^2)/\tau` the logit transform's derivative
+(:math:`s/\tau` without a softcap) and :math:`p = e^{x - \mathrm{lse}}` recomputed from the
+saved ``lse`` (zero at ``-inf`` logits, and :math:`p \log p = 0` there). Scheme, per
+vocabulary chunk ``[v0, v0 + C)``:
 
 1. ``grad_logits_kernel`` recomputes the chunk's logits tile by tile (``tl.dot``) and writes
    :math:`\partial L / \partial z` for the chunk, ``(N, C)`` in the input dtype (16-bit inputs:
@@ -37,7 +39,14 @@ from typing import NamedTuple
 import torch
 
 from .common import grid_blocks, mask_bytes, on_tensor_device
-from .head_forward import HeadBlocks, check_head, dot_precision, head_blocks
+from .head_forward import (
+    HeadBlocks,
+    LogitOptions,
+    check_head,
+    checked_options,
+    dot_precision,
+    head_blocks,
+)
 from .loading import interpreted, kernels
 
 __all__ = ["LMHeadGradients", "lm_head_backward", "vocab_chunk"]
@@ -112,6 +121,7 @@ def lm_head_backward(
     need_bias: bool = False,
     chunk_bytes: int | None = None,
     blocks: HeadBlocks | None = None,
+    options: LogitOptions | None = None,
 ) -> LMHeadGradients:
     r"""Recompute logits chunk by chunk and form the requested gradients (module docstring).
 
@@ -131,11 +141,14 @@ def lm_head_backward(
         need_bias: form ``grad_bias`` (with a bias).
         chunk_bytes: memory of one ``dZ`` chunk (default ``max(64 MiB, N * H * element)``).
         blocks: tile sizes (default :func:`head_blocks`).
+        options: the logit scale, softcap, per-row temperature and rounding of the forward.
 
     Returns:
         :class:`LMHeadGradients`. No host synchronisation; inputs are not modified.
     """
     hidden, weight, tokens, mask, bias = check_head(hidden, weight, tokens, mask, bias)
+    options = checked_options(options, hidden)
+    inverse, inv_temperature, scale, softcap = options.arguments(temperature)
     device, dtype = hidden.device, hidden.dtype
     (rows, width), vocab = hidden.shape, weight.shape[0]
     need_bias = need_bias and bias is not None
@@ -164,9 +177,11 @@ def lm_head_backward(
         grad_logits = buffer[: rows * size].view(rows, size)
         module.grad_logits_kernel[(row_blocks * grid_blocks(size, tiles.vocab),)](
             hidden, weight, bias, tokens, flags, lse, entropy if with_entropy else None,
-            grad_log_probs, grad_entropy, grad_logits, bias_partial,
-            rows, vocab, width, start, size, hidden.stride(0), weight.stride(0), 1.0 / temperature,
+            grad_log_probs, grad_entropy, grad_logits, bias_partial, inverse,
+            rows, vocab, width, start, size, hidden.stride(0), weight.stride(0), inv_temperature,
+            scale, softcap,
             HAS_BIAS=bias is not None, HAS_ENTROPY_GRAD=with_entropy, NEED_BIAS=need_bias,
+            **options.flags(),
             PRECISION=precision, UPCAST=upcast,
             BLOCK_N=tiles.rows, BLOCK_V=tiles.vocab, BLOCK_H=tiles.depth, GROUP=_GROUP,
             num_warps=tiles.warps, num_stages=tiles.stages,

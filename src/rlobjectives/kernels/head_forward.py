@@ -30,8 +30,10 @@ from .loading import interpreted, kernels
 
 __all__ = [
     "HeadBlocks",
+    "LogitOptions",
     "SliceStats",
     "LMHeadForward",
+    "checked_options",
     "dot_precision",
     "head_blocks",
     "lm_head_forward",
@@ -75,6 +77,34 @@ def dot_precision(dtype: torch.dtype) -> str:
     if dtype == torch.float32 and torch.get_float32_matmul_precision() != "highest":
         return "tf32"
     return "ieee"
+
+
+class LogitOptions(NamedTuple):
+    r"""The logit transform and the product's precision of a launch.
+
+    Attributes:
+        scale: :math:`s` (``logit_scale``).
+        softcap: :math:`c` (``final_logit_softcapping``), or None.
+        inverse: ``(N,)`` float32 per-row :math:`1/\tau`, or None (then ``temperature``).
+        round_product: round the float32 product to the input dtype first (``fp32_head=False``).
+    """
+
+    scale: float = 1.0
+    softcap: float | None = None
+    inverse: torch.Tensor | None = None
+    round_product: bool = False
+
+    def arguments(self, temperature: float) -> tuple[object, float, float, float]:
+        """``(inverse_ptr, inv_temperature, scale, softcap)`` of the kernels."""
+        return self.inverse, 1.0 / temperature, self.scale, self.softcap or 1.0
+
+    def flags(self) -> dict[str, bool]:
+        """The constexpr flags of the kernels."""
+        return {
+            "HAS_SOFTCAP": self.softcap is not None,
+            "ROW_TEMPERATURE": self.inverse is not None,
+            "ROUND": self.round_product,
+        }
 
 
 class LMHeadForward(NamedTuple):
@@ -134,6 +164,24 @@ def check_head(
     return unit(hidden), unit(weight), tokens.contiguous(), mask_t, bias
 
 
+def checked_options(options: LogitOptions | None, hidden: torch.Tensor) -> LogitOptions:
+    """``options`` (default: none), a per-row inverse temperature as contiguous ``(N,)`` float32.
+
+    Raises:
+        ValueError: a per-row inverse temperature of another shape or device.
+    """
+    options = options or LogitOptions()
+    inverse = options.inverse
+    if inverse is None:
+        return options
+    if tuple(inverse.shape) != (hidden.shape[0],) or inverse.device != hidden.device:
+        raise ValueError(
+            f"options.inverse must be ({hidden.shape[0]},) on {hidden.device}, got "
+            f"{tuple(inverse.shape)} on {inverse.device}"
+        )
+    return options._replace(inverse=inverse.to(torch.float32).contiguous())
+
+
 def _splits(device: torch.device, row_blocks: int, vocab_blocks: int) -> int:
     """Vocabulary splits so that about two programs per multiprocessor exist."""
     if device.type != "cuda" or interpreted(device):
@@ -155,6 +203,7 @@ def lm_head_forward(
     with_entropy: bool = False,
     blocks: HeadBlocks | None = None,
     splits: int | None = None,
+    options: LogitOptions | None = None,
 ) -> LMHeadForward:
     r"""Two launches: partial online log-sum-exp per (row block, split), then the merge.
 
@@ -164,20 +213,22 @@ def lm_head_forward(
         tokens: ``(N,)`` int32/int64 sampled ids (any value at masked rows).
         mask: ``(N,)`` bool; True selects the row.
         bias: optional ``(V,)``; ``-inf`` entries ban tokens.
-        temperature: :math:`\tau > 0` (Python number).
+        temperature: :math:`\tau > 0` (Python number; ``options.inverse`` overrides it).
         with_entropy: also compute :math:`H_n`.
         blocks: tile sizes (default :func:`head_blocks`).
         splits: vocabulary splits per row block (default: fill the GPU; 1 on CPU).
+        options: the logit scale, softcap, per-row temperature and the product's rounding.
 
     Returns:
         :class:`LMHeadForward`. No host synchronisation; inputs are not modified.
     """
     hidden, weight, tokens, mask, bias = check_head(hidden, weight, tokens, mask, bias)
+    options = checked_options(options, hidden)
     zeros = torch.zeros(hidden.shape[0], dtype=torch.float32, device=hidden.device)
     if hidden.shape[0] == 0 or weight.shape[0] == 0:
         return LMHeadForward(zeros, zeros.clone() if with_entropy else None, zeros.clone())
     partial, flags = _partials(
-        (hidden, weight, tokens, mask, bias), temperature, with_entropy, blocks, splits
+        (hidden, weight, tokens, mask, bias), temperature, with_entropy, blocks, splits, options
     )
     lse = torch.empty_like(zeros)
     log_probs = torch.empty_like(zeros)
@@ -196,6 +247,7 @@ def _partials(
     with_entropy: bool,
     blocks: HeadBlocks | None,
     splits: int | None,
+    options: LogitOptions,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(partial, flags)``: the ``(4, splits, N)`` running ``(m, s, t, z_y)``, the mask bytes."""
     hidden, weight, tokens, mask, bias = head
@@ -211,10 +263,12 @@ def _partials(
     partial = torch.empty((4, count, rows), dtype=torch.float32, device=device)
     module = kernels(device).lm_head
     flags = mask_bytes(mask)
+    inverse, inv_temperature, scale, softcap = options.arguments(temperature)
     module.lse_partial_kernel[(row_blocks, count)](
         hidden, weight, bias, tokens, flags, partial[0], partial[1], partial[2], partial[3],
-        rows, vocab, width, split_size, hidden.stride(0), weight.stride(0), 1.0 / temperature,
-        HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy,
+        inverse, rows, vocab, width, split_size, hidden.stride(0), weight.stride(0),
+        inv_temperature, scale, softcap,
+        HAS_BIAS=bias is not None, WITH_ENTROPY=with_entropy, **options.flags(),
         PRECISION=dot_precision(hidden.dtype), UPCAST=interpreted(device),
         BLOCK_N=tiles.rows, BLOCK_V=tiles.vocab, BLOCK_H=tiles.depth,
         num_warps=tiles.warps, num_stages=tiles.stages,
@@ -265,6 +319,7 @@ def lm_head_slice_stats(
     with_entropy: bool = False,
     blocks: HeadBlocks | None = None,
     splits: int | None = None,
+    options: LogitOptions | None = None,
 ) -> SliceStats:
     """The statistics of ``weight``'s vocabulary slice, to be combined over the slices.
 
@@ -272,11 +327,12 @@ def lm_head_slice_stats(
     kernels never match -1). Rows outside ``mask`` are not read.
     """
     hidden, weight, tokens, mask, bias = check_head(hidden, weight, tokens, mask, bias)
+    options = checked_options(options, hidden)
     rows = hidden.shape[0]
     if rows == 0:
         zeros = torch.zeros(rows, dtype=torch.float32, device=hidden.device)
         return SliceStats(zeros, zeros.clone() if with_entropy else None, zeros.clone())
     partial, _ = _partials(
-        (hidden, weight, tokens, mask, bias), temperature, with_entropy, blocks, splits
+        (hidden, weight, tokens, mask, bias), temperature, with_entropy, blocks, splits, options
     )
     return SliceStats(*_slice_stats(partial, with_entropy))

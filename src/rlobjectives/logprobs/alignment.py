@@ -8,7 +8,8 @@ full-sequence logits with that shift.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from collections.abc import Sequence
+from typing import NamedTuple, overload
 
 import torch
 
@@ -26,15 +27,18 @@ from .._core.validation import (
     validate_bool,
 )
 from .functions import TokenLogProbsFunction
-from .logits import _as_logits, _validate_temperature
+from .head import LogitTransform, Temperature, validate_transform
+from .logits import _as_logits, scalar_temperature, statistics_result
 from .packed_shift import packed_alignment
-from .restricted import RestrictedLogProbsFunction, restricted_chunk_size
+from .restricted import LogitsCall, RestrictedLogProbsFunction, restricted_chunk_size
+from .statistics import Wanted, validate_statistics
 from .truncation import Restriction, restriction_of
 from .vocab_parallel import VocabGroup
 
 __all__ = [
     "ResponseAlignment",
     "ResponseLogProbs",
+    "ResponseStatistics",
     "response_alignment",
     "response_log_probs",
 ]
@@ -72,6 +76,28 @@ class ResponseLogProbs(NamedTuple):
 
     log_probs: torch.Tensor
     mask: torch.Tensor
+
+
+class ResponseStatistics(NamedTuple):
+    r"""Result of :func:`response_log_probs` with ``statistics=``: the statistics asked for.
+
+    Attributes:
+        log_probs: ``(B, R)`` log-probabilities of the response tokens (as
+            :class:`ResponseLogProbs`).
+        mask: ``(B, R)`` bool response mask.
+        entropy: ``(B, R)`` entropy of the distribution each response token was drawn from, or
+            None.
+        log_sum_sq_probs: ``(B, R)`` :math:`\log\sum_v p_v^2` (detached), or None.
+        mean_logits: ``(B, R)`` mean of the transformed logits (detached), or None.
+        is_top1: ``(B, R)`` bool, whether the token is the first maximal logit, or None.
+    """
+
+    log_probs: torch.Tensor
+    mask: torch.Tensor
+    entropy: torch.Tensor | None = None
+    log_sum_sq_probs: torch.Tensor | None = None
+    mean_logits: torch.Tensor | None = None
+    is_top1: torch.Tensor | None = None
 
 
 def _start_argument(
@@ -354,6 +380,75 @@ def _shifted(restriction: Restriction, alignment: ResponseAlignment, length: int
     return restriction._replace(kept=kept._replace(rows=index.reshape(-1)))
 
 
+def _shifted_transform(
+    transform: LogitTransform, alignment: ResponseAlignment, length: int
+) -> LogitTransform:
+    """A per-token temperature moved from the response tokens to the rows predicting them.
+
+    ``(B, R)`` to ``(B, L)``, 1 on the other rows.
+    """
+    inverse = transform.inverse
+    if not isinstance(inverse, torch.Tensor):
+        return transform
+    batch = alignment.mask.shape[0]
+    columns = torch.where(alignment.mask, alignment.positions, length)  # (B, R); L: spare
+    rows = torch.ones(batch, length + 1, dtype=inverse.dtype, device=inverse.device)
+    rows = rows.scatter(1, columns, inverse.reshape(alignment.mask.shape))[:, :length]
+    return transform._replace(inverse=rows)
+
+
+@overload
+def response_log_probs(
+    logits: ArrayLike,
+    input_ids: ArrayLike,
+    prompt_lengths: ArrayLike | None,
+    attention_mask: ArrayLike,
+    *,
+    response_start: ArrayLike | int | None = ...,
+    response_length: int | None = ...,
+    temperature: Temperature = ...,
+    chunk_size: int | None = ...,
+    check_layout: bool = ...,
+    cu_seqlens: ArrayLike | None = ...,
+    vocab_group: VocabGroup = ...,
+    kept_ids: ArrayLike | None = ...,
+    kept_pad: int = ...,
+    kept_mask: ArrayLike | None = ...,
+    top_k: int | None = ...,
+    top_p: float | None = ...,
+    min_p: float | None = ...,
+    final_logit_softcapping: float | None = ...,
+    logit_scale: float = ...,
+    statistics: None = ...,
+) -> ResponseLogProbs: ...
+
+
+@overload
+def response_log_probs(
+    logits: ArrayLike,
+    input_ids: ArrayLike,
+    prompt_lengths: ArrayLike | None,
+    attention_mask: ArrayLike,
+    *,
+    response_start: ArrayLike | int | None = ...,
+    response_length: int | None = ...,
+    temperature: Temperature = ...,
+    chunk_size: int | None = ...,
+    check_layout: bool = ...,
+    cu_seqlens: ArrayLike | None = ...,
+    vocab_group: VocabGroup = ...,
+    kept_ids: ArrayLike | None = ...,
+    kept_pad: int = ...,
+    kept_mask: ArrayLike | None = ...,
+    top_k: int | None = ...,
+    top_p: float | None = ...,
+    min_p: float | None = ...,
+    final_logit_softcapping: float | None = ...,
+    logit_scale: float = ...,
+    statistics: Sequence[str],
+) -> ResponseStatistics: ...
+
+
 @checks_environment
 def response_log_probs(
     logits: ArrayLike,
@@ -363,7 +458,7 @@ def response_log_probs(
     *,
     response_start: ArrayLike | int | None = None,
     response_length: int | None = None,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     chunk_size: int | None = None,
     check_layout: bool = True,
     cu_seqlens: ArrayLike | None = None,
@@ -373,7 +468,11 @@ def response_log_probs(
     kept_mask: ArrayLike | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
-) -> ResponseLogProbs:
+    min_p: float | None = None,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    statistics: Sequence[str] | None = None,
+) -> ResponseLogProbs | ResponseStatistics:
     r"""Response-token log-probabilities from full-sequence causal-LM logits, shift included.
 
     .. math::
@@ -408,7 +507,8 @@ def response_log_probs(
             response token (int or ``(B,)``); see :func:`response_alignment`.
         attention_mask: ``(B, L)`` bool or numeric, nonzero = real token.
         response_length: R (static int), or None for ``L - 1``; see :func:`response_alignment`.
-        temperature: :math:`\tau > 0` (the sampling temperature).
+        temperature: :math:`\tau > 0` (the sampling temperature), or one per response token:
+            ``(B, R)`` (packed ``(N,)``, aligned with ``input_ids``), as the kept set.
         chunk_size: rows per chunk, or None for ``max(1, 2**23 // V)``.
         check_layout: validate the layout on the host (see :func:`response_alignment`).
         cu_seqlens: ``(S + 1,)`` integer boundaries of packed sequences, or None for the padded
@@ -420,6 +520,10 @@ def response_log_probs(
         kept_mask: ``(B, R, V)`` (packed ``(N, V)``) bool, True = kept.
         top_k: as :func:`token_log_probs`.
         top_p: as :func:`token_log_probs`.
+        min_p: as :func:`token_log_probs`.
+        final_logit_softcapping: as :func:`token_log_probs`.
+        logit_scale: as :func:`token_log_probs`.
+        statistics: as :func:`token_log_probs`: a :class:`ResponseStatistics` with them.
 
     Returns:
         :class:`ResponseLogProbs` ``(log_probs, mask)``: ``(B, R)`` float32 log-probabilities
@@ -471,8 +575,20 @@ def response_log_probs(
     rows = torch.zeros((batch, length), dtype=torch.int64, device=ids.device)  # (B, L)
     rows = rows.scatter_add(1, alignment.positions, alignment.mask.to(torch.int64)) > 0
     targets = torch.nn.functional.pad(ids[:, 1:].to(torch.int64), (0, 1))  # (B, L)
-    tau = _validate_temperature(temperature)
-    options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p)
+    dtype = compute_dtype(logits_t)
+    transform = validate_transform(
+        temperature,
+        final_logit_softcapping,
+        logit_scale,
+        shape=tuple(alignment.mask.shape),
+        device=logits_t.device,
+        dtype=dtype,
+        active=alignment.mask,
+        packed=packed,
+        reference="the response tokens",
+    )  # per response token (B, R); packed (N,)
+    wanted = validate_statistics(statistics)
+    options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p, min_p)
     restriction = restriction_of(
         options,
         shape=tuple(alignment.mask.shape),
@@ -483,17 +599,31 @@ def response_log_probs(
     )
     chunk = restricted_chunk_size(chunk_size, logits_t, restriction)
     targets = torch.where(rows, targets, 0)  # (B, L)
-    dtype = compute_dtype(logits_t)
-    if restriction is not None:
-        restriction = _shifted(restriction, alignment, length)
-        full: torch.Tensor = RestrictedLogProbsFunction.apply(  # type: ignore[no-untyped-call]
-            logits_t, targets, rows, True, tau, chunk, dtype, restriction
+    tau = scalar_temperature(transform, temperature)
+    outputs: tuple[torch.Tensor, ...]
+    if restriction is None and tau is not None and wanted is None:
+        outputs = (
+            TokenLogProbsFunction.apply(  # type: ignore[no-untyped-call]
+                logits_t, targets, rows, True, tau, chunk, dtype
+            ),
         )  # (B, L)
     else:
-        full = TokenLogProbsFunction.apply(  # type: ignore[no-untyped-call]
-            logits_t, targets, rows, True, tau, chunk, dtype
-        )  # (B, L)
-    log_probs = masked_fill_zero(full.gather(1, alignment.positions), alignment.mask)  # (B, R)
-    return ResponseLogProbs(
-        log_probs=token_output(log_probs, flat), mask=token_output(alignment.mask, flat)
-    )
+        if restriction is not None:
+            restriction = _shifted(restriction, alignment, length)
+        call = LogitsCall(
+            _shifted_transform(transform, alignment, length), dtype,
+            restriction or Restriction(None, None), (), wanted or Wanted(),
+        )  # fmt: skip
+        outputs = RestrictedLogProbsFunction.apply(  # type: ignore[no-untyped-call]
+            logits_t, targets, rows, True, call, chunk
+        )  # (B, L) each
+
+    def gathered(full: torch.Tensor) -> torch.Tensor:  # (B, L) -> (B, R), the caller's shape
+        values = masked_fill_zero(full.gather(1, alignment.positions), alignment.mask)
+        return token_output(values, flat)
+
+    mask_out = token_output(alignment.mask, flat)
+    if wanted is None:
+        return ResponseLogProbs(log_probs=gathered(outputs[0]), mask=mask_out)
+    result = statistics_result(wanted, [gathered(t) if t.numel() else t for t in outputs])
+    return ResponseStatistics(result.log_probs, mask_out, *result[1:])

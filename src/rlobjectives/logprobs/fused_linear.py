@@ -7,11 +7,13 @@ For a loss whose derivative with respect to each token's log-probability, :math:
 
 .. math::
 
-    \frac{\partial\mathcal{L}}{\partial z_{nv}} = \frac{1}{\tau}\Big(c_n(\mathbb{1}[v = y_n]
-        - p_{nv}) - g_n\, p_{nv}(\log p_{nv} + H_n)\Big)
+    \frac{\partial\mathcal{L}}{\partial z_{nv}} = \frac{\partial x_{nv}}{\partial z_{nv}}
+        \Big(c_n(\mathbb{1}[v = y_n] - p_{nv}) - g_n\, p_{nv}(\log p_{nv} + H_n)\Big)
 
-and its products with the weight and the hidden rows right away: the fused-linear-cross-entropy
-technique (Liger-Kernel, Cut Cross-Entropy), with no recompute in backward.
+(:math:`\partial x / \partial z` the logit transform's, :math:`s(1 - t^2)/\tau` with a softcap,
+:math:`s/\tau` without: :mod:`rlobjectives.logprobs.head`) and its products with the
+weight and the hidden rows right away: the fused-linear-cross-entropy technique (Liger-Kernel,
+Cut Cross-Entropy), with no recompute in backward.
 :class:`FusedLinearLoss` wires it to autograd through a zero-valued anchor. One
 ``(chunk, V)`` buffer of logits is alive, reused by every chunk (:class:`ChunkBuffers`; the
 entropy term adds a few rows of scratch).
@@ -69,10 +71,14 @@ class _ChunkGradient(NamedTuple):
 
 
 def _row_coefficient(
-    terms: FusedTerms, log_probs: torch.Tensor, block: Block, inv_temperature: float, kept: bool
+    terms: FusedTerms,
+    log_probs: torch.Tensor,
+    block: Block,
+    factor: float | torch.Tensor,
+    kept: bool,
 ) -> torch.Tensor:
-    """``c / tau`` of the chunk's rows; 0 for a token outside the kept set (``-inf`` log-prob)."""
-    coefficient = terms.coefficient(log_probs, block) * inv_temperature  # (n,)
+    """``c s / tau`` of the chunk's rows; 0 for a token outside the kept set (``-inf`` log-prob)."""
+    coefficient = terms.coefficient(log_probs, block) * factor  # (n,)
     if kept:  # no gradient through a token the sampler could not have drawn (where, not *)
         coefficient = masked_fill_zero(coefficient, log_probs > -torch.inf)
     return coefficient
@@ -83,27 +89,27 @@ def _logit_grads(
     target: torch.Tensor,
     terms: FusedTerms,
     scratch: torch.Tensor | None,
-    options: tuple[float, bool],
+    options: tuple[float | torch.Tensor, bool],
     block: Block,
 ) -> _ChunkGradient:
-    """``-(c p + g p (log p + H)) / tau`` in place of ``scores`` ``(n, V)``; ``target`` ``(n,)``.
+    """``-(c p + g p (log p + H)) s / tau`` in place of ``scores`` ``(n, V)``; ``target`` ``(n,)``.
 
     ``c = dL/dlog_prob`` and ``g = dL/dH`` (0 at masked tokens); one ``(n, V)`` buffer
-    (``scores``), plus a few rows of ``scratch`` for the entropy term. ``options``: ``(1 / tau,
-    whether a kept set restricted the scores)``.
+    (``scores``), plus a few rows of ``scratch`` for the entropy term. ``options``: ``(s / tau
+    of the rows, whether a kept set restricted the scores)``.
     """
-    inv_temperature, kept = options
+    factor, kept = options
     active = terms.mask[block]  # (n,)
     if terms.entropy_weights is None or scratch is None:
         probs, lse = softmax_(scores)  # (n, V), (n,)
         log_probs = masked_fill_zero(target - lse, active)  # (n,)
-        row_coefficient = _row_coefficient(terms, log_probs, block, inv_temperature, kept)
+        row_coefficient = _row_coefficient(terms, log_probs, block, factor, kept)
         grad_scores = probs.mul_((-row_coefficient).unsqueeze(1))  # -c p / tau
         return _ChunkGradient(grad_scores, row_coefficient, log_probs, None)
     lse, entropy, log_total = entropy_stats_(scores, scratch)  # scores becomes s - max
     log_probs = masked_fill_zero(target - lse, active)  # (n,)
-    row_coefficient = _row_coefficient(terms, log_probs, block, inv_temperature, kept)
-    entropy_weight = terms.entropy_weights[block] * inv_temperature  # (n,)
+    row_coefficient = _row_coefficient(terms, log_probs, block, factor, kept)
+    entropy_weight = terms.entropy_weights[block] * factor  # (n,)
     log_p = finite_log_probs_(scores.sub_(log_total))  # (n, V)
     grad_scores = entropy_logit_grads_(
         log_p, entropy, (row_coefficient, entropy_weight), scratch
@@ -120,15 +126,17 @@ def _fused_step(
     grads, buffers, thresholds = state
     active = terms.mask[block]  # (n,)
     hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], active)
-    scores = chunk_scores(hidden_chunk, head, buffers)  # (n, V)
+    scores = chunk_scores(hidden_chunk, head, buffers, block[0])  # (n, V)
     if head.kept is not None:  # the logits outside the kept set become -inf
         flat = kept_rows(block, ())  # unselected (zeroed) rows keep everything: finite softmax
         restrict_(scores, head.kept, flat, None, thresholds, decide=True, active=active)
     target = scores.gather(1, tokens_chunk.unsqueeze(1)).squeeze(1)  # (n,)
-    options = (head.inv_temperature, head.kept is not None)
+    options = (head.transform.row_factor(block[0]), head.kept is not None)
     chunk = _logit_grads(scores, target, terms, buffers.scratch, options, block)
-    # + c 1[v = y] / tau
+    # + c 1[v = y] s / tau
     chunk.grad_scores.scatter_add_(1, tokens_chunk.unsqueeze(1), chunk.row_coefficient.unsqueeze(1))
+    if buffers.derivative is not None:  # the softcap's 1 - t^2
+        chunk.grad_scores.mul_(buffers.derivative[: chunk.grad_scores.shape[0]])
     accumulate_grads(chunk.grad_scores, hidden_chunk, head, grads, buffers, block)
     if chunk.entropy is None:
         return [chunk.log_probs]

@@ -1,18 +1,63 @@
-"""The LM head of the hidden-state functions: validated arguments, chunk size and chunk buffers.
+r"""The LM head of the hidden-state functions: validated arguments, chunk size and chunk buffers.
 
 :func:`prepare_head` validates ``hidden`` ``(B, T, H)`` (packed: ``(N, H)``), ``weight``
 ``(V, H)``, ``bias``, the token ids, the temperature and the chunk size once, into a
 :class:`Head` of flat tensors. The ``(N, V)`` logits ``hidden @ weight.T + bias`` are never formed
 whole: every pass (:mod:`rlobjectives.logprobs.passes`, :mod:`rlobjectives.logprobs.fused_linear`)
 works chunk by chunk in one :class:`ChunkBuffers` (one ``(chunk, V)`` block in the computation
-dtype, plus one in the weight's dtype for bf16/fp16 heads and a few rows of scratch for the
+dtype, plus one in the weight's dtype for a bf16/fp16 head whose product is rounded to it
+(``fp32_head=False``), one for the softcap's derivative and a few rows of scratch for the
 entropy), sized by :data:`HEAD_BUDGET` unless ``chunk_size`` is given, with the per-chunk
 helpers they share (:func:`chunk_scores`, :func:`softmax_`, :func:`select_rows`, the gradient
 accumulators :class:`Grads`).
+
+**The product's precision.** From bf16/fp16 hidden states and weight the product
+:math:`h W^\top + b` is formed with float32 accumulation and a float32 result by default
+(``fp32_head=True``; TRL's ``cast_lm_head_to_fp32=True``, prime-rl's
+``enable_fp32_lm_head``): on CUDA by ``torch.mm(..., out_dtype=torch.float32)``, on other
+devices in float32 arithmetic (the weight widened one vocabulary slice at a time, a few MiB).
+``fp32_head=False`` rounds the product to the input dtype before the float32 softmax, as
+``hidden @ weight.T`` does (TRL's default forward, vLLM's bf16 logits). The gradient products
+accumulate in float32 either way; with ``fp32_head=True`` off CUDA they also read the float32
+logits' gradient unrounded.
+
+**The logit transform** (:class:`LogitTransform`): scale, then softcap, then temperature. The
+trainers and the samplers do not take the softmax of the raw product :math:`z = h W^\top +
+b`: Cohere multiplies it by ``logit_scale``, Granite and MiniCPM3 divide it by ``logits_scaling``,
+Gemma 2 (and Gemma 3 when configured) caps it with ``final_logit_softcapping``, and the sampler
+divides by its temperature. The functions of this package apply them in TRL's order
+(``trl.kernels.ChunkedLogProbFunction``, ``_transform``):
+
+.. math::
+
+    x = \frac{\mathrm{cap}_c(s\,z)}{\tau}, \qquad
+    \mathrm{cap}_c(u) = c \tanh(u / c) \ (c \text{ given}), \quad u \ (c = \text{None}),
+
+with :math:`s` = ``logit_scale``, :math:`c` = ``final_logit_softcapping`` and :math:`\tau` =
+``temperature`` (a number, or one value per token). Its derivative is, with :math:`t = \tanh(s z /
+c)`,
+
+.. math::
+
+    \frac{\partial x}{\partial z} = \frac{s\,(1 - t^2)}{\tau} \quad (c \text{ given}), \qquad
+    \frac{s}{\tau} \quad (c = \text{None}):
+
+a per-row factor :math:`s/\tau` (:meth:`LogitTransform.row_factor`, folded into the per-row
+coefficients of the closed-form gradients) times, with a softcap, the element-wise
+:math:`1 - t^2` (:func:`softcap_derivative`), recovered from :math:`x` as
+:math:`t = \mathrm{clamp}(x\tau/c, -1, 1)` (every path recovers it the same way, so the
+recomputing, the saving and the fused paths give the same numbers; ``-inf`` outside a kept set
+gives 0). A ``-inf`` logit (a banned token) becomes :math:`-c/\tau` under a softcap, as in the
+peers' forward passes.
+
+:func:`validate_transform` checks the three public arguments; a per-token temperature is
+``(B, T)`` (padded) or ``(N,)`` / ``(1, N)`` (packed), any value where the row is not selected
+(those rows use 1).
 """
 
 from __future__ import annotations
 
+import math
 from typing import NamedTuple
 
 import torch
@@ -27,6 +72,7 @@ from .._core.layout import token_matrix
 from .._core.reduction import masked_fill_zero
 from .._core.validation import (
     ArrayLike,
+    as_mask,
     as_token_ids,
     check_same_device,
     check_shape,
@@ -38,22 +84,35 @@ from .truncation import KeptOptions, KeptSet, Restriction, restriction_of
 from .vocab_parallel import Shard
 
 __all__ = [
+    "PLAIN",
     "ChunkBuffers",
     "Grads",
     "HEAD_BUDGET",
     "Head",
+    "HeadOptions",
+    "LogitTransform",
+    "Temperature",
     "SCRATCH_ELEMENTS",
     "accumulate_grads",
+    "apply_transform_",
     "chunk_row_bytes",
+    "casts_product",
+    "chunk_product",
     "chunk_scores",
     "default_chunk_size",
     "finish_grads",
+    "leads",
     "new_buffers",
     "new_grads",
     "prepare_head",
     "scratch_rows",
     "select_rows",
+    "softcap_derivative",
     "softmax_",
+    "transform_scores_",
+    "validate_scale",
+    "validate_softcap",
+    "validate_transform",
 ]
 
 
@@ -75,7 +134,8 @@ def chunk_row_bytes(vocab_size: int, dtype: torch.dtype) -> int:
     """Bytes of one row of a chunk's buffers (:class:`ChunkBuffers`) for a head of ``dtype``.
 
     ``V`` scores in the computation dtype (float64 for a float64 head, float32 else), plus ``V``
-    values in ``dtype`` for a low-precision head (its product and its gradient's cast).
+    values in ``dtype`` for a low-precision head (its rounded product and its gradient's cast
+    with ``fp32_head=False``; the bound the default chunk size is computed with).
     """
     if dtype == torch.float64:
         return 8 * vocab_size
@@ -98,23 +158,294 @@ def default_chunk_size(vocab_size: int, rows: int, dtype: torch.dtype = torch.fl
     return chunk_rows(chunk_row_bytes(vocab_size, dtype), rows=rows, budget=HEAD_BUDGET)
 
 
+# ---------------------------------------------------------------------------------------------
+# The logit transform: scale, then softcap, then temperature
+# ---------------------------------------------------------------------------------------------
+#: A temperature argument: a positive number, or a per-token tensor.
+Temperature = float | ArrayLike
+
+
+class LogitTransform(NamedTuple):
+    r"""A validated transform :math:`z \mapsto \mathrm{cap}_c(s z) / \tau` (module docstring).
+
+    Attributes:
+        scale: :math:`s` (``logit_scale``).
+        softcap: :math:`c` (``final_logit_softcapping``), or None.
+        inverse: :math:`1/\tau`: a Python float, or a per-row tensor in the computation dtype
+            (1 at unselected rows) whose leading shape is that of the rows of the call (flat
+            ``(N,)``, or the ``(B, T)`` of strided logits), indexed by the chunk's block.
+    """
+
+    scale: float = 1.0
+    softcap: float | None = None
+    inverse: float | torch.Tensor = 1.0
+
+    @property
+    def plain(self) -> bool:
+        """Whether the transform is the identity (no scale, no softcap, temperature 1)."""
+        return (
+            self.scale == 1.0
+            and self.softcap is None
+            and not isinstance(self.inverse, torch.Tensor)
+            and self.inverse == 1.0
+        )
+
+    @property
+    def per_row(self) -> bool:
+        """Whether the temperature is one value per token."""
+        return isinstance(self.inverse, torch.Tensor)
+
+    @property
+    def leading(self) -> float:
+        r"""The transform's first constant factor: :math:`s/c`, else :math:`s/\tau` (or :math:`s`).
+
+        The number the product is multiplied by before anything else (the ``tanh``'s argument
+        under a softcap; the whole transform with one temperature), which a GEMM can apply as
+        its ``alpha`` (:func:`chunk_product`).
+        """
+        if self.softcap is not None:
+            return self.scale / self.softcap
+        if isinstance(self.inverse, torch.Tensor):
+            return self.scale
+        return self.scale * self.inverse
+
+    def row_inverse(self, rows: object) -> float | torch.Tensor:
+        r""":math:`1/\tau` of the rows ``rows`` (a block index): a float or an ``(n, 1)`` tensor."""
+        if isinstance(self.inverse, torch.Tensor):
+            return self.inverse[rows].reshape(-1, 1)  # type: ignore[index]
+        return self.inverse
+
+    def row_factor(self, rows: object) -> float | torch.Tensor:
+        r""":math:`\partial x / \partial z` without the softcap's :math:`1 - t^2`: :math:`s/\tau`.
+
+        A float, or an ``(n,)`` tensor for a per-token temperature.
+        """
+        inverse = self.row_inverse(rows)
+        if isinstance(inverse, torch.Tensor):
+            return inverse.reshape(-1) * self.scale
+        return inverse * self.scale
+
+    def flat(self) -> LogitTransform:
+        """The transform with a per-token temperature flattened to ``(N,)`` rows."""
+        if isinstance(self.inverse, torch.Tensor):
+            return self._replace(inverse=self.inverse.reshape(-1))
+        return self
+
+
+#: The identity transform.
+PLAIN = LogitTransform()
+
+
+def apply_transform_(
+    scores: torch.Tensor, transform: LogitTransform, rows: object, *, led: bool = False
+) -> torch.Tensor:
+    r"""``scores`` :math:`z` ``(n, V)`` becomes :math:`x = \mathrm{cap}_c(s z)/\tau`, in place.
+
+    ``rows`` indexes the per-token temperature (the chunk's block); ``scores`` is in the
+    computation dtype. ``led``: ``scores`` holds :math:`z` times
+    :attr:`LogitTransform.leading` already. Returns ``scores``.
+    """
+    inverse = transform.row_inverse(rows)
+    factor: float | torch.Tensor
+    if transform.softcap is not None:
+        if not led:
+            scores.mul_(transform.leading)
+        scores.tanh_()
+        factor = inverse * transform.softcap
+    elif led:  # what remains: a per-token 1/tau, or nothing
+        factor = inverse if isinstance(inverse, torch.Tensor) else 1.0
+    else:
+        factor = inverse * transform.scale
+    if isinstance(factor, torch.Tensor):
+        scores.mul_(factor.to(scores.dtype))
+    elif factor != 1.0:
+        scores.mul_(factor)
+    return scores
+
+
+def softcap_derivative(
+    scores: torch.Tensor, transform: LogitTransform, rows: object, out: torch.Tensor
+) -> torch.Tensor:
+    r""":math:`1 - t^2` with :math:`t = \mathrm{clamp}(x \tau / c, -1, 1)`, written into ``out``.
+
+    ``scores`` are the transformed logits :math:`x` ``(n, V)`` (not modified); ``out`` an
+    ``(n, V)`` buffer of their dtype. Only for a transform with a softcap. Formed as
+    :math:`\max(1 - (\tau/c)^2 x^2, 0)` (equal in exact arithmetic: :math:`|t| \le 1` exactly
+    where the clamp does nothing), two passes for one temperature (``-inf`` outside a kept set
+    gives 0).
+    """
+    assert transform.softcap is not None
+    inverse = transform.row_inverse(rows)
+    rows_out = out[: scores.shape[0]]
+    one = torch.ones((), dtype=scores.dtype, device=scores.device)
+    if isinstance(inverse, torch.Tensor):
+        torch.mul(scores, (1.0 / (inverse * transform.softcap)).to(scores.dtype), out=rows_out)
+        torch.addcmul(one, rows_out, rows_out, value=-1.0, out=rows_out)
+    else:
+        factor = 1.0 / (inverse * transform.softcap)  # tau / c
+        torch.addcmul(one, scores, scores, value=-(factor * factor), out=rows_out)
+    return rows_out.clamp_(min=0.0)
+
+
+def validate_softcap(
+    final_logit_softcapping: object, name: str = "final_logit_softcapping"
+) -> float | None:
+    """A softcap :math:`c > 0` (a finite Python number), or None."""
+    if final_logit_softcapping is None:
+        return None
+    value = validate_scalar(
+        final_logit_softcapping,  # type: ignore[arg-type]
+        name,
+        minimum=0.0,
+        strict=True,
+        allow_tensor=False,
+    )
+    return float(value)
+
+
+def validate_scale(logit_scale: object, name: str = "logit_scale") -> float:
+    """A logit scale: a finite real Python number (0 kept, as TRL keeps it)."""
+    value = validate_scalar(logit_scale, name, minimum=None, allow_tensor=False)  # type: ignore[arg-type]
+    return float(value)
+
+
+def _temperature_tensor(
+    temperature: torch.Tensor,
+    *,
+    shape: tuple[int, ...],
+    device: torch.device,
+    packed: bool,
+    reference: str,
+) -> torch.Tensor:
+    """Check a per-token temperature against the leading ``shape`` (packed: ``(N,)`` too)."""
+    if temperature.is_complex() or not (
+        temperature.is_floating_point() or temperature.dtype in _INTEGERS
+    ):
+        raise TypeError(
+            "temperature must be a real number or a real per-token tensor, got "
+            f"{describe(temperature)}"
+        )
+    if temperature.ndim == 0:
+        raise TypeError(
+            "temperature must be a real number (a Python number) or a per-token tensor of "
+            f"shape {shape}, got a 0-d tensor {describe(temperature)}"
+        )
+    given = tuple(temperature.shape)
+    if packed and len(shape) == 2 and shape[0] == 1 and given == (shape[1],):
+        temperature = temperature.reshape(shape)
+    elif given != tuple(shape):
+        extra = f" or ({shape[1]},) (packed)" if packed and len(shape) == 2 else ""
+        raise ValueError(
+            f"temperature must be a number or a per-token tensor of shape {tuple(shape)}{extra} "
+            f"(the shape of {reference}), got shape {given}"
+        )
+    if temperature.device != device:
+        raise ValueError(
+            f"temperature must be on the same device as {reference} ({device}), got device "
+            f"{temperature.device}"
+        )
+    return temperature
+
+
+_INTEGERS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def validate_transform(
+    temperature: object,
+    final_logit_softcapping: object = None,
+    logit_scale: object = 1.0,
+    *,
+    shape: tuple[int, ...],
+    device: torch.device,
+    dtype: torch.dtype,
+    active: torch.Tensor | None = None,
+    packed: bool = False,
+    reference: str = "tokens",
+) -> LogitTransform:
+    r"""Validate ``temperature``, ``final_logit_softcapping`` and ``logit_scale``.
+
+    Args:
+        temperature: :math:`\tau > 0`, a Python number, or a per-token tensor of the leading
+            ``shape`` (packed: ``(N,)`` for a ``(1, N)`` shape); its values at selected tokens
+            must be positive and finite (not checked on the device: a zero gives ``inf``/NaN
+            that propagates, as any bad value at a selected token).
+        final_logit_softcapping: :math:`c > 0`, or None.
+        logit_scale: :math:`s`, a finite real number (TRL keeps 0 as given).
+        shape: the leading shape of the per-token tensors of the call.
+        device: the device of the call.
+        dtype: the computation dtype (the per-token :math:`1/\tau` is formed in it).
+        active: ``shape`` bool, the selected tokens (elsewhere :math:`1/\tau = 1`), or None.
+        packed: accept ``(N,)`` for a ``(1, N)`` shape.
+        reference: the argument that fixes ``shape`` (for the messages).
+
+    Returns:
+        The :class:`LogitTransform` (a per-token temperature as ``shape``).
+
+    Raises:
+        ValueError: a non-positive or non-finite number, a tensor of another shape or device.
+        TypeError: a non-number, a bool, a 0-d or non-real tensor.
+    """
+    cap = validate_softcap(final_logit_softcapping)
+    scale = validate_scale(logit_scale)
+    if isinstance(temperature, torch.Tensor):
+        tau = _temperature_tensor(
+            temperature, shape=shape, device=device, packed=packed, reference=reference
+        ).to(dtype)
+        inverse = 1.0 / tau
+        if active is not None:
+            inverse = torch.where(active.reshape(shape), inverse, 1.0)
+        return LogitTransform(scale, cap, inverse)
+    if isinstance(temperature, (list, tuple)):
+        raise TypeError(
+            "temperature must be a real number or a per-token tensor (a torch.Tensor), got "
+            f"{describe(temperature)}"
+        )
+    value = validate_scalar(
+        temperature,  # type: ignore[arg-type]
+        "temperature",
+        minimum=0.0,
+        strict=True,
+        allow_tensor=False,
+    )
+    inverse_value = 1.0 / float(value)
+    if not math.isfinite(inverse_value):
+        raise ValueError(f"temperature must be > 0 with a finite inverse, got {temperature!r}")
+    return LogitTransform(scale, cap, inverse_value)
+
+
 class Head(NamedTuple):
     """The validated LM head and token ids, flattened to rows.
 
     Under vocabulary parallelism ``weight`` and ``bias`` are this rank's rows (``shard``) and
     ``tokens`` stay global; ``kept`` is the sampler's kept set
-    (:mod:`rlobjectives.logprobs.truncation`).
+    (:mod:`rlobjectives.logprobs.truncation`); ``transform`` the logit transform (scale,
+    softcap, temperature: :mod:`rlobjectives.logprobs.head`, a per-token temperature as
+    ``(N,)`` rows); ``fp32`` whether a bf16/fp16 product is formed in float32.
     """
 
     hidden: torch.Tensor  # (N, H), original dtype
     weight: torch.Tensor  # (V, H), same dtype as hidden
     bias: torch.Tensor | None  # (V,)
     tokens: torch.Tensor  # (N,) int64
-    inv_temperature: float
+    transform: LogitTransform
     chunk_size: int
     dtype: torch.dtype  # computation dtype of the log-softmax (float32 or float64)
     shard: Shard | None = None
     kept: KeptSet | None = None
+    fp32: bool = True
+
+    @property
+    def rounds_product(self) -> bool:
+        """Whether the product is formed in the weight's (low-precision) dtype."""
+        return self.weight.dtype in _LOW_PRECISION and not self.fp32
+
+
+class HeadOptions(NamedTuple):
+    """The head's transform arguments as the public functions take them."""
+
+    final_logit_softcapping: object = None
+    logit_scale: object = 1.0
+    fp32_head: object = True
 
 
 class ChunkBuffers(NamedTuple):
@@ -126,56 +457,165 @@ class ChunkBuffers(NamedTuple):
     """
 
     scores: torch.Tensor  # (chunk, V) computation dtype: logits, then their gradient
-    # (chunk, V) in the weight's dtype where it is not the computation dtype (bf16/fp16 heads, or
-    # a float32 head in a float64 loss): the product, then the gradient's cast
+    # (chunk, V) in the weight's dtype where the product is formed in it (fp32_head=False with a
+    # bf16/fp16 head, or a float32 head in a float64 loss): the product, then the gradient's cast
     product: torch.Tensor | None
     scratch: torch.Tensor | None  # (c, V) computation dtype: a few rows of probabilities (entropy)
+    derivative: torch.Tensor | None = None  # (chunk, V) the softcap's 1 - t^2
 
 
-def new_buffers(head: Head, *, with_entropy: bool, rows: int | None = None) -> ChunkBuffers:
-    """The buffers of a pass over ``head`` (:func:`chunk_row_bytes` bytes per chunk row).
+def casts_product(head: Head) -> bool:
+    """Whether the product is formed in the weight's dtype and then widened (a cast buffer)."""
+    return head.weight.dtype != head.dtype and (
+        head.rounds_product or head.weight.dtype not in _LOW_PRECISION
+    )
 
-    ``rows``: rows per buffer; by default the chunk size (at most N).
+
+def new_buffers(
+    head: Head,
+    *,
+    with_entropy: bool,
+    rows: int | None = None,
+    scores: bool = True,
+    derivative: bool = True,
+) -> ChunkBuffers:
+    """The buffers of a pass over ``head``.
+
+    At most :func:`chunk_row_bytes` bytes per row, and one ``(chunk, V)`` block more with a
+    softcap. ``rows``: rows per buffer; by default the chunk size (at most N). ``scores=False``:
+    no ``scores`` block (every chunk's logits are formed elsewhere, in saved rows);
+    ``derivative=False``: no softcap derivative (a pass that needs no gradient).
     """
     if rows is None:
         rows = min(head.chunk_size, head.hidden.shape[0])
     vocab, weight, dtype = head.weight.shape[0], head.weight, head.dtype
-    cast = weight.dtype != dtype
     scratch = min(rows, scratch_rows(vocab))
+    softcap = head.transform.softcap is not None and derivative
     return ChunkBuffers(
-        scores=torch.empty(rows, vocab, dtype=dtype, device=weight.device),
+        scores=torch.empty(rows if scores else 0, vocab, dtype=dtype, device=weight.device),
         product=torch.empty(rows, vocab, dtype=weight.dtype, device=weight.device)
-        if cast
+        if casts_product(head)
         else None,
         scratch=torch.empty(scratch, vocab, dtype=dtype, device=weight.device)
         if with_entropy
         else None,
+        derivative=torch.empty(rows, vocab, dtype=dtype, device=weight.device) if softcap else None,
     )
 
 
-def chunk_scores(
-    hidden_chunk: torch.Tensor, head: Head, buffers: ChunkBuffers | None = None
-) -> torch.Tensor:
-    """Temperature-scaled logits ``(h W^T + b) / tau`` of one chunk, ``(n, V)`` in ``head.dtype``.
+#: Elements of the float32 slice of a bf16/fp16 weight widened at a time off CUDA (4 MiB).
+WIDEN_ELEMENTS = 1 << 20
 
-    The product runs in the weight's dtype (as ``hidden @ weight.T`` would); low-precision logits
-    are then widened for the softmax. The result is the first ``n`` rows of ``buffers.scores``
-    (a fresh tensor without ``buffers``), which the caller may overwrite.
+
+def _widened_rows(width: int) -> int:
+    return max(1, WIDEN_ELEMENTS // max(width, 1))
+
+
+def wide_product(
+    left: torch.Tensor, right: torch.Tensor, out: torch.Tensor, *, transpose: bool
+) -> torch.Tensor:
+    """``out = left @ right.T`` (``transpose``) or ``left @ right`` with a float32 ``out``.
+
+    ``right`` is a bf16/fp16 matrix; ``left`` float32 or ``right``'s dtype. On CUDA (16-bit
+    ``left``): one ``torch.mm(..., out_dtype=torch.float32)`` (float32 accumulation in the
+    tensor cores, no rounding of the result). Elsewhere ``right`` is widened to float32 a slice
+    of its rows at a time and the products run in float32 arithmetic.
     """
-    rows = hidden_chunk.shape[0]
-    if buffers is None:
-        buffers = new_buffers(head, with_entropy=False, rows=rows)
-    scores = buffers.scores[:rows]  # (n, V)
-    product = scores if buffers.product is None else buffers.product[:rows]  # (n, V), weight dtype
-    if head.bias is None:
-        torch.mm(hidden_chunk, head.weight.T, out=product)
-    else:
-        torch.addmm(head.bias, hidden_chunk, head.weight.T, out=product)
-    if buffers.product is not None:
+    if out.device.type == "cuda" and left.dtype == right.dtype and out.dtype == torch.float32:
+        operand = right.T if transpose else right
+        return torch.mm(left, operand, out_dtype=torch.float32, out=out)
+    left_wide = left if left.dtype == out.dtype else left.to(out.dtype)
+    step = _widened_rows(right.shape[1])
+    if transpose:  # out (n, V): slices of V
+        for start in range(0, right.shape[0], step):
+            part = right[start : start + step].to(out.dtype)  # (s, H)
+            torch.mm(left_wide, part.T, out=out[:, start : start + step])
+        return out
+    # out (n, H) = left (n, V) @ right (V, H): sum over slices of V
+    for index, start in enumerate(range(0, right.shape[0], step)):
+        part = right[start : start + step].to(out.dtype)  # (s, H)
+        piece = left_wide[:, start : start + step]
+        if index == 0:
+            torch.mm(piece, part, out=out)
+        else:
+            out.addmm_(piece, part)
+    return out
+
+
+def chunk_product(hidden_chunk: torch.Tensor, head: Head, buffers: ChunkBuffers) -> torch.Tensor:
+    r"""The product :math:`z = h W^\top + b` of ``n`` rows, into ``buffers.scores[:n]``.
+
+    ``(n, V)`` in ``head.dtype``: formed in float32 from a bf16/fp16 head by default (module
+    docstring), in the weight's dtype with ``fp32_head=False`` (through ``buffers.product``, then
+    widened for the softmax). Where :func:`leads`, the GEMM's ``alpha`` (and ``beta``) also
+    multiply it by :attr:`LogitTransform.leading` (one element-wise pass fewer).
+    """
+    count = hidden_chunk.shape[0]
+    scores = buffers.scores[:count]  # (n, V)
+    weight = head.weight
+    if buffers.product is not None:  # the product in the weight's dtype, then widened
+        product = buffers.product[:count]
+        if head.bias is None:
+            torch.mm(hidden_chunk, weight.T, out=product)
+        else:
+            torch.addmm(head.bias, hidden_chunk, weight.T, out=product)
         scores.copy_(product)
-    if head.inv_temperature != 1.0:
-        scores.mul_(head.inv_temperature)
+    elif weight.dtype != scores.dtype:  # a bf16/fp16 head, float32 accumulation and result
+        wide_product(hidden_chunk, weight, scores, transpose=True)
+        if head.bias is not None:
+            scores.add_(head.bias)
+    elif leads(head):
+        alpha = head.transform.leading
+        if head.bias is None:  # beta = 0: the buffer's old values are not read
+            torch.addmm(scores, hidden_chunk, weight.T, beta=0.0, alpha=alpha, out=scores)
+        else:
+            torch.addmm(head.bias, hidden_chunk, weight.T, beta=alpha, alpha=alpha, out=scores)
+    elif head.bias is None:
+        torch.mm(hidden_chunk, weight.T, out=scores)
+    else:
+        torch.addmm(head.bias, hidden_chunk, weight.T, out=scores)
     return scores
+
+
+def leads(head: Head) -> bool:
+    """Whether :func:`chunk_product` applies the transform's leading factor in its GEMM.
+
+    For a product formed in the computation dtype itself (not widened, not rounded first) and a
+    leading factor other than 1.
+    """
+    return head.weight.dtype == head.dtype and head.transform.leading != 1.0
+
+
+def transform_scores_(
+    scores: torch.Tensor, head: Head, buffers: ChunkBuffers, rows: slice | int | torch.Tensor
+) -> torch.Tensor:
+    r"""``scores`` :math:`z` ``(n, V)`` become :math:`x = \mathrm{cap}_c(s z)/\tau`, in place.
+
+    ``rows`` is the chunk's row range (its per-token temperature). With a softcap and a
+    ``buffers.derivative`` :math:`1 - t^2` goes there.
+    """
+    if not head.transform.plain:
+        apply_transform_(scores, head.transform, rows, led=leads(head))
+    if buffers.derivative is not None:
+        softcap_derivative(scores, head.transform, rows, buffers.derivative)
+    return scores
+
+
+def chunk_scores(
+    hidden_chunk: torch.Tensor,
+    head: Head,
+    buffers: ChunkBuffers | None,
+    rows: slice | int | torch.Tensor,
+) -> torch.Tensor:
+    r"""The transformed logits :math:`x = \mathrm{cap}_c(s(h W^\top + b))/\tau` of one chunk.
+
+    :func:`chunk_product`, then :func:`transform_scores_`: ``(n, V)`` in ``head.dtype``, the
+    first ``n`` rows of ``buffers.scores`` (a fresh tensor without ``buffers``), which the
+    caller may overwrite; ``rows`` is the chunk's row range (or index tensor).
+    """
+    if buffers is None:
+        buffers = new_buffers(head, with_entropy=False, rows=hidden_chunk.shape[0])
+    return transform_scores_(chunk_product(hidden_chunk, head, buffers), head, buffers, rows)
 
 
 def softmax_(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,15 +653,16 @@ class Grads(NamedTuple):
     bias: torch.Tensor | None  # (V,)
 
 
-def new_grads(head: Head, needs: tuple[bool, bool, bool]) -> Grads:
-    """Zeroed accumulators for the inputs that need a gradient."""
+def new_grads(head: Head, needs: tuple[bool, bool, bool], *, zeroed: bool = True) -> Grads:
+    """Accumulators for the inputs that need a gradient: zeroed unless written once (``first``)."""
     accumulate = torch.float64 if head.dtype == torch.float64 else torch.float32
     weight, device = head.weight, head.weight.device
+    new = torch.zeros if zeroed else torch.empty
     return Grads(
         hidden=torch.empty_like(head.hidden) if needs[0] else None,
-        weight=torch.zeros(weight.shape, dtype=accumulate, device=device) if needs[1] else None,
+        weight=new(weight.shape, dtype=accumulate, device=device) if needs[1] else None,
         bias=(
-            torch.zeros(weight.shape[0], dtype=accumulate, device=device)
+            new(weight.shape[0], dtype=accumulate, device=device)
             if needs[2] and head.bias is not None
             else None
         ),
@@ -235,26 +676,48 @@ def accumulate_grads(
     grads: Grads,
     buffers: ChunkBuffers,
     block: Block,
+    *,
+    first: bool = False,
 ) -> None:
     """Write one chunk's ``grad_hidden`` rows (at ``block``); add its ``grad_weight``/``grad_bias``.
 
     ``grad_scores`` is the gradient with respect to the chunk's logits, ``(n, V)`` in the
-    computation dtype. A weight in another dtype gets the ``grad_hidden`` product in its dtype
-    (as autograd casts the gradient of ``(hidden @ weight.T).float()``, through
-    ``buffers.product``); ``grad_weight`` accumulates over chunks in float32 (float64) (casting
-    a low-precision product afterwards would not help: Liger-Kernel #1432).
+    computation dtype. With ``fp32_head=False`` a weight in another dtype gets the
+    ``grad_hidden`` product in its dtype (as autograd casts the gradient of ``(hidden @
+    weight.T).float()``, through ``buffers.product``); with ``fp32_head=True`` (a bf16/fp16
+    head) the product accumulates in float32 (:func:`wide_product`) and is rounded once.
+    ``grad_weight`` accumulates over chunks in float32 (float64) (casting a low-precision
+    product afterwards would not help: Liger-Kernel #1432).
     """
     weight = head.weight
     if grads.hidden is not None:
         if buffers.product is not None:
             grad_cast = buffers.product[: grad_scores.shape[0]].copy_(grad_scores)  # (n, V)
             torch.mm(grad_cast, weight, out=grads.hidden[block])  # (n, H)
+        elif weight.dtype != grad_scores.dtype:  # float32 accumulation, one rounding
+            if grad_scores.device.type == "cuda" and grad_scores.dtype == torch.float32:
+                # the tensor cores read the 16-bit gradient (TRL's _addmm_fp32)
+                left = grad_scores.to(weight.dtype)
+            else:
+                left = grad_scores
+            wide = torch.empty(
+                grad_scores.shape[0], weight.shape[1], dtype=grad_scores.dtype,
+                device=grad_scores.device,
+            )  # fmt: skip
+            wide_product(left, weight, wide, transpose=False)
+            grads.hidden[block] = wide
         else:
             torch.mm(grad_scores, weight, out=grads.hidden[block])  # (n, H)
     if grads.weight is not None:  # grad_scores has the accumulator's dtype
-        grads.weight.addmm_(grad_scores.T, hidden_chunk.to(grads.weight.dtype))  # (V, H)
+        if first:  # the only contribution (no zeroed accumulator to add to)
+            torch.mm(grad_scores.T, hidden_chunk.to(grads.weight.dtype), out=grads.weight)
+        else:
+            grads.weight.addmm_(grad_scores.T, hidden_chunk.to(grads.weight.dtype))  # (V, H)
     if grads.bias is not None:
-        grads.bias.add_(grad_scores.sum(dim=0))  # (V,)
+        if first:
+            torch.sum(grad_scores, dim=0, out=grads.bias)
+        else:
+            grads.bias.add_(grad_scores.sum(dim=0))  # (V,)
 
 
 def finish_grads(head: Head, grads: Grads) -> tuple[torch.Tensor | None, ...]:
@@ -326,9 +789,10 @@ def _restriction(
     """The vocabulary slice and kept set; None for a plain call (nothing else runs then)."""
     if options is None:
         return None
-    vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p = options
+    vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p = options[:6]
+    min_p = options[6] if len(options) > 6 else None  # type: ignore[misc]
     plain = vocab_group is None and kept_ids is None and kept_mask is None
-    if plain and top_k is None and top_p is None and type(kept_pad) is int:
+    if plain and top_k is None and top_p is None and min_p is None and type(kept_pad) is int:
         return None
     return restriction_of(
         options,
@@ -345,17 +809,23 @@ def prepare_head(
     weight: object,
     tokens: ArrayLike,
     bias: object,
-    temperature: float,
+    temperature: object,
     chunk_size: int | None,
     *,
     packed: bool = False,
     options: KeptOptions | None = None,
+    head_options: HeadOptions | None = None,
+    mask: ArrayLike | None = None,
 ) -> tuple[Head, tuple[int, int]]:
     """Validate the hidden states, LM head and token ids; flatten to ``(N, H)`` / ``(N,)``.
 
     ``packed``: hidden ``(N, H)`` / ``(1, N, H)`` and tokens ``(N,)`` / ``(1, N)``, whose
     ``batch_shape`` is ``(1, N)``. ``options``: ``(vocab_group, kept_ids, kept_pad, kept_mask,
-    top_k, top_p)`` (:class:`~rlobjectives.logprobs.truncation.KeptOptions`).
+    top_k, top_p, min_p)`` (:class:`~rlobjectives.logprobs.truncation.KeptOptions`).
+    ``head_options``: ``(final_logit_softcapping, logit_scale, fp32_head)``. ``temperature``:
+    a number or a per-token tensor (``(B, T)``; packed ``(N,)``); ``mask``: the selected
+    tokens (a per-token temperature is 1 elsewhere; the mask itself is validated by the caller,
+    so a wrong one is ignored here).
     """
     hidden_t = _hidden_matrix(_check_floating(hidden, "hidden"), packed)
     if hidden_t.shape[2] < 1:
@@ -372,7 +842,20 @@ def prepare_head(
     check_same_device(tensors if bias_t is None else {**tensors, "bias": bias_t})
     batch_shape = (hidden_t.shape[0], hidden_t.shape[1])
     check_shape(tokens_t, "tokens", batch_shape, "hidden[..., 0]")
-    tau = validate_scalar(temperature, "temperature", minimum=0.0, strict=True, allow_tensor=False)
+    head_options = head_options or HeadOptions()
+    fp32 = head_options.fp32_head
+    if not isinstance(fp32, bool):
+        raise TypeError(f"fp32_head must be a bool, got {describe(fp32)}")
+    transform = validate_transform(
+        temperature,
+        head_options.final_logit_softcapping,
+        head_options.logit_scale,
+        shape=batch_shape,
+        device=hidden_t.device,
+        dtype=compute_dtype(hidden_t),
+        active=_temperature_rows(mask, batch_shape, hidden_t.device, packed),
+        packed=packed,
+    )
     restriction = _restriction(options, batch_shape, weight_t, packed)
     shard = None if restriction is None else restriction.shard
     kept = None if restriction is None else restriction.kept
@@ -388,10 +871,28 @@ def prepare_head(
         weight=weight_t,
         bias=bias_t,
         tokens=tokens_t.reshape(-1).long(),
-        inv_temperature=1.0 / float(tau),
+        transform=transform.flat(),
         chunk_size=rows,
         dtype=compute_dtype(hidden_t),
         shard=shard,
         kept=kept,
+        fp32=fp32,
     )
     return head, batch_shape
+
+
+def _temperature_rows(
+    mask: ArrayLike | None, batch_shape: tuple[int, int], device: torch.device, packed: bool
+) -> torch.Tensor | None:
+    """The selected tokens as a ``batch_shape`` bool, or None.
+
+    A mask of another shape or device is left to the caller's validation (None here).
+    """
+    if mask is None:
+        return None
+    mask_t = as_mask(mask, "mask", device)
+    if mask_t.device != device or mask_t.numel() != batch_shape[0] * batch_shape[1]:
+        return None
+    if not packed and tuple(mask_t.shape) != batch_shape:
+        return None
+    return mask_t.reshape(batch_shape)

@@ -12,6 +12,7 @@ shell: it validates once, then dispatches.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal, NamedTuple, overload
 
 import torch
@@ -26,8 +27,9 @@ from .._core.validation import (
     checks_environment,
     validate_bool,
 )
-from .head import Head, default_chunk_size, prepare_head
+from .head import Head, HeadOptions, Temperature, default_chunk_size, prepare_head
 from .passes import LogProbsFromHidden
+from .statistics import LogProbStatistics, Wanted, validate_statistics
 from .triton_head import triton_log_probs
 from .vocab_parallel import VocabGroup, reduce_hidden_gradient
 
@@ -67,7 +69,7 @@ def token_log_probs_from_hidden(
     tokens: ArrayLike,
     *,
     bias: torch.Tensor | None = ...,
-    temperature: float = ...,
+    temperature: Temperature = ...,
     chunk_size: int | None = ...,
     mask: ArrayLike | None = ...,
     return_entropy: Literal[False] = ...,
@@ -78,6 +80,11 @@ def token_log_probs_from_hidden(
     kept_mask: ArrayLike | None = ...,
     top_k: int | None = ...,
     top_p: float | None = ...,
+    min_p: float | None = ...,
+    final_logit_softcapping: float | None = ...,
+    logit_scale: float = ...,
+    fp32_head: bool = ...,
+    statistics: None = ...,
 ) -> torch.Tensor: ...
 
 
@@ -88,7 +95,7 @@ def token_log_probs_from_hidden(
     tokens: ArrayLike,
     *,
     bias: torch.Tensor | None = ...,
-    temperature: float = ...,
+    temperature: Temperature = ...,
     chunk_size: int | None = ...,
     mask: ArrayLike | None = ...,
     return_entropy: Literal[True],
@@ -99,7 +106,38 @@ def token_log_probs_from_hidden(
     kept_mask: ArrayLike | None = ...,
     top_k: int | None = ...,
     top_p: float | None = ...,
+    min_p: float | None = ...,
+    final_logit_softcapping: float | None = ...,
+    logit_scale: float = ...,
+    fp32_head: bool = ...,
+    statistics: None = ...,
 ) -> TokenLogProbsOutput: ...
+
+
+@overload
+def token_log_probs_from_hidden(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    tokens: ArrayLike,
+    *,
+    bias: torch.Tensor | None = ...,
+    temperature: Temperature = ...,
+    chunk_size: int | None = ...,
+    mask: ArrayLike | None = ...,
+    return_entropy: bool = ...,
+    cu_seqlens: ArrayLike | None = ...,
+    vocab_group: VocabGroup = ...,
+    kept_ids: ArrayLike | None = ...,
+    kept_pad: int = ...,
+    kept_mask: ArrayLike | None = ...,
+    top_k: int | None = ...,
+    top_p: float | None = ...,
+    min_p: float | None = ...,
+    final_logit_softcapping: float | None = ...,
+    logit_scale: float = ...,
+    fp32_head: bool = ...,
+    statistics: Sequence[str],
+) -> LogProbStatistics: ...
 
 
 @checks_environment
@@ -109,7 +147,7 @@ def token_log_probs_from_hidden(
     tokens: ArrayLike,
     *,
     bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     chunk_size: int | None = None,
     mask: ArrayLike | None = None,
     return_entropy: bool = False,
@@ -120,7 +158,12 @@ def token_log_probs_from_hidden(
     kept_mask: ArrayLike | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
-) -> torch.Tensor | TokenLogProbsOutput:
+    min_p: float | None = None,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    fp32_head: bool = True,
+    statistics: Sequence[str] | None = None,
+) -> torch.Tensor | TokenLogProbsOutput | LogProbStatistics:
     r"""Log-probabilities of the given tokens from hidden states, without the full logits.
 
     With :math:`z_{it} = h_{it} W^\top + b` (a length-V row) and temperature :math:`\tau`,
@@ -168,7 +211,8 @@ def token_log_probs_from_hidden(
         weight: ``(V, H)`` LM-head weight, same dtype as ``hidden``.
         tokens: ``(B, T)`` integer token ids in ``[0, V)`` (any id where ``mask`` is False).
         bias: optional ``(V,)`` LM-head bias, same dtype as ``weight``.
-        temperature: :math:`\tau > 0` dividing the logits (sampling temperature).
+        temperature: :math:`\tau > 0` dividing the logits (sampling temperature), or a
+            per-token tensor ``(B, T)`` (packed ``(N,)``; any value where ``mask`` is False).
         chunk_size: rows per chunk; None uses :func:`default_chunk_size`: at most N/16 rows
             and 64 MiB of buffers, at least 256 rows (256 rows, 32 MiB, at N = 4096, V = 32000).
         mask: optional ``(B, T)`` bool/numeric; where False the hidden row and token id are
@@ -186,6 +230,15 @@ def token_log_probs_from_hidden(
             :func:`token_log_probs`.
         top_p: recompute the sampler's top-p after top-k, as :func:`token_log_probs` (sorts
             each chunk's rows: ``(chunk, V)`` values alone, ``(chunk, k)`` with ``top_k``).
+        min_p: as :func:`token_log_probs`.
+        final_logit_softcapping: as :func:`token_log_probs`.
+        logit_scale: as :func:`token_log_probs`.
+        fp32_head: form the product of bf16/fp16 ``hidden`` and ``weight`` with float32
+            accumulation and a float32 result (default, TRL's ``cast_lm_head_to_fp32=True``);
+            False rounds it to their dtype first, as ``hidden @ weight.T`` (TRL's default
+            forward, a bf16 sampler's logits).
+        statistics: as :func:`token_log_probs` (with ``return_entropy=True`` the entropy is
+            among them).
 
     Returns:
         ``(B, T)`` log-probabilities (packed: the shape of ``tokens``), float32 (float64 for
@@ -216,26 +269,43 @@ def token_log_probs_from_hidden(
     .. versionadded:: 0.1.0
     """
     packed = cu_seqlens is not None
-    options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p)
+    options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p, min_p)
+    head_options = HeadOptions(final_logit_softcapping, logit_scale, fp32_head)
     head, batch_shape = prepare_head(
-        hidden, weight, tokens, bias, temperature, chunk_size, packed=packed, options=options
-    )
+        hidden, weight, tokens, bias, temperature, chunk_size, packed=packed, options=options,
+        head_options=head_options, mask=mask,
+    )  # fmt: skip
     output_shape: tuple[int, ...] = batch_shape
     if packed:
         packed_layout(cu_seqlens, batch_shape[1], device=head.hidden.device)  # validation only
         output_shape = batch_shape[1:] if token_ndim(tokens) == 1 else batch_shape
     mask_t = None if mask is None else _row_mask(mask, head, batch_shape, packed).reshape(-1)
     validate_bool(return_entropy, "return_entropy")
+    wanted = validate_statistics(statistics, entropy=return_entropy) or Wanted()
     if head.shard is not None:  # Megatron's copy to the TP region, with hidden_grad="reduced"
         head = head._replace(hidden=reduce_hidden_gradient(head.hidden, head.shard))
-    backend = lm_head_backend(head.hidden.device, dtype=head.dtype, kept_set=head.kept is not None)
+    backend = lm_head_backend(
+        head.hidden.device, dtype=head.dtype, kept_set=head.kept is not None,
+        unsupported="the kernels compute no statistics but the entropy (statistics=)"
+        if wanted.beyond_entropy
+        else None,
+    )  # fmt: skip
     if backend == "triton":  # docs/kernels.md
-        outputs = triton_log_probs(head, mask_t, return_entropy)
+        outputs = triton_log_probs(head, mask_t, wanted.entropy)
     else:
         outputs = LogProbsFromHidden.apply(  # type: ignore[no-untyped-call]
-            head.hidden, head.weight, head.bias, head, mask_t, return_entropy
+            head.hidden, head.weight, head.bias, head, mask_t, wanted
         )
     log_probs = outputs[0].reshape(output_shape)  # (B, T)
-    if not return_entropy:
-        return log_probs
-    return TokenLogProbsOutput(log_probs=log_probs, entropy=outputs[1].reshape(output_shape))
+    if statistics is None:
+        if not return_entropy:
+            return log_probs
+        return TokenLogProbsOutput(log_probs=log_probs, entropy=outputs[1].reshape(output_shape))
+    others = iter(outputs[2:])
+    values = {"entropy": outputs[1]} if wanted.entropy else {}
+    for name in ("log_sum_sq_probs", "mean_logits", "is_top1"):
+        if getattr(wanted, name):
+            values[name] = next(others)
+    return wanted.result(
+        log_probs, {name: value.reshape(output_shape) for name, value in values.items()}
+    )

@@ -8,6 +8,9 @@ block, not copied), and only per-row statistics are kept for the backward pass.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import overload
+
 import torch
 
 from .._core.chunking import resolve_chunk_size
@@ -26,18 +29,24 @@ from .._core.validation import (
     validate_scalar,
 )
 from .functions import EntropyFunction, FullVocabKLFunction, TokenLogProbsFunction
+from .head import LogitTransform, Temperature, validate_transform
 from .restricted import (
+    LogitsCall,
     RestrictedEntropyFunction,
     RestrictedKLFunction,
     RestrictedLogProbsFunction,
     restricted_chunk_size,
 )
-from .truncation import restriction_of
+from .statistics import LogProbStatistics, Wanted, validate_statistics
+from .truncation import Restriction, restriction_of
 from .vocab_parallel import VocabGroup, resolve_shard
 
 __all__ = [
     "full_vocab_kl",
     "full_vocab_kl_loss",
+    "logits_transform",
+    "scalar_temperature",
+    "statistics_result",
     "token_entropy",
     "token_log_probs",
 ]
@@ -90,9 +99,88 @@ def _validate_temperature(temperature: float) -> float:
     return float(value)
 
 
+def scalar_temperature(transform: LogitTransform, temperature: object) -> float | None:
+    """The one temperature of a transform that only divides by it, as given; None otherwise.
+
+    No scale, no softcap, one number: the plain chunked Functions divide by it.
+    """
+    if transform.scale != 1.0 or transform.softcap is not None or transform.per_row:
+        return None
+    return float(temperature)  # type: ignore[arg-type]
+
+
+def logits_transform(
+    temperature: object,
+    final_logit_softcapping: object,
+    logit_scale: object,
+    logits: torch.Tensor,
+    active: torch.Tensor | None,
+    *,
+    dtype: torch.dtype,
+    packed: bool = False,
+) -> LogitTransform:
+    """The validated transform of a call on ``logits``.
+
+    A per-token temperature has their leading shape; its inverse is 1 where ``active`` is False.
+    """
+    return validate_transform(
+        temperature,
+        final_logit_softcapping,
+        logit_scale,
+        shape=tuple(logits.shape[:-1]),
+        device=logits.device,
+        dtype=dtype,
+        active=active,
+        packed=packed,
+        reference="logits without V",
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # Public functions
 # ---------------------------------------------------------------------------------------------
+
+
+@overload
+def token_log_probs(
+    logits: ArrayLike,
+    tokens: ArrayLike,
+    *,
+    mask: ArrayLike | None = ...,
+    temperature: Temperature = ...,
+    chunk_size: int | None = ...,
+    vocab_group: VocabGroup = ...,
+    kept_ids: ArrayLike | None = ...,
+    kept_pad: int = ...,
+    kept_mask: ArrayLike | None = ...,
+    top_k: int | None = ...,
+    top_p: float | None = ...,
+    min_p: float | None = ...,
+    final_logit_softcapping: float | None = ...,
+    logit_scale: float = ...,
+    statistics: None = ...,
+) -> torch.Tensor: ...
+
+
+@overload
+def token_log_probs(
+    logits: ArrayLike,
+    tokens: ArrayLike,
+    *,
+    mask: ArrayLike | None = ...,
+    temperature: Temperature = ...,
+    chunk_size: int | None = ...,
+    vocab_group: VocabGroup = ...,
+    kept_ids: ArrayLike | None = ...,
+    kept_pad: int = ...,
+    kept_mask: ArrayLike | None = ...,
+    top_k: int | None = ...,
+    top_p: float | None = ...,
+    min_p: float | None = ...,
+    final_logit_softcapping: float | None = ...,
+    logit_scale: float = ...,
+    statistics: Sequence[str],
+) -> LogProbStatistics: ...
 
 
 @checks_environment
@@ -101,7 +189,7 @@ def token_log_probs(
     tokens: ArrayLike,
     *,
     mask: ArrayLike | None = None,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     chunk_size: int | None = None,
     vocab_group: VocabGroup = None,
     kept_ids: ArrayLike | None = None,
@@ -109,7 +197,11 @@ def token_log_probs(
     kept_mask: ArrayLike | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
-) -> torch.Tensor:
+    min_p: float | None = None,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    statistics: Sequence[str] | None = None,
+) -> torch.Tensor | LogProbStatistics:
     r"""Log-probabilities of the sampled tokens, computed in float32 chunk by chunk.
 
     With :math:`x = \text{logits} / \tau`,
@@ -144,7 +236,9 @@ def token_log_probs(
         mask: optional ``(B, T)`` / ``(N,)`` bool or numeric, nonzero = compute this position.
             Unselected positions give 0, and any value there (NaN/inf logits, padding ids such
             as -100) reaches neither the output nor the gradient. Default: every position.
-        temperature: :math:`\tau > 0`; the logits are divided by it (the sampling temperature).
+        temperature: :math:`\tau > 0`; the logits are divided by it (the sampling temperature):
+            a number, or a per-token tensor of the leading shape (``(B, T)`` / ``(N,)``; any
+            value where ``mask`` is False), as a sampler with per-request temperatures used.
         chunk_size: rows per chunk (positive int), or None for
             ``max(1, 2**23 // V)`` rows (about 32 MiB of float32 per chunk).
         vocab_group: None, or the ``torch.distributed`` process group over which the vocabulary
@@ -160,11 +254,24 @@ def token_log_probs(
             distribution (top-k first, as vLLM, NeMo-RL and HF); the threshold is saved for
             backward. Sorts each chunk's rows (``(C, k)`` values with ``top_k``); with
             ``vocab_group`` it needs ``top_k``.
+        min_p: recompute the sampler's min-p (in ``[0, 1]``; 0 or None: off): keep
+            :math:`p_v \ge p_{min} \max_u p_u`, applied before top-k and top-p (vLLM V1's order).
+        final_logit_softcapping: :math:`c > 0`: the logits become :math:`c \tanh(s z / c)`
+            before the temperature (Gemma 2/3's ``final_logit_softcapping``), or None.
+        logit_scale: :math:`s`, multiplying the logits first (Cohere's ``logit_scale``, Granite's
+            ``1 / logits_scaling``; :func:`rlobjectives.integrations.transformers.head_options`
+            reads both from a model config as TRL does).
+        statistics: names from ``("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")``:
+            also return them (TRL 1.16's ``ChunkedLogProbFunction`` outputs:
+            :mod:`rlobjectives.logprobs.statistics`) in a :class:`LogProbStatistics`; None: the
+            log-probabilities alone.
 
     Returns:
         ``(B, T)`` or ``(N,)`` log-probabilities, float32 (float64 for float64 logits) whatever
-        the logits' dtype, on the logits' device. Rows with a zero upstream gradient get an exact
-        zero logits gradient.
+        the logits' dtype, on the logits' device; with ``statistics`` a
+        :class:`LogProbStatistics` ``(log_probs, entropy, log_sum_sq_probs, mean_logits,
+        is_top1)``, None for the statistics not asked for. Rows with a zero upstream gradient get
+        an exact zero logits gradient.
 
     Raises:
         ValueError: on wrong ranks, mismatched shapes or devices, ``temperature <= 0`` or
@@ -196,8 +303,12 @@ def token_log_probs(
     logits_t = _as_logits(logits, "logits")
     tokens_t = _as_tokens(tokens, "tokens", logits_t, "logits")
     active = _row_mask(mask, "mask", logits_t, "logits")
-    tau = _validate_temperature(temperature)
-    options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p)
+    dtype = compute_dtype(logits_t)
+    transform = logits_transform(
+        temperature, final_logit_softcapping, logit_scale, logits_t, active, dtype=dtype
+    )
+    wanted = validate_statistics(statistics)
+    options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p, min_p)
     restriction = restriction_of(
         options,
         shape=tuple(logits_t.shape[:-1]),
@@ -207,16 +318,30 @@ def token_log_probs(
     )
     chunk = restricted_chunk_size(chunk_size, logits_t, restriction)
     safe_tokens = torch.where(active, tokens_t.to(torch.int64), 0)  # (B, T) or (N,)
-    dtype = compute_dtype(logits_t)
-    if restriction is not None:
-        restricted: torch.Tensor = RestrictedLogProbsFunction.apply(  # type: ignore[no-untyped-call]
-            logits_t, safe_tokens, active, mask is not None, tau, chunk, dtype, restriction
+    tau = scalar_temperature(transform, temperature)
+    if restriction is None and tau is not None and wanted is None:
+        out: torch.Tensor = TokenLogProbsFunction.apply(  # type: ignore[no-untyped-call]
+            logits_t, safe_tokens, active, mask is not None, tau, chunk, dtype
         )
-        return restricted
-    out: torch.Tensor = TokenLogProbsFunction.apply(  # type: ignore[no-untyped-call]
-        logits_t, safe_tokens, active, mask is not None, tau, chunk, dtype
+        return out
+    restriction = restriction or Restriction(None, None)
+    call = LogitsCall(transform, dtype, restriction, (), wanted or Wanted())
+    outputs = RestrictedLogProbsFunction.apply(  # type: ignore[no-untyped-call]
+        logits_t, safe_tokens, active, mask is not None, call, chunk
     )
-    return out
+    if wanted is None:
+        return outputs[0]  # type: ignore[no-any-return]
+    return statistics_result(wanted, outputs)
+
+
+def statistics_result(wanted: Wanted, outputs: Sequence[torch.Tensor]) -> LogProbStatistics:
+    """The :class:`LogProbStatistics` of a Function's ``(log_probs, entropy, *others)``."""
+    others = iter(outputs[2:])
+    values = {"entropy": outputs[1]} if wanted.entropy else {}
+    for name in ("log_sum_sq_probs", "mean_logits", "is_top1"):
+        if getattr(wanted, name):
+            values[name] = next(others)
+    return wanted.result(outputs[0], values)
 
 
 def _as_tokens(
@@ -238,7 +363,7 @@ def token_entropy(
     logits: ArrayLike,
     *,
     mask: ArrayLike | None = None,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     chunk_size: int | None = None,
     vocab_group: VocabGroup = None,
     kept_ids: ArrayLike | None = None,
@@ -246,6 +371,9 @@ def token_entropy(
     kept_mask: ArrayLike | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
 ) -> torch.Tensor:
     r"""Entropy of the next-token distribution at every position, in float32, chunk by chunk.
 
@@ -271,7 +399,7 @@ def token_entropy(
         logits: ``(B, T, V)`` or ``(N, V)`` floating logits.
         mask: optional ``(B, T)`` / ``(N,)``; unselected positions give 0 and never reach the
             output or the gradient. Default: every position.
-        temperature: :math:`\tau > 0`.
+        temperature: :math:`\tau > 0`, or a per-token tensor, as :func:`token_log_probs`.
         chunk_size: rows per chunk, or None for ``max(1, 2**23 // V)``.
         vocab_group: as :func:`token_log_probs`.
         kept_ids: as :func:`token_log_probs`.
@@ -279,6 +407,9 @@ def token_entropy(
         kept_mask: as :func:`token_log_probs`.
         top_k: as :func:`token_log_probs`.
         top_p: as :func:`token_log_probs`.
+        min_p: as :func:`token_log_probs`.
+        final_logit_softcapping: as :func:`token_log_probs`.
+        logit_scale: as :func:`token_log_probs`.
 
     Returns:
         ``(B, T)`` or ``(N,)`` entropies in nats, float32 (float64 for float64 logits).
@@ -304,8 +435,11 @@ def token_entropy(
     """
     logits_t = _as_logits(logits, "logits")
     active = _row_mask(mask, "mask", logits_t, "logits")
-    tau = _validate_temperature(temperature)
-    options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p)
+    dtype = compute_dtype(logits_t)
+    transform = logits_transform(
+        temperature, final_logit_softcapping, logit_scale, logits_t, active, dtype=dtype
+    )
+    options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p, min_p)
     restriction = restriction_of(
         options,
         shape=tuple(logits_t.shape[:-1]),
@@ -314,51 +448,61 @@ def token_entropy(
         reference="logits",
     )
     chunk = restricted_chunk_size(chunk_size, logits_t, restriction)
-    dtype = compute_dtype(logits_t)
-    if restriction is not None:
-        restricted: torch.Tensor = RestrictedEntropyFunction.apply(  # type: ignore[no-untyped-call]
-            logits_t, active, mask is not None, tau, chunk, dtype, restriction
+    tau = scalar_temperature(transform, temperature)
+    if restriction is None and tau is not None:
+        out: torch.Tensor = EntropyFunction.apply(  # type: ignore[no-untyped-call]
+            logits_t, active, mask is not None, tau, chunk, dtype
         )
-        return restricted
-    out: torch.Tensor = EntropyFunction.apply(  # type: ignore[no-untyped-call]
-        logits_t, active, mask is not None, tau, chunk, dtype
+        return out
+    call = LogitsCall(transform, dtype, restriction or Restriction(None, None), ())
+    restricted: torch.Tensor = RestrictedEntropyFunction.apply(  # type: ignore[no-untyped-call]
+        logits_t, active, mask is not None, call, chunk
     )
-    return out
+    return restricted
 
 
 def _prepare_kl(
     logits: ArrayLike,
     ref_logits: ArrayLike,
     mask: ArrayLike | None,
-    temperature: float,
+    temperature: object,
     chunk_size: int | None,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, float, int]:
+    packed: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LogitTransform, int]:
     logits_t = _as_logits(logits, "logits")
     ref_t = _as_logits(ref_logits, "ref_logits")
     check_same_device({"logits": logits_t, "ref_logits": ref_t})
     check_shape(ref_t, "ref_logits", tuple(logits_t.shape), "logits")
     active = _row_mask(mask, "mask", logits_t, "logits")
-    tau = _validate_temperature(temperature)
+    dtype = compute_dtype(logits_t, ref_t)
+    transform = logits_transform(temperature, None, 1.0, logits_t, active, dtype=dtype,
+                                 packed=packed)  # fmt: skip
     chunk = resolve_chunk_size(chunk_size, row_width=logits_t.shape[-1])
-    return logits_t, ref_t, active, tau, chunk
+    return logits_t, ref_t, active, transform, chunk
 
 
 def _kl(
     logits: torch.Tensor,
     ref_logits: torch.Tensor,
     active: torch.Tensor,
-    options: tuple[bool, float, int],
+    options: tuple[bool, LogitTransform, int],
     vocab_group: VocabGroup,
 ) -> torch.Tensor:
-    """The KL Function of the call: over vocabulary slices with ``vocab_group``."""
-    masked, tau, chunk = options
+    """The KL Function of the call.
+
+    Over vocabulary slices with ``vocab_group``, or with a per-token temperature.
+    """
+    masked, transform, chunk = options
     dtype = compute_dtype(logits, ref_logits)
-    if vocab_group is not None:
-        shard = resolve_shard(vocab_group, logits.shape[-1], logits.device)
+    if vocab_group is not None or transform.per_row:
+        shard = None
+        if vocab_group is not None:
+            shard = resolve_shard(vocab_group, logits.shape[-1], logits.device)
         sharded: torch.Tensor = RestrictedKLFunction.apply(  # type: ignore[no-untyped-call]
-            logits, ref_logits, active, masked, tau, chunk, dtype, shard
+            logits, ref_logits, active, masked, transform, chunk, dtype, shard
         )
         return sharded
+    tau = 1.0 / float(transform.inverse)  # type: ignore[arg-type]
     out: torch.Tensor = FullVocabKLFunction.apply(  # type: ignore[no-untyped-call]
         logits, ref_logits, active, masked, tau, chunk, dtype
     )
@@ -371,7 +515,7 @@ def full_vocab_kl(
     ref_logits: ArrayLike,
     *,
     mask: ArrayLike | None = None,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     chunk_size: int | None = None,
     vocab_group: VocabGroup = None,
 ) -> torch.Tensor:
@@ -412,7 +556,8 @@ def full_vocab_kl(
         ref_logits: reference-policy logits, same shape (any float dtype).
         mask: optional ``(B, T)`` / ``(N,)``; unselected positions give exactly 0, and NaN/inf
             in their logits reaches neither the output nor a gradient. Default: every position.
-        temperature: :math:`\tau > 0`, applied to both logit tensors.
+        temperature: :math:`\tau > 0`, applied to both logit tensors (or a per-token tensor of
+            the leading shape, as :func:`token_log_probs`).
         chunk_size: positions per chunk, or None for ``max(1, 2**23 // V)``.
         vocab_group: None, or the process group over which the vocabulary is split (or a
             :class:`~rlobjectives.VocabParallel`), as :func:`token_log_probs`.
@@ -439,10 +584,10 @@ def full_vocab_kl(
 
     .. versionadded:: 0.1.0
     """
-    logits_t, ref_t, active, tau, chunk = _prepare_kl(
+    logits_t, ref_t, active, transform, chunk = _prepare_kl(
         logits, ref_logits, mask, temperature, chunk_size
     )
-    return _kl(logits_t, ref_t, active, (mask is not None, tau, chunk), vocab_group)
+    return _kl(logits_t, ref_t, active, (mask is not None, transform, chunk), vocab_group)
 
 
 @checks_environment
@@ -454,7 +599,7 @@ def full_vocab_kl_loss(
     reduction: Reduction = "token_mean",
     normalizer: Scalar | None = None,
     max_response_length: Scalar | None = None,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     chunk_size: int | None = None,
     cu_seqlens: ArrayLike | None = None,
     vocab_group: VocabGroup = None,
@@ -480,7 +625,8 @@ def full_vocab_kl_loss(
         reduction: see :func:`rlobjectives.aggregate`.
         normalizer: optional explicit denominator (see :func:`rlobjectives.aggregate`).
         max_response_length: Dr. GRPO constant for ``"sequence_sum_normalized"``.
-        temperature: :math:`\tau > 0`, applied to both logit tensors.
+        temperature: :math:`\tau > 0`, applied to both logit tensors (or a per-token tensor:
+            ``(B, T)``, packed ``(N,)``).
         chunk_size: positions per chunk, or None for ``max(1, 2**23 // V)``.
         cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
             non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
@@ -531,9 +677,9 @@ def full_vocab_kl_loss(
         layout=layout,
         tokens=logits_t.shape[1],
     )
-    logits_t, ref_t, active, tau, chunk = _prepare_kl(
-        logits_t, ref_logits, mask_t, temperature, chunk_size
+    logits_t, ref_t, active, transform, chunk = _prepare_kl(
+        logits_t, ref_logits, mask_t, temperature, chunk_size, packed
     )
-    kl = _kl(logits_t, ref_t, active, (True, tau, chunk), vocab_group)  # (B, T)
+    kl = _kl(logits_t, ref_t, active, (True, transform, chunk), vocab_group)  # (B, T)
     loss = reduce(kl, active, spec, layout)
     return token_output(loss, flat and loss.ndim == 2)

@@ -1,16 +1,29 @@
 r"""Forward and backward passes of the LM-head functions, one chunk of rows at a time.
 
-The ``(N, V)`` logits ``hidden @ weight.T + bias`` are never formed whole: each pass runs the
+The ``(N, V)`` logits ``hidden @ weight.T + bias`` are never computed at once: each pass runs the
 chunk driver of :mod:`rlobjectives._core.chunking` with a per-chunk step, and every chunk works in
 the pass's :class:`~rlobjectives.logprobs.head.ChunkBuffers` (see :mod:`rlobjectives.logprobs.head`
 for the buffers, the chunk size and the per-chunk helpers). The passes are:
 
-- :func:`log_probs_forward` / :func:`log_probs_backward`: log-probabilities (and entropy) of the
-  given tokens; the forward keeps only the per-row log-normaliser (and entropy), the backward
-  recomputes each chunk's logits (the Cut Cross-Entropy / Liger ``_ChunkedSelectiveLogProbs``
-  pattern), wired to autograd by :class:`LogProbsFromHidden`;
+- :func:`log_probs_forward` / :func:`log_probs_backward`: log-probabilities (and the statistics
+  of :mod:`rlobjectives.logprobs.statistics`) of the given tokens; the forward keeps the
+  per-row log-normaliser (and entropy), wired to autograd by :class:`LogProbsFromHidden`;
 - the fused linear loss (gradients formed in the forward pass, no recompute) lives in
   :mod:`rlobjectives.logprobs.fused_linear` and shares the head's chunk helpers.
+
+**Saved logits.** The backward needs each chunk's transformed logits :math:`x` again. Recomputing
+them costs a fourth GEMM (the forward's :math:`h W^\top`, again) on top of the gradient's two
+and the forward's one: 1.33x the three-GEMM floor before any element-wise pass. When the
+inputs need a gradient the forward therefore keeps the first chunks' :math:`x` (after the
+transform and the kept set), at most :data:`SAVED_LOGITS` values (2**27: 512 MiB of float32,
+the size of the ``4096 x 32768`` tile TRL's ``ChunkedLogProbFunction`` holds); the remaining
+chunks are recomputed. Unless the product needs a rounding buffer (``fp32_head=False`` with a
+bf16/fp16 head, a float32 head in a float64 computation) the saved rows' product is formed at
+once into that buffer (one GEMM instead of one per chunk, which on CPU re-reads and re-packs the
+whole weight each time), the chunks then transform it and take their statistics in place, and
+the backward forms the gradient in place of the logits and its two products once over the
+saved rows. A second backward through the same graph (``retain_graph=True``) forms the saved
+logits again by the same operations, so it gives the same gradients to the bit.
 
 All tensors are flat: hidden ``(N, H)``, tokens and masks ``(N,)``.
 """
@@ -24,41 +37,153 @@ import torch
 
 from .._core.chunking import Block, block_rows, run_blocks
 from .._core.reduction import masked_fill_zero
-from .blocks import entropy_logit_grads_, entropy_stats_, finite_log_probs_
+from .blocks import entropy_logit_grads_, finite_log_probs_, slice_moments_
 from .head import (
     ChunkBuffers,
     Grads,
     Head,
     accumulate_grads,
+    casts_product,
+    chunk_product,
     chunk_scores,
     finish_grads,
     new_buffers,
     new_grads,
     select_rows,
-    softmax_,
+    softcap_derivative,
+    transform_scores_,
 )
+from .statistics import Wanted
 from .truncation import kept_rows, restrict_
-from .vocab_parallel import combine_rows
+from .vocab_parallel import combine_rows, first_argmax
 
 __all__ = [
+    "SAVED_LOGITS",
+    "Forward",
     "LogProbsFromHidden",
     "Saved",
+    "SavedLogits",
     "log_probs_backward",
     "log_probs_forward",
 ]
 
+#: The most transformed logits :func:`log_probs_forward` keeps for the backward pass (2**27
+#: values: 512 MiB of float32, the ``4096 x 32768`` tile of TRL's ChunkedLogProbFunction).
+SAVED_LOGITS = 1 << 27
 
-def _log_probs_step(
+
+class SavedLogits(NamedTuple):
+    """The transformed logits of the first ``rows`` rows, kept from forward to backward.
+
+    ``values`` is ``(rows, V)``; the backward pass forms the gradient in place there (so a
+    second backward through the same graph recomputes them). ``whole``: the product of all the
+    rows was formed at once, and their gradient products are too (one GEMM each instead of one
+    per chunk).
+    """
+
+    values: torch.Tensor
+    rows: int
+    whole: bool
+
+
+def _saved_logits(head: Head) -> SavedLogits | None:
+    """The buffer of the saved chunks (whole chunks within :data:`SAVED_LOGITS`), or None."""
+    count, vocab = head.hidden.shape[0], head.weight.shape[0]
+    rows = min(count, SAVED_LOGITS // max(vocab, 1))
+    if rows < count:
+        rows = rows // head.chunk_size * head.chunk_size
+    if rows == 0:
+        return None
+    values = torch.empty(rows, vocab, dtype=head.dtype, device=head.weight.device)
+    # at once where no rounding buffer is needed (the product formed in the computation dtype)
+    return SavedLogits(values, rows, whole=not casts_product(head))
+
+
+def _covers(saved: SavedLogits | None, head: Head) -> bool:
+    """Whether every row is saved with its product formed at once: no ``(chunk, V)`` block."""
+    return saved is not None and saved.whole and saved.rows == head.hidden.shape[0]
+
+
+def _transformed(
+    hidden_chunk: torch.Tensor,
     head: Head,
-    mask: torch.Tensor | None,
-    state: tuple[ChunkBuffers, torch.Tensor | None],
+    buffers: ChunkBuffers,
+    saved: SavedLogits | None,
     block: Block,
+) -> torch.Tensor:
+    """A forward chunk's transformed logits in ``buffers.scores``: product unless formed."""
+    if _is_saved(saved, block) and saved is not None and saved.whole:  # product formed already
+        return transform_scores_(buffers.scores, head, buffers, block[0])
+    return chunk_scores(hidden_chunk, head, buffers, block[0])
+
+
+def _refill(head: Head, mask: torch.Tensor | None, thresholds: torch.Tensor | None) -> SavedLogits:
+    """The forward pass's saved logits formed again by the same operations (a second backward).
+
+    The first backward consumed them; the same products, transform and kept set (its
+    thresholds replayed) give the same values to the bit, so backward is reentrant.
+    """
+    saved = _saved_logits(head)
+    assert saved is not None
+    buffers = new_buffers(
+        head, with_entropy=False, scores=not _covers(saved, head), derivative=False
+    )
+    _whole_product(head, mask, buffers, saved)
+    for block in block_rows((saved.rows,), head.chunk_size, flat=True):
+        active = None if mask is None else mask[block]
+        hidden_chunk, _ = select_rows(head.hidden[block], head.tokens[block], active)
+        rows = buffers._replace(scores=saved.values[block])
+        scores = _transformed(hidden_chunk, head, rows, saved, block)
+        if head.kept is not None:
+            flat = kept_rows(block, ())
+            restrict_(scores, head.kept, flat, head.shard, thresholds, decide=False, active=active)
+    return saved
+
+
+def _whole_product(
+    head: Head, mask: torch.Tensor | None, buffers: ChunkBuffers, saved: SavedLogits
+) -> None:
+    """The product of all the saved rows at once, into ``saved.values`` (where ``whole``)."""
+    if saved.whole:
+        region = buffers._replace(scores=saved.values)
+        chunk_product(_saved_rows(head, mask, saved.rows), head, region)
+
+
+def _saved_rows(head: Head, mask: torch.Tensor | None, rows: int) -> torch.Tensor:
+    """The hidden states of the first ``rows`` rows, those outside ``mask`` zero, ``(rows, H)``."""
+    hidden = head.hidden[:rows]
+    return hidden if mask is None else masked_fill_zero(hidden, mask[:rows].unsqueeze(1))
+
+
+def _is_saved(saved: SavedLogits | None, block: Block) -> bool:
+    rows = block[0]
+    assert isinstance(rows, slice)
+    return saved is not None and rows.stop <= saved.rows
+
+
+class _ForwardState(NamedTuple):
+    buffers: ChunkBuffers
+    shifted: torch.Tensor  # (c, V) the rows' s - m, a few at a time (beside buffers.scratch)
+    thresholds: torch.Tensor | None
+    saved: SavedLogits | None
+    wanted: Wanted
+
+
+def _forward_step(
+    head: Head, mask: torch.Tensor | None, state: _ForwardState, block: Block
 ) -> list[torch.Tensor]:
-    """One chunk: ``[target, lse, (entropy)]`` of its rows (this slice's under a shard)."""
-    buffers, thresholds = state
+    """One chunk: ``[target, lse, (entropy), (log_sum_sq), (logit sum), (max, argmax)]``.
+
+    Each of this slice's rows under a shard; the logit sum is taken before the kept set.
+    """
+    buffers, shifted, thresholds, saved, wanted = state
     active = None if mask is None else mask[block]
     hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], active)
-    scores = chunk_scores(hidden_chunk, head, buffers)  # (n, V)
+    if _is_saved(saved, block):  # the logits are formed in the saved rows themselves: no copy
+        assert saved is not None
+        buffers = buffers._replace(scores=saved.values[block])
+    scores = _transformed(hidden_chunk, head, buffers, saved, block)  # (n, V)
+    logit_sum = scores.sum(dim=1) if wanted.mean_logits else None  # (n,)
     if head.kept is not None:  # the logits outside the kept set become -inf
         flat = kept_rows(block, ())  # unselected (zeroed) rows keep everything: finite softmax
         restrict_(scores, head.kept, flat, head.shard, thresholds, decide=True, active=active)
@@ -68,51 +193,107 @@ def _log_probs_step(
     target = scores.gather(1, tokens_chunk.unsqueeze(1)).squeeze(1)  # (n,), -inf off the set
     if owned is not None:
         target = masked_fill_zero(target, owned)
-    if buffers.scratch is not None:
-        lse, entropy, _ = entropy_stats_(scores, buffers.scratch)  # (n,) each
-        return [target, lse, entropy]
-    if head.shard is not None:  # a slice may hold no finite logit in a row: -inf, not NaN
-        return [target, torch.logsumexp(scores, dim=1)]
-    return [target, softmax_(scores)[1]]
+    top = scores.max(dim=1) if wanted.is_top1 else None  # first maximal logit
+    assert buffers.scratch is not None
+    # -inf for a slice without a finite logit in a row, not NaN; scores kept (saved)
+    lse, entropy, log_sum_sq, _ = slice_moments_(
+        scores,
+        buffers.scratch,
+        entropy=wanted.entropy,
+        squares=wanted.log_sum_sq_probs,
+        maximum=None if top is None else top.values.unsqueeze(1),  # (n, 1)
+        shifted=shifted,
+    )
+    extra = [value for value in (entropy, log_sum_sq, logit_sum) if value is not None]
+    if top is not None:
+        extra += [top.values, top.indices]
+    return [target, lse, *extra]
+
+
+class Forward(NamedTuple):
+    """What :func:`log_probs_forward` returns: the outputs and what the backward needs."""
+
+    log_probs: torch.Tensor  # (N,)
+    log_normalizer: torch.Tensor  # (N,)
+    statistics: dict[str, torch.Tensor]  # name -> (N,), the statistics asked for
+    thresholds: torch.Tensor | None  # the kept set's per-row rule thresholds
+    saved: SavedLogits | None
 
 
 def log_probs_forward(
-    head: Head, mask: torch.Tensor | None, with_entropy: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """``(log_probs, log_normalizer, entropy, thresholds)``, each ``(N,)``.
+    head: Head,
+    mask: torch.Tensor | None,
+    wanted: Wanted,
+    *,
+    save: bool = False,
+) -> Forward:
+    """The log-probabilities and the statistics ``wanted`` of every row, ``(N,)`` each.
 
-    ``entropy`` is ``(0,)`` without it; ``thresholds`` the kept set's per-row thresholds (the
-    top-k/top-p rule), or None. Under vocabulary parallelism the per-row statistics of the
-    slices are combined over the ranks after the chunk loop
-    (:func:`~rlobjectives.logprobs.vocab_parallel.combine_rows`). A token outside the kept set
-    has log-probability ``-inf``.
+    ``thresholds`` are the kept set's per-row thresholds (the rule), or None; ``save`` keeps
+    the first chunks' logits for the backward pass (module docstring). Under vocabulary
+    parallelism the per-row statistics of the slices are combined over the ranks after the
+    chunk loop (:func:`~rlobjectives.logprobs.vocab_parallel.combine_rows`). A token outside
+    the kept set has log-probability ``-inf``.
     """
-    rows, device = head.hidden.shape[0], head.hidden.device
-    target = torch.zeros(rows, dtype=head.dtype, device=device)
-    log_normalizer = torch.zeros(rows, dtype=head.dtype, device=device)
-    entropy = torch.zeros(rows if with_entropy else 0, dtype=head.dtype, device=device)
-    outputs = [target, log_normalizer, entropy] if with_entropy else [target, log_normalizer]
+    rows, device, dtype = head.hidden.shape[0], head.hidden.device, head.dtype
+
+    def column(kind: torch.dtype = dtype) -> torch.Tensor:
+        return torch.zeros(rows, dtype=kind, device=device)
+
+    outputs = [column(), column()]  # target, lse
+    outputs += [column() for flag in (wanted.entropy, wanted.log_sum_sq_probs) if flag]
+    outputs += [column()] if wanted.mean_logits else []
+    outputs += [column(), column(torch.int64)] if wanted.is_top1 else []
     blocks = block_rows((rows,), head.chunk_size, flat=True)
-    buffers = new_buffers(head, with_entropy=with_entropy)
     thresholds = None
     if head.kept is not None and head.kept.rule:
-        thresholds = torch.zeros(rows, dtype=head.dtype, device=device)
-    run_blocks(blocks, partial(_log_probs_step, head, mask, (buffers, thresholds)), outputs)
-    if head.shard is not None:
-        totals = combine_rows(
-            log_normalizer, entropy if with_entropy else None, [target], head.shard
-        )
-        log_normalizer, target = totals.log_normalizer, totals.sums[0]
-        entropy = entropy if totals.entropy is None else totals.entropy
+        thresholds = torch.zeros(rows, dtype=dtype, device=device)
+    # the scratch rows of slice_moments_; no softcap derivative (the backward's)
+    saved = _saved_logits(head) if save else None
+    buffers = new_buffers(
+        head, with_entropy=True, scores=not _covers(saved, head), derivative=False
+    )
+    assert buffers.scratch is not None
+    if saved is not None:
+        _whole_product(head, mask, buffers, saved)
+    shifted = torch.empty_like(buffers.scratch)
+    state = _ForwardState(buffers, shifted, thresholds, saved, wanted)
+    run_blocks(blocks, partial(_forward_step, head, mask, state), outputs)
+    values = iter(outputs)
+    target, log_normalizer = next(values), next(values)
+    entropy = next(values) if wanted.entropy else None
+    log_sum_sq = next(values) if wanted.log_sum_sq_probs else None
+    logit_sum = next(values) if wanted.mean_logits else None
+    sums = [target] if logit_sum is None else [target, logit_sum]
+    totals = combine_rows(log_normalizer, entropy, sums, head.shard, log_sum_sq)
+    log_normalizer, target = totals.log_normalizer, totals.sums[0]
     log_probs = target - log_normalizer
+    statistics: dict[str, torch.Tensor] = {}
+    if totals.entropy is not None:
+        statistics["entropy"] = totals.entropy
+    if totals.log_sum_sq is not None:
+        statistics["log_sum_sq_probs"] = totals.log_sum_sq
+    if logit_sum is not None:
+        statistics["mean_logits"] = totals.sums[1] / _vocabulary(head)
+    if wanted.is_top1:
+        maximum, argmax = next(values), next(values)
+        statistics["is_top1"] = first_argmax(maximum, argmax, head.shard) == head.tokens
     if mask is not None:
         log_probs = masked_fill_zero(log_probs, mask)
-        entropy = masked_fill_zero(entropy, mask) if with_entropy else entropy
-    return log_probs, log_normalizer, entropy, thresholds
+        statistics = {name: masked_fill_zero(value, mask) for name, value in statistics.items()}
+    return Forward(log_probs, log_normalizer, statistics, thresholds, saved)
+
+
+def _vocabulary(head: Head) -> int | torch.Tensor:
+    """V of the whole vocabulary (the sum of the slices' sizes under a shard)."""
+    if head.shard is None:
+        return head.weight.shape[0]
+    sizes = head.shard.sizes
+    return sum(sizes) if isinstance(sizes, tuple) else sizes.sum()
 
 
 class _Upstream(NamedTuple):
-    """Per-row upstream gradients (already divided by the temperature) and the saved stats."""
+    r"""Per-row upstream gradients (times :math:`s/\tau`) and the saved statistics."""
 
     log_probs: torch.Tensor  # (N,)
     entropy: torch.Tensor | None  # (N,) or None without entropy
@@ -120,21 +301,60 @@ class _Upstream(NamedTuple):
     entropy_values: torch.Tensor | None  # (N,)
 
 
-def _log_probs_grad_step(
-    head: Head,
-    active: torch.Tensor,
-    upstream: _Upstream,
-    state: tuple[Grads, ChunkBuffers, torch.Tensor | None],
-    block: Block,
-) -> list[torch.Tensor]:
-    grads, buffers, thresholds = state
+class _BackwardState(NamedTuple):
+    grads: Grads
+    buffers: ChunkBuffers
+    thresholds: torch.Tensor | None
+    saved: SavedLogits | None
+
+
+_SAME_WIDTH = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def _zero_rows_(scores: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``scores`` ``(n, V)`` with the rows outside ``rows`` ``(n,)`` set to +0, in place.
+
+    A selection, not a product (a NaN or inf there becomes 0, the other rows keep every bit):
+    the values' bits AND all-ones (kept rows) or zero (the others). On one CPU thread
+    ``torch.where`` and ``masked_fill_`` with the ``(n, 1)`` condition took 4x and 6x as long.
+    """
+    bits = _SAME_WIDTH[scores.element_size()]
+    keep = torch.where(rows, -1, 0).to(bits).unsqueeze(1)  # (n, 1) all ones or zeros
+    scores.view(bits).bitwise_and_(keep)
+    return scores
+
+
+def _chunk_logits(
+    head: Head, active: torch.Tensor, state: _BackwardState, block: Block
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(hidden_chunk, tokens_chunk, scores)`` of a backward chunk, inactive rows zero.
+
+    A saved chunk is the forward's logits themselves (the gradient is then formed in place
+    there); the others are recomputed (product, transform, the forward's kept set replayed).
+    Inactive rows are then set to 0 (a NaN they held reaches no gradient). With a softcap
+    :math:`1 - t^2` is in ``buffers.derivative``.
+    """
     rows = active[block]  # (n,)
     hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], rows)
-    scores = chunk_scores(hidden_chunk, head, buffers)  # (n, V)
-    if head.kept is not None:  # the forward pass's set (its thresholds replayed); zeroed rows
-        # keep everything, so that the chunk's own softmax below stays finite on them
+    buffers, saved = state.buffers, state.saved
+    if _is_saved(saved, block):
+        assert saved is not None
+        scores = _zero_rows_(saved.values[block], rows)  # (n, V)
+        if buffers.derivative is not None:
+            softcap_derivative(scores, head.transform, block[0], buffers.derivative)
+        return hidden_chunk, tokens_chunk, scores
+    scores = chunk_scores(hidden_chunk, head, buffers, block[0])  # (n, V)
+    if head.kept is not None:  # the forward pass's set (its thresholds replayed)
         flat = kept_rows(block, ())
-        restrict_(scores, head.kept, flat, head.shard, thresholds, decide=False, active=rows)
+        restrict_(scores, head.kept, flat, head.shard, state.thresholds, decide=False, active=rows)
+    return hidden_chunk, tokens_chunk, _zero_rows_(scores, rows)
+
+
+def _backward_step(
+    head: Head, active: torch.Tensor, upstream: _Upstream, state: _BackwardState, block: Block
+) -> list[torch.Tensor]:
+    hidden_chunk, tokens_chunk, scores = _chunk_logits(head, active, state, block)
+    buffers = state.buffers
     g_lp = upstream.log_probs[block]  # (n,)
     target_grad = g_lp
     if head.shard is not None:
@@ -142,10 +362,8 @@ def _log_probs_grad_step(
         target_grad = masked_fill_zero(g_lp, owned)  # the target's slice adds g 1[v = y]
     log_normalizer = upstream.log_normalizer[block].unsqueeze(1)  # (n, 1)
     if upstream.entropy is None or upstream.entropy_values is None or buffers.scratch is None:
-        if head.shard is not None:  # p from the saved normaliser of the whole vocabulary
-            grad_scores = scores.sub_(log_normalizer).exp_().mul_(-g_lp.unsqueeze(1))
-        else:
-            grad_scores = softmax_(scores)[0].mul_(-g_lp.unsqueeze(1))  # -g p, (n, V)
+        # p from the forward's normaliser (of the whole vocabulary under a shard): -g p, (n, V)
+        grad_scores = scores.sub_(log_normalizer).exp_().mul_(-g_lp.unsqueeze(1))
     else:
         # log p, with -inf (banned tokens) made finite so that p * log p = 0 * finite = 0
         log_p = finite_log_probs_(scores.sub_(log_normalizer))
@@ -156,8 +374,11 @@ def _log_probs_grad_step(
             buffers.scratch,
         )
     grad_scores.scatter_add_(1, tokens_chunk.unsqueeze(1), target_grad.unsqueeze(1))  # g 1[v=y]
-    accumulate_grads(grad_scores, hidden_chunk, head, grads, buffers, block)
-    return []
+    if buffers.derivative is not None:  # the softcap's 1 - t^2
+        grad_scores.mul_(buffers.derivative[: grad_scores.shape[0]])
+    if not (_is_saved(state.saved, block) and state.saved is not None and state.saved.whole):
+        accumulate_grads(grad_scores, hidden_chunk, head, state.grads, buffers, block)
+    return []  # the saved rows' products at once, after the chunks (log_probs_backward)
 
 
 class Saved(NamedTuple):
@@ -173,19 +394,22 @@ def log_probs_backward(
     head: Head,
     mask: torch.Tensor | None,
     saved: Saved,
-    grad_log_probs: torch.Tensor,
-    grad_entropy: torch.Tensor | None,
+    grads_in: tuple[torch.Tensor, torch.Tensor | None],
     needs: tuple[bool, bool, bool],
+    logits: SavedLogits | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
-    """Gradients ``(hidden, weight, bias)`` of ``sum(g_lp * log_probs + g_H * entropy)``.
+    r"""Gradients ``(hidden, weight, bias)`` of ``sum(g_lp * log_probs + g_H * entropy)``.
 
-    Rows whose outputs receive no gradient (or are masked) are zeroed before the products, so
-    NaN/inf hidden states there cannot reach ``grad_weight`` through ``0 * NaN``; they are
-    recomputed from a zero hidden row, given that row's normaliser so their probabilities stay
-    finite and their gradient is exactly 0. A token outside the kept set gets no log-prob
-    gradient (its entropy's gradient stays). Under vocabulary parallelism every gradient is
-    this rank's: ``grad_weight`` / ``grad_bias`` of its rows and its part of ``grad_hidden``.
+    ``grads_in`` is ``(g_lp, g_H)`` (``g_H`` None without the entropy's gradient). Rows whose
+    outputs receive no gradient (or are masked) are zeroed before the products, so NaN/inf
+    hidden states there cannot reach ``grad_weight`` through ``0 * NaN``; their logits are set
+    to 0 and their normaliser to :math:`\log V` (finite probabilities, an exact 0 gradient). A
+    token outside the kept set gets no log-prob gradient (its entropy's gradient stays). Under
+    vocabulary parallelism every gradient is this rank's: ``grad_weight`` / ``grad_bias`` of its
+    rows and its part of ``grad_hidden``. ``logits``: the chunks saved by the forward pass
+    (consumed: the gradient is formed in their place).
     """
+    grad_log_probs, grad_entropy = grads_in
     grad_lp = grad_log_probs.to(head.dtype)
     if saved.in_set is not None:
         grad_lp = masked_fill_zero(grad_lp, saved.in_set)
@@ -195,26 +419,38 @@ def log_probs_backward(
         active = active & mask
         grad_lp = masked_fill_zero(grad_lp, mask)
         grad_h = None if grad_h is None else masked_fill_zero(grad_h, mask)
-    zero_row = torch.zeros(1, head.hidden.shape[1], dtype=head.hidden.dtype, device=active.device)
-    zero_row_lse = torch.logsumexp(chunk_scores(zero_row, head), dim=1)  # (1,)
+    factor = head.transform.row_factor(slice(None))  # s / tau, per row or one number
+    uniform = torch.full_like(saved.log_normalizer, float(head.weight.shape[0])).log()
     upstream = _Upstream(
-        log_probs=grad_lp * head.inv_temperature,
-        entropy=None if grad_h is None else grad_h * head.inv_temperature,
-        log_normalizer=torch.where(active, saved.log_normalizer, zero_row_lse),
+        log_probs=grad_lp * factor,
+        entropy=None if grad_h is None else grad_h * factor,
+        log_normalizer=torch.where(active, saved.log_normalizer, uniform),
         entropy_values=None if grad_h is None else masked_fill_zero(saved.entropy, active),
     )
-    buffers = new_buffers(head, with_entropy=grad_h is not None)
-    state = (new_grads(head, needs), buffers, saved.thresholds)
+    buffers = new_buffers(head, with_entropy=grad_h is not None, scores=not _covers(logits, head))
+    # all the rows saved and their products formed at once: the accumulators are written once
+    alone = logits is not None and logits.whole and logits.rows == head.hidden.shape[0]
+    grads = new_grads(head, needs, zeroed=not alone)
+    state = _BackwardState(grads, buffers, saved.thresholds, logits)
     blocks = block_rows((head.hidden.shape[0],), head.chunk_size, flat=True)
-    run_blocks(blocks, partial(_log_probs_grad_step, head, active, upstream, state), [])
-    return finish_grads(head, state[0])
+    run_blocks(blocks, partial(_backward_step, head, active, upstream, state), [])
+    if logits is not None and logits.whole:  # the saved rows' gradient products, one GEMM each
+        region = (slice(0, logits.rows),)
+        hidden = _saved_rows(head, active, logits.rows)
+        accumulate_grads(logits.values, hidden, head, grads, buffers, region, first=alone)
+    return finish_grads(head, state.grads)
 
 
 class LogProbsFromHidden(torch.autograd.Function):
-    """Chunked ``log_softmax(h W^T + b)[y]`` (and entropy) with recompute in backward.
+    r"""Chunked ``log_softmax(x)[y]`` and its statistics; saved or recomputed logits in backward.
+
+    :math:`x = \mathrm{cap}_c(s(h W^T + b))/\tau`; the logits are saved within
+    :data:`SAVED_LOGITS`, recomputed beyond.
 
     ``hidden``, ``weight`` and ``bias`` are passed both on their own (so autograd sees them) and
-    inside ``head``.
+    inside ``head``. ``wanted``: the statistics (a bool: the entropy alone, or not). Returns
+    ``(log_probs, entropy, *others)``: the entropy ``(N,)`` or ``(0,)`` when not asked for, then
+    the other statistics of ``wanted`` in :data:`STATISTICS` order (not differentiable).
     """
 
     @staticmethod
@@ -225,40 +461,52 @@ class LogProbsFromHidden(torch.autograd.Function):
         bias: torch.Tensor | None,
         head: Head,
         mask: torch.Tensor | None,
-        with_entropy: bool,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        wanted: Wanted | bool,
+    ) -> tuple[torch.Tensor, ...]:
         """The forward pass (see the class docstring)."""
-        log_probs, log_normalizer, entropy, thresholds = log_probs_forward(head, mask, with_entropy)
-        in_set = None if head.kept is None else log_probs > -torch.inf
+        if not isinstance(wanted, Wanted):
+            wanted = Wanted(entropy=wanted)
+        save = any(bool(flag) for flag in ctx.needs_input_grad[:3])
+        out = log_probs_forward(head, mask, wanted, save=save)
+        in_set = None if head.kept is None else out.log_probs > -torch.inf
+        entropy = out.statistics.get("entropy", out.log_probs.new_empty(0))
         ctx.save_for_backward(
-            hidden, weight, bias, head.tokens, mask, log_normalizer, entropy, thresholds, in_set
-        )
-        ctx.options = (head.inv_temperature, head.chunk_size, head.dtype, with_entropy)
-        ctx.restriction = (head.shard, head.kept)
-        return log_probs, entropy
+            hidden, weight, bias, head.tokens, mask, out.log_normalizer, entropy, out.thresholds,
+            in_set,
+        )  # fmt: skip
+        ctx.head = head
+        ctx.logits = out.saved
+        ctx.saves = out.saved is not None
+        ctx.with_entropy = wanted.entropy
+        others = [out.statistics[name] for name in ("log_sum_sq_probs", "mean_logits", "is_top1")
+                  if name in out.statistics]  # fmt: skip
+        ctx.mark_non_differentiable(*others)
+        return (out.log_probs, entropy, *others)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(  # type: ignore[override]
-        ctx: Any, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None
+        ctx: Any, grad_log_probs: torch.Tensor | None, grad_entropy: torch.Tensor | None, *_: Any
     ) -> tuple[torch.Tensor | None, ...]:
         """The backward pass (see the class docstring)."""
         hidden, weight, bias, tokens, mask, *stats = ctx.saved_tensors
-        inv_temperature, chunk_size, dtype, with_entropy = ctx.options
-        head = Head(
-            hidden, weight, bias, tokens, inv_temperature, chunk_size, dtype, *ctx.restriction
-        )
+        head = ctx.head._replace(hidden=hidden, weight=weight, bias=bias, tokens=tokens)
         rows = hidden.shape[0]
         if grad_log_probs is None:
-            grad_log_probs = torch.zeros(rows, dtype=dtype, device=hidden.device)
-        if not with_entropy:
+            grad_log_probs = torch.zeros(rows, dtype=head.dtype, device=hidden.device)
+        if not ctx.with_entropy:
             grad_entropy = None
         elif grad_entropy is None:
-            grad_entropy = torch.zeros(rows, dtype=dtype, device=hidden.device)
+            grad_entropy = torch.zeros(rows, dtype=head.dtype, device=hidden.device)
         needs = (
             bool(ctx.needs_input_grad[0]),
             bool(ctx.needs_input_grad[1]),
             bool(ctx.needs_input_grad[2]),
         )
-        grads = log_probs_backward(head, mask, Saved(*stats), grad_log_probs, grad_entropy, needs)
+        logits, ctx.logits = ctx.logits, None  # consumed by the gradient formed in place
+        if logits is None and ctx.saves:  # a second backward: the same logits again
+            logits = _refill(head, mask, stats[2])
+        grads = log_probs_backward(
+            head, mask, Saved(*stats), (grad_log_probs, grad_entropy), needs, logits
+        )
         return (*grads, None, None, None)

@@ -19,18 +19,28 @@ sampled token is outside the kept set has log-probability ``-inf`` and zero grad
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from .._core.chunking import Block, block_rows, resolve_chunk_size, run_blocks
 from .._core.reduction import masked_fill_zero
-from .blocks import slice_entropy_grad, slice_kl, slice_kl_grads, slice_log_probs_grad, slice_stats
+from .blocks import (
+    slice_entropy_grad,
+    slice_grads_,
+    slice_kl,
+    slice_kl_grads,
+    slice_log_probs_grad,
+    slice_stats,
+)
 from .functions import backward_rows, load_block, row_layout
+from .head import LogitTransform, apply_transform_, softcap_derivative
+from .statistics import Wanted
 from .truncation import Restriction, kept_rows, restrict_
-from .vocab_parallel import Shard, combine_rows, sum_over_ranks
+from .vocab_parallel import Shard, combine_rows, first_argmax, sum_over_ranks
 
 __all__ = [
+    "LogitsCall",
     "RestrictedEntropyFunction",
     "RestrictedKLFunction",
     "RestrictedLogProbsFunction",
@@ -69,29 +79,67 @@ def _layout(
     return row_layout(logits, chunk_size, *per_row)
 
 
-def _own_block(
-    rows: torch.Tensor, block: Block, selected: torch.Tensor | None, tau: float, dtype: torch.dtype
+class LogitsCall(NamedTuple):
+    """The per-call options of a chunk loop over logits (the loop's row layout)."""
+
+    transform: LogitTransform  # a per-token temperature laid out like the loop's rows
+    dtype: torch.dtype
+    restriction: Restriction
+    leading: tuple[int, ...]  # the leading shape of the call (the kept set's rows)
+    wanted: Wanted = Wanted()
+
+
+def _laid_out(transform: LogitTransform, per_row: list[torch.Tensor]) -> LogitTransform:
+    """The transform with its per-token temperature taken from the last laid-out tensor."""
+    return transform._replace(inverse=per_row[-1]) if transform.per_row else transform
+
+
+def _transformed_block(
+    rows: torch.Tensor,
+    block: Block,
+    selected: torch.Tensor | None,
+    call: LogitsCall,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(x, 1 - t^2)``: the chunk's transformed logits and the softcap's derivative.
+
+    ``x`` a fresh ``(C, V)`` tensor of the computation dtype (unselected rows zeroed first); the
+    derivative None without a softcap.
+    """
+    chunk = load_block(rows, block, selected, 1.0, call.dtype)  # may alias the logits
+    scores = chunk.to(call.dtype, copy=True)
+    apply_transform_(scores, call.transform, block)
+    derivative = None
+    if call.transform.softcap is not None:
+        derivative = softcap_derivative(scores, call.transform, block, torch.empty_like(scores))
+    return scores, derivative
+
+
+def _restrict(
+    chunk: torch.Tensor,
+    block: Block,
+    call: LogitsCall,
+    thresholds: torch.Tensor | None,
+    decide: bool,
 ) -> torch.Tensor:
-    """:func:`load_block` as a fresh ``(C, V)`` tensor of ``dtype`` that may be written to."""
-    chunk = load_block(rows, block, selected, tau, dtype)
-    return chunk.to(dtype, copy=tau == 1.0)
+    """The logits outside the kept set set to ``-inf`` (in place)."""
+    restriction = call.restriction
+    if restriction.kept is not None:
+        flat = kept_rows(block, call.leading)
+        restrict_(chunk, restriction.kept, flat, restriction.shard, thresholds, decide=decide)
+    return chunk
 
 
 def _restricted_block(
     rows: torch.Tensor,
     block: Block,
     selected: torch.Tensor | None,
-    options: tuple[float, torch.dtype, Restriction, tuple[int, ...]],
+    call: LogitsCall,
     thresholds: torch.Tensor | None,
     decide: bool,
-) -> torch.Tensor:
-    """The chunk's logits after the temperature, with the logits outside the kept set -inf."""
-    tau, dtype, restriction, leading = options
-    chunk = _own_block(rows, block, selected, tau, dtype)  # (C, V)
-    if restriction.kept is not None:
-        flat = kept_rows(block, leading)
-        restrict_(chunk, restriction.kept, flat, restriction.shard, thresholds, decide=decide)
-    return chunk
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``(x, 1 - t^2)``, the logits outside the kept set ``-inf``."""
+    chunk, derivative = _transformed_block(rows, block, selected, call)
+    return _restrict(chunk, block, call, thresholds, decide), derivative
 
 
 def _local_tokens(
@@ -109,8 +157,19 @@ def _thresholds(
     return torch.zeros(rows, dtype=dtype, device=device)
 
 
+def _scaled_upstream(
+    grad: torch.Tensor, call: LogitsCall, block: Block, selected: torch.Tensor
+) -> torch.Tensor:
+    r"""The upstream gradient of the chunk times :math:`s/\tau`, 0 at unselected rows."""
+    upstream = masked_fill_zero(grad[block].to(call.dtype), selected)
+    factor = call.transform.row_factor(block)
+    if isinstance(factor, torch.Tensor):
+        return upstream * factor.to(call.dtype)
+    return upstream * factor if factor != 1.0 else upstream
+
+
 # ---------------------------------------------------------------------------------------------
-# Log-probabilities of the sampled tokens
+# Log-probabilities of the sampled tokens, and their statistics
 # ---------------------------------------------------------------------------------------------
 
 
@@ -120,41 +179,65 @@ def _log_probs_step(
     owned: torch.Tensor | None,
     active: torch.Tensor,
     masked: bool,
-    state: tuple[tuple[float, torch.dtype, Restriction, tuple[int, ...]], torch.Tensor | None],
+    state: tuple[LogitsCall, torch.Tensor | None],
     block: Block,
 ) -> list[torch.Tensor]:
-    options, thresholds = state
+    """``[lse, target, (entropy), (log_sum_sq), (logit sum), (max, argmax)]`` of the chunk."""
+    call, thresholds = state
+    wanted = call.wanted
     selected = active[block] if masked else None
-    chunk = _restricted_block(rows, block, selected, options, thresholds, True)  # (C, V)
+    chunk, _ = _transformed_block(rows, block, selected, call)  # (C, V)
+    logit_sum = chunk.sum(dim=1) if wanted.mean_logits else None  # before the kept set
+    chunk = _restrict(chunk, block, call, thresholds, True)
     target = chunk.gather(1, tokens[block].unsqueeze(1)).squeeze(1)  # (C,), -inf off the set
     if owned is not None:
         target = masked_fill_zero(target, owned[block])
-    log_normalizer, _ = slice_stats(chunk, with_entropy=False)  # (C,)
-    return [log_normalizer, target]
+    log_normalizer, entropy, log_sum_sq = slice_stats(
+        chunk, with_entropy=wanted.entropy, with_squares=wanted.log_sum_sq_probs
+    )
+    out = [log_normalizer, target]
+    out += [value for value in (entropy, log_sum_sq, logit_sum) if value is not None]
+    if wanted.is_top1:
+        top = chunk.max(dim=1)  # the first maximal logit
+        out += [top.values, top.indices]
+    return out
 
 
 def _log_probs_grad_step(
     rows: torch.Tensor,
-    saved: tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor, torch.Tensor],
-    state: tuple[tuple[float, torch.dtype, Restriction, tuple[int, ...]], torch.Tensor | None],
+    saved: tuple[torch.Tensor, ...],
+    grads: tuple[torch.Tensor, torch.Tensor | None],
+    state: tuple[LogitsCall, torch.Tensor | None],
     block: Block,
 ) -> list[torch.Tensor]:
-    tokens, owned, active, log_normalizer, grad = saved
-    options, thresholds = state
-    dtype = options[1]
-    upstream = grad[block].to(dtype)  # (C,)
-    selected = backward_rows(active[block], upstream)  # (C,)
-    chunk = _restricted_block(rows, block, selected, options, thresholds, False)  # (C, V)
-    upstream = masked_fill_zero(upstream, selected)
-    target_grad = upstream if owned is None else masked_fill_zero(upstream, owned[block])
+    tokens, owned, active, log_normalizer, entropy = saved
+    call, thresholds = state
+    grad_lp, grad_h = grads
+    nonzero = grad_lp[block] != 0
+    if grad_h is not None:
+        nonzero = nonzero | (grad_h[block] != 0)
+    selected = active[block] & nonzero  # (C,) rows with a gradient
+    chunk, derivative = _restricted_block(rows, block, selected, call, thresholds, False)
+    upstream = _scaled_upstream(grad_lp, call, block, selected)
+    target_grad = upstream if owned.numel() == 0 else masked_fill_zero(upstream, owned[block])
     lse = masked_fill_zero(log_normalizer[block], selected)  # finite p on zeroed rows
-    chunk_grad = slice_log_probs_grad(chunk, tokens[block], upstream, target_grad, lse)
-    tau = options[0]
-    return [chunk_grad.div_(tau) if tau != 1.0 else chunk_grad]
+    if grad_h is None:
+        chunk_grad = slice_log_probs_grad(chunk, tokens[block], upstream, target_grad, lse)
+    else:
+        weights = (upstream, _scaled_upstream(grad_h, call, block, selected))
+        values = masked_fill_zero(entropy[block], selected)
+        chunk_grad = slice_grads_(chunk, tokens[block], weights, target_grad, (lse, values))
+    return [chunk_grad if derivative is None else chunk_grad.mul_(derivative)]
 
 
 class RestrictedLogProbsFunction(torch.autograd.Function):
-    """``x_y - lse`` over the (kept) vocabulary, the logits one slice of it; chunked, recompute."""
+    """``x_y - lse`` over the (kept) vocabulary, the logits one slice of it; chunked, recompute.
+
+    :math:`x` the transformed logits (scale, softcap, temperature). Returns ``(log_probs,
+    entropy, *others)``: the entropy ``(0,)`` unless asked for, then the other statistics of
+    the call's ``wanted`` in :data:`~rlobjectives.logprobs.statistics.STATISTICS` order (not
+    differentiable).
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -163,53 +246,107 @@ class RestrictedLogProbsFunction(torch.autograd.Function):
         tokens: torch.Tensor,  # leading shape, int64 global ids, 0 at inactive rows
         active: torch.Tensor,  # leading shape, bool
         masked: bool,
-        temperature: float,
+        call: LogitsCall,
         chunk_size: int,
-        dtype: torch.dtype,
-        restriction: Restriction,
-    ) -> torch.Tensor:
+    ) -> tuple[torch.Tensor, ...]:
         """The forward pass (see the class docstring)."""
+        restriction, dtype, wanted = call.restriction, call.dtype, call.wanted
         local, owned = _local_tokens(tokens, restriction.shard)
         per_row = [local, active] if owned is None else [local, active, owned]
+        per_row += [call.transform.inverse] if call.transform.per_row else []  # type: ignore[list-item]
         rows, blocks, flat = _layout(logits, chunk_size, restriction, *per_row)
         tokens_r, active_r = flat[0], flat[1]
         owned_r = None if owned is None else flat[2]
         leading = tuple(active.shape)
         thresholds = _thresholds(restriction, active.numel(), dtype, logits.device)
-        options = (temperature, dtype, restriction, leading)
-        outputs = [torch.zeros(rows.shape[:-1], dtype=dtype, device=logits.device) for _ in "ab"]
+        laid = call._replace(transform=_laid_out(call.transform, flat), leading=leading)
+        count = 2 + wanted.entropy + wanted.log_sum_sq_probs + wanted.mean_logits
+        outputs = [torch.zeros(rows.shape[:-1], dtype=dtype, device=logits.device)
+                   for _ in range(count)]  # fmt: skip
+        if wanted.is_top1:  # the maximum and its first index
+            outputs += [torch.zeros(rows.shape[:-1], dtype=kind, device=logits.device)
+                        for kind in (dtype, torch.int64)]  # fmt: skip
         step = partial(
-            _log_probs_step, rows, tokens_r, owned_r, active_r, masked, (options, thresholds)
+            _log_probs_step, rows, tokens_r, owned_r, active_r, masked, (laid, thresholds)
         )
         run_blocks(blocks, step, outputs)
-        totals = combine_rows(
-            outputs[0].reshape(-1), None, [outputs[1].reshape(-1)], restriction.shard
-        )
+        flats = iter(output.reshape(-1) for output in outputs)
+        log_normalizer, target = next(flats), next(flats)
+        entropy = next(flats) if wanted.entropy else None
+        log_sum_sq = next(flats) if wanted.log_sum_sq_probs else None
+        logit_sum = next(flats) if wanted.mean_logits else None
+        sums = [target] if logit_sum is None else [target, logit_sum]
+        totals = combine_rows(log_normalizer, entropy, sums, restriction.shard, log_sum_sq)
         log_normalizer = totals.log_normalizer.reshape(leading)
         target = totals.sums[0].reshape(leading)
         log_probs = target - log_normalizer  # -inf where the token is outside the kept set
-        differentiated = active
-        if restriction.kept is not None:  # no gradient for a token outside the set
-            differentiated = active & (target > -torch.inf)
-        ctx.save_for_backward(logits, local, owned, differentiated, log_normalizer, thresholds)
-        ctx.options = (temperature, chunk_size, dtype, restriction)
-        return masked_fill_zero(log_probs, active) if masked else log_probs
+        in_set = target > -torch.inf  # no log-prob gradient for a token outside the kept set
+        others: list[torch.Tensor] = []
+        if totals.log_sum_sq is not None:
+            others.append(totals.log_sum_sq.reshape(leading))
+        if logit_sum is not None:
+            vocab = _vocabulary(logits.shape[-1], restriction.shard)
+            others.append((totals.sums[1] / vocab).reshape(leading))
+        if wanted.is_top1:
+            maximum, argmax = next(flats), next(flats)
+            first = first_argmax(maximum, argmax, restriction.shard).reshape(leading)
+            others.append(first == tokens)
+        entropy_out = (
+            log_probs.new_zeros(0) if totals.entropy is None else totals.entropy.reshape(leading)
+        )
+        ctx.save_for_backward(
+            logits, local, owned if owned is not None else local.new_zeros(0, dtype=torch.bool),
+            active, in_set, log_normalizer, entropy_out,
+            thresholds, *([call.transform.inverse] if call.transform.per_row else []),  # type: ignore[list-item]
+        )  # fmt: skip
+        ctx.options = (call._replace(leading=leading), chunk_size)
+        if masked:
+            log_probs = masked_fill_zero(log_probs, active)
+            if wanted.entropy:
+                entropy_out = masked_fill_zero(entropy_out, active)
+            others = [masked_fill_zero(value, active) for value in others]
+        ctx.mark_non_differentiable(*others)
+        return (log_probs, entropy_out, *others)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+    def backward(  # type: ignore[override]
+        ctx: Any, grad: torch.Tensor | None, grad_entropy: torch.Tensor | None, *_: Any
+    ) -> tuple[torch.Tensor | None, ...]:
         """The backward pass (see the class docstring)."""
-        logits, local, owned, active, log_normalizer, thresholds = ctx.saved_tensors
-        temperature, chunk_size, dtype, restriction = ctx.options
-        per_row = [local, active, log_normalizer, grad] + ([] if owned is None else [owned])
-        rows, blocks, flat = _layout(logits, chunk_size, restriction, *per_row)
-        owned_r = None if owned is None else flat[4]
-        saved = (flat[0], owned_r, flat[1], flat[2], flat[3])
+        logits, local, owned, active, in_set, log_normalizer, entropy, thresholds, *inverse = (
+            ctx.saved_tensors
+        )
+        call, chunk_size = ctx.options
+        if grad is None:
+            grad = torch.zeros_like(log_normalizer)
+        grad = masked_fill_zero(grad, in_set)  # the entropy's gradient stays
+        if not call.wanted.entropy or grad_entropy is None or grad_entropy.numel() == 0:
+            grad_entropy = None
+        per_row = [local, active, log_normalizer, grad]
+        per_row += [grad_entropy, entropy] if grad_entropy is not None else []
+        per_row += [owned] if owned.numel() else []
+        per_row += inverse
+        rows, blocks, flat = _layout(logits, chunk_size, call.restriction, *per_row)
+        laid = call._replace(transform=_laid_out(call.transform, flat))
+        values = iter(flat)
+        local_r, active_r, lse_r, grad_r = next(values), next(values), next(values), next(values)
+        grad_h_r, entropy_r = (next(values), next(values)) if grad_entropy is not None else (
+            None, lse_r)  # fmt: skip
+        owned_r = next(values) if owned.numel() else owned
         grad_rows = torch.empty(rows.shape, dtype=logits.dtype, device=logits.device)
-        options = (temperature, dtype, restriction, tuple(active.shape))
-        step = partial(_log_probs_grad_step, rows, saved, (options, thresholds))
+        saved = (local_r, owned_r, active_r, lse_r, entropy_r)
+        step = partial(_log_probs_grad_step, rows, saved, (grad_r, grad_h_r), (laid, thresholds))
         run_blocks(blocks, step, [grad_rows])
-        return grad_rows.reshape(logits.shape), None, None, None, None, None, None, None
+        return grad_rows.reshape(logits.shape), None, None, None, None, None
+
+
+def _vocabulary(local: int, shard: Shard | None) -> int | torch.Tensor:
+    """V of the whole vocabulary (the sum of the slices' sizes under a shard)."""
+    if shard is None:
+        return local
+    sizes = shard.sizes
+    return sum(sizes) if isinstance(sizes, tuple) else sizes.sum()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -221,13 +358,13 @@ def _entropy_step(
     rows: torch.Tensor,
     active: torch.Tensor,
     masked: bool,
-    state: tuple[tuple[float, torch.dtype, Restriction, tuple[int, ...]], torch.Tensor | None],
+    state: tuple[LogitsCall, torch.Tensor | None],
     block: Block,
 ) -> list[torch.Tensor]:
-    options, thresholds = state
+    call, thresholds = state
     selected = active[block] if masked else None
-    chunk = _restricted_block(rows, block, selected, options, thresholds, True)  # (C, V)
-    log_normalizer, entropy = slice_stats(chunk, with_entropy=True)
+    chunk, _ = _restricted_block(rows, block, selected, call, thresholds, True)  # (C, V)
+    log_normalizer, entropy, _ = slice_stats(chunk, with_entropy=True)
     assert entropy is not None
     return [log_normalizer, entropy]
 
@@ -235,26 +372,28 @@ def _entropy_step(
 def _entropy_grad_step(
     rows: torch.Tensor,
     saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    state: tuple[tuple[float, torch.dtype, Restriction, tuple[int, ...]], torch.Tensor | None],
+    state: tuple[LogitsCall, torch.Tensor | None],
     block: Block,
 ) -> list[torch.Tensor]:
     active, log_normalizer, entropy, grad = saved
-    options, thresholds = state
-    upstream = grad[block].to(options[1])  # (C,)
+    call, thresholds = state
+    upstream = grad[block].to(call.dtype)  # (C,)
     selected = backward_rows(active[block], upstream)  # (C,)
-    chunk = _restricted_block(rows, block, selected, options, thresholds, False)  # (C, V)
+    chunk, derivative = _restricted_block(rows, block, selected, call, thresholds, False)
     chunk_grad = slice_entropy_grad(
         chunk,
         masked_fill_zero(entropy[block], selected),
-        masked_fill_zero(upstream, selected),
+        _scaled_upstream(grad, call, block, selected),
         masked_fill_zero(log_normalizer[block], selected),
     )
-    tau = options[0]
-    return [chunk_grad.div_(tau) if tau != 1.0 else chunk_grad]
+    return [chunk_grad if derivative is None else chunk_grad.mul_(derivative)]
 
 
 class RestrictedEntropyFunction(torch.autograd.Function):
-    """Entropy of the softmax over the (kept) vocabulary, the logits one slice of it."""
+    """Entropy of the softmax over the (kept) vocabulary of the transformed logits.
+
+    The logits may be one slice of the vocabulary.
+    """
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -262,43 +401,44 @@ class RestrictedEntropyFunction(torch.autograd.Function):
         logits: torch.Tensor,
         active: torch.Tensor,
         masked: bool,
-        temperature: float,
+        call: LogitsCall,
         chunk_size: int,
-        dtype: torch.dtype,
-        restriction: Restriction,
     ) -> torch.Tensor:
         """The forward pass (see the class docstring)."""
-        rows, blocks, (active_r,) = _layout(logits, chunk_size, restriction, active)
+        restriction, dtype = call.restriction, call.dtype
+        inverse = [call.transform.inverse] if call.transform.per_row else []
+        rows, blocks, flat = _layout(logits, chunk_size, restriction, active, *inverse)  # type: ignore[arg-type]
+        active_r = flat[0]
         leading = tuple(active.shape)
         thresholds = _thresholds(restriction, active.numel(), dtype, logits.device)
-        options = (temperature, dtype, restriction, leading)
+        laid = call._replace(transform=_laid_out(call.transform, flat), leading=leading)
         outputs = [torch.zeros(rows.shape[:-1], dtype=dtype, device=logits.device) for _ in "ab"]
         run_blocks(
-            blocks, partial(_entropy_step, rows, active_r, masked, (options, thresholds)), outputs
+            blocks, partial(_entropy_step, rows, active_r, masked, (laid, thresholds)), outputs
         )
         totals = combine_rows(outputs[0].reshape(-1), outputs[1].reshape(-1), [], restriction.shard)
         assert totals.entropy is not None
         log_normalizer = totals.log_normalizer.reshape(leading)
         entropy = totals.entropy.reshape(leading)
-        ctx.save_for_backward(logits, active, log_normalizer, entropy, thresholds)
-        ctx.options = (temperature, chunk_size, dtype, restriction)
+        ctx.save_for_backward(logits, active, log_normalizer, entropy, thresholds, *inverse)  # type: ignore[arg-type]
+        ctx.options = (call._replace(leading=leading), chunk_size)
         return masked_fill_zero(entropy, active) if masked else entropy
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """The backward pass (see the class docstring)."""
-        logits, active, log_normalizer, entropy, thresholds = ctx.saved_tensors
-        temperature, chunk_size, dtype, restriction = ctx.options
+        logits, active, log_normalizer, entropy, thresholds, *inverse = ctx.saved_tensors
+        call, chunk_size = ctx.options
         rows, blocks, flat = _layout(
-            logits, chunk_size, restriction, active, log_normalizer, entropy, grad
+            logits, chunk_size, call.restriction, active, log_normalizer, entropy, grad, *inverse
         )
+        laid = call._replace(transform=_laid_out(call.transform, flat))
         grad_rows = torch.empty(rows.shape, dtype=logits.dtype, device=logits.device)
-        options = (temperature, dtype, restriction, tuple(active.shape))
         saved = (flat[0], flat[1], flat[2], flat[3])
-        step = partial(_entropy_grad_step, rows, saved, (options, thresholds))
+        step = partial(_entropy_grad_step, rows, saved, (laid, thresholds))
         run_blocks(blocks, step, [grad_rows])
-        return grad_rows.reshape(logits.shape), None, None, None, None, None, None
+        return grad_rows.reshape(logits.shape), None, None, None, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -306,17 +446,29 @@ class RestrictedEntropyFunction(torch.autograd.Function):
 # ---------------------------------------------------------------------------------------------
 
 
+def _kl_chunk(
+    tensor: torch.Tensor,
+    block: Block,
+    selected: torch.Tensor | None,
+    transform: LogitTransform,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The chunk of one logits tensor after the temperature, a fresh tensor of ``dtype``."""
+    chunk = load_block(tensor, block, selected, 1.0, dtype).to(dtype, copy=True)
+    return apply_transform_(chunk, transform, block)
+
+
 def _kl_normalizer_step(
     pair: tuple[torch.Tensor, torch.Tensor],
     active: torch.Tensor,
     masked: bool,
-    options: tuple[float, torch.dtype],
+    options: tuple[LogitTransform, torch.dtype],
     block: Block,
 ) -> list[torch.Tensor]:
-    tau, dtype = options
+    transform, dtype = options
     selected = active[block] if masked else None
-    chunk = load_block(pair[0], block, selected, tau, dtype).to(dtype)
-    ref_chunk = load_block(pair[1], block, selected, tau, dtype).to(dtype)
+    chunk = _kl_chunk(pair[0], block, selected, transform, dtype)
+    ref_chunk = _kl_chunk(pair[1], block, selected, transform, dtype)
     return [torch.logsumexp(chunk, dim=1), torch.logsumexp(ref_chunk, dim=1)]
 
 
@@ -325,13 +477,13 @@ def _kl_step(
     active: torch.Tensor,
     masked: bool,
     normalizers: tuple[torch.Tensor, torch.Tensor],
-    options: tuple[float, torch.dtype],
+    options: tuple[LogitTransform, torch.dtype],
     block: Block,
 ) -> list[torch.Tensor]:
-    tau, dtype = options
+    transform, dtype = options
     selected = active[block] if masked else None
-    chunk = load_block(pair[0], block, selected, tau, dtype).to(dtype)
-    ref_chunk = load_block(pair[1], block, selected, tau, dtype).to(dtype)
+    chunk = _kl_chunk(pair[0], block, selected, transform, dtype)
+    ref_chunk = _kl_chunk(pair[1], block, selected, transform, dtype)
     return [slice_kl(chunk, ref_chunk, normalizers[0][block], normalizers[1][block])]
 
 
@@ -339,33 +491,37 @@ def _kl_grad_step(
     pair: tuple[torch.Tensor, torch.Tensor],
     saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
     needs: tuple[bool, bool],
-    options: tuple[float, torch.dtype],
+    options: tuple[LogitTransform, torch.dtype],
     block: Block,
 ) -> list[torch.Tensor]:
     active, lse_x, lse_y, kl, grad = saved
-    tau, dtype = options
+    transform, dtype = options
     upstream = grad[block].to(dtype)
     selected = backward_rows(active[block], upstream)
-    chunk = load_block(pair[0], block, selected, tau, dtype).to(dtype)
-    ref_chunk = load_block(pair[1], block, selected, tau, dtype).to(dtype)
-    grads = slice_kl_grads(
+    chunk = _kl_chunk(pair[0], block, selected, transform, dtype)
+    ref_chunk = _kl_chunk(pair[1], block, selected, transform, dtype)
+    factor = transform.row_factor(block)
+    scaled = masked_fill_zero(upstream, selected) * (
+        factor.to(dtype) if isinstance(factor, torch.Tensor) else factor
+    )
+    return slice_kl_grads(
         chunk,
         ref_chunk,
         (masked_fill_zero(lse_x[block], selected), masked_fill_zero(lse_y[block], selected)),
         masked_fill_zero(kl[block], selected),
-        masked_fill_zero(upstream, selected),
+        scaled,
         need_logits=needs[0],
         need_ref=needs[1],
     )
-    return [g.div_(tau) for g in grads] if tau != 1.0 else grads
 
 
 class RestrictedKLFunction(torch.autograd.Function):
-    r"""Exact ``KL(softmax(x / tau) || softmax(y / tau))`` per row on vocabulary slices.
+    r"""Exact ``KL(softmax(x / tau) || softmax(y / tau))`` per row, chunked in two passes.
 
-    Two passes over the logits: the log-normalisers (combined over the ranks), then this slice's
-    terms :math:`p_v (\log p_v - \log q_v)` with them, summed over the ranks: every term is the
-    unsharded call's.
+    Two passes over the logits: the log-normalisers (combined over the ranks of a vocabulary
+    slice), then this slice's terms :math:`p_v (\log p_v - \log q_v)` with them, summed over
+    the ranks: every term is the unsharded call's. Without a shard (``None``): one process, a
+    per-token temperature (``transform``'s inverse in the leading shape of the logits).
     """
 
     @staticmethod
@@ -375,16 +531,16 @@ class RestrictedKLFunction(torch.autograd.Function):
         ref_logits: torch.Tensor,
         active: torch.Tensor,
         masked: bool,
-        temperature: float,
+        transform: LogitTransform,
         chunk_size: int,
         dtype: torch.dtype,
-        shard: Shard,
+        shard: Shard | None,
     ) -> torch.Tensor:
         """The forward pass (see the class docstring)."""
         leading = tuple(active.shape)
         blocks = block_rows(leading, chunk_size, flat=False)  # index both tensors alike
         pair = (logits, ref_logits)
-        options = (temperature, dtype)
+        options = (transform, dtype)
         stats = [torch.zeros(leading, dtype=dtype, device=logits.device) for _ in "ab"]
         run_blocks(blocks, partial(_kl_normalizer_step, pair, active, masked, options), stats)
         lse_x = combine_rows(stats[0].reshape(-1), None, [], shard).log_normalizer.reshape(leading)
@@ -395,7 +551,7 @@ class RestrictedKLFunction(torch.autograd.Function):
         kl = sum_over_ranks(kl, shard)
         kl = masked_fill_zero(kl, active) if masked else kl
         ctx.save_for_backward(logits, ref_logits, active, lse_x, lse_y, kl)
-        ctx.options = (temperature, chunk_size, dtype)
+        ctx.options = (transform, chunk_size, dtype)
         return kl
 
     @staticmethod
@@ -403,7 +559,7 @@ class RestrictedKLFunction(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """The backward pass (see the class docstring)."""
         logits, ref_logits, active, lse_x, lse_y, kl = ctx.saved_tensors
-        temperature, chunk_size, dtype = ctx.options
+        transform, chunk_size, dtype = ctx.options
         needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
         blocks = block_rows(tuple(active.shape), chunk_size, flat=False)
         outputs = [
@@ -412,7 +568,7 @@ class RestrictedKLFunction(torch.autograd.Function):
             if need
         ]
         saved = (active, lse_x, lse_y, kl, grad)
-        step = partial(_kl_grad_step, (logits, ref_logits), saved, needs, (temperature, dtype))
+        step = partial(_kl_grad_step, (logits, ref_logits), saved, needs, (transform, dtype))
         run_blocks(blocks, step, outputs)
         grads = iter(outputs)
         grad_logits = next(grads) if needs[0] else None

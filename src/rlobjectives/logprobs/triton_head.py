@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..kernels.common import first_order_only
+from ..kernels.head_forward import LogitOptions
 from .head import Head
 from .vocab_parallel import Shard, combine_rows
 
@@ -29,13 +30,19 @@ def _forward(
     bias: torch.Tensor | None,
     tokens: torch.Tensor,
     mask: torch.Tensor,
-    temperature: float,
+    transform: tuple[LogitOptions, float] | float,
     with_entropy: bool,
     shard: Shard | None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor, torch.Tensor]:
-    """``(log_probs, entropy, lse, local_tokens)``, ``(N,)`` float32, zeros at masked rows."""
+    """``(log_probs, entropy, lse, local_tokens)``, ``(N,)`` float32, zeros at masked rows.
+
+    ``transform``: the kernels' logit options and the one temperature (when not per row).
+    """
     from ..kernels.head_forward import lm_head_forward, lm_head_slice_stats
 
+    if not isinstance(transform, tuple):  # the temperature alone
+        transform = (LogitOptions(), transform)
+    options, temperature = transform
     # a selected id outside [0, V) raises, as the PyTorch path's gather does (no host read)
     vocab = weight.shape[0] if shard is None else shard.vocab_size()
     inside = (tokens >= 0) & (tokens < vocab)
@@ -43,14 +50,14 @@ def _forward(
     if shard is None:
         out = lm_head_forward(
             hidden, weight, tokens, mask, bias=bias, temperature=temperature,
-            with_entropy=with_entropy,
+            with_entropy=with_entropy, options=options,
         )  # fmt: skip
         return out.log_probs, out.entropy, out.lse, tokens
     local, owned = shard.local_ids(tokens)
     local = torch.where(owned, local, -1)  # the kernels never match -1
     stats = lm_head_slice_stats(
         hidden, weight, local, mask, bias=bias, temperature=temperature,
-        with_entropy=with_entropy,
+        with_entropy=with_entropy, options=options,
     )  # fmt: skip
     totals = combine_rows(stats.log_normalizer, stats.entropy, [stats.target], shard)
     log_probs = torch.where(mask, totals.sums[0] - totals.log_normalizer, 0.0)
@@ -59,7 +66,7 @@ def _forward(
 
 
 class TritonLogProbs(torch.autograd.Function):
-    """``apply(hidden, weight, bias, tokens, mask, temperature, with_entropy, shard)``.
+    """``apply(hidden, weight, bias, tokens, mask, (options, temperature), with_entropy, shard)``.
 
     Returns ``(log_probs, entropy)``, ``(N,)`` float32, zeros at masked rows; ``entropy`` is an
     empty tensor without ``with_entropy``. Gradients flow to ``hidden``, ``weight`` and
@@ -74,16 +81,16 @@ class TritonLogProbs(torch.autograd.Function):
         bias: torch.Tensor | None,
         tokens: torch.Tensor,
         mask: torch.Tensor,
-        temperature: float,
+        transform: tuple[LogitOptions, float] | float,
         with_entropy: bool,
         shard: Shard | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The forward pass (see the class docstring)."""
         log_probs, entropy, lse, local = _forward(
-            hidden, weight, bias, tokens, mask, temperature, with_entropy, shard
+            hidden, weight, bias, tokens, mask, transform, with_entropy, shard
         )
         ctx.save_for_backward(hidden, weight, bias, local, mask, lse, entropy)
-        ctx.temperature = temperature
+        ctx.transform = transform if isinstance(transform, tuple) else (LogitOptions(), transform)
         return log_probs, entropy if entropy is not None else lse.new_empty(0)
 
     @staticmethod
@@ -106,7 +113,7 @@ class TritonLogProbs(torch.autograd.Function):
             active = active | (grad_entropy != 0)
         grads = lm_head_backward(
             hidden, weight, tokens, mask & active, lse, grad_log_probs.float().contiguous(),
-            bias=bias, temperature=ctx.temperature, entropy=entropy,
+            bias=bias, temperature=ctx.transform[1], entropy=entropy, options=ctx.transform[0],
             grad_entropy=None if grad_entropy is None else grad_entropy.float().contiguous(),
             need_hidden=ctx.needs_input_grad[0], need_weight=ctx.needs_input_grad[1],
             need_bias=ctx.needs_input_grad[2],
@@ -123,8 +130,17 @@ def triton_log_probs(
     """
     if mask is None:
         mask = torch.ones(head.hidden.shape[0], dtype=torch.bool, device=head.hidden.device)
+    transform = head.transform
+    inverse = transform.inverse
+    options = LogitOptions(
+        scale=transform.scale,
+        softcap=transform.softcap,
+        inverse=inverse if isinstance(inverse, torch.Tensor) else None,
+        round_product=head.rounds_product,
+    )
+    temperature = 1.0 if isinstance(inverse, torch.Tensor) else 1.0 / inverse
     outputs: tuple[torch.Tensor, torch.Tensor] = TritonLogProbs.apply(  # type: ignore[no-untyped-call]
-        head.hidden, head.weight, head.bias, head.tokens, mask, 1.0 / head.inv_temperature,
+        head.hidden, head.weight, head.bias, head.tokens, mask, (options, temperature),
         with_entropy, head.shard,
     )  # fmt: skip
     return outputs

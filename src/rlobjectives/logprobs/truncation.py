@@ -25,8 +25,12 @@ The set, one of (:func:`validate_kept_set`):
   (idempotent: duplicates count once; ids outside ``[0, V)`` other than the pad are ignored);
 - ``kept_mask`` ``(..., V)`` bool, True = kept (SGLang's sampling mask, slime's
   ``log_prob_keep_mask``);
-- ``top_k`` / ``top_p``: the sampler's rule recomputed on the given logits: top-k first, then
-  top-p on the renormalised top-k (vLLM's order, NeMo-RL's ``apply_top_k_top_p``), in the
+- ``min_p`` / ``top_k`` / ``top_p``: the sampler's rule recomputed on the given logits, in
+  vLLM V1's order: after the temperature, min-p (keep :math:`p_v \ge p_{min} \max_u p_u`, i.e.
+  :math:`x_v \ge \max_u x_u + \log p_{min}`), then top-k, then top-p on the distribution
+  renormalised over what is left (vLLM V1's sampler applies min-p as an argmax-invariant logits
+  processor before ``apply_top_k_top_p``; its V0 sampler applied min-p after top-k/top-p, which
+  differs when top-p is set: the nucleus mass is then taken before min-p's cut), in the
   tie-inclusive threshold form :math:`K = \{v : x_v \ge t\}` (:func:`rule_thresholds`). The
   per-row threshold :math:`t` is computed in the forward pass and saved, so the backward pass
   replays :math:`x_v \ge t` on the recomputed logits instead of sorting again.
@@ -36,9 +40,10 @@ row) keeps the whole vocabulary (slime: "rows without a recorded nucleus stay al
 empty set cannot have produced a sample). Under vocabulary parallelism
 (:mod:`rlobjectives.logprobs.vocab_parallel`) ids are global and each rank restricts its own
 slice; ``kept_mask`` is this rank's slice; the top-k threshold is global: each rank sends its
-``k`` largest values of every row (an all-gather of ``N k`` floats, in the chunks of the call)
-and the top-p mass one all-reduce of ``N`` floats more. top-p alone across ranks would need the
-whole row sorted (``N V`` values gathered) and is refused.
+``k`` largest values of every row (an all-gather of ``N k`` floats, in the chunks of the call),
+the min-p threshold one all-reduce MAX of ``N`` floats and the top-p mass one all-reduce of
+``N`` floats more. top-p alone across ranks would need the whole row sorted (``N V`` values
+gathered) and is refused.
 """
 
 from __future__ import annotations
@@ -56,7 +61,14 @@ from .._core.validation import (
     describe,
     validate_scalar,
 )
-from .vocab_parallel import Shard, VocabGroup, gather_columns, resolve_shard, sum_over_ranks
+from .vocab_parallel import (
+    Shard,
+    VocabGroup,
+    gather_columns,
+    max_over_ranks,
+    resolve_shard,
+    sum_over_ranks,
+)
 
 __all__ = [
     "KeptOptions",
@@ -79,6 +91,7 @@ class KeptSet(NamedTuple):
         mask: ``(M, V)`` bool (this rank's slice of the vocabulary), or None.
         top_k: the rule's k (None: no top-k), with ``ids`` and ``mask`` None.
         top_p: the rule's p in (0, 1) (None: no top-p).
+        min_p: the rule's min-p in (0, 1] (None: no min-p).
         recorded: ``(M,)`` bool, whether row m holds a set (ids/mask; others keep everything).
         rows: ``(N,)`` int64: the row of ``ids``/``mask`` of each computed row (the one-token
             shift of :func:`~rlobjectives.response_log_probs`), or None for the identity.
@@ -91,6 +104,7 @@ class KeptSet(NamedTuple):
     top_p: float | None
     recorded: torch.Tensor | None
     rows: torch.Tensor | None
+    min_p: float | None = None
 
     @property
     def rule(self) -> bool:
@@ -121,6 +135,18 @@ def _validate_top_p(top_p: object) -> float | None:
             "to disable top-p"
         )
     return None if value == 1.0 else value
+
+
+def _validate_min_p(min_p: object) -> float | None:
+    if min_p is None:
+        return None
+    value = float(validate_scalar(min_p, "min_p", minimum=0.0, allow_tensor=False))  # type: ignore[arg-type]
+    if value > 1.0:
+        raise ValueError(
+            f"min_p must be in [0, 1] (0 keeps every token), got {min_p!r}; pass min_p=None to "
+            "disable min-p"
+        )
+    return None if value == 0.0 else value
 
 
 def _check_device(tensor: torch.Tensor, name: str, device: torch.device, reference: str) -> None:
@@ -158,6 +184,7 @@ def validate_kept_set(
     reference: str,
     packed: bool = False,
     shard: Shard | None = None,
+    min_p: float | None = None,
 ) -> KeptSet | None:
     """Validate the kept-set arguments of a log-probability function (module docstring).
 
@@ -173,14 +200,18 @@ def validate_kept_set(
         reference: the argument that fixes ``shape`` and the device (for the messages).
         packed: accept ``(N, K)`` / ``(N, V)`` for a ``(1, N)`` ``shape``.
         shard: the vocabulary slice, or None.
+        min_p: the rule's min-p, or None.
 
     Returns:
-        The :class:`KeptSet`, or None when nothing is truncated (``top_k >= V``, ``top_p = 1``).
+        The :class:`KeptSet`, or None when nothing is truncated (``top_k >= V``, ``top_p = 1``,
+        ``min_p = 0``).
 
     Raises:
         ValueError: more than one kind of set, a wrong shape or device, ``top_k < 1``,
-            ``top_p`` outside ``(0, 1]``, top-p without top-k under vocabulary parallelism.
-        TypeError: non-integer ids, a non-int ``kept_pad`` or ``top_k``, a non-number ``top_p``.
+            ``top_p`` outside ``(0, 1]``, ``min_p`` outside ``[0, 1]``, top-p without top-k
+            under vocabulary parallelism.
+        TypeError: non-integer ids, a non-int ``kept_pad`` or ``top_k``, a non-number ``top_p``
+            or ``min_p``.
     """
     if isinstance(kept_pad, bool) or not isinstance(kept_pad, int):
         raise TypeError(
@@ -188,17 +219,19 @@ def validate_kept_set(
         )
     k = _validate_top_k(top_k)
     p = _validate_top_p(top_p)
+    minimum = _validate_min_p(min_p)
     arguments = (
         ("kept_ids", kept_ids),
         ("kept_mask", kept_mask),
         ("top_k", top_k),
         ("top_p", top_p),
+        ("min_p", min_p),
     )
     given = [name for name, value in arguments if value is not None]
     if (kept_ids is not None or kept_mask is not None) and len(given) > 1:
         raise ValueError(
             f"{given[0]} and {given[1]} are alternatives: pass kept_ids (the engine's kept "
-            "ids), kept_mask (a boolean (..., V) mask) or the rule top_k / top_p, got "
+            "ids), kept_mask (a boolean (..., V) mask) or the rule min_p / top_k / top_p, got "
             + " and ".join(given)
         )
     if kept_ids is not None:
@@ -233,9 +266,9 @@ def validate_kept_set(
             "row sorted over the whole vocabulary (gathering the (N, V) logits); pass top_k "
             "too (vLLM's mask replay needs a finite top_k as well) or the engine's kept_ids"
         )
-    if k is None and p is None:
+    if k is None and p is None and minimum is None:
         return None
-    return KeptSet(None, 0, None, k, p, None, None)
+    return KeptSet(None, 0, None, k, p, None, None, minimum)
 
 
 def kept_rows(block: Block, leading_shape: tuple[int, ...]) -> slice:
@@ -296,7 +329,9 @@ def restrict_(
     if kept.rule:
         assert thresholds is not None
         if decide:
-            thresholds[rows] = rule_thresholds(scores, kept.top_k, kept.top_p, shard)
+            thresholds[rows] = rule_thresholds(
+                scores, kept.top_k, kept.top_p, shard, min_p=kept.min_p
+            )
         threshold = thresholds[rows].to(scores.dtype)  # (C,)
         if active is not None:
             threshold = torch.where(active, threshold, negative)
@@ -316,18 +351,26 @@ def restrict_(
 
 
 def rule_thresholds(
-    scores: torch.Tensor, top_k: int | None, top_p: float | None, shard: Shard | None
+    scores: torch.Tensor,
+    top_k: int | None,
+    top_p: float | None,
+    shard: Shard | None,
+    *,
+    min_p: float | None = None,
 ) -> torch.Tensor:
-    r"""Per-row threshold :math:`t` of top-k then top-p: :math:`K = \{v : x_v \ge t\}`.
+    r"""Per-row threshold :math:`t` of min-p, then top-k, then top-p: :math:`K = \{v : x_v \ge t\}`.
 
-    top-k: :math:`t_k = x_{(k)}`, the k-th largest value (every token tied with it is kept, as
-    vLLM masks :math:`x < x_{(k)}`). top-p on the softmax :math:`q` over
-    :math:`K_k = \{x \ge t_k\}`: with the values of :math:`K_k` in decreasing order
-    :math:`w_1 \ge w_2 \ge \dots`, :math:`t = w_J` for the largest :math:`J` whose mass before
-    it, :math:`\sum_{i<J} q_i`, is below :math:`p`: the smallest prefix whose mass reaches
-    :math:`p` (a prefix reaching exactly :math:`p` suffices), the top token always kept, ties at
-    the boundary kept together. The masses are compared as :math:`\sum_{i<J} e^{w_i - w_1} <
-    p \sum_{v \in K_k} e^{x_v - w_1}` (exact for the dyadic probabilities of the golden cases).
+    min-p: :math:`t_m = \max_u x_u + \log p_{min}` (vLLM keeps :math:`p_v \ge p_{min} \max_u
+    p_u`, the same set in exact arithmetic). top-k: :math:`t_k = x_{(k)}`, the k-th largest value
+    (every token tied with it is kept, as vLLM masks :math:`x < x_{(k)}`). The two are cuts of
+    the same ordering, so their composition is :math:`t_0 = \max(t_m, t_k)`. top-p on the softmax
+    :math:`q` over :math:`K_0 = \{x \ge t_0\}`: with the values of :math:`K_0` in decreasing
+    order :math:`w_1 \ge w_2 \ge \dots`, :math:`t = w_J` for the largest :math:`J` whose mass
+    before it, :math:`\sum_{i<J} q_i`, is below :math:`p`: the smallest prefix whose mass
+    reaches :math:`p` (a prefix reaching exactly :math:`p` suffices), the top token always
+    kept, ties at the boundary kept together. The masses are compared as :math:`\sum_{i<J}
+    e^{w_i - w_1} < p \sum_{v \in K_0} e^{x_v - w_1}` (exact for the dyadic probabilities of
+    the golden cases).
 
     Args:
         scores: ``(C, V)`` logits after the temperature (this rank's slice under vocabulary
@@ -335,10 +378,20 @@ def rule_thresholds(
         top_k: k, or None.
         top_p: p in (0, 1), or None.
         shard: the slice, or None.
+        min_p: min-p in (0, 1], or None.
 
     Returns:
-        ``(C,)`` thresholds in ``scores``' dtype (``-inf`` when k exceeds the vocabulary).
+        ``(C,)`` thresholds in ``scores``' dtype (``-inf`` when nothing is cut).
     """
+    threshold = torch.full(
+        scores.shape[:1], -math.inf, dtype=scores.dtype, device=scores.device
+    )  # (C,)
+    if min_p is not None:
+        largest = scores.amax(dim=1)  # (C,)
+        if shard is not None:
+            largest = max_over_ranks(largest, shard)
+        threshold = largest + math.log(min_p)
+    values = None
     if top_k is not None:
         local = min(top_k, scores.shape[1])
         values = scores.topk(local, dim=1).values  # (C, k) decreasing
@@ -346,22 +399,25 @@ def rule_thresholds(
             if local < top_k:  # a slice smaller than k: pad with -inf, which any value beats
                 values = torch.nn.functional.pad(values, (0, top_k - local), value=-math.inf)
             values = gather_columns(values, shard).topk(top_k, dim=1).values  # (C, k)
-        threshold = values[:, -1]  # (C,) x_(k)
-        if top_p is None:
-            return threshold
-        top = values[:, :1]  # (C, 1) the row's largest value
-        inside = scores >= threshold.unsqueeze(1)
+        threshold = torch.maximum(threshold, values[:, -1])  # x_(k)
+    if top_p is None:
+        return threshold
+    cut = threshold.unsqueeze(1)  # (C, 1)
+    if values is not None:
+        ordered = torch.where(values >= cut, values, -math.inf)  # (C, k) the kept values
+        top = ordered[:, :1]  # (C, 1) the row's largest value
+        inside = scores >= cut
         weights = torch.where(inside, torch.exp(scores - top), 0.0).sum(dim=1)  # (C,)
-        total = sum_over_ranks(weights, shard)  # (C,) sum over K_k of e^{x - w_1}
-        ordered = values
+        total = sum_over_ranks(weights, shard)  # (C,) sum over K_0 of e^{x - w_1}
     else:
         ordered = scores.sort(dim=1, descending=True).values  # (C, V)
+        ordered = torch.where(ordered >= cut, ordered, -math.inf)
         top = ordered[:, :1]
         total = torch.exp(ordered - top).sum(dim=1)
-    assert top_p is not None
-    cumulative = torch.exp(ordered - top).cumsum(dim=1)  # (C, m)
+    cumulative = torch.exp(ordered - top).cumsum(dim=1)  # (C, m), e^{-inf} = 0 past K_0
     before = torch.nn.functional.pad(cumulative[:, :-1], (1, 0))  # (C, m) mass before each
-    count = (before < top_p * total.unsqueeze(1)).sum(dim=1)  # (C,) >= 1 (before_1 = 0)
+    below = (before < top_p * total.unsqueeze(1)) & (ordered > -math.inf)
+    count = below.sum(dim=1)  # (C,) >= 1 (before_1 = 0)
     return ordered.gather(1, (count - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
 
 
@@ -372,8 +428,14 @@ class Restriction(NamedTuple):
     kept: KeptSet | None
 
 
-#: ``(vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p)`` as the public functions take them.
-KeptOptions = tuple[VocabGroup, ArrayLike | None, int, ArrayLike | None, int | None, float | None]
+#: ``(vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p[, min_p])`` as the public functions
+#: take them (``min_p`` may be left out: None).
+KeptOptions = (
+    tuple[VocabGroup, ArrayLike | None, int, ArrayLike | None, int | None, float | None]
+    | tuple[
+        VocabGroup, ArrayLike | None, int, ArrayLike | None, int | None, float | None, float | None
+    ]
+)
 
 
 def restriction_of(
@@ -388,7 +450,8 @@ def restriction_of(
     """The vocabulary slice and kept set of a call, or None (the plain call).
 
     Args:
-        options: ``(vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p)`` as given.
+        options: ``(vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p[, min_p])`` as
+            given.
         shape: the leading shape of the kept set (that of the log-probabilities).
         vocab: V of the logits (the local slice under ``vocab_group``).
         device: the device of the logits.
@@ -398,12 +461,14 @@ def restriction_of(
     Raises:
         As :func:`validate_kept_set` and :func:`~.vocab_parallel.resolve_shard`.
     """
-    vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p = options
+    vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p = options[:6]
+    min_p = options[6] if len(options) > 6 else None  # type: ignore[misc]
     shard = None
     if vocab_group is not None:
         shard = resolve_shard(vocab_group, vocab, device)
     kept = None
-    if not (kept_ids is None and kept_mask is None and top_k is None and top_p is None):
+    rule = (top_k, top_p, min_p)
+    if not (kept_ids is None and kept_mask is None and all(value is None for value in rule)):
         kept = validate_kept_set(
             kept_ids,
             kept_pad,
@@ -416,6 +481,7 @@ def restriction_of(
             reference=reference,
             packed=packed,
             shard=shard,
+            min_p=min_p,
         )
     elif isinstance(kept_pad, bool) or not isinstance(kept_pad, int):
         raise TypeError(

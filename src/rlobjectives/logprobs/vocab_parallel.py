@@ -59,7 +59,9 @@ __all__ = [
     "Shard",
     "VocabParallel",
     "combine_rows",
+    "first_argmax",
     "gather_columns",
+    "max_over_ranks",
     "reduce_hidden_gradient",
     "resolve_shard",
     "sum_over_ranks",
@@ -250,6 +252,32 @@ def sum_over_ranks(values: torch.Tensor, shard: Shard | None) -> torch.Tensor:
     return values
 
 
+def max_over_ranks(values: torch.Tensor, shard: Shard | None) -> torch.Tensor:
+    """``values`` maximised over the group (a contiguous copy); as is without a shard."""
+    if shard is None:
+        return values
+    values = values.contiguous().clone()
+    dist.all_reduce(values, op=dist.ReduceOp.MAX, group=shard.group)
+    return values
+
+
+def first_argmax(maximum: torch.Tensor, argmax: torch.Tensor, shard: Shard | None) -> torch.Tensor:
+    """The global id of each row's first maximal logit from the slices' ``(max, first argmax)``.
+
+    ``maximum`` ``(N,)`` and ``argmax`` ``(N,)`` int64 (local ids) of this rank's slice. One
+    all-reduce MAX of ``N`` values, then one all-reduce MIN of ``N`` int64: the smallest global
+    id among the slices holding the global maximum (the slices are in rank order, so it is the
+    first maximal logit of the whole row).
+    """
+    if shard is None:
+        return argmax
+    overall = max_over_ranks(maximum, shard)
+    largest = torch.iinfo(torch.int64).max
+    candidate = torch.where(maximum == overall, argmax + shard.start, largest).contiguous()
+    dist.all_reduce(candidate, op=dist.ReduceOp.MIN, group=shard.group)
+    return candidate
+
+
 def gather_columns(values: torch.Tensor, shard: Shard) -> torch.Tensor:
     """``(C, k)`` of every rank concatenated along the last dimension: ``(C, R k)``."""
     values = values.contiguous()
@@ -264,6 +292,7 @@ class RowTotals(NamedTuple):
     log_normalizer: torch.Tensor  # (N,) lse
     entropy: torch.Tensor | None  # (N,) H, or None when not requested
     sums: list[torch.Tensor]  # the extra per-row values, summed over the ranks
+    log_sum_sq: torch.Tensor | None = None  # (N,) log sum_v p_v^2, or None
 
 
 def combine_rows(
@@ -271,8 +300,13 @@ def combine_rows(
     entropy: torch.Tensor | None,
     sums: Sequence[torch.Tensor],
     shard: Shard | None,
+    log_sum_sq: torch.Tensor | None = None,
 ) -> RowTotals:
     r"""Combine the slices' ``(lse_r, h_r)`` (module docstring) and sum ``sums`` over the ranks.
+
+    With ``log_sum_sq`` (:math:`\log\sigma_r`, :math:`\sigma_r = \sum_{v \in r} p_{r,v}^2`
+    of the slice's own softmax): :math:`\sum_v p_v^2 = \sum_r e^{2 a_r}\sigma_r / S^2`, one
+    more row of the same all-reduce SUM.
 
     Args:
         log_normalizer: ``(N,)`` :math:`\ell_r` of this rank's slice (``-inf`` for an empty
@@ -281,12 +315,13 @@ def combine_rows(
         sums: ``(N,)`` values to add over the ranks (e.g. the target logit, 0 off the slice),
             sent in the same all-reduce.
         shard: the slice; None returns the inputs (one process holds the whole vocabulary).
+        log_sum_sq: ``(N,)`` :math:`\log\sigma_r` (``-inf`` for an empty slice), or None.
 
     Returns:
         :class:`RowTotals`, in the dtype of ``log_normalizer``.
     """
     if shard is None:
-        return RowTotals(log_normalizer, entropy, list(sums))
+        return RowTotals(log_normalizer, entropy, list(sums), log_sum_sq)
     maximum = log_normalizer.contiguous().clone()
     dist.all_reduce(maximum, op=dist.ReduceOp.MAX, group=shard.group)  # (N,) M
     zero = torch.zeros((), dtype=maximum.dtype, device=maximum.device)
@@ -296,14 +331,21 @@ def combine_rows(
     parts = [weight]
     if entropy is not None:
         parts.append(torch.where(weight > 0, weight * (entropy - offset), zero))
+    if log_sum_sq is not None:
+        parts.append(torch.exp(2 * offset + log_sum_sq))  # e^{2 a_r} sigma_r, 0 when empty
     parts.extend(part.to(maximum.dtype) for part in sums)
     totals = sum_over_ranks(torch.stack(parts), shard)  # (k, N)
     log_total = torch.log(totals[0])  # (N,) log S
     combined = None
+    index = 1
     if entropy is not None:
         combined = totals[1] / totals[0] + log_total
-    first = 2 if entropy is not None else 1
-    return RowTotals(shift + log_total, combined, list(totals[first:].unbind(0)))
+        index += 1
+    squares = None
+    if log_sum_sq is not None:
+        squares = torch.log(totals[index]) - 2 * log_total
+        index += 1
+    return RowTotals(shift + log_total, combined, list(totals[index:].unbind(0)), squares)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ from .._core.validation import (
 from ..kl.estimators import Estimator, warn_biased_kl_loss
 from ..kl.term import KLTerm, validate_kl_term
 from ..logprobs.fused_linear import FusedLinearLoss, FusedTerms
-from ..logprobs.head import Head, prepare_head
+from ..logprobs.head import Head, HeadOptions, Temperature, prepare_head
 from ..logprobs.passes import LogProbsFromHidden
 from ..logprobs.triton_head import triton_log_probs
 from ..logprobs.vocab_parallel import VocabGroup, reduce_hidden_gradient
@@ -151,7 +151,7 @@ def fused_policy_loss_from_hidden(
     mask: ArrayLike,
     *,
     bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     chunk_size: int | None = None,
     surrogate: SurrogateChoice = "clip",
     ratio_level: RatioLevel = "token",
@@ -176,6 +176,10 @@ def fused_policy_loss_from_hidden(
     kept_mask: ArrayLike | None = None,
     top_k: int | None = None,
     top_p: float | None = None,
+    min_p: float | None = None,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    fp32_head: bool = True,
 ) -> FusedPolicyLossOutput:
     r"""Policy loss (+ KL term, + entropy bonus) from hidden states, never forming ``(N, V)``.
 
@@ -197,7 +201,7 @@ def fused_policy_loss_from_hidden(
         advantages: ``(B,)``, ``(B, 1)`` or ``(B, T)`` (constants).
         mask: ``(B, T)``; nonzero selects the token (unselected rows reach nothing).
         bias: optional ``(V,)`` LM-head bias.
-        temperature: :math:`\tau > 0`.
+        temperature: :math:`\tau > 0`, or per token ``(B, T)`` (packed ``(N,)``).
         chunk_size: rows per chunk; None: the memory budget's.
         surrogate: as :func:`policy_loss`.
         ratio_level: as :func:`policy_loss`.
@@ -222,6 +226,10 @@ def fused_policy_loss_from_hidden(
         kept_mask: as :func:`token_log_probs_from_hidden`.
         top_k: as :func:`token_log_probs_from_hidden`.
         top_p: as :func:`token_log_probs_from_hidden`.
+        min_p: as :func:`token_log_probs_from_hidden`.
+        final_logit_softcapping: as :func:`token_log_probs_from_hidden`.
+        logit_scale: as :func:`token_log_probs_from_hidden`.
+        fp32_head: as :func:`token_log_probs_from_hidden`.
 
     Returns:
         :class:`FusedPolicyLossOutput` ``(loss, policy_loss, kl_loss, log_probs, diagnostics,
@@ -238,10 +246,12 @@ def fused_policy_loss_from_hidden(
         Liger-Kernel, arXiv:2410.10989 Sec. 3.3; GRPO, arXiv:2402.03300 Eq. 3-4.
     """
     packed = cu_seqlens is not None
-    kept_options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p)
+    kept_options = (vocab_group, kept_ids, kept_pad, kept_mask, top_k, top_p, min_p)
+    head_options = HeadOptions(final_logit_softcapping, logit_scale, fp32_head)
     head, batch_shape = prepare_head(
-        hidden, weight, tokens, bias, temperature, chunk_size, packed=packed, options=kept_options
-    )
+        hidden, weight, tokens, bias, temperature, chunk_size, packed=packed, options=kept_options,
+        head_options=head_options, mask=mask,
+    )  # fmt: skip
     token_tensor(old_log_probs, "old_log_probs", ("hidden", head.hidden), batch_shape, packed)
     options = validate_surrogate_options(
         surrogate=surrogate, ratio_level=ratio_level, log_ratio_bound=log_ratio_bound

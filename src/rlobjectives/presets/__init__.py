@@ -21,7 +21,8 @@ equals the peer's loss, value and gradient, for the same tensors, with the peer'
 - :func:`trl_grpo_advantages`: TRL's advantages with ``multi_objective_aggregation``
   (``sum_then_normalize``, ``normalize_then_sum``) and ``scale_rewards``;
   :func:`verl_gdpo_advantages`: verl's ``adv_estimator="gdpo"``; :func:`verl_gpg_advantages`:
-  verl's ``adv_estimator="gpg"``.
+  verl's ``adv_estimator="gpg"``; :func:`verl_optimal_token_baseline_advantages`: verl's
+  ``"optimal_token_baseline"`` and ``"tir_optimal_token_baseline"``.
 - :func:`verl_distillation_loss`: verl's distillation losses (``forward_kl_topk``, the
   estimators, ``use_policy_gradient``, the clamps); :func:`trl_generalized_jsd_loss` (TRL GKD /
   GOLD) and :func:`trl_server_forward_kl_loss` (TRL server distillation, ``loss_add_tail``).
@@ -38,6 +39,7 @@ from ._advantages import (
     trl_grpo_advantages,
     verl_gdpo_advantages,
     verl_gpg_advantages,
+    verl_optimal_token_baseline_advantages,
 )
 from ._distillation import (
     VerlDistillationLoss,
@@ -93,5 +95,6 @@ __all__ = [
     "verl_distillation_loss",
     "verl_gdpo_advantages",
     "verl_gpg_advantages",
+    "verl_optimal_token_baseline_advantages",
     "verl_policy_loss",
 ]

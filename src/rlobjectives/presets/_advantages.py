@@ -1,4 +1,4 @@
-r"""The peers' advantages: TRL's ``multi_objective_aggregation``, verl's ``gdpo`` and ``gpg``.
+r"""The peers' advantages: TRL's ``multi_objective_aggregation``, verl's ``gdpo``, ``gpg`` and OTB.
 
 - :func:`trl_grpo_advantages`: the advantages of TRL 1.16's ``GRPOTrainer``
   (``_generate_and_score_completions``) from the per-function rewards, for both values of
@@ -6,11 +6,13 @@ r"""The peers' advantages: TRL's ``multi_objective_aggregation``, verl's ``gdpo`
 - :func:`verl_gdpo_advantages`: verl 0.9.1's ``compute_gdpo_outcome_advantage``
   (``algorithm.adv_estimator="gdpo"``), token-level ``(B, T)``;
 - :func:`verl_gpg_advantages`: verl 0.9.1's ``compute_gpg_outcome_advantage``
-  (``algorithm.adv_estimator="gpg"``), token-level ``(B, T)``.
+  (``algorithm.adv_estimator="gpg"``), token-level ``(B, T)``;
+- :func:`verl_optimal_token_baseline_advantages`: verl 0.9.1's
+  ``adv_estimator="optimal_token_baseline"`` / ``"tir_optimal_token_baseline"``.
 
 They are tables onto :func:`rlobjectives.group_relative_advantages`,
-:func:`rlobjectives.gdpo_advantages`, :func:`rlobjectives.gpg_advantages` and
-:func:`rlobjectives.masked_whiten`.
+:func:`rlobjectives.gdpo_advantages`, :func:`rlobjectives.gpg_advantages`,
+:func:`rlobjectives.masked_whiten` and :func:`rlobjectives.optimal_token_baseline_advantages`.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from .._core.validation import as_float_tensor, as_mask, checks_environment, val
 from ..advantages.gdpo import gdpo_advantages
 from ..advantages.gpg import gpg_advantages
 from ..advantages.groups import grouped_rewards
+from ..advantages.otb import optimal_token_baseline_advantages, reward_to_go
 from ..advantages.outcome import group_relative_advantages
 from ..advantages.whitening import masked_whiten
 from ._common import preset_count, preset_flag, preset_number
@@ -31,9 +34,11 @@ __all__ = [
     "TRL_AGGREGATIONS",
     "TRL_SCALE_REWARDS",
     "VerlAdvantageOutput",
+    "VERL_OTB_ESTIMATORS",
     "trl_grpo_advantages",
     "verl_gdpo_advantages",
     "verl_gpg_advantages",
+    "verl_optimal_token_baseline_advantages",
 ]
 
 #: TRL ``scale_rewards`` -> :func:`rlobjectives.group_relative_advantages`'s ``scale``.
@@ -279,3 +284,73 @@ def verl_gpg_advantages(
     advantages = torch.where(groups.size == 1, singleton, ours * (alpha32 / alpha))
     per_token = torch.where(mask, advantages.unsqueeze(-1), torch.zeros_like(rewards))
     return VerlAdvantageOutput(per_token, per_token)
+
+
+#: verl's ``adv_estimator`` -> :func:`rlobjectives.optimal_token_baseline_advantages`'s
+#: ``alignment``.
+VERL_OTB_ESTIMATORS: dict[str, str] = {
+    "optimal_token_baseline": "position",
+    "tir_optimal_token_baseline": "token",
+}
+
+
+@checks_environment
+def verl_optimal_token_baseline_advantages(
+    token_level_rewards: Any,
+    response_mask: Any,
+    index: Any,
+    old_log_probs: Any,
+    sum_pi_squared: Any,
+    rollout_is_weights: Any = None,
+    handle_zero_tail: bool = True,
+    epsilon: float = 1e-8,
+    *,
+    adv_estimator: str = "optimal_token_baseline",
+) -> VerlAdvantageOutput:
+    r"""The Optimal Token Baseline estimators of verl 0.9.1, with verl's signature and defaults.
+
+    ``adv_estimator`` ``"optimal_token_baseline"`` (``compute_optimal_token_baseline_advantage``)
+    or ``"tir_optimal_token_baseline"`` (``compute_multi_turn_optimal_token_baseline_advantage``):
+    :func:`rlobjectives.optimal_token_baseline_advantages` with ``alignment`` ``"position"`` /
+    ``"token"``, ``group_ids=index``, ``log_sum_sq_probs = log(sum_pi_squared)``,
+    ``importance_weights=rollout_is_weights``, ``eps=epsilon``. verl's trainer passes the
+    actor's ``sum_pi_squared`` (``actor.calculate_sum_pi_squared=True``) and ``old_log_probs``;
+    here ``sum_pi_squared`` is also :math:`e^{\lambda}` of ``statistics=("log_sum_sq_probs",)``.
+    ``returns`` is verl's reward-to-go at every column (not masked, as verl returns it).
+
+    Args:
+        token_level_rewards: ``(B, T)`` token-level rewards.
+        response_mask: ``(B, T)`` response mask.
+        index: ``(B,)`` group labels (verl's ``uid``).
+        old_log_probs: ``(B, T)`` behaviour log-probabilities.
+        sum_pi_squared: ``(B, T)`` :math:`\sum_v \pi_v^2`.
+        rollout_is_weights: optional ``(B, T)`` rollout IS weights.
+        handle_zero_tail: verl's ``handle_zero_tail`` (True).
+        epsilon: verl's ``epsilon`` (1e-8).
+        adv_estimator: verl's ``algorithm.adv_estimator``.
+
+    Returns:
+        :class:`VerlAdvantageOutput` ``(advantages, returns)``, each ``(B, T)``.
+
+    Raises:
+        ValueError: an unknown ``adv_estimator``, and as
+            :func:`rlobjectives.optimal_token_baseline_advantages`.
+        TypeError: as :func:`rlobjectives.optimal_token_baseline_advantages`.
+    """
+    estimator = validate_choice(adv_estimator, "adv_estimator", tuple(VERL_OTB_ESTIMATORS))
+    squares = as_float_tensor(sum_pi_squared, "sum_pi_squared")
+    out = optimal_token_baseline_advantages(
+        token_level_rewards,
+        response_mask,
+        old_log_probs,
+        squares.log(),
+        group_ids=index,
+        importance_weights=rollout_is_weights,
+        alignment=VERL_OTB_ESTIMATORS[estimator],  # type: ignore[arg-type]
+        handle_zero_tail=preset_flag(handle_zero_tail, "handle_zero_tail"),
+        eps=preset_number(epsilon, "epsilon"),
+    )
+    rewards = as_float_tensor(token_level_rewards, "token_level_rewards", out.advantages.device)
+    mask = as_mask(response_mask, "response_mask", out.advantages.device)
+    returns = reward_to_go(rewards.to(out.advantages.dtype), mask)
+    return VerlAdvantageOutput(out.advantages, returns)

@@ -1,7 +1,10 @@
 r"""LM-head kernels: log-probabilities and entropy from ``hidden @ weight.T`` without logits.
 
-With :math:`z = (h W^\top + b) / \tau` (never stored), :math:`\mathrm{lse} = \log\sum_v e^{z_v}`,
-:math:`\ell = z_y - \mathrm{lse}`, :math:`p = e^{z - \mathrm{lse}}`,
+With :math:`z = \mathrm{cap}_c(s(h W^\top + b)) / \tau` (never stored; the logit scale
+:math:`s`, the softcap :math:`\mathrm{cap}_c(u) = c \tanh(u/c)` when ``HAS_SOFTCAP``, the
+temperature one number or one per row when ``ROW_TEMPERATURE``; the product accumulated in
+float32, rounded to the input dtype first when ``ROUND``), :math:`\mathrm{lse} = \log\sum_v
+e^{z_v}`, :math:`\ell = z_y - \mathrm{lse}`, :math:`p = e^{z - \mathrm{lse}}`,
 :math:`H = -\sum_v p_v \log p_v`:
 
 - :func:`lse_partial_kernel`: one program per (row block, vocabulary split) walks the split's
@@ -12,8 +15,9 @@ With :math:`z = (h W^\top + b) / \tau` (never stored), :math:`\mathrm{lse} = \lo
 - :func:`lse_combine_kernel`: merges the splits into ``lse``, ``log_probs`` and ``entropy``
   (:math:`H = \log s - t / s`).
 - :func:`grad_logits_kernel`: recomputes logits tiles of one vocabulary chunk and writes
-  :math:`\partial L / \partial z = g_\ell (\mathbb{1}_y - p) - g_H\, p (\log p + H)`, scaled by
-  :math:`1/\tau`, plus per-row-block partial column sums (the bias gradient).
+  :math:`g_\ell (\mathbb{1}_y - p) - g_H\, p (\log p + H)` times the transform's derivative
+  :math:`s(1 - t^2)/\tau` (:math:`s/\tau` without a softcap), plus per-row-block partial column
+  sums (the bias gradient).
 - :func:`matmul_kernel`: ``out = a @ b (+ acc)`` with float32 accumulation, an optional mask on
   the contraction index, written once in ``out``'s dtype: ``grad_weight`` rows of a chunk
   (``dZ^T @ hidden``) and ``grad_hidden`` (``dZ @ weight``).
@@ -55,13 +59,47 @@ def grouped_tile(pid, tiles_m, tiles_n, GROUP: tl.constexpr):
 
 
 @triton.jit
+def row_inverse(inverse_ptr, rows, rows_in, inv_temperature, ROW_TEMPERATURE: tl.constexpr):
+    r"""``(BLOCK_N,)`` float32 :math:`1/\tau` of the rows: loaded per row, or the one number."""
+    if ROW_TEMPERATURE:
+        return tl.load(inverse_ptr + rows, mask=rows_in, other=1.0).to(tl.float32)
+    return rows.to(tl.float32) * 0.0 + inv_temperature
+
+
+@triton.jit
+def transform(accumulator, inverse, scale, softcap, HAS_SOFTCAP: tl.constexpr):
+    r"""``(x, t)``: the transform of a float32 tile and its :math:`\tanh`.
+
+    :math:`x = \mathrm{cap}_c(s z) / \tau` and :math:`t = \tanh(s z / c)` (0 without a
+    softcap). ``inverse`` is ``(BLOCK_N,)``.
+
+    :math:`\tanh(u) = \mathrm{sign}(u) (1 - e^{-2|u|}) / (1 + e^{-2|u|})` (no overflow; ``-inf``
+    gives -1, NaN stays NaN).
+    """
+    if HAS_SOFTCAP:
+        u = accumulator * (scale / softcap)
+        decay = tl.exp(-2.0 * tl.abs(u))
+        t = (1.0 - decay) / (1.0 + decay)
+        t = tl.where(u < 0.0, -t, t)
+        x = t * softcap
+    else:
+        t = accumulator * 0.0
+        x = accumulator * scale
+    return x * inverse[:, None], t
+
+
+@triton.jit
 def _logits_tile(
     hidden_ptr, weight_ptr, bias_ptr, rows, active, columns, columns_in, width,
-    hidden_row_stride, weight_row_stride, inv_temperature,
-    HAS_BIAS: tl.constexpr, PRECISION: tl.constexpr, UPCAST: tl.constexpr,
+    hidden_row_stride, weight_row_stride, inverse, scale, softcap,
+    HAS_BIAS: tl.constexpr, HAS_SOFTCAP: tl.constexpr, ROUND: tl.constexpr,
+    PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
-    """``(BLOCK_N, BLOCK_V)`` float32 tile of ``z``; ``-inf`` outside the vocabulary."""
+    r"""``(x, t)``: the ``(BLOCK_N, BLOCK_V)`` float32 tile of ``z`` and its :math:`\tanh`.
+
+    ``-inf`` outside the vocabulary; :func:`transform`.
+    """
     accumulator = tl.zeros((BLOCK_N, BLOCK_V), tl.float32)
     for start in range(0, width, BLOCK_H):
         depth = start + tl.arange(0, BLOCK_H)
@@ -80,16 +118,20 @@ def _logits_tile(
     if HAS_BIAS:
         bias = tl.load(bias_ptr + columns, mask=columns_in, other=0.0).to(tl.float32)
         accumulator += bias[None, :]
-    logits = accumulator * inv_temperature
-    return tl.where(columns_in[None, :], logits, float("-inf"))
+    if ROUND:  # the product in the input dtype, as hidden @ weight.T (fp32_head=False)
+        accumulator = accumulator.to(hidden_ptr.dtype.element_ty).to(tl.float32)
+    logits, t = transform(accumulator, inverse, scale, softcap, HAS_SOFTCAP)
+    return tl.where(columns_in[None, :], logits, float("-inf")), t
 
 
 @triton.jit
 def lse_partial_kernel(
     hidden_ptr, weight_ptr, bias_ptr, tokens_ptr, mask_ptr,
-    max_ptr, sum_ptr, moment_ptr, target_ptr,
+    max_ptr, sum_ptr, moment_ptr, target_ptr, inverse_ptr,
     n, vocab, width, split_size, hidden_row_stride, weight_row_stride, inv_temperature,
-    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, PRECISION: tl.constexpr,
+    scale, softcap,
+    HAS_BIAS: tl.constexpr, WITH_ENTROPY: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+    ROW_TEMPERATURE: tl.constexpr, ROUND: tl.constexpr, PRECISION: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
 ):  # fmt: skip
     """Online ``(m, s, t, z_y)`` of one row block over vocabulary split ``program_id(1)``.
@@ -103,6 +145,7 @@ def lse_partial_kernel(
     rows_in = rows < n
     active = rows_in & (tl.load(mask_ptr + rows, mask=rows_in, other=0) != 0)
     tokens = tl.where(active, tl.load(tokens_ptr + rows, mask=rows_in, other=0), -1)
+    inverse = row_inverse(inverse_ptr, rows, rows_in, inv_temperature, ROW_TEMPERATURE)
     running_max = tl.full((BLOCK_N,), float("-inf"), tl.float32)
     total = tl.zeros((BLOCK_N,), tl.float32)
     moment = tl.zeros((BLOCK_N,), tl.float32)
@@ -112,10 +155,10 @@ def lse_partial_kernel(
     for start in range(split_start, split_end, BLOCK_V):
         columns = (start + tl.arange(0, BLOCK_V)).to(tl.int64)
         columns_in = columns < split_end
-        logits = _logits_tile(
+        logits, _ = _logits_tile(
             hidden_ptr, weight_ptr, bias_ptr, rows, active, columns, columns_in, width,
-            hidden_row_stride, weight_row_stride, inv_temperature,
-            HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
+            hidden_row_stride, weight_row_stride, inverse, scale, softcap,
+            HAS_BIAS, HAS_SOFTCAP, ROUND, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
         )  # fmt: skip
         hit = columns[None, :] == tokens[:, None]
         target += tl.sum(tl.where(hit, logits, 0.0), axis=1)
@@ -183,14 +226,15 @@ def lse_combine_kernel(
 @triton.jit
 def grad_logits_kernel(
     hidden_ptr, weight_ptr, bias_ptr, tokens_ptr, mask_ptr, lse_ptr, entropy_ptr,
-    grad_log_probs_ptr, grad_entropy_ptr, out_ptr, bias_partial_ptr,
+    grad_log_probs_ptr, grad_entropy_ptr, out_ptr, bias_partial_ptr, inverse_ptr,
     n, vocab, width, chunk_start, chunk_width, hidden_row_stride, weight_row_stride,
-    inv_temperature,
+    inv_temperature, scale, softcap,
     HAS_BIAS: tl.constexpr, HAS_ENTROPY_GRAD: tl.constexpr, NEED_BIAS: tl.constexpr,
+    HAS_SOFTCAP: tl.constexpr, ROW_TEMPERATURE: tl.constexpr, ROUND: tl.constexpr,
     PRECISION: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, GROUP: tl.constexpr,
 ):  # fmt: skip
-    r"""One ``(BLOCK_N, BLOCK_V)`` tile of ``dL/dz`` for vocabulary ``[chunk_start, +chunk_width)``.
+    r"""One ``(BLOCK_N, BLOCK_V)`` tile of ``dL/d(hW^T + b)``, vocabulary ``[start, +width)``.
 
     ``out`` is ``(N, chunk_width)`` row-major in its own dtype; ``bias_partial`` is
     ``(row_blocks, chunk_width)`` float32 (column sums of the float32 tile, before rounding).
@@ -204,10 +248,11 @@ def grad_logits_kernel(
     local = (vocab_block * BLOCK_V + tl.arange(0, BLOCK_V)).to(tl.int64)
     columns = chunk_start + local
     columns_in = (local < chunk_width) & (columns < vocab)
-    logits = _logits_tile(
+    inverse = row_inverse(inverse_ptr, rows, rows_in, inv_temperature, ROW_TEMPERATURE)
+    logits, t = _logits_tile(
         hidden_ptr, weight_ptr, bias_ptr, rows, active, columns, columns_in, width,
-        hidden_row_stride, weight_row_stride, inv_temperature,
-        HAS_BIAS, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
+        hidden_row_stride, weight_row_stride, inverse, scale, softcap,
+        HAS_BIAS, HAS_SOFTCAP, ROUND, PRECISION, UPCAST, BLOCK_N, BLOCK_V, BLOCK_H,
     )  # fmt: skip
     lse = tl.where(active, tl.load(lse_ptr + rows, mask=rows_in, other=0.0), 0.0)
     tokens = tl.where(active, tl.load(tokens_ptr + rows, mask=rows_in, other=0), -1)
@@ -224,7 +269,10 @@ def grad_logits_kernel(
         spread = tl.where(probs > 0.0, probs * (log_probs + entropy[:, None]), 0.0)
         grad_logits -= grad_entropy[:, None] * spread
     keep = active[:, None] & columns_in[None, :]
-    grad_logits = tl.where(keep, grad_logits * inv_temperature, 0.0)
+    derivative = inverse[:, None] * scale  # dx/dz = s (1 - t^2) / tau
+    if HAS_SOFTCAP:
+        derivative = derivative * (1.0 - t * t)
+    grad_logits = tl.where(keep, grad_logits * derivative, 0.0)
     store_mask = rows_in[:, None] & (local < chunk_width)[None, :]
     out = out_ptr + rows[:, None] * chunk_width + local[None, :]
     tl.store(out, grad_logits.to(out_ptr.dtype.element_ty), mask=store_mask)

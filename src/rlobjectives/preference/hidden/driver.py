@@ -166,7 +166,7 @@ def _chunk_log_probs(
     """
     active = weights.active[rows]
     hidden_chunk, tokens_chunk = select_rows(head.hidden[rows], head.tokens[rows], active)
-    scores = chunk_scores(hidden_chunk, head, buffers)  # (n, V)
+    scores = chunk_scores(hidden_chunk, head, buffers, rows)  # (n, V)
     target = scores.gather(1, tokens_chunk.unsqueeze(1)).squeeze(1)  # (n,)
     probs, lse = softmax_(scores)  # (n, V) in place, (n,)
     zero = torch.zeros((), dtype=lse.dtype, device=lse.device)
@@ -251,7 +251,7 @@ def _group_step(
     coefficient = g_s[local] * weights.sums[rows]
     if weights.nll is not None:
         coefficient = coefficient + g_u[local] * weights.nll[rows]
-    grad_scores = _logit_gradient(probs, tokens, coefficient * head.inv_temperature)
+    grad_scores = _logit_gradient(probs, tokens, coefficient * head.transform.row_factor(rows))
     scratch = state.partials[0]
     n = rows.shape[0]
     grads = Grads(
@@ -293,7 +293,7 @@ def _split_unit(
                 if totals is None
                 else Sums(*(a + b for a, b in zip(totals, part, strict=True)))
             )
-            coefficient = weights.sums[block] * head.inv_temperature  # gamma applied after
+            coefficient = weights.sums[block] * head.transform.row_factor(block)  # gamma after
             grad_scores = _logit_gradient(probs, tokens, coefficient)
             _accumulate_partial(grad_scores, hidden_chunk, head, state, partial, block, first)
             first = False
