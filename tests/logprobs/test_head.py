@@ -24,7 +24,7 @@ from hypothesis import strategies as st
 import reference
 import rlobjectives as rlo
 from rlobjectives.integrations.transformers import head_options
-from rlobjectives.logprobs import head as head_module
+from rlobjectives.logprobs import chunks as chunks_module
 from rlobjectives.logprobs import passes
 from tolerances import assert_close, tolerance
 
@@ -418,7 +418,7 @@ def test_cuda_product_uses_out_dtype() -> None:
     right = torch.empty(5, 8, dtype=torch.bfloat16, device="meta")
     out = torch.empty(4, 5, device="meta")
     assert torch.mm(left, right.T, out_dtype=torch.float32, out=out).dtype == torch.float32
-    assert head_module.wide_product.__doc__ is not None
+    assert chunks_module.wide_product.__doc__ is not None
 
 
 # --- peers ----------------------------------------------------------------------------------

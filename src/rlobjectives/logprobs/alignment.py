@@ -27,11 +27,12 @@ from .._core.validation import (
     validate_bool,
 )
 from .functions import TokenLogProbsFunction
-from .head import LogitTransform, Temperature, validate_transform
+from .head import Temperature, validate_transform
 from .logits import _as_logits, scalar_temperature, statistics_result
 from .packed_shift import packed_alignment
 from .restricted import LogitsCall, RestrictedLogProbsFunction, restricted_chunk_size
 from .statistics import Wanted, validate_statistics
+from .transform import LogitTransform
 from .truncation import Restriction, restriction_of
 from .vocab_parallel import VocabGroup
 

@@ -29,7 +29,7 @@ from .._core.validation import (
     validate_scalar,
 )
 from .functions import EntropyFunction, FullVocabKLFunction, TokenLogProbsFunction
-from .head import LogitTransform, Temperature, validate_transform
+from .head import Temperature, validate_transform
 from .restricted import (
     LogitsCall,
     RestrictedEntropyFunction,
@@ -38,6 +38,7 @@ from .restricted import (
     restricted_chunk_size,
 )
 from .statistics import LogProbStatistics, Wanted, validate_statistics
+from .transform import LogitTransform
 from .truncation import Restriction, restriction_of
 from .vocab_parallel import VocabGroup, resolve_shard
 

@@ -2,8 +2,9 @@ r"""Forward and backward passes of the LM-head functions, one chunk of rows at a
 
 The ``(N, V)`` logits ``hidden @ weight.T + bias`` are never computed at once: each pass runs the
 chunk driver of :mod:`rlobjectives._core.chunking` with a per-chunk step, and every chunk works in
-the pass's :class:`~rlobjectives.logprobs.head.ChunkBuffers` (see :mod:`rlobjectives.logprobs.head`
-for the buffers, the chunk size and the per-chunk helpers). The passes are:
+the pass's :class:`~rlobjectives.logprobs.chunks.ChunkBuffers` (see
+:mod:`rlobjectives.logprobs.chunks` for the buffers and the per-chunk helpers,
+:mod:`rlobjectives.logprobs.head` for the chunk size). The passes are:
 
 - :func:`log_probs_forward` / :func:`log_probs_backward`: log-probabilities (and the statistics
   of :mod:`rlobjectives.logprobs.statistics`) of the given tokens; the forward keeps the
@@ -38,10 +39,9 @@ import torch
 from .._core.chunking import Block, block_rows, run_blocks
 from .._core.reduction import masked_fill_zero
 from .blocks import entropy_logit_grads_, finite_log_probs_, slice_moments_
-from .head import (
+from .chunks import (
     ChunkBuffers,
     Grads,
-    Head,
     accumulate_grads,
     casts_product,
     chunk_product,
@@ -50,10 +50,11 @@ from .head import (
     new_buffers,
     new_grads,
     select_rows,
-    softcap_derivative,
     transform_scores_,
 )
+from .head import Head
 from .statistics import Wanted
+from .transform import softcap_derivative
 from .truncation import kept_rows, restrict_
 from .vocab_parallel import combine_rows, first_argmax
 

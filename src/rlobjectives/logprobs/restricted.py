@@ -34,8 +34,8 @@ from .blocks import (
     slice_stats,
 )
 from .functions import backward_rows, load_block, row_layout
-from .head import LogitTransform, apply_transform_, softcap_derivative
 from .statistics import Wanted
+from .transform import LogitTransform, apply_transform_, softcap_derivative
 from .truncation import Restriction, kept_rows, restrict_
 from .vocab_parallel import Shard, combine_rows, first_argmax, sum_over_ranks
 
