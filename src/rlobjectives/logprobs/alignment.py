@@ -170,48 +170,24 @@ def response_alignment(
 
         \log \pi(y_{bt}) = \log\mathrm{softmax}(\text{logits}_{b, j-1})[\text{input\_ids}_{bj}].
 
-    Supported layouts (each row's ones in ``attention_mask`` form one contiguous run):
-    right padding (``[prompt, response, pad]``), left padding (``[pad, prompt, response]``),
-    and the verl/TRL layout of left-padded prompts concatenated with right-padded responses
-    (``[pad, prompt, response, pad]``). Packed rows (several runs) are rejected.
-
-    Give either ``prompt_lengths`` (the real prompt lengths :math:`P_b`, padding excluded) or
-    ``response_start`` (the absolute column :math:`j` of each row's first response token). In
-    the verl/TRL layout the responses start at the padded prompt width for every row: pass
-    ``response_start=prompt_width`` there. Passing the padded width as ``prompt_lengths``
-    would be wrong for rows whose prompt is left-padded (their first :math:`f_b` columns are
-    padding), and cannot be detected from the masks alone.
-
-    Packed sequences (``cu_seqlens`` given): ``input_ids`` is one row ``(N,)`` (or ``(1, N)``)
-    of ``S`` concatenated sequences, each a prompt then a response; ``prompt_lengths`` or
-    ``response_start`` (absolute positions in the row) are ``(S,)``, ``attention_mask`` may be
-    None (every token is real) and ``response_length`` must be None. The result is ``(N,)``
-    aligned with ``input_ids``: ``mask`` selects the response tokens, ``positions[j] = j - 1``.
-    The shift never crosses a boundary: the first token of a sequence is never selected, so its
-    predicting row is always inside the same sequence (a prompt of at least one token is
-    required, and checked with ``check_layout``).
-
-    Use the result with logits via :func:`response_log_probs`, or with hidden states by
-    gathering the predicting rows first (cheap: ``(B, R, H)``)::
-
-        rows = hidden.gather(1, alignment.positions.unsqueeze(-1).expand(-1, -1, H))
-        log_probs = token_log_probs_from_hidden(rows, weight, alignment.tokens)
-        log_probs = torch.where(alignment.mask, log_probs, 0.0)
+    Supported layouts (each row's ones in ``attention_mask`` form one contiguous run): right
+    padding, left padding, and the verl/TRL layout ``[pad, prompt, response, pad]``, where the
+    responses start at the padded prompt width: pass ``response_start=prompt_width`` there, not
+    that width as ``prompt_lengths``. Packed sequences (``cu_seqlens``): the result is ``(N,)``
+    aligned with ``input_ids``, never shifted across a sequence boundary. Details, and the use
+    with hidden states: docs/objectives/logprobs.md, "response_alignment".
 
     Args:
-        input_ids: ``(B, L)`` integer token ids of the full sequences.
+        input_ids: ``(B, L)`` integer token ids of the full sequences (packed: ``(N,)``).
         prompt_lengths: ``(B,)`` integer number of prompt tokens of each row (excluding
-            padding), each in ``[1, n_b]``; None when ``response_start`` is given.
+            padding), each in ``[1, n_b]`` (packed ``(S,)``); None with ``response_start``.
         attention_mask: ``(B, L)`` bool or numeric, nonzero = real token.
         response_length: R, the number of response columns of the result (a static int >= 1);
-            None uses ``L - 1`` (always enough; trailing columns may be fully masked). Pass the
-            generation length to get a tight ``(B, R)``.
+            None uses ``L - 1`` (always enough); the generation length gives a tight ``(B, R)``.
         check_layout: check the layout rules above on the host (one device synchronisation,
-            skipped while ``torch.compile`` traces). Disable in a hot loop once the data
-            pipeline is trusted.
-        response_start: instead of ``prompt_lengths``: the absolute column of the first response
-            token of each row, an int (the same for every row, e.g. the padded prompt width of
-            the verl/TRL layout) or ``(B,)`` integers, each in ``[f_b + 1, f_b + n_b]``.
+            skipped while ``torch.compile`` traces); disable once the data pipeline is trusted.
+        response_start: instead of ``prompt_lengths``: each row's first response column, an
+            int (e.g. the verl/TRL padded prompt width) or ``(B,)``, in ``[f_b + 1, f_b + n_b]``.
         cu_seqlens: ``(S + 1,)`` integer boundaries of packed sequences (0 first,
             non-decreasing, ``N`` last), or None for the padded layout (see above).
 

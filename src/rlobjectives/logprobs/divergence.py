@@ -109,19 +109,12 @@ def full_vocab_kl(
         = \frac{p_v (\log p_v - \log q_v - \mathrm{KL})}{\tau}, \qquad
         \frac{\partial \mathrm{KL}}{\partial \text{ref\_logits}_v} = \frac{q_v - p_v}{\tau}.
 
-    This is the exact value that the sampled estimators k1/k2/k3 (Schulman 2020) estimate from
-    one token per position; none of verl (``kl_penalty="full"`` raises NotImplementedError),
-    TRL or OpenRLHF computes it. Both forward and backward process ``chunk_size`` positions at a
-    time in float32 (only the two logit tensors and three ``(N,)`` vectors are saved), so the
-    extra memory is O(chunk_size * V) in both passes; gradients are written in each input's
-    dtype, for ``ref_logits`` only when it requires grad. Terms with :math:`p_v = 0` contribute
-    0; the KL is ``inf`` where the reference gives zero probability to a token the policy
-    supports. Both distributions use the same temperature (the sampling temperature).
-
-    With ``vocab_group`` both logit tensors are this rank's slice of the vocabulary: two passes
-    over them (the log-normalisers, combined over the ranks with one all-reduce MAX and one
-    SUM of ``2 N`` floats each, then this slice's terms with them, one all-reduce SUM of ``N``),
-    so every term is the unsharded call's; the gradients are local.
+    The exact value that the sampled estimators k1/k2/k3 (Schulman 2020) estimate from one
+    token per position; none of verl (``kl_penalty="full"`` raises NotImplementedError), TRL or
+    OpenRLHF computes it. Terms with :math:`p_v = 0` contribute 0; the KL is ``inf`` where the
+    reference gives zero probability to a token the policy supports. With ``vocab_group`` both
+    logit tensors are this rank's vocabulary slice and every term is the unsharded call's.
+    Memory, gradients, communication: docs/objectives/kl.md, "full_vocab_kl".
 
     To reduce to a loss use :func:`full_vocab_kl_loss` (or
     ``aggregate(full_vocab_kl(...), mask, reduction=...)``).

@@ -200,94 +200,56 @@ def token_log_probs(
 ) -> torch.Tensor | LogProbStatistics:
     r"""Log-probabilities of the sampled tokens, computed in float32 chunk by chunk.
 
-    With :math:`x = \text{logits} / \tau`,
+    With :math:`x = \text{logits} / \tau` and :math:`p = \mathrm{softmax}(x)`:
 
     .. math::
 
-        \log \pi(y_{bt}) = x_{bt, y_{bt}} - \log \sum_{v=1}^{V} \exp(x_{btv}),
+        \log \pi(y_{bt}) = x_{bt, y_{bt}} - \log \sum_{v=1}^{V} \exp(x_{btv}), \qquad
+        \frac{\partial \log \pi(y_{bt})}{\partial \text{logits}_{btv}}
+        = \frac{\mathbb{1}[v = y_{bt}] - p_{btv}}{\tau},
 
-    evaluated on blocks of ``chunk_size`` rows, each upcast to float32 on its own, so no float32
-    copy of the ``(B, T, V)`` logits is made (TRL's ``selective_log_softmax`` and torchtune's
-    ``log_softmax(dtype=float32)`` upcast the whole tensor). The gradient is exact,
-    :math:`\partial / \partial \text{logits}_{btv} = g_{bt} (\mathbb{1}[v = y_{bt}] - p_{btv})
-    / \tau`; it is recomputed chunk by chunk in the backward pass (only the logits and the
-    ``(N,)`` log-normalisers are saved) and written in the logits' dtype. Invariant to adding a
-    constant to each row of the logits. Second-order gradients are not supported.
-
-    **Truncated** (the sampler's kept set :math:`K`, at most one of ``kept_ids``,
-    ``kept_mask``, ``top_k``/``top_p``): :math:`\log q_K(y) = x_y - \log\sum_{v \in K}
-    e^{x_v}`, ``-inf`` (never NaN, with exactly zero gradient) when :math:`y \notin K`; a row
-    without a recorded set keeps the whole vocabulary (:mod:`rlobjectives.logprobs.truncation`).
-    **Vocabulary-parallel** (``vocab_group``): ``logits`` are this rank's contiguous slice of
-    the vocabulary (rank order, uneven slices allowed), ``tokens`` global ids; the result equals
-    the unsharded call on every rank, for one all-gather of the slice sizes, one all-reduce MAX
-    of ``N`` floats and one all-reduce SUM of ``2 N`` (the gradient w.r.t. the local logits
-    needs no communication; :mod:`rlobjectives.logprobs.vocab_parallel`).
+    on blocks of ``chunk_size`` rows upcast one at a time (no float32 copy of the logits; the
+    backward recomputes each chunk). A kept set :math:`K` gives :math:`\log q_K(y)`, ``-inf``
+    with zero gradient for :math:`y \notin K`; ``vocab_group`` gives the unsharded result.
+    Details: docs/objectives/logprobs.md, "token_log_probs".
 
     Args:
         logits: ``(B, T, V)`` or ``(N, V)`` floating logits (any float dtype).
-        tokens: ``(B, T)`` or ``(N,)`` integer token ids, in ``[0, V)`` wherever ``mask`` is True
-            (not checked on the device: an out-of-range id raises inside ``gather``, on
-            every rank under ``vocab_group``).
-        mask: optional ``(B, T)`` / ``(N,)`` bool or numeric, nonzero = compute this position.
-            Unselected positions give 0, and any value there (NaN/inf logits, padding ids such
-            as -100) reaches neither the output nor the gradient. Default: every position.
-        temperature: :math:`\tau > 0`; the logits are divided by it (the sampling temperature):
-            a number, or a per-token tensor of the leading shape (``(B, T)`` / ``(N,)``; any
-            value where ``mask`` is False), as a sampler with per-request temperatures used.
-        chunk_size: rows per chunk (positive int), or None for
-            ``max(1, 2**23 // V)`` rows (about 32 MiB of float32 per chunk).
-        vocab_group: None, or the ``torch.distributed`` process group over which the vocabulary
-            is split (or a :class:`~rlobjectives.VocabParallel` with its options).
-        kept_ids: ``(B, T, K)`` / ``(N, K)`` integer kept ids of each position (any order, padded
-            at the end with ``kept_pad``; global ids under ``vocab_group``).
+        tokens: ``(B, T)`` or ``(N,)`` integer ids in ``[0, V)`` where ``mask`` is True.
+        mask: optional ``(B, T)`` / ``(N,)``, nonzero = compute; elsewhere 0, nothing read.
+        temperature: :math:`\tau > 0`, a number or a per-token ``(B, T)`` / ``(N,)`` tensor.
+        chunk_size: rows per chunk, or None for ``max(1, 2**23 // V)`` (about 32 MiB).
+        vocab_group: None, or the process group over which the vocabulary is split (or a
+            :class:`~rlobjectives.VocabParallel`); ``tokens`` are global ids.
+        kept_ids: ``(B, T, K)`` / ``(N, K)`` integer kept ids, padded with ``kept_pad``.
         kept_pad: the padding id of ``kept_ids`` (default -1).
-        kept_mask: ``(B, T, V)`` / ``(N, V)`` bool, True = kept (this rank's slice under
-            ``vocab_group``).
-        top_k: recompute the sampler's top-k on the logits after the temperature (int >= 1;
-            None: off). Ties with the k-th value are kept.
-        top_p: recompute the sampler's top-p (in ``(0, 1]``) on the top-k-renormalised
-            distribution (top-k first, as vLLM, NeMo-RL and HF); the threshold is saved for
-            backward. Sorts each chunk's rows (``(C, k)`` values with ``top_k``); with
-            ``vocab_group`` it needs ``top_k``.
-        min_p: recompute the sampler's min-p (in ``[0, 1]``; 0 or None: off): keep
-            :math:`p_v \ge p_{min} \max_u p_u`, applied before top-k and top-p (vLLM V1's order).
+        kept_mask: ``(B, T, V)`` / ``(N, V)`` bool, True = kept (this rank's slice).
+        top_k: the sampler's top-k on the logits after the temperature (int >= 1; None: off).
+        top_p: the sampler's top-p in ``(0, 1]`` after top-k (with ``vocab_group``: needs it).
+        min_p: the sampler's min-p in ``[0, 1]``, before top-k and top-p (0 or None: off).
         final_logit_softcapping: :math:`c > 0`: the logits become :math:`c \tanh(s z / c)`
-            before the temperature (Gemma 2/3's ``final_logit_softcapping``), or None.
-        logit_scale: :math:`s`, multiplying the logits first (Cohere's ``logit_scale``, Granite's
-            ``1 / logits_scaling``; :func:`rlobjectives.integrations.transformers.head_options`
-            reads both from a model config as TRL does).
-        statistics: names from ``("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")``:
-            also return them (TRL 1.16's ``ChunkedLogProbFunction`` outputs:
-            :mod:`rlobjectives.logprobs.statistics`) in a :class:`LogProbStatistics`; None: the
-            log-probabilities alone.
+            before the temperature (Gemma 2/3), or None.
+        logit_scale: :math:`s`, multiplying the logits first (Cohere's ``logit_scale``).
+        statistics: names from ``("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")``
+            (TRL 1.16's ``ChunkedLogProbFunction`` outputs); None: the log-probabilities alone.
 
     Returns:
-        ``(B, T)`` or ``(N,)`` log-probabilities, float32 (float64 for float64 logits) whatever
-        the logits' dtype, on the logits' device; with ``statistics`` a
-        :class:`LogProbStatistics` ``(log_probs, entropy, log_sum_sq_probs, mean_logits,
-        is_top1)``, None for the statistics not asked for. Rows with a zero upstream gradient get
-        an exact zero logits gradient.
+        ``(B, T)`` or ``(N,)`` log-probabilities, float32 (float64 for float64 logits); with
+        ``statistics`` a :class:`LogProbStatistics` (None for the statistics not asked for).
 
     Raises:
         ValueError: on wrong ranks, mismatched shapes or devices, ``temperature <= 0`` or
             non-finite, ``chunk_size < 1``; more than one kind of kept set, ``top_k < 1``,
-            ``top_p`` outside ``(0, 1]``, ``top_p`` without ``top_k`` under ``vocab_group``, a
+            ``top_p`` outside ``(0, 1]`` (or without ``top_k`` under ``vocab_group``), a
             ``vocab_group`` without initialised ``torch.distributed``.
         TypeError: on non-numeric logits, non-integer tokens or kept ids, a non-int
             ``chunk_size`` or ``top_k``, a non-number ``temperature`` or ``top_p``, a
             ``vocab_group`` that is not a process group.
 
     References:
-        The log-softmax gather of the policy-gradient estimator, Williams 1992 (REINFORCE) and
-        Schulman et al. 2017, PPO, arXiv:1707.06347 Eq. 6-7; chunked float32 evaluation as in
-        Liger-Kernel (Hsu et al. 2024, arXiv:2410.10989 Sec. 3.3) and Cut Cross-Entropy
-        (Wijmans et al. 2024, arXiv:2411.09009). Truncation: DeepSeek-V3.2, arXiv:2512.02556
-        Sec. 3.1 (Keep Sampling Mask); slime ``log_prob_keep_mask``, NeMo-RL
-        ``apply_top_k_top_p``, vLLM ``apply_top_k_top_p`` and mask replay. Vocabulary
-        parallelism: Megatron ``_VocabParallelCrossEntropy`` (Shoeybi et al. 2019,
-        arXiv:1909.08053), verl ``vocab_parallel_log_probs_from_logits``, NeMo-RL
-        ``DistributedLogprob``, slime ``_VocabParallelLogProbEntropy``.
+        PPO, arXiv:1707.06347 Eq. 6-7; Liger-Kernel, arXiv:2410.10989 Sec. 3.3; Cut
+        Cross-Entropy, arXiv:2411.09009; DeepSeek-V3.2, arXiv:2512.02556 Sec. 3.1 (kept set);
+        Megatron, arXiv:1909.08053 (vocabulary parallelism); the peers: the docs page.
 
     Examples:
         >>> import torch

@@ -191,42 +191,28 @@ def response_log_probs(
         \text{log\_probs}_{bt} = \log\mathrm{softmax}(\text{logits}_{b, j-1} / \tau)
         [\text{input\_ids}_{bj}], \qquad j = f_b + P_b + t,
 
-    for the response tokens located by :func:`response_alignment` (see it for the supported
-    padding layouts); 0 elsewhere. The log-softmax runs through :func:`token_log_probs` on the
-    full ``(B, L, V)`` logits with non-predicting rows masked out, so no ``(B, R, V)`` copy is
-    gathered and the memory stays O(chunk_size * V) besides the logits and their gradient.
-
-    Packed sequences (``cu_seqlens`` given): ``logits`` is ``(N, V)`` or ``(1, N, V)`` and
-    ``input_ids`` ``(N,)`` or ``(1, N)``, the concatenated prompts and responses of ``S``
-    sequences; the log-probabilities and the mask are ``(N,)`` aligned with ``input_ids``
-    (selecting the response tokens), and each token is scored by the logits of the previous
-    token of its own sequence (see :func:`response_alignment`), never across a boundary.
-
-    The kept set (``kept_ids``, ``kept_mask``, ``top_k``/``top_p``, as :func:`token_log_probs`)
-    is aligned with the **response tokens** it scores, as engines report it per generated
-    token: ``kept_ids`` ``(B, R, K)`` (packed ``(N, K)``, aligned with ``input_ids``); row
-    ``t`` is the set the token at response position ``t`` was drawn from (the logits row before
-    it). ``vocab_group``: ``logits`` are this rank's vocabulary slice, as
-    :func:`token_log_probs`.
+    for the response tokens located by :func:`response_alignment` (its padding layouts; packed
+    sequences with ``cu_seqlens``, ``(N,)`` results never shifted across a boundary); 0
+    elsewhere, through the chunked log-softmax of :func:`token_log_probs` on the full logits (no
+    ``(B, R, V)`` copy). The kept set and a per-token temperature belong to the **response
+    tokens** (row ``t``: the set token ``t`` was drawn from). Details:
+    docs/objectives/logprobs.md, "response_log_probs".
 
     Args:
-        logits: ``(B, L, V)`` logits of the full sequences (position ``j`` predicts ``j + 1``).
-        input_ids: ``(B, L)`` integer token ids.
-        prompt_lengths: ``(B,)`` integer prompt lengths (without padding), each >= 1; None
-            when ``response_start`` is given.
-        response_start: instead of ``prompt_lengths``: the absolute column of each row's first
-            response token (int or ``(B,)``); see :func:`response_alignment`.
+        logits: ``(B, L, V)`` logits of the full sequences (packed: ``(N, V)``).
+        input_ids: ``(B, L)`` integer token ids (packed: ``(N,)``).
+        prompt_lengths: ``(B,)`` integer prompt lengths (without padding), each >= 1, or None.
+        response_start: instead of ``prompt_lengths``: each row's first response column (int
+            or ``(B,)``); see :func:`response_alignment`.
         attention_mask: ``(B, L)`` bool or numeric, nonzero = real token.
         response_length: R (static int), or None for ``L - 1``; see :func:`response_alignment`.
         temperature: :math:`\tau > 0` (the sampling temperature), or one per response token:
             ``(B, R)`` (packed ``(N,)``, aligned with ``input_ids``), as the kept set.
         chunk_size: rows per chunk, or None for ``max(1, 2**23 // V)``.
         check_layout: validate the layout on the host (see :func:`response_alignment`).
-        cu_seqlens: ``(S + 1,)`` integer boundaries of packed sequences, or None for the padded
-            layout (see above).
-        vocab_group: as :func:`token_log_probs`.
-        kept_ids: ``(B, R, K)`` kept ids of each response token (packed ``(N, K)``), padded
-            with ``kept_pad``.
+        cu_seqlens: ``(S + 1,)`` integer boundaries of packed sequences, or None (padded).
+        vocab_group: as :func:`token_log_probs` (``logits``: this rank's vocabulary slice).
+        kept_ids: ``(B, R, K)`` kept ids per response token (packed ``(N, K)``), padded.
         kept_pad: the padding id of ``kept_ids`` (default -1).
         kept_mask: ``(B, R, V)`` (packed ``(N, V)``) bool, True = kept.
         top_k: as :func:`token_log_probs`.
@@ -238,8 +224,7 @@ def response_log_probs(
 
     Returns:
         :class:`ResponseLogProbs` ``(log_probs, mask)``: ``(B, R)`` float32 log-probabilities
-        (float64 for float64 logits) and the ``(B, R)`` bool response mask (packed: the shape
-        of ``input_ids``).
+        (float64 for float64 logits) and bool response mask (packed: ``input_ids``' shape).
 
     Raises:
         ValueError: on shapes that do not match ``(B, L, V)`` / ``(B, L)`` (the kept set:
