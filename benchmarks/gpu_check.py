@@ -1,13 +1,16 @@
 """GPU correctness check: every public objective on CUDA equals its float64 reference on the CPU.
 
 Run on a machine with a GPU: ``python benchmarks/gpu_check.py`` (exit status 0 when every check
-passes). The test suite covers the same functions on the CPU; this script checks that the CUDA
-path (device placement, fused kernels under ``torch.compile``, bf16 inputs) gives the same
-numbers. It prints one line per check and writes nothing.
+passes; ``--cpu`` runs the same checks on the CPU, a dry run of the script). The test suite
+covers the same functions on the CPU; this script checks that the CUDA path (device placement,
+the default backend of the LM head, ``torch.compile(policy_loss, fullgraph=True)``, bf16 inputs)
+gives the same numbers. It prints one line per check and writes nothing. The longer GPU run
+(the Triton LM head, ``RLOBJECTIVES_COMPILE=1``, timings) is ``benchmarks/gpu_triton.py``.
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -135,9 +138,12 @@ def logprob_checks() -> None:
     check("full_vocab_kl float32", kl, kl_expected, 1e-4, 1e-6)
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     global DEVICE
-    if "--cpu" in sys.argv:  # a dry run of the script itself on a machine without a GPU
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="run the checks on the CPU (dry run)")
+    args = parser.parse_args(argv)
+    if args.cpu:  # a dry run of the script itself on a machine without a GPU
         DEVICE = torch.device("cpu")
         policy_checks(torch.float32, compiled=False)
         seed_checks()

@@ -1396,6 +1396,8 @@ PAIR_HEAD_WRONGS = (
     + scalar_wrongs("nll_normalizer", below=0.0)
     + cu_seqlens_wrongs()
     + VOCAB_GROUP
+    + HEAD_OPTIONS
+    + FP32_HEAD
 )
 
 PREFERENCE_CASES: tuple[Case, ...] = (
@@ -1407,7 +1409,7 @@ PREFERENCE_CASES: tuple[Case, ...] = (
     Case("kto_loss_from_hidden", rlo.kto_loss_from_hidden,
          lambda: {**_hidden_arguments(),
                   **{k: v for k, v in _kto_arguments().items() if k != "log_probs"}},
-         HIDDEN_WRONGS + mask_wrongs() + KTO_WRONGS + VOCAB_GROUP),
+         HIDDEN_WRONGS + mask_wrongs() + KTO_WRONGS + VOCAB_GROUP + HEAD_OPTIONS + FP32_HEAD),
     Case(
         "reward_model_loss",
         rlo.reward_model_loss,

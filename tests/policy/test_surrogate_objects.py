@@ -117,9 +117,12 @@ def test_signatures() -> None:
     groups = {"context_group", "vocab_group"}
     # the prompt groups of issue 35 (prompt_mean, REAL): inputs of the batch, not loss options
     groups |= {"group_size", "group_ids"}
-    kept = {"kept_ids", "kept_pad", "kept_mask", "top_k", "top_p"}
-    assert kept <= set(fused)
-    assert len(set(policy) - groups) <= 16 and len(set(fused) - groups - kept) <= 23
+    kept = {"kept_ids", "kept_pad", "kept_mask", "top_k", "top_p", "min_p"}
+    # the model's LM head as issue 33 names it (the head's transform and precision): inputs
+    # describing the model, not options of the loss
+    head = {"final_logit_softcapping", "logit_scale", "fp32_head"}
+    assert kept | head <= set(fused)
+    assert len(set(policy) - groups) <= 16 and len(set(fused) - groups - kept - head) <= 23
     assert policy["surrogate"].default == "clip" and fused["surrogate"].default == "clip"
     for name in ("ratio_level", "log_ratio_bound"):  # across surrogates: stay keywords
         assert name in policy and name in fused

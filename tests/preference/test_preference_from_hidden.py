@@ -184,13 +184,17 @@ def test_paths_and_their_conditions(monkeypatch: pytest.MonkeyPatch) -> None:
                     "whole<=3"]  # fmt: skip
 
 
-def test_low_precision_head_and_one_backward() -> None:
+@pytest.mark.parametrize("fp32_head", [True, False])
+def test_low_precision_head_and_one_backward(fp32_head: bool) -> None:
     b = _head(2, 4, 2)
     hidden = b["hidden"].bfloat16().requires_grad_(True)
     weight = b["weight"].bfloat16().requires_grad_(True)
-    out = from_hidden(hidden, weight, b["tokens"], b["mask"], ref_log_probs=b["ref"].float())
-    # the product in bf16 (as hidden @ weight.T), its softmax in float32
-    lp = torch.log_softmax((hidden @ weight.T).float(), -1).gather(-1, b["tokens"][..., None])
+    out = from_hidden(hidden, weight, b["tokens"], b["mask"], ref_log_probs=b["ref"].float(),
+                      fp32_head=fp32_head)  # fmt: skip
+    # fp32_head: the product of the bf16 values in float32; else rounded to bf16 (hidden @
+    # weight.T); the softmax in float32 either way
+    product = hidden.float() @ weight.float().T if fp32_head else (hidden @ weight.T).float()
+    lp = torch.log_softmax(product, -1).gather(-1, b["tokens"][..., None])
     lp, mask, ref = lp.squeeze(-1), b["mask"], b["ref"].float()
     naive = rlo.preference_loss(lp[:2], lp[2:], mask[:2], mask[2:], ref_chosen_log_probs=ref[:2],
                                 ref_rejected_log_probs=ref[2:])  # fmt: skip
@@ -200,6 +204,56 @@ def test_low_precision_head_and_one_backward() -> None:
     assert hidden.grad is not None and hidden.grad.dtype == torch.bfloat16
     with pytest.raises(RuntimeError, match="one backward pass"):
         out.loss.backward()
+
+
+HEAD_TRANSFORMS = [
+    {"final_logit_softcapping": 1.5},
+    {"logit_scale": 0.6, "temperature": 0.8},
+    {"final_logit_softcapping": 2.0, "logit_scale": 1.7, "temperature": 0.7},
+]
+
+
+@pytest.mark.parametrize("transform", HEAD_TRANSFORMS)
+@pytest.mark.parametrize("path", PATHS)
+def test_head_transform_equals_the_reference(
+    monkeypatch: pytest.MonkeyPatch, path: str, transform: dict[str, float]
+) -> None:
+    # log_softmax(cap_c(s (h W^T + b)) / tau) at the token (reference.transformed_logits), then
+    # the loss's reference; the gradient through the tanh by float64 autograd
+    b = _head(2, 4, 7)
+    objective = 0.7 * DPO(beta=0.3) + 0.3 * SFT()
+    kwargs = _path(monkeypatch, path, 4)
+    leaves = [b[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    out = from_hidden(leaves[0], leaves[1], b["tokens"], b["mask"], objective=objective,
+                      ref_log_probs=b["ref"], bias=leaves[2], **transform, **kwargs)  # fmt: skip
+    copies = [b[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    x = reference.transformed_logits(copies[0] @ copies[1].T + copies[2], **transform)
+    lp = torch.log_softmax(x, -1).gather(-1, b["tokens"][..., None]).squeeze(-1)
+    mask, ref = b["mask"], b["ref"]
+    expected = reference.preference_loss(
+        lp[:2], lp[2:], mask[:2], mask[2:], terms(objective), ref_chosen=ref[:2],
+        ref_rejected=ref[2:],
+    )["loss"]  # fmt: skip
+    assert_close(out.loss, expected)
+    assert_close(gradients(out.loss, *leaves), gradients(expected, *copies))
+
+
+@pytest.mark.parametrize("chunk", [None, 3])
+def test_kto_head_transform_equals_the_reference(chunk: int | None) -> None:
+    b = _head(2, 5, 8)
+    transform = {"final_logit_softcapping": 1.2, "logit_scale": 1.3, "temperature": 0.9}
+    desirable = torch.tensor([True, False, False, True])
+    leaves = [b[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    out = kto_loss_from_hidden(leaves[0], leaves[1], b["tokens"], b["mask"], desirable,
+                               ref_log_probs=b["ref"], beta=0.4, bias=leaves[2], chunk_size=chunk,
+                               **transform)  # fmt: skip
+    copies = [b[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
+    x = reference.transformed_logits(copies[0] @ copies[1].T + copies[2], **transform)
+    lp = torch.log_softmax(x, -1).gather(-1, b["tokens"][..., None]).squeeze(-1)
+    expected = reference.kto_loss(lp, b["mask"], desirable.tolist(), b["ref"], kl=None, beta=0.4,
+                                  weights=(1.0, 1.0), kind="kto")  # fmt: skip
+    assert_close(out.loss, expected)
+    assert_close(gradients(out.loss, *leaves), gradients(expected, *copies))
 
 
 def test_reference_and_shape_contracts() -> None:

@@ -191,9 +191,8 @@ def optimal_token_baseline_advantages(
     Peers: verl ``compute_optimal_token_baseline_advantage`` (``alignment="position"``) and
     ``compute_multi_turn_optimal_token_baseline_advantage`` (``"token"``), with ``index`` =
     ``group_ids``, ``sum_pi_squared`` = ``exp(log_sum_sq_probs)``, ``rollout_is_weights`` =
-    ``importance_weights`` (equal values, tested on verl's own functions;
-    :func:`rlobjectives.presets.verl_optimal_token_baseline_advantages` takes verl's
-    arguments).
+    ``importance_weights`` (equal values, tested on verl's own functions); verl's arguments:
+    :func:`rlobjectives.presets.verl_optimal_token_baseline_advantages`.
 
     Args:
         rewards: ``(B, T)`` token-level rewards (an outcome reward on the last token).

@@ -173,30 +173,15 @@ def generalized_jsd_loss(
             \mathrm{KL}(q \,\|\, p) & \beta = 1 \ \text{(reverse KL)}
         \end{cases}, \qquad \mathcal{L} = \mathrm{reduce}_M(D_\beta).
 
-    TRL's and Liger's convention (TRL's ``GKDConfig``: "β=0 → KL, β=1 → inverse KL"). The
-    endpoints are special cases: :math:`D_\beta \to 0` as :math:`\beta \to 0` or 1
-    (:math:`D_\beta \approx \beta\,\mathrm{KL}(p\|q)` near 0), so the loss is discontinuous
-    there, exactly as in TRL. Gradient (with respect to the student logits; the teacher gets
-    none: its inputs are read detached):
+    TRL's and Liger's convention; the endpoints are special cases, so the loss is discontinuous
+    there, as in TRL. The gradient (student logits only; the teacher is read detached) is
+    closed-form, chunk by chunk: its cases, the endpoints and the memory in
+    ``docs/objectives/distillation.md``, "``generalized_jsd_loss``".
 
-    .. math::
-
-        \frac{\partial D}{\partial\,\text{logits}_v} = \frac{1}{\tau}\begin{cases}
-            q_v - p_v & \beta = 0 \\
-            (1-\beta)\,q_v\,(\log q_v - \log m_v - \mathrm{KL}(q\|m)) & 0 < \beta < 1 \\
-            q_v\,(\log q_v - \log p_v - \mathrm{KL}(q\|p)) & \beta = 1
-        \end{cases}
-
-    computed chunk by chunk in closed form (a few ``(chunk, V)`` float32 blocks; no copy of
-    either logits tensor). Terms with zero probability contribute 0.
-
-    Peers: TRL ``GKDTrainer.generalized_jsd_loss(student_logits, teacher_logits, labels, beta,
-    temperature, reduction, num_items_in_batch)`` (GKD and GOLD): ``mask = labels != -100``,
-    ``reduction="batchmean"`` = ``"token_mean"``, ``num_items_in_batch`` = ``normalizer``,
-    ``"sum"`` = ``normalizer=1``, ``"mean"`` = ``normalizer = n_valid * V``; TRL's
-    ``DistillationTrainer`` (the same divergence from hidden states, ``beta`` default 1.0):
+    Peers: TRL ``GKDTrainer.generalized_jsd_loss`` (GKD, GOLD): ``mask = labels != -100``,
+    ``reduction="batchmean"`` = ``"token_mean"``, ``num_items_in_batch`` = ``normalizer`` (the
+    other reductions: the page's normaliser table); TRL's ``DistillationTrainer``:
     :func:`generalized_jsd_loss_from_hidden`; Liger ``LigerJSD(beta)`` (input = student).
-    The GKD trainer calls it at temperature 1 (its ``temperature`` is for generation).
 
     Args:
         logits: ``(B, T, V)`` student logits (packed ``(N, V)`` / ``(1, N, V)``).
@@ -216,9 +201,8 @@ def generalized_jsd_loss(
         ``mask``), float32 (float64 when an input is float64).
 
     Raises:
-        ValueError: on wrong shapes or devices, ``beta`` outside [0, 1], ``temperature <= 0``,
-            an unknown ``reduction``, a non-positive ``normalizer``/``chunk_size``, a malformed
-            ``cu_seqlens``.
+        ValueError: on wrong shapes or devices, ``beta`` outside [0, 1], ``temperature <= 0``, an
+            unknown ``reduction``, a non-positive ``normalizer``/``chunk_size``, bad ``cu_seqlens``.
         TypeError: on non-numeric inputs or a tensor-valued ``beta``/``temperature``.
 
     References:
@@ -226,10 +210,8 @@ def generalized_jsd_loss(
         Self-Generated Mistakes (GKD), arXiv:2306.13649 Eq. 1; Lin 1991 (the skew JSD).
 
     Examples:
-        >>> import torch
         >>> student = torch.log(torch.tensor([[[0.5, 0.5]]]))
-        >>> teacher = torch.log(torch.tensor([[[0.25, 0.75]]]))
-        >>> mask = torch.tensor([[True]])
+        >>> teacher, mask = torch.log(torch.tensor([[[0.25, 0.75]]])), torch.tensor([[True]])
         >>> generalized_jsd_loss(student, teacher, mask, beta=0.0)  # KL(teacher || student)
         tensor(0.1308)
         >>> generalized_jsd_loss(student, teacher, mask, beta=1.0)  # KL(student || teacher)
@@ -352,16 +334,12 @@ def generalized_jsd_loss_from_hidden(
 ) -> torch.Tensor:
     r""":func:`generalized_jsd_loss` from both models' hidden states and LM heads, chunked.
 
-    Per chunk of rows the student logits :math:`(h W^\top + b)/\tau` and the teacher logits
-    :math:`(h_T W_T^\top + b_T)/\tau` are formed in two reused ``(chunk, V)`` buffers (the
-    ``(N, V)`` logits of neither model exist), the chunk's divergence and its closed-form
-    gradient :math:`G` with respect to the student logits give ``grad_hidden = G W`` and
-    ``grad_weight += G^T h``. For a reduced loss the gradients are formed in the forward chunk
-    loop (no recompute, one backward per forward); ``reduction="none"`` and calls without a
-    gradient recompute in backward. The teacher may have another hidden size; it gets no
-    gradient. Equal in value and gradient to :func:`generalized_jsd_loss` on the two heads'
-    logits: TRL's ``DistillationTrainer`` (``ChunkedDivergenceFunction``, ``beta`` default 1.0
-    there, ``temperature = args.temperature``), Liger ``LigerFusedLinearJSD``.
+    Per chunk of rows both models' logits :math:`(h W^\top + b)/\tau`, :math:`(h_T W_T^\top +
+    b_T)/\tau` are formed in two reused ``(chunk, V)`` buffers (never the ``(N, V)`` logits); the
+    teacher may have another hidden size and gets no gradient. Equal in value and gradient to
+    :func:`generalized_jsd_loss` on the two heads' logits: TRL's ``DistillationTrainer``
+    (``ChunkedDivergenceFunction``), Liger ``LigerFusedLinearJSD``. The gradient's path and the
+    peers' options: ``docs/objectives/distillation.md``, "``generalized_jsd_loss``".
 
     Args:
         hidden: ``(B, T, H)`` student hidden states (packed ``(N, H)`` / ``(1, N, H)``).

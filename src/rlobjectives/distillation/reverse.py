@@ -123,27 +123,17 @@ def reverse_kl_loss(
 
     .. math::
 
-        \mathcal{L} = \mathrm{reduce}_M\big(k(d)\big), \qquad
-        k_1 = d,\ k_2 = \tfrac12 d^2,\ k_3 = e^{-d} + d - 1, \qquad
-        \frac{\partial k}{\partial\,\text{logits}_v} = \frac{k'(d)}{\tau}
-            (\mathbb{1}[v = y] - q_v),
+        \mathcal{L} = \mathrm{reduce}_M\big(k(d)\big), \qquad k_1 = d,\ k_2 = \tfrac12 d^2,\
+        k_3 = e^{-d} + d - 1, \qquad \frac{\partial k}{\partial\,\text{logits}_v} =
+        \frac{k'(d)}{\tau}(\mathbb{1}[v = y] - q_v),
 
     :math:`k' = 1, d, 1 - e^{-d}` (0 where the bound fires); ``straight_through=True``: the
     value of ``estimator`` with the gradient of :math:`k_2` (verl's ``k3+``). It is
-    ``kl_loss(token_log_probs(logits, tokens), teacher_log_probs, mask)`` with the teacher in
-    the reference slot, so the gradient caveats of :func:`rlobjectives.kl_loss` hold with
-    :math:`\pi_{ref} = \pi_T`: on student samples ``"k2"`` and ``straight_through`` give the
-    unbiased :math:`\nabla\mathrm{KL}(\pi_S\|\pi_T)`, ``"k3"`` follows
-    :math:`\nabla\mathrm{KL}(\pi_T\|\pi_S)` and ``"k1"`` has zero expected gradient (both warn
-    :class:`rlobjectives.BiasedGradientWarning`; verl raises for ``k1`` without policy
-    gradient, here the value stays available). For ``k1`` as a reward use
-    :func:`reverse_kl_rewards`.
-
-    Peers: verl ``distillation_loss.loss_mode`` ``k1``/``kl``, ``k2``/``mse``, ``k3``/
-    ``low_var_kl``, ``abs`` and the ``+`` straight-through forms (verl clamps the k3 log-ratio
-    at :math:`\pm 20` and its value at 10, k1/k2 not at all: ``log_ratio_bound=None`` and the
-    clamps of :func:`rlobjectives.presets.verl_distillation_loss`); NeMo-RL ``calculate_kl``
-    (:math:`\pm 20` on every type, values clamped at :math:`\pm 10`).
+    :func:`rlobjectives.kl_loss` with the teacher in the reference slot; its gradient caveats
+    (only ``"k2"`` and ``straight_through`` are unbiased here), the reward placement
+    (:func:`reverse_kl_rewards`) and the peers (verl ``loss_mode`` ``k1``/``kl``, ``k2``/``mse``,
+    ``k3``/``low_var_kl``, ``abs``, the ``+`` forms; NeMo-RL ``calculate_kl``):
+    ``docs/objectives/distillation.md``, "``reverse_kl_loss``".
 
     Args:
         logits: ``(B, T, V)`` student logits (packed ``(N, V)`` / ``(1, N, V)``).
@@ -153,8 +143,7 @@ def reverse_kl_loss(
         estimator: ``"k1"``, ``"k2"``, ``"k3"`` or ``"abs"``.
         straight_through: value of ``estimator``, gradient of ``k2``.
         log_ratio_bound: :math:`b > 0` clamping :math:`d` (before ``exp``), or None.
-        temperature: :math:`\tau > 0` dividing the student logits,
-            or a per-token tensor ``(B, T)`` (packed ``(N,)``).
+        temperature: :math:`\tau > 0` on the student logits, or per token ``(B, T)`` / ``(N,)``.
         reduction: as :func:`rlobjectives.aggregate`.
         normalizer: explicit positive denominator for micro-batches and ranks.
         max_response_length: the Dr. GRPO constant.
@@ -166,9 +155,8 @@ def reverse_kl_loss(
         float32 (float64 when an input is float64).
 
     Raises:
-        ValueError: on wrong shapes or devices, an unknown ``estimator`` or ``reduction``, a
-            non-positive ``log_ratio_bound``/``normalizer``/``temperature``/``chunk_size``, a
-            malformed ``cu_seqlens``.
+        ValueError: on wrong shapes/devices, an unknown ``estimator``/``reduction``, a non-positive
+            ``log_ratio_bound``/``normalizer``/``temperature``/``chunk_size``, bad ``cu_seqlens``.
         TypeError: on non-numeric inputs, non-integer ``tokens``, non-bool ``straight_through``.
 
     Warns:
@@ -179,7 +167,6 @@ def reverse_kl_loss(
         (reverse KL for distillation); Schulman 2020, "Approximating KL divergence".
 
     Examples:
-        >>> import torch
         >>> logits = torch.log(torch.tensor([[[0.5, 0.5]]]))
         >>> teacher = torch.log(torch.tensor([[0.25]]))  # d = ln 2
         >>> reverse_kl_loss(logits, torch.tensor([[0]]), teacher, torch.tensor([[True]]),

@@ -186,12 +186,8 @@ def fused_policy_loss_from_hidden(
     :math:`\ell = \log\mathrm{softmax}((hW^\top + b)/\tau)[y]`, then :math:`\mathcal{L} =
     \mathrm{policy\_loss}(\ell, \ell^{old}, A, M) + \beta\,\mathrm{reduce}(\mathrm{KL}_k(\ell,
     \ell^{ref})) - \gamma\,\mathrm{reduce}(H)`, one reduction for the three terms: equal in value
-    and gradient to that composition. A token-local surrogate is differentiated chunk by chunk
-    (``torch.autograd.grad`` of the same formula), the gradients formed in the forward pass;
-    the other surrogates, ``"none"``, ``vocab_group``, the Triton LM head and ``torch.compile``
-    compose the chunked log-probabilities with the loss (recompute in backward). A sampled token
-    outside a recomputed kept set has :math:`\ell = -\infty` and no gradient
-    (``docs/objectives/policy.md``, "The loss from hidden states").
+    and gradient to that composition. Which calls differentiate in the chunk loop and which
+    compose, and the kept set: ``docs/objectives/policy.md``, "The loss from hidden states".
 
     Args:
         hidden: ``(B, T, H)`` hidden states at the response positions (packed ``(N, H)``).

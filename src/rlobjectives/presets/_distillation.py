@@ -27,7 +27,8 @@ from .._core.masked import aggregate
 from .._core.reduction import masked_fill_zero
 from .._core.validation import checks_environment, validate_choice, validate_scalar
 from ..distillation.jsd import generalized_jsd_loss
-from ..distillation.topk import teacher_slot_log_probs, topk_forward_kl
+from ..distillation.slots import teacher_slot_log_probs
+from ..distillation.topk import topk_forward_kl
 from ..kl.loss import kl_estimate
 from ._common import as_bool_mask, preset_count, preset_flag, preset_number
 from ._verl import VERL_AGGREGATIONS, VerlLossOutput, verl_policy_loss

@@ -252,6 +252,8 @@ def _group_step(
     if weights.nll is not None:
         coefficient = coefficient + g_u[local] * weights.nll[rows]
     grad_scores = _logit_gradient(probs, tokens, coefficient * head.transform.row_factor(rows))
+    if state.buffers.derivative is not None:  # the softcap's 1 - t^2
+        grad_scores.mul_(state.buffers.derivative[: grad_scores.shape[0]])
     scratch = state.partials[0]
     n = rows.shape[0]
     grads = Grads(
@@ -295,6 +297,8 @@ def _split_unit(
             )
             coefficient = weights.sums[block] * head.transform.row_factor(block)  # gamma after
             grad_scores = _logit_gradient(probs, tokens, coefficient)
+            if state.buffers.derivative is not None:  # the softcap's 1 - t^2
+                grad_scores.mul_(state.buffers.derivative[:n])
             _accumulate_partial(grad_scores, hidden_chunk, head, state, partial, block, first)
             first = False
         if totals is None:  # an empty sequence: no rows

@@ -21,7 +21,7 @@ from ..._core.validation import (
     check_same_device,
     check_shape,
 )
-from ...logprobs.head import Head, prepare_head
+from ...logprobs.head import Head, HeadOptions, prepare_head
 from ...logprobs.passes import LogProbsFromHidden
 from ...logprobs.vocab_parallel import VocabGroup, reduce_hidden_gradient
 
@@ -54,17 +54,23 @@ def prepare_rows(
     mask: ArrayLike,
     *,
     bias: object,
-    temperature: float,
+    temperature: object,
     chunk_size: int | None,
     cu_seqlens: ArrayLike | None,
     vocab_group: VocabGroup,
+    head_options: HeadOptions,
 ) -> HiddenRows:
-    """Validate the LM head, tokens, mask and sequence boundaries (one host read of them)."""
+    """Validate the LM head, tokens, mask and sequence boundaries (one host read of them).
+
+    ``temperature``: a number or a per-token tensor; ``head_options``: the head's transform and
+    precision, as :func:`rlobjectives.token_log_probs_from_hidden` takes them.
+    """
     packed = cu_seqlens is not None
     options = (vocab_group, None, -1, None, None, None)
     head, batch_shape = prepare_head(
-        hidden, weight, tokens, bias, temperature, chunk_size, packed=packed, options=options
-    )
+        hidden, weight, tokens, bias, temperature, chunk_size, packed=packed, options=options,
+        head_options=head_options, mask=mask,
+    )  # fmt: skip
     device = head.hidden.device
     mask_t = token_matrix(as_mask(mask, "mask", device), "mask", packed)
     check_same_device({"hidden": head.hidden, "mask": mask_t})

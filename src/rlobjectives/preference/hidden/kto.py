@@ -15,6 +15,7 @@ from ..._core.validation import (
     validate_choice,
     validate_scalar,
 )
+from ...logprobs.head import HeadOptions, Temperature
 from ...logprobs.vocab_parallel import VocabGroup
 from ..inputs import SideInputs, reference_sums
 from ..kto import _KINDS, KTOCall, KTOKind, KTOLossOutput, kto_finish, kto_formula, reference_point
@@ -62,14 +63,18 @@ def kto_loss_from_hidden(
     kind: KTOKind = "kto",
     normalizer: Scalar | None = None,
     bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     chunk_size: int | None = None,
     cu_seqlens: ArrayLike | None = None,
     vocab_group: VocabGroup = None,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    fp32_head: bool = True,
 ) -> KTOLossOutput:
     r""":func:`rlobjectives.kto_loss` from hidden states, without the ``(N, V)`` logits.
 
-    The token log-probabilities are :math:`\log\mathrm{softmax}((h W^\top + b)/\tau)_{y}`; the
+    The token log-probabilities are :math:`\log\mathrm{softmax}(\mathrm{cap}_c(s(h W^\top + b))
+    /\tau)_{y}` (``docs/objectives/logprobs.md``); the
     loss, its normaliser and named results are :func:`rlobjectives.kto_loss`'s. Each response
     is its own unit: its tokens (grouped with others while they fit a chunk) give its sum,
     autograd on KTO's formula its derivative, and the chunk's probabilities the gradient at
@@ -91,10 +96,13 @@ def kto_loss_from_hidden(
         kind: ``"kto"`` or ``"apo_zero_unpaired"``.
         normalizer: the global count of responses.
         bias: optional ``(V,)`` LM-head bias.
-        temperature: :math:`\tau > 0`.
+        temperature: :math:`\tau > 0`, a number or per token (``tokens``' shape).
         chunk_size: rows per chunk.
         cu_seqlens: ``(B + 1,)`` boundaries of packed sequences.
         vocab_group: the process group over which ``weight``'s rows are split, or None.
+        final_logit_softcapping: as :func:`rlobjectives.token_log_probs_from_hidden`.
+        logit_scale: as :func:`rlobjectives.token_log_probs_from_hidden`.
+        fp32_head: as :func:`rlobjectives.token_log_probs_from_hidden`.
 
     Returns:
         :class:`~rlobjectives.KTOLossOutput` (the loss in the computation dtype).
@@ -120,6 +128,7 @@ def kto_loss_from_hidden(
     rows = prepare_rows(
         hidden, weight, tokens, mask, bias=bias, temperature=temperature,
         chunk_size=chunk_size, cu_seqlens=cu_seqlens, vocab_group=vocab_group,
+        head_options=HeadOptions(final_logit_softcapping, logit_scale, fp32_head),
     )  # fmt: skip
     if ref_log_probs is None:
         raise ValueError("ref_log_probs is required (KTO compares with the reference), got None")

@@ -15,6 +15,7 @@ from ..._core.validation import (
     compute_dtype,
     validate_scalar,
 )
+from ...logprobs.head import HeadOptions, Temperature
 from ...logprobs.vocab_parallel import VocabGroup
 from ..inputs import (
     Denominators,
@@ -225,28 +226,29 @@ def preference_loss_from_hidden(
     normalizer: Scalar | None = None,
     nll_normalizer: Scalar | None = None,
     bias: torch.Tensor | None = None,
-    temperature: float = 1.0,
+    temperature: Temperature = 1.0,
     chunk_size: int | None = None,
     cu_seqlens: ArrayLike | None = None,
     vocab_group: VocabGroup = None,
+    final_logit_softcapping: float | None = None,
+    logit_scale: float = 1.0,
+    fp32_head: bool = True,
 ) -> PreferenceLossOutput:
     r""":func:`rlobjectives.preference_loss` from hidden states, without the ``(N, V)`` logits.
 
     The token log-probabilities are
-    :math:`\ell_t = \log\mathrm{softmax}((h_t W^\top + b)/\tau)_{y_t}` of the
+    :math:`\ell_t = \log\mathrm{softmax}(x_t)_{y_t}`, :math:`x_t` the transformed logits
+    :math:`\mathrm{cap}_c(s(h_t W^\top + b))/\tau` (``docs/objectives/logprobs.md``), of the
     ``[chosen; rejected]`` batch (TRL's and Liger's concatenation: rows ``0..B-1`` the chosen
     responses, ``B..2B-1`` the rejected ones); the loss is the objective's, exactly as
     :func:`rlobjectives.preference_loss` of those log-probabilities (the same formula, sums,
     normalisers and named results). Gradients to ``hidden``, ``weight`` and ``bias`` are exact:
-
-    a pair-local objective (all but ``AOT``) takes three matrix products per token: each pair's
+    a pair-local objective (all but ``AOT``) takes three matrix products per token (each pair's
     sums, autograd on the formula their derivative, the chunk's probabilities the gradient at
-    once (a pair larger than a chunk: whole in one ``(2T, V)`` buffer, or with per-sequence
-    ``(V, H)`` partials, within 1/8 of the logits' bytes); otherwise (``AOT``, ``vocab_group``,
-    no gradient) the chunked pass of :func:`rlobjectives.token_log_probs_from_hidden` (four
-    products) and the formula by autograd. ``docs/objectives/preference.md`` has the details.
-    The softmax runs in float32, or float64 when ``hidden``, ``ref_log_probs`` or
-    ``log_sum_sq_probs`` is float64 (the head's product in the weight's dtype).
+    once); otherwise (``AOT``, ``vocab_group``, no gradient) the chunked pass of
+    :func:`rlobjectives.token_log_probs_from_hidden` and the formula by autograd
+    (``docs/objectives/preference.md``). The softmax runs in float32 (float64 when ``hidden``,
+    ``ref_log_probs`` or ``log_sum_sq_probs`` is); the product in float32 from a bf16 head.
 
     Args:
         hidden: ``(2B, T, H)`` hidden states (packed: ``(N, H)`` / ``(1, N, H)``).
@@ -262,10 +264,13 @@ def preference_loss_from_hidden(
         normalizer: the pair normaliser :math:`D` (global valid pairs).
         nll_normalizer: the NLL token normaliser.
         bias: optional ``(V,)`` LM-head bias.
-        temperature: :math:`\tau > 0`.
+        temperature: :math:`\tau > 0`, a number or per token (``tokens``' shape).
         chunk_size: rows per chunk (default: the head's budget, 256 rows or more).
         cu_seqlens: ``(2B + 1,)`` boundaries of the packed sequences, chosen first.
         vocab_group: a process group / ``VocabParallel`` over which ``weight``'s rows are split.
+        final_logit_softcapping: as :func:`rlobjectives.token_log_probs_from_hidden`.
+        logit_scale: as :func:`rlobjectives.token_log_probs_from_hidden`.
+        fp32_head: as :func:`rlobjectives.token_log_probs_from_hidden`.
 
     Returns:
         :class:`~rlobjectives.PreferenceLossOutput` (the loss in the computation dtype).
@@ -276,8 +281,7 @@ def preference_loss_from_hidden(
         TypeError: as those functions; ``objective`` not a preference objective.
 
     References:
-        Hsu et al. 2024, Liger-Kernel, arXiv:2410.10989 (the chunked fused-linear preference
-        losses, ``LigerFusedLinearDPOLoss``); Wijmans et al. 2024, arXiv:2411.09009.
+        Liger-Kernel, arXiv:2410.10989 (``LigerFusedLinearDPOLoss``); CCE, arXiv:2411.09009.
 
     Examples:
         >>> import torch
@@ -294,6 +298,7 @@ def preference_loss_from_hidden(
     rows = prepare_rows(
         hidden, weight, tokens, mask, bias=bias, temperature=temperature,
         chunk_size=chunk_size, cu_seqlens=cu_seqlens, vocab_group=vocab_group,
+        head_options=HeadOptions(final_logit_softcapping, logit_scale, fp32_head),
     )  # fmt: skip
     ref = (
         None
