@@ -33,7 +33,7 @@ for _path in (Path(__file__).resolve().parent, Path(__file__).resolve().parents[
 import bench_logprobs  # noqa: E402
 import harness  # noqa: E402
 import rlobjectives  # noqa: E402
-from rlobjectives.logprobs import passes  # noqa: E402
+from rlobjectives.logprobs import saved_logits  # noqa: E402
 
 Inputs = harness.Inputs
 MODULE = "bench_head"
@@ -82,14 +82,14 @@ def _whole(x: Inputs) -> torch.Tensor:
 
 
 def _recomputed(x: Inputs) -> torch.Tensor:
-    budget = passes.SAVED_LOGITS
-    passes.SAVED_LOGITS = 0
+    budget = saved_logits.SAVED_LOGITS
+    saved_logits.SAVED_LOGITS = 0
     try:
         out = rlobjectives.token_log_probs_from_hidden(
             x["hidden"], x["weight"], x["tokens"], cu_seqlens=_whole(x)
         )
     finally:
-        passes.SAVED_LOGITS = budget
+        saved_logits.SAVED_LOGITS = budget
     return out  # the backward reads SAVED_LOGITS from the forward's record, not the module
 
 

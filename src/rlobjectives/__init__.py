@@ -56,15 +56,11 @@ from .kl.control import AdaptiveEntropyController, AdaptiveKLController, FixedKL
 from .kl.estimators import BiasedGradientWarning
 from .kl.loss import kl_estimate, kl_loss
 from .kl.rewards import kl_penalized_rewards, kl_penalized_token_rewards
-from .logprobs.alignment import (
-    ResponseAlignment,
-    ResponseLogProbs,
-    ResponseStatistics,
-    response_alignment,
-    response_log_probs,
-)
+from .logprobs.alignment import ResponseAlignment, response_alignment
+from .logprobs.divergence import full_vocab_kl, full_vocab_kl_loss
 from .logprobs.hidden import TokenLogProbsOutput, token_log_probs_from_hidden
-from .logprobs.logits import full_vocab_kl, full_vocab_kl_loss, token_entropy, token_log_probs
+from .logprobs.logits import token_entropy, token_log_probs
+from .logprobs.responses import ResponseLogProbs, ResponseStatistics, response_log_probs
 from .logprobs.statistics import LogProbStatistics
 from .logprobs.vocab_parallel import VocabParallel
 from .policy.call import PolicyLossDiagnostics, PolicyLossOutput

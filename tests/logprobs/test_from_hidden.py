@@ -25,7 +25,7 @@ from backends import FIXTURE_HEALTH, dtype_for, triton_param
 from family_cases import FAMILY_OPTION_SETS
 from rlobjectives import CISPO, Clip, kl_loss, policy_loss
 from rlobjectives.kl.estimators import BiasedGradientWarning
-from rlobjectives.logprobs import passes
+from rlobjectives.logprobs import saved_logits
 from rlobjectives.logprobs.head import HEAD_BUDGET, chunk_row_bytes
 from rlobjectives.logprobs.hidden import (
     TokenLogProbsOutput,
@@ -345,8 +345,8 @@ def test_one_chunk_buffer_per_pass(
         )  # fmt: skip
         out.loss.backward()
     assert fused.count == 1 + low  # the scores (and the low-precision product)
-    for budget, saved in ((passes.SAVED_LOGITS, 1), (0, 0)):
-        monkeypatch.setattr(passes, "SAVED_LOGITS", budget)
+    for budget, saved in ((saved_logits.SAVED_LOGITS, 1), (0, 0)):
+        monkeypatch.setattr(saved_logits, "SAVED_LOGITS", budget)
         with _LargeAllocations(16 * vocab) as recompute:
             log_probs, entropy = token_log_probs_from_hidden(
                 *inputs[:2], case["tokens"], bias=inputs[2], chunk_size=chunk,

@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 import reference
 import rlobjectives as rlo
 from rlobjectives.integrations.transformers import head_options
-from rlobjectives.logprobs import head as head_module
-from rlobjectives.logprobs import passes
+from rlobjectives.logprobs import chunks as chunks_module
+from rlobjectives.logprobs import saved_logits
 from tolerances import assert_close, tolerance
 
 F64 = torch.float64
@@ -205,10 +205,10 @@ def test_hidden_statistics_match_the_reference(data: st.DataObject) -> None:
     mask = torch.rand(shape, generator=generator) < 0.8
     options = {**_head_options(draw, shape, generator), **_kept(draw, vocabulary)}
     # the logits kept from forward to backward: all (the default), some chunks, none
-    budget = draw(st.sampled_from((passes.SAVED_LOGITS, 2 * vocabulary, 0)))
+    budget = draw(st.sampled_from((saved_logits.SAVED_LOGITS, 2 * vocabulary, 0)))
     chunk = draw(st.sampled_from((None, 1, 2)))
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(passes, "SAVED_LOGITS", budget)
+        patch.setattr(saved_logits, "SAVED_LOGITS", budget)
         out = rlo.token_log_probs_from_hidden(
             hidden, weight, tokens, bias=bias, mask=mask, chunk_size=chunk, statistics=STATS,
             **options,
@@ -220,7 +220,7 @@ def test_hidden_statistics_match_the_reference(data: st.DataObject) -> None:
     seed = draw(st.integers(0, 100))
     leaves = (hidden, weight, bias)
     with pytest.MonkeyPatch.context() as patch:  # the backward reads what forward kept
-        patch.setattr(passes, "SAVED_LOGITS", budget)
+        patch.setattr(saved_logits, "SAVED_LOGITS", budget)
         got = _grads(_finite_projection([out.log_probs, out.entropy], seed), leaves)
     expected = _grads(_finite_projection([want["log_probs"], want["entropy"]], seed), leaves)
     for actual, reference_grad in zip(got, expected, strict=True):
@@ -239,8 +239,8 @@ def test_saved_logits_equal_recompute(monkeypatch: pytest.MonkeyPatch) -> None:
     tokens = torch.randint(0, 13, (37,), generator=generator)
     mask = torch.rand(37, generator=generator) < 0.9
     grads = []
-    for budget in (passes.SAVED_LOGITS, 16 * 13, 0):
-        monkeypatch.setattr(passes, "SAVED_LOGITS", budget)
+    for budget in (saved_logits.SAVED_LOGITS, 16 * 13, 0):
+        monkeypatch.setattr(saved_logits, "SAVED_LOGITS", budget)
         out = rlo.token_log_probs_from_hidden(
             hidden, weight, tokens, mask=mask, cu_seqlens=torch.tensor([0, 37]), chunk_size=8,
             return_entropy=True, final_logit_softcapping=3.0, top_k=5,
@@ -418,7 +418,7 @@ def test_cuda_product_uses_out_dtype() -> None:
     right = torch.empty(5, 8, dtype=torch.bfloat16, device="meta")
     out = torch.empty(4, 5, device="meta")
     assert torch.mm(left, right.T, out_dtype=torch.float32, out=out).dtype == torch.float32
-    assert head_module.wide_product.__doc__ is not None
+    assert chunks_module.wide_product.__doc__ is not None
 
 
 # --- peers ----------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from hypothesis import strategies as st
 
 import reference
 import rlobjectives as rlo
-from rlobjectives.logprobs import passes
+from rlobjectives.logprobs import saved_logits
 from tolerances import assert_close, tolerance
 
 PEERS = Path(__file__).resolve().parents[1] / "data" / "truncation_peers.pt"
@@ -538,7 +538,7 @@ def test_from_hidden_never_forms_the_full_logits(
 ) -> None:
     # N = 96 rows in chunks of 32 at V = 4096: nothing of half the (N, V) logits is allocated
     # once no logits are kept for the backward pass (SAVED_LOGITS = 0: every chunk recomputed).
-    monkeypatch.setattr(passes, "SAVED_LOGITS", 0)
+    monkeypatch.setattr(saved_logits, "SAVED_LOGITS", 0)
     rows, vocab, width = 96, 4096, 8
     generator = torch.Generator().manual_seed(6)
     hidden = torch.randn(2, rows // 2, width, generator=generator, requires_grad=True)

@@ -32,16 +32,16 @@ import torch
 
 from .._core.chunking import Block, block_rows, flat_rows
 from .._core.reduction import masked_fill_zero
-from ..logprobs.head import (
+from ..logprobs.chunks import (
     ChunkBuffers,
     Grads,
-    Head,
     accumulate_grads,
     chunk_scores,
     finish_grads,
     new_buffers,
     new_grads,
 )
+from ..logprobs.head import Head
 
 __all__ = [
     "ChunkOutput",

@@ -11,7 +11,7 @@ For a loss whose derivative with respect to each token's log-probability, :math:
         \Big(c_n(\mathbb{1}[v = y_n] - p_{nv}) - g_n\, p_{nv}(\log p_{nv} + H_n)\Big)
 
 (:math:`\partial x / \partial z` the logit transform's, :math:`s(1 - t^2)/\tau` with a softcap,
-:math:`s/\tau` without: :mod:`rlobjectives.logprobs.head`) and its products with the
+:math:`s/\tau` without: :mod:`rlobjectives.logprobs.transform`) and its products with the
 weight and the hidden rows right away: the fused-linear-cross-entropy technique (Liger-Kernel,
 Cut Cross-Entropy), with no recompute in backward.
 :class:`FusedLinearLoss` wires it to autograd through a zero-valued anchor. One
@@ -29,10 +29,9 @@ import torch
 from .._core.chunking import Block, block_rows, run_blocks
 from .._core.reduction import masked_fill_zero
 from .blocks import entropy_logit_grads_, entropy_stats_, finite_log_probs_
-from .head import (
+from .chunks import (
     ChunkBuffers,
     Grads,
-    Head,
     accumulate_grads,
     chunk_scores,
     new_buffers,
@@ -40,6 +39,7 @@ from .head import (
     select_rows,
     softmax_,
 )
+from .head import Head
 from .truncation import kept_rows, restrict_
 
 __all__ = ["CoefficientFn", "FusedLinearLoss", "FusedTerms", "fused_linear_forward"]

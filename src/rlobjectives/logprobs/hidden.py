@@ -174,91 +174,47 @@ def token_log_probs_from_hidden(
         \mathcal{H}_{it} = -\sum_v p_{itv} \log p_{itv}, \quad
         p_{it} = \mathrm{softmax}(z_{it} / \tau).
 
-    Tokens are processed ``chunk_size`` rows at a time; only one ``(chunk_size, V)`` buffer of
-    logits is alive (reused by every chunk; ``return_entropy`` adds a few rows), and only the
-    per-token log-normaliser is kept for backward, which recomputes each chunk's logits and
-    accumulates ``grad_hidden``, ``grad_weight`` and ``grad_bias`` (float32 accumulators for
-    bf16/fp16 weights). Values and
-    gradients equal those of ``log_softmax((hidden @ weight.T + bias).float() / temperature)``
-    gathered at ``tokens``.
-
-    Packed sequences (``cu_seqlens`` given): ``hidden`` is ``(N, H)`` or ``(1, N, H)`` and
-    ``tokens`` (and ``mask``) ``(N,)`` or ``(1, N)``; the log-probabilities are per token, so
-    the sequence boundaries change nothing but the accepted shapes (``cu_seqlens`` is validated
-    against ``N``).
-
-    **Kept set** (the sampler's truncation, as :func:`token_log_probs`): ``kept_ids``,
-    ``kept_mask`` or ``top_k``/``top_p``; each chunk's logits outside the set are set to
-    ``-inf`` before its softmax, so :math:`\ell = z_y/\tau - \log\sum_{v \in K}
-    e^{z_v/\tau}` (``-inf`` and no gradient for a token outside the set) and the entropy is
-    over the set; no ``(N, V)`` tensor is formed (a ``(chunk, V)`` bool per chunk; the rule's
-    per-row thresholds are saved, not re-sorted, for backward). The Triton kernels take no
-    kept set: such a call runs this chunked PyTorch path on every backend.
-
-    **Vocabulary-parallel** (``vocab_group``): ``weight`` ``(V_r, H)`` and ``bias`` are this
-    rank's contiguous rows of the LM head (rank order, uneven allowed), ``hidden`` and
-    ``tokens`` are replicated, ``tokens`` global ids. The log-probabilities (and entropies)
-    equal the unsharded call on every rank: per row, one all-reduce MAX and one SUM of
-    ``2``-``3`` floats after the chunk loop. ``grad_weight`` / ``grad_bias`` are exact for the
-    local rows; ``grad_hidden`` follows Megatron's column-parallel convention: this rank's part
-    (``VocabParallel(group, hidden_grad="partial")``, the default: the caller's
-    ``copy_to_tensor_model_parallel_region`` all-reduces it) or the sum
-    (``hidden_grad="reduced"``); the parts sum to the unsharded gradient. On the Triton kernels
-    too.
+    One ``(chunk_size, V)`` block of logits at a time; values and gradients (accumulated chunk by
+    chunk) equal ``log_softmax((hidden @ weight.T + bias).float() / temperature)[tokens]``. A
+    kept set restricts the softmax (``-inf``, no gradient, outside); ``vocab_group``: this
+    rank's rows of the head, the unsharded results. Details (``grad_hidden`` under
+    ``vocab_group``, memory): docs/objectives/logprobs.md, "token_log_probs_from_hidden".
 
     Args:
         hidden: ``(B, T, H)`` hidden states (float64, float32, bfloat16 or float16).
         weight: ``(V, H)`` LM-head weight, same dtype as ``hidden``.
         tokens: ``(B, T)`` integer token ids in ``[0, V)`` (any id where ``mask`` is False).
         bias: optional ``(V,)`` LM-head bias, same dtype as ``weight``.
-        temperature: :math:`\tau > 0` dividing the logits (sampling temperature), or a
-            per-token tensor ``(B, T)`` (packed ``(N,)``; any value where ``mask`` is False).
-        chunk_size: rows per chunk; None uses :func:`default_chunk_size`: at most N/16 rows
-            and 64 MiB of buffers, at least 256 rows (256 rows, 32 MiB, at N = 4096, V = 32000).
-        mask: optional ``(B, T)`` bool/numeric; where False the hidden row and token id are
-            ignored (NaN/inf-safe) and the outputs are 0.
+        temperature: :math:`\tau > 0`, or a per-token ``(B, T)`` tensor (packed ``(N,)``).
+        chunk_size: rows per chunk; None uses :func:`default_chunk_size`.
+        mask: optional ``(B, T)`` bool/numeric; where False, ignored (NaN/inf-safe), output 0.
         return_entropy: also return the per-token entropy.
-        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
-            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
-        vocab_group: None, or the process group over which the LM head's rows are split (or a
-            :class:`~rlobjectives.VocabParallel` with its options).
-        kept_ids: ``(B, T, K)`` (packed ``(N, K)``) kept ids padded with ``kept_pad``, as
-            :func:`token_log_probs`.
+        cu_seqlens: optional ``(S + 1,)`` boundaries of packed sequences (``hidden`` ``(N, H)``).
+        vocab_group: None, or the process group splitting the LM head's rows (or a
+            :class:`~rlobjectives.VocabParallel`: ``hidden_grad="partial"`` / ``"reduced"``).
+        kept_ids: ``(B, T, K)`` (packed ``(N, K)``) kept ids padded with ``kept_pad``.
         kept_pad: the padding id of ``kept_ids`` (default -1).
         kept_mask: ``(B, T, V)`` (packed ``(N, V)``) bool, True = kept.
-        top_k: recompute the sampler's top-k (after the temperature), as
-            :func:`token_log_probs`.
-        top_p: recompute the sampler's top-p after top-k, as :func:`token_log_probs` (sorts
-            each chunk's rows: ``(chunk, V)`` values alone, ``(chunk, k)`` with ``top_k``).
+        top_k: as :func:`token_log_probs`.
+        top_p: as :func:`token_log_probs`.
         min_p: as :func:`token_log_probs`.
         final_logit_softcapping: as :func:`token_log_probs`.
         logit_scale: as :func:`token_log_probs`.
-        fp32_head: form the product of bf16/fp16 ``hidden`` and ``weight`` with float32
-            accumulation and a float32 result (default, TRL's ``cast_lm_head_to_fp32=True``);
-            False rounds it to their dtype first, as ``hidden @ weight.T`` (TRL's default
-            forward, a bf16 sampler's logits).
-        statistics: as :func:`token_log_probs` (with ``return_entropy=True`` the entropy is
-            among them).
+        fp32_head: form a bf16/fp16 product in float32 (TRL's ``cast_lm_head_to_fp32=True``).
+        statistics: as :func:`token_log_probs` (with ``return_entropy`` the entropy among them).
 
     Returns:
         ``(B, T)`` log-probabilities (packed: the shape of ``tokens``), float32 (float64 for
-        float64 inputs); with ``return_entropy=True`` a :class:`TokenLogProbsOutput`
-        ``(log_probs, entropy)``.
+        float64 inputs); with ``return_entropy=True`` a :class:`TokenLogProbsOutput`.
 
     Raises:
-        ValueError: on wrong ranks or shapes, a weight/bias dtype different from ``hidden``,
-            devices that differ, ``temperature <= 0`` or a non-positive ``chunk_size``; for the
-            kept set and ``vocab_group`` as :func:`token_log_probs`.
-        TypeError: on non-floating ``hidden``/``weight``/``bias`` or non-integer ``tokens``,
-            and as :func:`token_log_probs`.
+        ValueError: on wrong ranks or shapes, a weight/bias dtype other than ``hidden``'s,
+            other devices, ``temperature <= 0``, ``chunk_size < 1``; as :func:`token_log_probs`.
+        TypeError: non-floating ``hidden``/``weight``/``bias``, non-integer ``tokens``; as above.
 
     References:
-        Wijmans et al. 2024, Cut Your Losses in Large-Vocabulary Language Models (Cut
-        Cross-Entropy), arXiv:2411.09009 Sec. 4 (blockwise logits with recompute); Hsu et al.
-        2024, Liger-Kernel, arXiv:2410.10989 Sec. 3.3 (fused linear cross entropy).
-        Vocabulary-parallel: verl ``linear_cross_entropy(dist_process_group=)``, NeMo-RL
-        ``ChunkedDistributedHiddenStatesToLogprobs``, CCE ``vocab_parallel_options``.
-        Truncation: DeepSeek-V3.2, arXiv:2512.02556 Sec. 3.1.
+        Cut Cross-Entropy, arXiv:2411.09009 Sec. 4; Liger-Kernel, arXiv:2410.10989 Sec. 3.3;
+        DeepSeek-V3.2, arXiv:2512.02556 Sec. 3.1; the peers: the docs page above.
 
     Examples:
         >>> import torch

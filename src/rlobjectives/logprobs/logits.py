@@ -1,9 +1,10 @@
-"""Log-probabilities, entropy and exact full-vocabulary KL from logits (public functions).
+"""Log-probabilities and entropy from logits (public functions), and their argument checks.
 
 Every function reads the logits ``(B, T, V)`` / ``(N, V)`` one block of rows at a time through
 the chunked autograd Functions of :mod:`rlobjectives.logprobs.functions`: no float32 copy of the
 whole logits tensor is ever made (a strided view such as ``logits[:, :-1]`` is read block by
-block, not copied), and only per-row statistics are kept for the backward pass.
+block, not copied), and only per-row statistics are kept for the backward pass. The exact
+full-vocabulary KL from logits is in :mod:`rlobjectives.logprobs.divergence`.
 """
 
 from __future__ import annotations
@@ -13,40 +14,34 @@ from typing import overload
 
 import torch
 
-from .._core.chunking import resolve_chunk_size
-from .._core.layout import sequence_layout, token_matrix, token_ndim, token_output
-from .._core.reduction import Reduction, reduce, validate_layout_reduction
 from .._core.validation import (
     ArrayLike,
-    Scalar,
     as_float_tensor,
     as_mask,
     as_token_ids,
     check_same_device,
-    check_shape,
     checks_environment,
     compute_dtype,
     validate_scalar,
 )
-from .functions import EntropyFunction, FullVocabKLFunction, TokenLogProbsFunction
-from .head import LogitTransform, Temperature, validate_transform
+from .functions import EntropyFunction, TokenLogProbsFunction
+from .head import Temperature, validate_transform
 from .restricted import (
     LogitsCall,
     RestrictedEntropyFunction,
-    RestrictedKLFunction,
     RestrictedLogProbsFunction,
     restricted_chunk_size,
 )
-from .statistics import LogProbStatistics, Wanted, validate_statistics
+from .statistics import LogProbStatistics, Wanted, statistics_result, validate_statistics
+from .transform import LogitTransform
 from .truncation import Restriction, restriction_of
-from .vocab_parallel import VocabGroup, resolve_shard
+from .vocab_parallel import VocabGroup
 
 __all__ = [
-    "full_vocab_kl",
-    "full_vocab_kl_loss",
+    "as_logits",
     "logits_transform",
+    "row_mask",
     "scalar_temperature",
-    "statistics_result",
     "token_entropy",
     "token_log_probs",
 ]
@@ -69,13 +64,14 @@ def _check_logits(logits: torch.Tensor, name: str) -> None:
         )
 
 
-def _as_logits(logits: ArrayLike, name: str) -> torch.Tensor:
+def as_logits(logits: ArrayLike, name: str) -> torch.Tensor:
+    """``logits`` as a floating tensor of shape ``(B, T, V)`` or ``(N, V)``, ``V >= 1``."""
     tensor = as_float_tensor(logits, name)
     _check_logits(tensor, name)
     return tensor
 
 
-def _row_mask(
+def row_mask(
     mask: ArrayLike | None, name: str, logits: torch.Tensor, logits_name: str
 ) -> torch.Tensor:
     """The bool rows to compute (the leading shape of ``logits``): ``mask``, or all True."""
@@ -204,94 +200,56 @@ def token_log_probs(
 ) -> torch.Tensor | LogProbStatistics:
     r"""Log-probabilities of the sampled tokens, computed in float32 chunk by chunk.
 
-    With :math:`x = \text{logits} / \tau`,
+    With :math:`x = \text{logits} / \tau` and :math:`p = \mathrm{softmax}(x)`:
 
     .. math::
 
-        \log \pi(y_{bt}) = x_{bt, y_{bt}} - \log \sum_{v=1}^{V} \exp(x_{btv}),
+        \log \pi(y_{bt}) = x_{bt, y_{bt}} - \log \sum_{v=1}^{V} \exp(x_{btv}), \qquad
+        \frac{\partial \log \pi(y_{bt})}{\partial \text{logits}_{btv}}
+        = \frac{\mathbb{1}[v = y_{bt}] - p_{btv}}{\tau},
 
-    evaluated on blocks of ``chunk_size`` rows, each upcast to float32 on its own, so no float32
-    copy of the ``(B, T, V)`` logits is made (TRL's ``selective_log_softmax`` and torchtune's
-    ``log_softmax(dtype=float32)`` upcast the whole tensor). The gradient is exact,
-    :math:`\partial / \partial \text{logits}_{btv} = g_{bt} (\mathbb{1}[v = y_{bt}] - p_{btv})
-    / \tau`; it is recomputed chunk by chunk in the backward pass (only the logits and the
-    ``(N,)`` log-normalisers are saved) and written in the logits' dtype. Invariant to adding a
-    constant to each row of the logits. Second-order gradients are not supported.
-
-    **Truncated** (the sampler's kept set :math:`K`, at most one of ``kept_ids``,
-    ``kept_mask``, ``top_k``/``top_p``): :math:`\log q_K(y) = x_y - \log\sum_{v \in K}
-    e^{x_v}`, ``-inf`` (never NaN, with exactly zero gradient) when :math:`y \notin K`; a row
-    without a recorded set keeps the whole vocabulary (:mod:`rlobjectives.logprobs.truncation`).
-    **Vocabulary-parallel** (``vocab_group``): ``logits`` are this rank's contiguous slice of
-    the vocabulary (rank order, uneven slices allowed), ``tokens`` global ids; the result equals
-    the unsharded call on every rank, for one all-gather of the slice sizes, one all-reduce MAX
-    of ``N`` floats and one all-reduce SUM of ``2 N`` (the gradient w.r.t. the local logits
-    needs no communication; :mod:`rlobjectives.logprobs.vocab_parallel`).
+    on blocks of ``chunk_size`` rows upcast one at a time (no float32 copy of the logits; the
+    backward recomputes each chunk). A kept set :math:`K` gives :math:`\log q_K(y)`, ``-inf``
+    with zero gradient for :math:`y \notin K`; ``vocab_group`` gives the unsharded result.
+    Details: docs/objectives/logprobs.md, "token_log_probs".
 
     Args:
         logits: ``(B, T, V)`` or ``(N, V)`` floating logits (any float dtype).
-        tokens: ``(B, T)`` or ``(N,)`` integer token ids, in ``[0, V)`` wherever ``mask`` is True
-            (not checked on the device: an out-of-range id raises inside ``gather``, on
-            every rank under ``vocab_group``).
-        mask: optional ``(B, T)`` / ``(N,)`` bool or numeric, nonzero = compute this position.
-            Unselected positions give 0, and any value there (NaN/inf logits, padding ids such
-            as -100) reaches neither the output nor the gradient. Default: every position.
-        temperature: :math:`\tau > 0`; the logits are divided by it (the sampling temperature):
-            a number, or a per-token tensor of the leading shape (``(B, T)`` / ``(N,)``; any
-            value where ``mask`` is False), as a sampler with per-request temperatures used.
-        chunk_size: rows per chunk (positive int), or None for
-            ``max(1, 2**23 // V)`` rows (about 32 MiB of float32 per chunk).
-        vocab_group: None, or the ``torch.distributed`` process group over which the vocabulary
-            is split (or a :class:`~rlobjectives.VocabParallel` with its options).
-        kept_ids: ``(B, T, K)`` / ``(N, K)`` integer kept ids of each position (any order, padded
-            at the end with ``kept_pad``; global ids under ``vocab_group``).
+        tokens: ``(B, T)`` or ``(N,)`` integer ids in ``[0, V)`` where ``mask`` is True.
+        mask: optional ``(B, T)`` / ``(N,)``, nonzero = compute; elsewhere 0, nothing read.
+        temperature: :math:`\tau > 0`, a number or a per-token ``(B, T)`` / ``(N,)`` tensor.
+        chunk_size: rows per chunk, or None for ``max(1, 2**23 // V)`` (about 32 MiB).
+        vocab_group: None, or the process group over which the vocabulary is split (or a
+            :class:`~rlobjectives.VocabParallel`); ``tokens`` are global ids.
+        kept_ids: ``(B, T, K)`` / ``(N, K)`` integer kept ids, padded with ``kept_pad``.
         kept_pad: the padding id of ``kept_ids`` (default -1).
-        kept_mask: ``(B, T, V)`` / ``(N, V)`` bool, True = kept (this rank's slice under
-            ``vocab_group``).
-        top_k: recompute the sampler's top-k on the logits after the temperature (int >= 1;
-            None: off). Ties with the k-th value are kept.
-        top_p: recompute the sampler's top-p (in ``(0, 1]``) on the top-k-renormalised
-            distribution (top-k first, as vLLM, NeMo-RL and HF); the threshold is saved for
-            backward. Sorts each chunk's rows (``(C, k)`` values with ``top_k``); with
-            ``vocab_group`` it needs ``top_k``.
-        min_p: recompute the sampler's min-p (in ``[0, 1]``; 0 or None: off): keep
-            :math:`p_v \ge p_{min} \max_u p_u`, applied before top-k and top-p (vLLM V1's order).
+        kept_mask: ``(B, T, V)`` / ``(N, V)`` bool, True = kept (this rank's slice).
+        top_k: the sampler's top-k on the logits after the temperature (int >= 1; None: off).
+        top_p: the sampler's top-p in ``(0, 1]`` after top-k (with ``vocab_group``: needs it).
+        min_p: the sampler's min-p in ``[0, 1]``, before top-k and top-p (0 or None: off).
         final_logit_softcapping: :math:`c > 0`: the logits become :math:`c \tanh(s z / c)`
-            before the temperature (Gemma 2/3's ``final_logit_softcapping``), or None.
-        logit_scale: :math:`s`, multiplying the logits first (Cohere's ``logit_scale``, Granite's
-            ``1 / logits_scaling``; :func:`rlobjectives.integrations.transformers.head_options`
-            reads both from a model config as TRL does).
-        statistics: names from ``("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")``:
-            also return them (TRL 1.16's ``ChunkedLogProbFunction`` outputs:
-            :mod:`rlobjectives.logprobs.statistics`) in a :class:`LogProbStatistics`; None: the
-            log-probabilities alone.
+            before the temperature (Gemma 2/3), or None.
+        logit_scale: :math:`s`, multiplying the logits first (Cohere's ``logit_scale``).
+        statistics: names from ``("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")``
+            (TRL 1.16's ``ChunkedLogProbFunction`` outputs); None: the log-probabilities alone.
 
     Returns:
-        ``(B, T)`` or ``(N,)`` log-probabilities, float32 (float64 for float64 logits) whatever
-        the logits' dtype, on the logits' device; with ``statistics`` a
-        :class:`LogProbStatistics` ``(log_probs, entropy, log_sum_sq_probs, mean_logits,
-        is_top1)``, None for the statistics not asked for. Rows with a zero upstream gradient get
-        an exact zero logits gradient.
+        ``(B, T)`` or ``(N,)`` log-probabilities, float32 (float64 for float64 logits); with
+        ``statistics`` a :class:`LogProbStatistics` (None for the statistics not asked for).
 
     Raises:
         ValueError: on wrong ranks, mismatched shapes or devices, ``temperature <= 0`` or
             non-finite, ``chunk_size < 1``; more than one kind of kept set, ``top_k < 1``,
-            ``top_p`` outside ``(0, 1]``, ``top_p`` without ``top_k`` under ``vocab_group``, a
+            ``top_p`` outside ``(0, 1]`` (or without ``top_k`` under ``vocab_group``), a
             ``vocab_group`` without initialised ``torch.distributed``.
         TypeError: on non-numeric logits, non-integer tokens or kept ids, a non-int
             ``chunk_size`` or ``top_k``, a non-number ``temperature`` or ``top_p``, a
             ``vocab_group`` that is not a process group.
 
     References:
-        The log-softmax gather of the policy-gradient estimator, Williams 1992 (REINFORCE) and
-        Schulman et al. 2017, PPO, arXiv:1707.06347 Eq. 6-7; chunked float32 evaluation as in
-        Liger-Kernel (Hsu et al. 2024, arXiv:2410.10989 Sec. 3.3) and Cut Cross-Entropy
-        (Wijmans et al. 2024, arXiv:2411.09009). Truncation: DeepSeek-V3.2, arXiv:2512.02556
-        Sec. 3.1 (Keep Sampling Mask); slime ``log_prob_keep_mask``, NeMo-RL
-        ``apply_top_k_top_p``, vLLM ``apply_top_k_top_p`` and mask replay. Vocabulary
-        parallelism: Megatron ``_VocabParallelCrossEntropy`` (Shoeybi et al. 2019,
-        arXiv:1909.08053), verl ``vocab_parallel_log_probs_from_logits``, NeMo-RL
-        ``DistributedLogprob``, slime ``_VocabParallelLogProbEntropy``.
+        PPO, arXiv:1707.06347 Eq. 6-7; Liger-Kernel, arXiv:2410.10989 Sec. 3.3; Cut
+        Cross-Entropy, arXiv:2411.09009; DeepSeek-V3.2, arXiv:2512.02556 Sec. 3.1 (kept set);
+        Megatron, arXiv:1909.08053 (vocabulary parallelism); the peers: the docs page.
 
     Examples:
         >>> import torch
@@ -300,9 +258,9 @@ def token_log_probs(
 
     .. versionadded:: 0.1.0
     """
-    logits_t = _as_logits(logits, "logits")
+    logits_t = as_logits(logits, "logits")
     tokens_t = _as_tokens(tokens, "tokens", logits_t, "logits")
-    active = _row_mask(mask, "mask", logits_t, "logits")
+    active = row_mask(mask, "mask", logits_t, "logits")
     dtype = compute_dtype(logits_t)
     transform = logits_transform(
         temperature, final_logit_softcapping, logit_scale, logits_t, active, dtype=dtype
@@ -332,16 +290,6 @@ def token_log_probs(
     if wanted is None:
         return outputs[0]  # type: ignore[no-any-return]
     return statistics_result(wanted, outputs)
-
-
-def statistics_result(wanted: Wanted, outputs: Sequence[torch.Tensor]) -> LogProbStatistics:
-    """The :class:`LogProbStatistics` of a Function's ``(log_probs, entropy, *others)``."""
-    others = iter(outputs[2:])
-    values = {"entropy": outputs[1]} if wanted.entropy else {}
-    for name in ("log_sum_sq_probs", "mean_logits", "is_top1"):
-        if getattr(wanted, name):
-            values[name] = next(others)
-    return wanted.result(outputs[0], values)
 
 
 def _as_tokens(
@@ -433,8 +381,8 @@ def token_entropy(
 
     .. versionadded:: 0.1.0
     """
-    logits_t = _as_logits(logits, "logits")
-    active = _row_mask(mask, "mask", logits_t, "logits")
+    logits_t = as_logits(logits, "logits")
+    active = row_mask(mask, "mask", logits_t, "logits")
     dtype = compute_dtype(logits_t)
     transform = logits_transform(
         temperature, final_logit_softcapping, logit_scale, logits_t, active, dtype=dtype
@@ -459,227 +407,3 @@ def token_entropy(
         logits_t, active, mask is not None, call, chunk
     )
     return restricted
-
-
-def _prepare_kl(
-    logits: ArrayLike,
-    ref_logits: ArrayLike,
-    mask: ArrayLike | None,
-    temperature: object,
-    chunk_size: int | None,
-    packed: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, LogitTransform, int]:
-    logits_t = _as_logits(logits, "logits")
-    ref_t = _as_logits(ref_logits, "ref_logits")
-    check_same_device({"logits": logits_t, "ref_logits": ref_t})
-    check_shape(ref_t, "ref_logits", tuple(logits_t.shape), "logits")
-    active = _row_mask(mask, "mask", logits_t, "logits")
-    dtype = compute_dtype(logits_t, ref_t)
-    transform = logits_transform(temperature, None, 1.0, logits_t, active, dtype=dtype,
-                                 packed=packed)  # fmt: skip
-    chunk = resolve_chunk_size(chunk_size, row_width=logits_t.shape[-1])
-    return logits_t, ref_t, active, transform, chunk
-
-
-def _kl(
-    logits: torch.Tensor,
-    ref_logits: torch.Tensor,
-    active: torch.Tensor,
-    options: tuple[bool, LogitTransform, int],
-    vocab_group: VocabGroup,
-) -> torch.Tensor:
-    """The KL Function of the call.
-
-    Over vocabulary slices with ``vocab_group``, or with a per-token temperature.
-    """
-    masked, transform, chunk = options
-    dtype = compute_dtype(logits, ref_logits)
-    if vocab_group is not None or transform.per_row:
-        shard = None
-        if vocab_group is not None:
-            shard = resolve_shard(vocab_group, logits.shape[-1], logits.device)
-        sharded: torch.Tensor = RestrictedKLFunction.apply(  # type: ignore[no-untyped-call]
-            logits, ref_logits, active, masked, transform, chunk, dtype, shard
-        )
-        return sharded
-    tau = 1.0 / float(transform.inverse)  # type: ignore[arg-type]
-    out: torch.Tensor = FullVocabKLFunction.apply(  # type: ignore[no-untyped-call]
-        logits, ref_logits, active, masked, tau, chunk, dtype
-    )
-    return out
-
-
-@checks_environment
-def full_vocab_kl(
-    logits: ArrayLike,
-    ref_logits: ArrayLike,
-    *,
-    mask: ArrayLike | None = None,
-    temperature: Temperature = 1.0,
-    chunk_size: int | None = None,
-    vocab_group: VocabGroup = None,
-) -> torch.Tensor:
-    r"""Exact per-token KL(pi || ref) over the whole vocabulary, chunked over tokens.
-
-    With :math:`p = \mathrm{softmax}(\text{logits}/\tau)` and
-    :math:`q = \mathrm{softmax}(\text{ref\_logits}/\tau)` at each position,
-
-    .. math::
-
-        \mathrm{KL}_{bt} = \sum_{v=1}^{V} p_{btv} (\log p_{btv} - \log q_{btv}) \ \ge 0,
-
-    .. math::
-
-        \frac{\partial \mathrm{KL}}{\partial \text{logits}_v}
-        = \frac{p_v (\log p_v - \log q_v - \mathrm{KL})}{\tau}, \qquad
-        \frac{\partial \mathrm{KL}}{\partial \text{ref\_logits}_v} = \frac{q_v - p_v}{\tau}.
-
-    This is the exact value that the sampled estimators k1/k2/k3 (Schulman 2020) estimate from
-    one token per position; none of verl (``kl_penalty="full"`` raises NotImplementedError),
-    TRL or OpenRLHF computes it. Both forward and backward process ``chunk_size`` positions at a
-    time in float32 (only the two logit tensors and three ``(N,)`` vectors are saved), so the
-    extra memory is O(chunk_size * V) in both passes; gradients are written in each input's
-    dtype, for ``ref_logits`` only when it requires grad. Terms with :math:`p_v = 0` contribute
-    0; the KL is ``inf`` where the reference gives zero probability to a token the policy
-    supports. Both distributions use the same temperature (the sampling temperature).
-
-    With ``vocab_group`` both logit tensors are this rank's slice of the vocabulary: two passes
-    over them (the log-normalisers, combined over the ranks with one all-reduce MAX and one
-    SUM of ``2 N`` floats each, then this slice's terms with them, one all-reduce SUM of ``N``),
-    so every term is the unsharded call's; the gradients are local.
-
-    To reduce to a loss use :func:`full_vocab_kl_loss` (or
-    ``aggregate(full_vocab_kl(...), mask, reduction=...)``).
-
-    Args:
-        logits: ``(B, T, V)`` or ``(N, V)`` policy logits.
-        ref_logits: reference-policy logits, same shape (any float dtype).
-        mask: optional ``(B, T)`` / ``(N,)``; unselected positions give exactly 0, and NaN/inf
-            in their logits reaches neither the output nor a gradient. Default: every position.
-        temperature: :math:`\tau > 0`, applied to both logit tensors (or a per-token tensor of
-            the leading shape, as :func:`token_log_probs`).
-        chunk_size: positions per chunk, or None for ``max(1, 2**23 // V)``.
-        vocab_group: None, or the process group over which the vocabulary is split (or a
-            :class:`~rlobjectives.VocabParallel`), as :func:`token_log_probs`.
-
-    Returns:
-        ``(B, T)`` or ``(N,)`` KL in nats, float32 (float64 if either input is float64).
-
-    Raises:
-        ValueError: on wrong ranks, mismatched shapes or devices, ``temperature <= 0``,
-            ``chunk_size < 1``.
-        TypeError: on non-numeric logits or a non-int ``chunk_size``.
-
-    References:
-        Kullback & Leibler 1951; the KL-regularised RL objective of Ouyang et al. 2022,
-        arXiv:2203.02155 Eq. 2, and GRPO, arXiv:2402.03300 Eq. 3-4 (whose k3 term estimates this
-        quantity from the sampled token).
-
-    Examples:
-        >>> import torch
-        >>> logits = torch.log(torch.tensor([[0.5, 0.5]]))
-        >>> ref_logits = torch.log(torch.tensor([[0.25, 0.75]]))
-        >>> full_vocab_kl(logits, ref_logits)  # 0.5 log 2 + 0.5 log(2/3)
-        tensor([0.1438])
-
-    .. versionadded:: 0.1.0
-    """
-    logits_t, ref_t, active, transform, chunk = _prepare_kl(
-        logits, ref_logits, mask, temperature, chunk_size
-    )
-    return _kl(logits_t, ref_t, active, (mask is not None, transform, chunk), vocab_group)
-
-
-@checks_environment
-def full_vocab_kl_loss(
-    logits: ArrayLike,
-    ref_logits: ArrayLike,
-    mask: ArrayLike,
-    *,
-    reduction: Reduction = "token_mean",
-    normalizer: Scalar | None = None,
-    max_response_length: Scalar | None = None,
-    temperature: Temperature = 1.0,
-    chunk_size: int | None = None,
-    cu_seqlens: ArrayLike | None = None,
-    vocab_group: VocabGroup = None,
-) -> torch.Tensor:
-    r"""Exact full-vocabulary KL(pi || ref) reduced to a loss term.
-
-    .. math::
-
-        \mathcal{L}_{KL} = \mathrm{reduce}_{M}\big(\mathrm{KL}_{bt}\big),
-
-    with :math:`\mathrm{KL}_{bt}` from :func:`full_vocab_kl` and the reduction of
-    :func:`rlobjectives.aggregate` (``"token_mean"``, ``"sequence_mean"``,
-    ``"sequence_sum_normalized"``, ``"none"``). Multiply by the KL coefficient and add it to the
-    policy loss (GRPO's KL term, arXiv:2402.03300 Eq. 3, with the exact KL in place of k3).
-    With an explicit ``normalizer`` the loss of micro-batches adds up to the full-batch loss.
-    Packed sequences (``cu_seqlens`` given): ``logits`` ``(N, V)`` or ``(1, N, V)`` and ``mask``
-    ``(N,)`` or ``(1, N)``, reduced per sequence as :func:`rlobjectives.aggregate` does.
-
-    Args:
-        logits: ``(B, T, V)`` policy logits.
-        ref_logits: ``(B, T, V)`` reference logits.
-        mask: ``(B, T)`` bool or numeric; nonzero selects the token.
-        reduction: see :func:`rlobjectives.aggregate`.
-        normalizer: optional explicit denominator (see :func:`rlobjectives.aggregate`).
-        max_response_length: Dr. GRPO constant for ``"sequence_sum_normalized"``.
-        temperature: :math:`\tau > 0`, applied to both logit tensors (or a per-token tensor:
-            ``(B, T)``, packed ``(N,)``).
-        chunk_size: positions per chunk, or None for ``max(1, 2**23 // V)``.
-        cu_seqlens: optional ``(S + 1,)`` integer boundaries of packed sequences (0 first,
-            non-decreasing, ``N`` last); see :func:`rlobjectives.policy_loss`.
-        vocab_group: as :func:`full_vocab_kl` (the loss is the same on every rank).
-
-    Returns:
-        Scalar loss (``(B, T)`` for ``reduction="none"``, packed: the shape of ``mask``),
-        float32 (float64 for float64 inputs).
-
-    Raises:
-        ValueError: as :func:`full_vocab_kl`, for logits that are not ``(B, T, V)`` (packed:
-            ``(N, V)`` / ``(1, N, V)``), an unknown ``reduction``, a non-positive
-            ``normalizer`` or a malformed ``cu_seqlens``.
-        TypeError: on non-numeric logits.
-
-    References:
-        Shao et al. 2024, GRPO, arXiv:2402.03300 Eq. 3; Ouyang et al. 2022, arXiv:2203.02155
-        Eq. 2.
-
-    Examples:
-        >>> import torch
-        >>> loss = full_vocab_kl_loss(torch.zeros(1, 2, 3), torch.zeros(1, 2, 3),
-        ...                           torch.ones(1, 2, dtype=torch.bool))
-        >>> loss
-        tensor(0.)
-
-    .. versionadded:: 0.1.0
-    """
-    packed = cu_seqlens is not None
-    logits_t = _as_logits(logits, "logits")
-    if packed and logits_t.ndim == 2:
-        logits_t = logits_t.unsqueeze(0)  # (1, N, V)
-        ref_logits = _as_logits(ref_logits, "ref_logits")
-        ref_logits = ref_logits.unsqueeze(0) if ref_logits.ndim == 2 else ref_logits
-    if logits_t.ndim != 3 or (packed and logits_t.shape[0] != 1):
-        expected = "(N, V) or (1, N, V) (packed: cu_seqlens given)" if packed else "(B, T, V)"
-        raise ValueError(
-            f"logits must have shape {expected} for a reduced loss, got shape "
-            f"{tuple(logits_t.shape)}"
-        )
-    flat = packed and token_ndim(mask) == 1
-    mask_t = token_matrix(as_mask(mask, "mask", logits_t.device), "mask", packed)
-    layout = sequence_layout(cu_seqlens, logits_t[..., 0])
-    spec = validate_layout_reduction(
-        reduction,
-        normalizer=normalizer,
-        max_response_length=max_response_length,
-        layout=layout,
-        tokens=logits_t.shape[1],
-    )
-    logits_t, ref_t, active, transform, chunk = _prepare_kl(
-        logits_t, ref_logits, mask_t, temperature, chunk_size, packed
-    )
-    kl = _kl(logits_t, ref_t, active, (True, transform, chunk), vocab_group)  # (B, T)
-    loss = reduce(kl, active, spec, layout)
-    return token_output(loss, flat and loss.ndim == 2)

@@ -2,8 +2,9 @@ r"""Forward and backward passes of the LM-head functions, one chunk of rows at a
 
 The ``(N, V)`` logits ``hidden @ weight.T + bias`` are never computed at once: each pass runs the
 chunk driver of :mod:`rlobjectives._core.chunking` with a per-chunk step, and every chunk works in
-the pass's :class:`~rlobjectives.logprobs.head.ChunkBuffers` (see :mod:`rlobjectives.logprobs.head`
-for the buffers, the chunk size and the per-chunk helpers). The passes are:
+the pass's :class:`~rlobjectives.logprobs.chunks.ChunkBuffers` (see
+:mod:`rlobjectives.logprobs.chunks` for the buffers and the per-chunk helpers,
+:mod:`rlobjectives.logprobs.head` for the chunk size). The passes are:
 
 - :func:`log_probs_forward` / :func:`log_probs_backward`: log-probabilities (and the statistics
   of :mod:`rlobjectives.logprobs.statistics`) of the given tokens; the forward keeps the
@@ -11,21 +12,8 @@ for the buffers, the chunk size and the per-chunk helpers). The passes are:
 - the fused linear loss (gradients formed in the forward pass, no recompute) lives in
   :mod:`rlobjectives.logprobs.fused_linear` and shares the head's chunk helpers.
 
-**Saved logits.** The backward needs each chunk's transformed logits :math:`x` again. Recomputing
-them costs a fourth GEMM (the forward's :math:`h W^\top`, again) on top of the gradient's two
-and the forward's one: 1.33x the three-GEMM floor before any element-wise pass. When the
-inputs need a gradient the forward therefore keeps the first chunks' :math:`x` (after the
-transform and the kept set), at most :data:`SAVED_LOGITS` values (2**27: 512 MiB of float32,
-the size of the ``4096 x 32768`` tile TRL's ``ChunkedLogProbFunction`` holds); the remaining
-chunks are recomputed. Unless the product needs a rounding buffer (``fp32_head=False`` with a
-bf16/fp16 head, a float32 head in a float64 computation) the saved rows' product is formed at
-once into that buffer (one GEMM instead of one per chunk, which on CPU re-reads and re-packs the
-whole weight each time), the chunks then transform it and take their statistics in place, and
-the backward forms the gradient in place of the logits and its two products once over the
-saved rows. A second backward through the same graph (``retain_graph=True``) forms the saved
-logits again by the same operations, so it gives the same gradients to the bit.
-
-All tensors are flat: hidden ``(N, H)``, tokens and masks ``(N,)``.
+All tensors are flat: hidden ``(N, H)``, tokens and masks ``(N,)``. The forward keeps the first
+chunks' transformed logits for the backward pass (:mod:`rlobjectives.logprobs.saved_logits`).
 """
 
 from __future__ import annotations
@@ -38,127 +26,33 @@ import torch
 from .._core.chunking import Block, block_rows, run_blocks
 from .._core.reduction import masked_fill_zero
 from .blocks import entropy_logit_grads_, finite_log_probs_, slice_moments_
-from .head import (
+from .chunks import (
     ChunkBuffers,
     Grads,
-    Head,
     accumulate_grads,
-    casts_product,
-    chunk_product,
     chunk_scores,
     finish_grads,
     new_buffers,
     new_grads,
     select_rows,
-    softcap_derivative,
-    transform_scores_,
+)
+from .head import Head
+from .saved_logits import (
+    SavedLogits,
+    covers,
+    is_saved,
+    refill,
+    saved_logits,
+    saved_rows,
+    transformed,
+    whole_product,
 )
 from .statistics import Wanted
+from .transform import softcap_derivative
 from .truncation import kept_rows, restrict_
 from .vocab_parallel import combine_rows, first_argmax
 
-__all__ = [
-    "SAVED_LOGITS",
-    "Forward",
-    "LogProbsFromHidden",
-    "Saved",
-    "SavedLogits",
-    "log_probs_backward",
-    "log_probs_forward",
-]
-
-#: The most transformed logits :func:`log_probs_forward` keeps for the backward pass (2**27
-#: values: 512 MiB of float32, the ``4096 x 32768`` tile of TRL's ChunkedLogProbFunction).
-SAVED_LOGITS = 1 << 27
-
-
-class SavedLogits(NamedTuple):
-    """The transformed logits of the first ``rows`` rows, kept from forward to backward.
-
-    ``values`` is ``(rows, V)``; the backward pass forms the gradient in place there (so a
-    second backward through the same graph recomputes them). ``whole``: the product of all the
-    rows was formed at once, and their gradient products are too (one GEMM each instead of one
-    per chunk).
-    """
-
-    values: torch.Tensor
-    rows: int
-    whole: bool
-
-
-def _saved_logits(head: Head) -> SavedLogits | None:
-    """The buffer of the saved chunks (whole chunks within :data:`SAVED_LOGITS`), or None."""
-    count, vocab = head.hidden.shape[0], head.weight.shape[0]
-    rows = min(count, SAVED_LOGITS // max(vocab, 1))
-    if rows < count:
-        rows = rows // head.chunk_size * head.chunk_size
-    if rows == 0:
-        return None
-    values = torch.empty(rows, vocab, dtype=head.dtype, device=head.weight.device)
-    # at once where no rounding buffer is needed (the product formed in the computation dtype)
-    return SavedLogits(values, rows, whole=not casts_product(head))
-
-
-def _covers(saved: SavedLogits | None, head: Head) -> bool:
-    """Whether every row is saved with its product formed at once: no ``(chunk, V)`` block."""
-    return saved is not None and saved.whole and saved.rows == head.hidden.shape[0]
-
-
-def _transformed(
-    hidden_chunk: torch.Tensor,
-    head: Head,
-    buffers: ChunkBuffers,
-    saved: SavedLogits | None,
-    block: Block,
-) -> torch.Tensor:
-    """A forward chunk's transformed logits in ``buffers.scores``: product unless formed."""
-    if _is_saved(saved, block) and saved is not None and saved.whole:  # product formed already
-        return transform_scores_(buffers.scores, head, buffers, block[0])
-    return chunk_scores(hidden_chunk, head, buffers, block[0])
-
-
-def _refill(head: Head, mask: torch.Tensor | None, thresholds: torch.Tensor | None) -> SavedLogits:
-    """The forward pass's saved logits formed again by the same operations (a second backward).
-
-    The first backward consumed them; the same products, transform and kept set (its
-    thresholds replayed) give the same values to the bit, so backward is reentrant.
-    """
-    saved = _saved_logits(head)
-    assert saved is not None
-    buffers = new_buffers(
-        head, with_entropy=False, scores=not _covers(saved, head), derivative=False
-    )
-    _whole_product(head, mask, buffers, saved)
-    for block in block_rows((saved.rows,), head.chunk_size, flat=True):
-        active = None if mask is None else mask[block]
-        hidden_chunk, _ = select_rows(head.hidden[block], head.tokens[block], active)
-        rows = buffers._replace(scores=saved.values[block])
-        scores = _transformed(hidden_chunk, head, rows, saved, block)
-        if head.kept is not None:
-            flat = kept_rows(block, ())
-            restrict_(scores, head.kept, flat, head.shard, thresholds, decide=False, active=active)
-    return saved
-
-
-def _whole_product(
-    head: Head, mask: torch.Tensor | None, buffers: ChunkBuffers, saved: SavedLogits
-) -> None:
-    """The product of all the saved rows at once, into ``saved.values`` (where ``whole``)."""
-    if saved.whole:
-        region = buffers._replace(scores=saved.values)
-        chunk_product(_saved_rows(head, mask, saved.rows), head, region)
-
-
-def _saved_rows(head: Head, mask: torch.Tensor | None, rows: int) -> torch.Tensor:
-    """The hidden states of the first ``rows`` rows, those outside ``mask`` zero, ``(rows, H)``."""
-    hidden = head.hidden[:rows]
-    return hidden if mask is None else masked_fill_zero(hidden, mask[:rows].unsqueeze(1))
-
-
-def _is_saved(saved: SavedLogits | None, block: Block) -> bool:
-    rows = block[0]
-    assert isinstance(rows, slice)
-    return saved is not None and rows.stop <= saved.rows
+__all__ = ["Forward", "LogProbsFromHidden", "Saved", "log_probs_backward", "log_probs_forward"]
 
 
 class _ForwardState(NamedTuple):
@@ -179,10 +73,10 @@ def _forward_step(
     buffers, shifted, thresholds, saved, wanted = state
     active = None if mask is None else mask[block]
     hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], active)
-    if _is_saved(saved, block):  # the logits are formed in the saved rows themselves: no copy
+    if is_saved(saved, block):  # the logits are formed in the saved rows themselves: no copy
         assert saved is not None
         buffers = buffers._replace(scores=saved.values[block])
-    scores = _transformed(hidden_chunk, head, buffers, saved, block)  # (n, V)
+    scores = transformed(hidden_chunk, head, buffers, saved, block)  # (n, V)
     logit_sum = scores.sum(dim=1) if wanted.mean_logits else None  # (n,)
     if head.kept is not None:  # the logits outside the kept set become -inf
         flat = kept_rows(block, ())  # unselected (zeroed) rows keep everything: finite softmax
@@ -249,13 +143,11 @@ def log_probs_forward(
     if head.kept is not None and head.kept.rule:
         thresholds = torch.zeros(rows, dtype=dtype, device=device)
     # the scratch rows of slice_moments_; no softcap derivative (the backward's)
-    saved = _saved_logits(head) if save else None
-    buffers = new_buffers(
-        head, with_entropy=True, scores=not _covers(saved, head), derivative=False
-    )
+    saved = saved_logits(head) if save else None
+    buffers = new_buffers(head, with_entropy=True, scores=not covers(saved, head), derivative=False)
     assert buffers.scratch is not None
     if saved is not None:
-        _whole_product(head, mask, buffers, saved)
+        whole_product(head, mask, buffers, saved)
     shifted = torch.empty_like(buffers.scratch)
     state = _ForwardState(buffers, shifted, thresholds, saved, wanted)
     run_blocks(blocks, partial(_forward_step, head, mask, state), outputs)
@@ -337,7 +229,7 @@ def _chunk_logits(
     rows = active[block]  # (n,)
     hidden_chunk, tokens_chunk = select_rows(head.hidden[block], head.tokens[block], rows)
     buffers, saved = state.buffers, state.saved
-    if _is_saved(saved, block):
+    if is_saved(saved, block):
         assert saved is not None
         scores = _zero_rows_(saved.values[block], rows)  # (n, V)
         if buffers.derivative is not None:
@@ -376,7 +268,7 @@ def _backward_step(
     grad_scores.scatter_add_(1, tokens_chunk.unsqueeze(1), target_grad.unsqueeze(1))  # g 1[v=y]
     if buffers.derivative is not None:  # the softcap's 1 - t^2
         grad_scores.mul_(buffers.derivative[: grad_scores.shape[0]])
-    if not (_is_saved(state.saved, block) and state.saved is not None and state.saved.whole):
+    if not (is_saved(state.saved, block) and state.saved is not None and state.saved.whole):
         accumulate_grads(grad_scores, hidden_chunk, head, state.grads, buffers, block)
     return []  # the saved rows' products at once, after the chunks (log_probs_backward)
 
@@ -427,7 +319,7 @@ def log_probs_backward(
         log_normalizer=torch.where(active, saved.log_normalizer, uniform),
         entropy_values=None if grad_h is None else masked_fill_zero(saved.entropy, active),
     )
-    buffers = new_buffers(head, with_entropy=grad_h is not None, scores=not _covers(logits, head))
+    buffers = new_buffers(head, with_entropy=grad_h is not None, scores=not covers(logits, head))
     # all the rows saved and their products formed at once: the accumulators are written once
     alone = logits is not None and logits.whole and logits.rows == head.hidden.shape[0]
     grads = new_grads(head, needs, zeroed=not alone)
@@ -436,7 +328,7 @@ def log_probs_backward(
     run_blocks(blocks, partial(_backward_step, head, active, upstream, state), [])
     if logits is not None and logits.whole:  # the saved rows' gradient products, one GEMM each
         region = (slice(0, logits.rows),)
-        hidden = _saved_rows(head, active, logits.rows)
+        hidden = saved_rows(head, active, logits.rows)
         accumulate_grads(logits.values, hidden, head, grads, buffers, region, first=alone)
     return finish_grads(head, state.grads)
 
@@ -445,7 +337,7 @@ class LogProbsFromHidden(torch.autograd.Function):
     r"""Chunked ``log_softmax(x)[y]`` and its statistics; saved or recomputed logits in backward.
 
     :math:`x = \mathrm{cap}_c(s(h W^T + b))/\tau`; the logits are saved within
-    :data:`SAVED_LOGITS`, recomputed beyond.
+    :data:`~rlobjectives.logprobs.saved_logits.SAVED_LOGITS`, recomputed beyond.
 
     ``hidden``, ``weight`` and ``bias`` are passed both on their own (so autograd sees them) and
     inside ``head``. ``wanted``: the statistics (a bool: the entropy alone, or not). Returns
@@ -505,7 +397,7 @@ class LogProbsFromHidden(torch.autograd.Function):
         )
         logits, ctx.logits = ctx.logits, None  # consumed by the gradient formed in place
         if logits is None and ctx.saves:  # a second backward: the same logits again
-            logits = _refill(head, mask, stats[2])
+            logits = refill(head, mask, stats[2])
         grads = log_probs_backward(
             head, mask, Saved(*stats), (grad_log_probs, grad_entropy), needs, logits
         )

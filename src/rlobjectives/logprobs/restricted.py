@@ -13,7 +13,9 @@ Per chunk (forward): the logits are loaded (divided by the temperature, unselect
 the kept set sets the others to ``-inf`` (:func:`~rlobjectives.logprobs.truncation.restrict_`),
 and the slice's log-normaliser, entropy and target logit are taken
 (:func:`~rlobjectives.logprobs.blocks.slice_stats`). Then one combine over the ranks. A row whose
-sampled token is outside the kept set has log-probability ``-inf`` and zero gradient.
+sampled token is outside the kept set has log-probability ``-inf`` and zero gradient. The
+full-vocabulary KL over vocabulary slices is
+:class:`~rlobjectives.logprobs.divergence.RestrictedKLFunction`.
 """
 
 from __future__ import annotations
@@ -25,24 +27,16 @@ import torch
 
 from .._core.chunking import Block, block_rows, resolve_chunk_size, run_blocks
 from .._core.reduction import masked_fill_zero
-from .blocks import (
-    slice_entropy_grad,
-    slice_grads_,
-    slice_kl,
-    slice_kl_grads,
-    slice_log_probs_grad,
-    slice_stats,
-)
+from .blocks import slice_entropy_grad, slice_grads_, slice_log_probs_grad, slice_stats
 from .functions import backward_rows, load_block, row_layout
-from .head import LogitTransform, apply_transform_, softcap_derivative
 from .statistics import Wanted
+from .transform import LogitTransform, apply_transform_, softcap_derivative
 from .truncation import Restriction, kept_rows, restrict_
-from .vocab_parallel import Shard, combine_rows, first_argmax, sum_over_ranks
+from .vocab_parallel import Shard, combine_rows, first_argmax
 
 __all__ = [
     "LogitsCall",
     "RestrictedEntropyFunction",
-    "RestrictedKLFunction",
     "RestrictedLogProbsFunction",
     "restricted_chunk_size",
 ]
@@ -439,138 +433,3 @@ class RestrictedEntropyFunction(torch.autograd.Function):
         step = partial(_entropy_grad_step, rows, saved, (laid, thresholds))
         run_blocks(blocks, step, [grad_rows])
         return grad_rows.reshape(logits.shape), None, None, None, None
-
-
-# ---------------------------------------------------------------------------------------------
-# Full-vocabulary KL over vocabulary slices (no kept set)
-# ---------------------------------------------------------------------------------------------
-
-
-def _kl_chunk(
-    tensor: torch.Tensor,
-    block: Block,
-    selected: torch.Tensor | None,
-    transform: LogitTransform,
-    dtype: torch.dtype,
-) -> torch.Tensor:
-    """The chunk of one logits tensor after the temperature, a fresh tensor of ``dtype``."""
-    chunk = load_block(tensor, block, selected, 1.0, dtype).to(dtype, copy=True)
-    return apply_transform_(chunk, transform, block)
-
-
-def _kl_normalizer_step(
-    pair: tuple[torch.Tensor, torch.Tensor],
-    active: torch.Tensor,
-    masked: bool,
-    options: tuple[LogitTransform, torch.dtype],
-    block: Block,
-) -> list[torch.Tensor]:
-    transform, dtype = options
-    selected = active[block] if masked else None
-    chunk = _kl_chunk(pair[0], block, selected, transform, dtype)
-    ref_chunk = _kl_chunk(pair[1], block, selected, transform, dtype)
-    return [torch.logsumexp(chunk, dim=1), torch.logsumexp(ref_chunk, dim=1)]
-
-
-def _kl_step(
-    pair: tuple[torch.Tensor, torch.Tensor],
-    active: torch.Tensor,
-    masked: bool,
-    normalizers: tuple[torch.Tensor, torch.Tensor],
-    options: tuple[LogitTransform, torch.dtype],
-    block: Block,
-) -> list[torch.Tensor]:
-    transform, dtype = options
-    selected = active[block] if masked else None
-    chunk = _kl_chunk(pair[0], block, selected, transform, dtype)
-    ref_chunk = _kl_chunk(pair[1], block, selected, transform, dtype)
-    return [slice_kl(chunk, ref_chunk, normalizers[0][block], normalizers[1][block])]
-
-
-def _kl_grad_step(
-    pair: tuple[torch.Tensor, torch.Tensor],
-    saved: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
-    needs: tuple[bool, bool],
-    options: tuple[LogitTransform, torch.dtype],
-    block: Block,
-) -> list[torch.Tensor]:
-    active, lse_x, lse_y, kl, grad = saved
-    transform, dtype = options
-    upstream = grad[block].to(dtype)
-    selected = backward_rows(active[block], upstream)
-    chunk = _kl_chunk(pair[0], block, selected, transform, dtype)
-    ref_chunk = _kl_chunk(pair[1], block, selected, transform, dtype)
-    factor = transform.row_factor(block)
-    scaled = masked_fill_zero(upstream, selected) * (
-        factor.to(dtype) if isinstance(factor, torch.Tensor) else factor
-    )
-    return slice_kl_grads(
-        chunk,
-        ref_chunk,
-        (masked_fill_zero(lse_x[block], selected), masked_fill_zero(lse_y[block], selected)),
-        masked_fill_zero(kl[block], selected),
-        scaled,
-        need_logits=needs[0],
-        need_ref=needs[1],
-    )
-
-
-class RestrictedKLFunction(torch.autograd.Function):
-    r"""Exact ``KL(softmax(x / tau) || softmax(y / tau))`` per row, chunked in two passes.
-
-    Two passes over the logits: the log-normalisers (combined over the ranks of a vocabulary
-    slice), then this slice's terms :math:`p_v (\log p_v - \log q_v)` with them, summed over
-    the ranks: every term is the unsharded call's. Without a shard (``None``): one process, a
-    per-token temperature (``transform``'s inverse in the leading shape of the logits).
-    """
-
-    @staticmethod
-    def forward(  # type: ignore[override]
-        ctx: Any,
-        logits: torch.Tensor,
-        ref_logits: torch.Tensor,
-        active: torch.Tensor,
-        masked: bool,
-        transform: LogitTransform,
-        chunk_size: int,
-        dtype: torch.dtype,
-        shard: Shard | None,
-    ) -> torch.Tensor:
-        """The forward pass (see the class docstring)."""
-        leading = tuple(active.shape)
-        blocks = block_rows(leading, chunk_size, flat=False)  # index both tensors alike
-        pair = (logits, ref_logits)
-        options = (transform, dtype)
-        stats = [torch.zeros(leading, dtype=dtype, device=logits.device) for _ in "ab"]
-        run_blocks(blocks, partial(_kl_normalizer_step, pair, active, masked, options), stats)
-        lse_x = combine_rows(stats[0].reshape(-1), None, [], shard).log_normalizer.reshape(leading)
-        lse_y = combine_rows(stats[1].reshape(-1), None, [], shard).log_normalizer.reshape(leading)
-        kl = torch.zeros(leading, dtype=dtype, device=logits.device)
-        step = partial(_kl_step, pair, active, masked, (lse_x, lse_y), options)
-        run_blocks(blocks, step, [kl])
-        kl = sum_over_ranks(kl, shard)
-        kl = masked_fill_zero(kl, active) if masked else kl
-        ctx.save_for_backward(logits, ref_logits, active, lse_x, lse_y, kl)
-        ctx.options = (transform, chunk_size, dtype)
-        return kl
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
-        """The backward pass (see the class docstring)."""
-        logits, ref_logits, active, lse_x, lse_y, kl = ctx.saved_tensors
-        transform, chunk_size, dtype = ctx.options
-        needs = (bool(ctx.needs_input_grad[0]), bool(ctx.needs_input_grad[1]))
-        blocks = block_rows(tuple(active.shape), chunk_size, flat=False)
-        outputs = [
-            torch.empty(logits.shape, dtype=source.dtype, device=source.device)
-            for source, need in zip((logits, ref_logits), needs, strict=True)
-            if need
-        ]
-        saved = (active, lse_x, lse_y, kl, grad)
-        step = partial(_kl_grad_step, (logits, ref_logits), saved, needs, (transform, dtype))
-        run_blocks(blocks, step, outputs)
-        grads = iter(outputs)
-        grad_logits = next(grads) if needs[0] else None
-        grad_ref = next(grads) if needs[1] else None
-        return grad_logits, grad_ref, None, None, None, None, None, None

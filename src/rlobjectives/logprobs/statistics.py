@@ -23,13 +23,20 @@ logit takes one all-reduce MAX of ``N`` values and one all-reduce MIN of ``N`` i
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
 
 from .._core.validation import describe
 
-__all__ = ["LogProbStatistics", "STATISTICS", "Wanted", "validate_statistics"]
+__all__ = [
+    "LogProbStatistics",
+    "STATISTICS",
+    "Wanted",
+    "statistics_result",
+    "validate_statistics",
+]
 
 #: The statistics ``statistics=`` may name (TRL 1.16's ``OPTIONAL_OUTPUTS``).
 STATISTICS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
@@ -103,3 +110,13 @@ def validate_statistics(statistics: object, *, entropy: bool = False) -> Wanted 
                 "(the log-probabilities are always returned)"
             )
     return Wanted(*(name in statistics or (name == "entropy" and entropy) for name in STATISTICS))
+
+
+def statistics_result(wanted: Wanted, outputs: Sequence[torch.Tensor]) -> LogProbStatistics:
+    """The :class:`LogProbStatistics` of a Function's ``(log_probs, entropy, *others)``."""
+    others = iter(outputs[2:])
+    values = {"entropy": outputs[1]} if wanted.entropy else {}
+    for name in ("log_sum_sq_probs", "mean_logits", "is_top1"):
+        if getattr(wanted, name):
+            values[name] = next(others)
+    return wanted.result(outputs[0], values)

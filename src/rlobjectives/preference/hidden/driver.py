@@ -42,10 +42,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ...logprobs.head import (
+from ...logprobs.chunks import (
     ChunkBuffers,
     Grads,
-    Head,
     accumulate_grads,
     chunk_scores,
     new_buffers,
@@ -53,6 +52,7 @@ from ...logprobs.head import (
     select_rows,
     softmax_,
 )
+from ...logprobs.head import Head
 
 __all__ = [
     "Sums",
