@@ -11,7 +11,7 @@ same buffer). The drivers run a rule over the rows:
   into one float32 (float64) buffer (a strided view such as ``logits[:, :-1]`` is read block by
   block, never copied whole); the backward recomputes each block.
 - :class:`HiddenDivergence`: the logits recomputed from the hidden states chunk by chunk with
-  the LM-head machinery of :mod:`rlobjectives.logprobs.head` (one ``(chunk, V)`` buffer);
+  the LM-head machinery of :mod:`rlobjectives.logprobs.chunks` (one ``(chunk, V)`` buffer);
   recompute in backward, for any upstream gradient (``reduction="none"``).
 - :class:`FusedHiddenDivergence`: for a reduced loss, whose per-token weights
   :math:`\partial\mathcal{L}/\partial D_n` are known from the mask before the loop, the
@@ -283,7 +283,7 @@ def _hidden_scores(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     r"""``(hidden_chunk, scores)``: inactive hidden rows zeroed, then the transformed logits.
 
-    :math:`\mathrm{cap}_c(s(h W^T + b)) / \tau` (:func:`~rlobjectives.logprobs.head.chunk_scores`;
+    :math:`\mathrm{cap}_c(s(h W^T + b)) / \tau` (:func:`~rlobjectives.logprobs.chunks.chunk_scores`;
     with a softcap its :math:`1 - t^2` in ``buffers.derivative``).
     """
     hidden_chunk = masked_fill_zero(head.hidden[block], active.unsqueeze(-1))  # (n, H)

@@ -23,10 +23,10 @@ c)`,
 a per-row factor :math:`s/\tau` (:meth:`LogitTransform.row_factor`, folded into the per-row
 coefficients of the closed-form gradients) times, with a softcap, the element-wise
 :math:`1 - t^2` (:func:`softcap_derivative`), recovered from :math:`x` as
-:math:`t = \mathrm{clamp}(x\tau/c, -1, 1)` (every path recovers it the same way, so the
+:math:`\max(1 - (x\tau/c)^2, 0)` (every PyTorch path recovers it the same way, so the
 recomputing, the saving and the fused paths give the same numbers; ``-inf`` outside a kept set
-gives 0). A ``-inf`` logit (a banned token) becomes :math:`-c/\tau` under a softcap, as in the
-peers' forward passes.
+gives 0; the Triton kernel forms :math:`t` itself). A ``-inf`` logit (a banned token) becomes
+:math:`-c/\tau` under a softcap, as in the peers' forward passes.
 
 :func:`~rlobjectives.logprobs.head.validate_transform` checks the three public arguments; a
 per-token temperature is ``(B, T)`` (padded) or ``(N,)`` / ``(1, N)`` (packed), any value where
