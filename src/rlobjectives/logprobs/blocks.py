@@ -8,9 +8,12 @@ intermediates: call them where autograd is off.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 __all__ = [
+    "Moments",
     "chunk_entropy",
     "chunk_entropy_grad",
     "chunk_kl",
@@ -195,15 +198,28 @@ def chunk_kl_grads(
     return grads
 
 
+class Moments(NamedTuple):
+    """What :func:`slice_moments_` returns, ``(C,)`` per row unless said otherwise."""
+
+    log_normalizer: torch.Tensor
+    entropy: torch.Tensor | None
+    log_sum_sq: torch.Tensor | None
+    log_total: torch.Tensor  # (C, 1), log Z
+    maximum: torch.Tensor | None  # max_v s_v as given (-inf for a row without a finite value)
+    argmax: torch.Tensor | None  # its first index
+    logit_sum: torch.Tensor | None  # sum_v s_v as given
+
+
 def slice_moments_(
     scores: torch.Tensor,
     scratch: torch.Tensor,
     *,
     entropy: bool = True,
     squares: bool = False,
-    maximum: torch.Tensor | None = None,
+    top: bool = False,
+    sums: bool = False,
     shifted: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+) -> Moments:
     r"""Log-normaliser, entropy and :math:`\log\sum_v p_v^2` of each row of ``scores`` ``(C, V)``.
 
     With :math:`m = \max_v s_v`, :math:`Z = \sum_v e^{s_v - m}`:
@@ -213,46 +229,58 @@ def slice_moments_(
     ``log_sum_sq_probs``). ``scores`` is consumed: it becomes :math:`s - m`, with ``-inf``
     (banned tokens) made the most negative finite value (so that ``0 * log 0 = 0``), unless
     ``shifted`` ``(c, V)`` is given: then :math:`s - m` is formed there ``c`` rows at a time and
-    ``scores`` is left as it is. The exponentials are formed ``scratch.shape[0]`` rows at a time
-    in ``scratch`` ``(c, V)`` (a block that stays in cache), so no second ``(C, V)`` buffer and
-    no ``(C, V)`` pass besides the maximum's and one read of each block. A row with no finite
-    value (:math:`m` taken as 0) gives :math:`-\infty`, entropy 0 and
-    :math:`\log\sum p^2 = -\infty`. ``maximum`` ``(C, 1)``: :math:`m` when the caller has it.
-
-    Returns:
-        ``(log_normalizer, entropy, log_sum_sq, log_total)``: ``(C,)`` each (entropy and
-        log_sum_sq None when not asked for) and ``log Z`` ``(C, 1)``.
+    ``scores`` is left as it is. Every row block of ``scratch.shape[0]`` rows (a block that stays
+    in cache) is read once from memory: its maximum (with ``top``, its first index too), with
+    ``sums`` its row sums, then its exponentials in ``scratch`` ``(c, V)``; no second ``(C, V)``
+    buffer. A row with no finite value (:math:`m` taken as 0) gives :math:`-\infty`, entropy 0
+    and :math:`\log\sum p^2 = -\infty`.
     """
-    if maximum is None:
-        maximum = scores.amax(dim=1, keepdim=True)  # (C, 1)
-    # 0 for a row without a finite value (a vocabulary slice or kept set with none): no -inf - -inf
-    zero = torch.zeros((), dtype=maximum.dtype, device=maximum.device)
-    maximum = torch.where(torch.isfinite(maximum), maximum, zero)
-    totals, dots, squared = [], [], []
+    zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
+    totals, dots, squared, maxima, indices, row_sums = [], [], [], [], [], []
     step = scratch.shape[0]
     for start in range(0, scores.shape[0], step):
         rows = slice(start, start + step)
         block = scores[rows]  # (c, V)
+        if sums:
+            row_sums.append(block.sum(dim=1))  # (c,)
+        if top:
+            maximum, index = block.max(dim=1, keepdim=True)  # the first maximal value
+            indices.append(index.squeeze(1))
+        else:
+            maximum = block.amax(dim=1, keepdim=True)  # (c, 1)
+        maxima.append(maximum)
+        # 0 for a row without a finite value (a vocabulary slice or kept set with none)
+        finite = torch.where(torch.isfinite(maximum), maximum, zero)
         into = block if shifted is None else shifted[: block.shape[0]]
-        part = finite_log_probs_(torch.sub(block, maximum[rows], out=into))  # (c, V), s - m
+        part = finite_log_probs_(torch.sub(block, finite, out=into))  # (c, V), s - m
         exps = torch.exp(part, out=scratch[: part.shape[0]])  # (c, V)
         totals.append(exps.sum(dim=1))  # (c,)
         if entropy:  # no (c, V) product buffer
             dots.append(row_dots(exps, part))  # (c,)
         if squares:
             squared.append(row_dots(exps, exps))  # (c,)
-    total = torch.cat(totals).unsqueeze(1)  # (C, 1)
+    raw = torch.cat(maxima) if maxima else scores.new_zeros(0, 1)  # (C, 1)
+    total = torch.cat(totals).unsqueeze(1) if totals else scores.new_zeros(0, 1)  # (C, 1)
     log_total = total.log()  # (C, 1), -inf for an empty row
     entropy_value = None
     if entropy:
-        moment = torch.cat(dots).unsqueeze(1) / total
+        moment = (torch.cat(dots) if dots else total.new_zeros(0)).unsqueeze(1) / total
         entropy_value = torch.where(total > 0, log_total - moment, zero).squeeze(1)
     log_sum_sq = None
     if squares:
-        sum_sq = torch.cat(squared).unsqueeze(1)
+        sum_sq = (torch.cat(squared) if squared else total.new_zeros(0)).unsqueeze(1)
         empty = torch.full((), -torch.inf, dtype=total.dtype, device=total.device)
         log_sum_sq = torch.where(total > 0, sum_sq.log() - 2 * log_total, empty).squeeze(1)
-    return (maximum + log_total).squeeze(1), entropy_value, log_sum_sq, log_total
+    finite_max = torch.where(torch.isfinite(raw), raw, zero)
+    return Moments(
+        (finite_max + log_total).squeeze(1),
+        entropy_value,
+        log_sum_sq,
+        log_total,
+        raw.squeeze(1) if top else None,
+        (torch.cat(indices) if indices else raw.new_zeros(0, dtype=torch.int64)) if top else None,
+        (torch.cat(row_sums) if row_sums else total.new_zeros(0)) if sums else None,
+    )
 
 
 def entropy_stats_(
@@ -265,7 +293,7 @@ def entropy_stats_(
     Returns:
         ``(log_normalizer, entropy, log_total)``: ``(C,)``, ``(C,)`` and ``log Z`` ``(C, 1)``.
     """
-    log_normalizer, entropy, _, log_total = slice_moments_(scores, scratch, entropy=True)
+    log_normalizer, entropy, _, log_total, *_ = slice_moments_(scores, scratch, entropy=True)
     assert entropy is not None
     return log_normalizer, entropy, log_total
 

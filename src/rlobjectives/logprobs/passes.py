@@ -77,7 +77,9 @@ def _forward_step(
         assert saved is not None
         buffers = buffers._replace(scores=saved.values[block])
     scores = transformed(hidden_chunk, head, buffers, saved, block)  # (n, V)
-    logit_sum = scores.sum(dim=1) if wanted.mean_logits else None  # (n,)
+    # the logit sum before the kept set: read with the normaliser's blocks without one
+    inside = wanted.mean_logits and head.kept is None
+    logit_sum = scores.sum(dim=1) if wanted.mean_logits and not inside else None  # (n,)
     if head.kept is not None:  # the logits outside the kept set become -inf
         flat = kept_rows(block, ())  # unselected (zeroed) rows keep everything: finite softmax
         restrict_(scores, head.kept, flat, head.shard, thresholds, decide=True, active=active)
@@ -87,21 +89,26 @@ def _forward_step(
     target = scores.gather(1, tokens_chunk.unsqueeze(1)).squeeze(1)  # (n,), -inf off the set
     if owned is not None:
         target = masked_fill_zero(target, owned)
-    top = scores.max(dim=1) if wanted.is_top1 else None  # first maximal logit
     assert buffers.scratch is not None
-    # -inf for a slice without a finite logit in a row, not NaN; scores kept (saved)
-    lse, entropy, log_sum_sq, _ = slice_moments_(
+    # -inf for a slice without a finite logit in a row, not NaN; scores kept (saved); the
+    # first maximal logit with is_top1
+    moments = slice_moments_(
         scores,
         buffers.scratch,
         entropy=wanted.entropy,
         squares=wanted.log_sum_sq_probs,
-        maximum=None if top is None else top.values.unsqueeze(1),  # (n, 1)
+        top=wanted.is_top1,
+        sums=inside,
         shifted=shifted,
     )
-    extra = [value for value in (entropy, log_sum_sq, logit_sum) if value is not None]
-    if top is not None:
-        extra += [top.values, top.indices]
-    return [target, lse, *extra]
+    if inside:
+        logit_sum = moments.logit_sum
+    extra = [
+        value for value in (moments.entropy, moments.log_sum_sq, logit_sum) if value is not None
+    ]
+    if moments.maximum is not None and moments.argmax is not None:
+        extra += [moments.maximum, moments.argmax]
+    return [target, moments.log_normalizer, *extra]
 
 
 class Forward(NamedTuple):
