@@ -41,6 +41,8 @@ STATS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 #: TRL's ``_CHUNKED_LOGPROB_CHUNK_SIZE`` (vocabulary columns per tile) in ``add_fused_lm_head``.
 TRL_CHUNK = 32768
 SOFTCAP = {"final_logit_softcapping": 30.0, "logit_scale": 0.5}
+#: ``--variant``: the variants to time besides the reference (None: all)
+ONLY: set[str] | None = None
 
 
 def _make(tokens: int, hidden_size: int, vocab: int) -> Callable[[torch.device], Inputs]:
@@ -137,6 +139,8 @@ def cases(*, quick: bool, device: str) -> list[harness.Case]:
             fn = _trl(outputs, **options)
             if fn is not None:
                 variants.append(harness.Variant(name, fn))
+        if ONLY is not None:
+            variants = [v for v in variants if v.role == "reference" or v.name in ONLY]
         result.append(
             harness.Case(
                 operation="log_probs_from_hidden",
@@ -160,7 +164,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--no-memory", action="store_true")
     parser.add_argument("--clock", choices=("wall", "process"), default="process")
     parser.add_argument("--output", default=None, help="results stem (default head[-quick])")
+    parser.add_argument(
+        "--variant", action="append", default=None, metavar="NAME",
+        help="time only these variants and the reference (with --no-memory)",
+    )  # fmt: skip
     args = parser.parse_args(argv)
+    if args.variant is not None:
+        if not args.no_memory:
+            parser.error("--variant needs --no-memory (the memory runs rebuild every variant)")
+        global ONLY
+        ONLY = set(args.variant)
     torch.set_num_threads(args.threads)
     machine = harness.machine_line("cpu")
     if args.clock == "process":
