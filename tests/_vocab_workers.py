@@ -251,7 +251,8 @@ def _preference_case(hidden_grad: str) -> Case:
             part: slice) -> list[torch.Tensor]:  # fmt: skip
         vocab_group = None if group is None else rlo.VocabParallel(group, hidden_grad=hidden_grad)
         head = {"bias": leaves["bias"], "temperature": 0.7, "chunk_size": 3,
-                "vocab_group": vocab_group}  # fmt: skip
+                "vocab_group": vocab_group, "final_logit_softcapping": 2.0,
+                "logit_scale": 0.8}  # fmt: skip
         out = rlo.preference_loss_from_hidden(
             leaves["hidden"], leaves["weight"], data["tokens"], data["mask"],
             objective=0.7 * rlo.DPO(beta=0.5) + 0.3 * rlo.SFT(),
