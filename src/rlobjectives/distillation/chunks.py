@@ -36,6 +36,7 @@ from ..logprobs.chunks import (
     ChunkBuffers,
     Grads,
     accumulate_grads,
+    chain_softcap_,
     chunk_scores,
     finish_grads,
     new_buffers,
@@ -329,9 +330,7 @@ def _hidden_pass(
         out = rule(scores, block, selected, None if upstream is None else upstream[block])
         values[block] = out.values
         if grads is not None and out.grad is not None:
-            grad = out.grad
-            if buffers.derivative is not None:  # the softcap's 1 - t^2
-                grad = grad.mul_(buffers.derivative[: grad.shape[0]])
+            grad = chain_softcap_(out.grad, buffers)
             accumulate_grads(grad, hidden_chunk, head, grads, buffers, block)
     values = masked_fill_zero(values, active.reshape(-1, *(1,) * len(rule.value_shape)))
     return values, grads

@@ -38,6 +38,7 @@ __all__ = [
     "WIDEN_ELEMENTS",
     "accumulate_grads",
     "casts_product",
+    "chain_softcap_",
     "chunk_product",
     "chunk_scores",
     "finish_grads",
@@ -213,6 +214,17 @@ def transform_scores_(
     if buffers.derivative is not None:
         softcap_derivative(scores, head.transform, rows, buffers.derivative)
     return scores
+
+
+def chain_softcap_(grad_scores: torch.Tensor, buffers: ChunkBuffers) -> torch.Tensor:
+    r"""``grad_scores`` ``(n, V)`` times the softcap's :math:`1 - t^2`, in place.
+
+    From the gradient with respect to the transformed logits toward the product's: the
+    derivative :func:`transform_scores_` wrote; unchanged without a softcap.
+    """
+    if buffers.derivative is not None:
+        grad_scores.mul_(buffers.derivative[: grad_scores.shape[0]])
+    return grad_scores
 
 
 def chunk_scores(

@@ -33,6 +33,7 @@ from .chunks import (
     ChunkBuffers,
     Grads,
     accumulate_grads,
+    chain_softcap_,
     chunk_scores,
     new_buffers,
     new_grads,
@@ -135,8 +136,7 @@ def _fused_step(
     chunk = _logit_grads(scores, target, terms, buffers.scratch, options, block)
     # + c 1[v = y] s / tau
     chunk.grad_scores.scatter_add_(1, tokens_chunk.unsqueeze(1), chunk.row_coefficient.unsqueeze(1))
-    if buffers.derivative is not None:  # the softcap's 1 - t^2
-        chunk.grad_scores.mul_(buffers.derivative[: chunk.grad_scores.shape[0]])
+    chain_softcap_(chunk.grad_scores, buffers)
     accumulate_grads(chunk.grad_scores, hidden_chunk, head, grads, buffers, block)
     if chunk.entropy is None:
         return [chunk.log_probs]

@@ -30,6 +30,7 @@ from .chunks import (
     ChunkBuffers,
     Grads,
     accumulate_grads,
+    chain_softcap_,
     chunk_scores,
     finish_grads,
     new_buffers,
@@ -273,8 +274,7 @@ def _backward_step(
             buffers.scratch,
         )
     grad_scores.scatter_add_(1, tokens_chunk.unsqueeze(1), target_grad.unsqueeze(1))  # g 1[v=y]
-    if buffers.derivative is not None:  # the softcap's 1 - t^2
-        grad_scores.mul_(buffers.derivative[: grad_scores.shape[0]])
+    chain_softcap_(grad_scores, buffers)
     if not (is_saved(state.saved, block) and state.saved is not None and state.saved.whole):
         accumulate_grads(grad_scores, hidden_chunk, head, state.grads, buffers, block)
     return []  # the saved rows' products at once, after the chunks (log_probs_backward)

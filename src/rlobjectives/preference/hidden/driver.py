@@ -46,6 +46,7 @@ from ...logprobs.chunks import (
     ChunkBuffers,
     Grads,
     accumulate_grads,
+    chain_softcap_,
     chunk_scores,
     new_buffers,
     new_grads,
@@ -223,11 +224,15 @@ def _record(state: _State, ids: torch.Tensor, sums: Sums) -> None:
 
 
 def _logit_gradient(
-    probs: torch.Tensor, tokens: torch.Tensor, coefficient: torch.Tensor
+    probs: torch.Tensor, tokens: torch.Tensor, coefficient: torch.Tensor, buffers: ChunkBuffers
 ) -> torch.Tensor:
-    r""":math:`c_t(\mathbb{1}[v = y_t] - p_{tv})` in place of ``probs``."""
+    r""":math:`c_t(\mathbb{1}[v = y_t] - p_{tv})` in place of ``probs``, softcap chained.
+
+    The gradient with respect to the product's logits (:func:`chain_softcap_`).
+    """
     grad = probs.mul_((-coefficient).unsqueeze(1))
-    return grad.scatter_add_(1, tokens.unsqueeze(1), coefficient.unsqueeze(1))
+    grad = grad.scatter_add_(1, tokens.unsqueeze(1), coefficient.unsqueeze(1))
+    return chain_softcap_(grad, buffers)
 
 
 def _group_step(
@@ -251,9 +256,8 @@ def _group_step(
     coefficient = g_s[local] * weights.sums[rows]
     if weights.nll is not None:
         coefficient = coefficient + g_u[local] * weights.nll[rows]
-    grad_scores = _logit_gradient(probs, tokens, coefficient * head.transform.row_factor(rows))
-    if state.buffers.derivative is not None:  # the softcap's 1 - t^2
-        grad_scores.mul_(state.buffers.derivative[: grad_scores.shape[0]])
+    factor = head.transform.row_factor(rows)
+    grad_scores = _logit_gradient(probs, tokens, coefficient * factor, state.buffers)
     scratch = state.partials[0]
     n = rows.shape[0]
     grads = Grads(
@@ -296,9 +300,7 @@ def _split_unit(
                 else Sums(*(a + b for a, b in zip(totals, part, strict=True)))
             )
             coefficient = weights.sums[block] * head.transform.row_factor(block)  # gamma after
-            grad_scores = _logit_gradient(probs, tokens, coefficient)
-            if state.buffers.derivative is not None:  # the softcap's 1 - t^2
-                grad_scores.mul_(state.buffers.derivative[:n])
+            grad_scores = _logit_gradient(probs, tokens, coefficient, state.buffers)
             _accumulate_partial(grad_scores, hidden_chunk, head, state, partial, block, first)
             first = False
         if totals is None:  # an empty sequence: no rows
