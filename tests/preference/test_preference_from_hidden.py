@@ -206,6 +206,15 @@ def test_low_precision_head_and_one_backward(fp32_head: bool) -> None:
         out.loss.backward()
 
 
+def _transformed_log_probs(
+    leaves: list[torch.Tensor], tokens: torch.Tensor, transform: dict[str, float]
+) -> torch.Tensor:
+    """``log_softmax(cap_c(s (h W^T + b)) / tau)`` at the tokens, float64 autograd throughout."""
+    hidden, weight, bias = leaves
+    x = reference.transformed_logits(hidden @ weight.T + bias, **transform)
+    return torch.log_softmax(x, -1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
 HEAD_TRANSFORMS = [
     {"final_logit_softcapping": 1.5},
     {"logit_scale": 0.6, "temperature": 0.8},
@@ -227,8 +236,7 @@ def test_head_transform_equals_the_reference(
     out = from_hidden(leaves[0], leaves[1], b["tokens"], b["mask"], objective=objective,
                       ref_log_probs=b["ref"], bias=leaves[2], **transform, **kwargs)  # fmt: skip
     copies = [b[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
-    x = reference.transformed_logits(copies[0] @ copies[1].T + copies[2], **transform)
-    lp = torch.log_softmax(x, -1).gather(-1, b["tokens"][..., None]).squeeze(-1)
+    lp = _transformed_log_probs(copies, b["tokens"], transform)
     mask, ref = b["mask"], b["ref"]
     expected = reference.preference_loss(
         lp[:2], lp[2:], mask[:2], mask[2:], terms(objective), ref_chosen=ref[:2],
@@ -248,8 +256,7 @@ def test_kto_head_transform_equals_the_reference(chunk: int | None) -> None:
                                ref_log_probs=b["ref"], beta=0.4, bias=leaves[2], chunk_size=chunk,
                                **transform)  # fmt: skip
     copies = [b[k].clone().requires_grad_(True) for k in ("hidden", "weight", "bias")]
-    x = reference.transformed_logits(copies[0] @ copies[1].T + copies[2], **transform)
-    lp = torch.log_softmax(x, -1).gather(-1, b["tokens"][..., None]).squeeze(-1)
+    lp = _transformed_log_probs(copies, b["tokens"], transform)
     expected = reference.kto_loss(lp, b["mask"], desirable.tolist(), b["ref"], kl=None, beta=0.4,
                                   weights=(1.0, 1.0), kind="kto")  # fmt: skip
     assert_close(out.loss, expected)
