@@ -236,7 +236,7 @@ def slice_moments_(
     and :math:`\log\sum p^2 = -\infty`.
     """
     zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
-    totals, dots, squared, maxima, indices, row_sums = [], [], [], [], [], []
+    totals, dots, squared, maxima, shifts, indices, row_sums = [], [], [], [], [], [], []
     step = scratch.shape[0]
     for start in range(0, scores.shape[0], step):
         rows = slice(start, start + step)
@@ -248,38 +248,40 @@ def slice_moments_(
             indices.append(index.squeeze(1))
         else:
             maximum = block.amax(dim=1, keepdim=True)  # (c, 1)
-        maxima.append(maximum)
         # 0 for a row without a finite value (a vocabulary slice or kept set with none)
-        finite = torch.where(torch.isfinite(maximum), maximum, zero)
+        shift = torch.where(torch.isfinite(maximum), maximum, zero)  # (c, 1)
+        maxima.append(maximum.squeeze(1))
+        shifts.append(shift.squeeze(1))
         into = block if shifted is None else shifted[: block.shape[0]]
-        part = finite_log_probs_(torch.sub(block, finite, out=into))  # (c, V), s - m
+        part = finite_log_probs_(torch.sub(block, shift, out=into))  # (c, V), s - m
         exps = torch.exp(part, out=scratch[: part.shape[0]])  # (c, V)
         totals.append(exps.sum(dim=1))  # (c,)
         if entropy:  # no (c, V) product buffer
             dots.append(row_dots(exps, part))  # (c,)
         if squares:
             squared.append(row_dots(exps, exps))  # (c,)
-    raw = torch.cat(maxima) if maxima else scores.new_zeros(0, 1)  # (C, 1)
-    total = torch.cat(totals).unsqueeze(1) if totals else scores.new_zeros(0, 1)  # (C, 1)
-    log_total = total.log()  # (C, 1), -inf for an empty row
+
+    def joined(parts: list[torch.Tensor], dtype: torch.dtype = scores.dtype) -> torch.Tensor:
+        """The blocks' ``(c,)`` pieces as one ``(C,)`` tensor (empty for ``C = 0``)."""
+        return torch.cat(parts) if parts else scores.new_zeros(0, dtype=dtype)
+
+    total = joined(totals)  # (C,)
+    log_total = total.log()  # (C,), -inf for an empty row
     entropy_value = None
     if entropy:
-        moment = (torch.cat(dots) if dots else total.new_zeros(0)).unsqueeze(1) / total
-        entropy_value = torch.where(total > 0, log_total - moment, zero).squeeze(1)
+        entropy_value = torch.where(total > 0, log_total - joined(dots) / total, zero)
     log_sum_sq = None
     if squares:
-        sum_sq = (torch.cat(squared) if squared else total.new_zeros(0)).unsqueeze(1)
         empty = torch.full((), -torch.inf, dtype=total.dtype, device=total.device)
-        log_sum_sq = torch.where(total > 0, sum_sq.log() - 2 * log_total, empty).squeeze(1)
-    finite_max = torch.where(torch.isfinite(raw), raw, zero)
+        log_sum_sq = torch.where(total > 0, joined(squared).log() - 2 * log_total, empty)
     return Moments(
-        (finite_max + log_total).squeeze(1),
+        joined(shifts) + log_total,
         entropy_value,
         log_sum_sq,
-        log_total,
-        raw.squeeze(1) if top else None,
-        (torch.cat(indices) if indices else raw.new_zeros(0, dtype=torch.int64)) if top else None,
-        (torch.cat(row_sums) if row_sums else total.new_zeros(0)) if sums else None,
+        log_total.unsqueeze(1),
+        joined(maxima) if top else None,
+        joined(indices, torch.int64) if top else None,
+        joined(row_sums) if sums else None,
     )
 
 
