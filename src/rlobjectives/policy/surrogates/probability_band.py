@@ -92,9 +92,10 @@ class ProbabilityBand(Surrogate):
         tau = tau.to(compute).to(wide)  # tau rounded to the computation dtype
         # The decision as a small integer, +1 kept (the edge, tau - |p - p_old| = +0, included)
         # or -1: what a compiled backward keeps of it (not a mask, which Inductor's CPU code
-        # stores slowly, nor the float64 work, which it would otherwise redo).
+        # stores slowly, nor the float64 work, which it would otherwise redo). tau - |.| out of
+        # place: an in-place negate-and-add here costs the compiled loss a fifth of Clip()'s time.
         one = torch.ones((), dtype=wide, device=moved.device)
-        side = torch.copysign(one, moved.abs_().neg_().add_(tau)).to(torch.int8)
+        side = torch.copysign(one, tau - moved.abs_()).to(torch.int8)
         gated = torch.exp(log_ratio) * side.clamp(min=0)  # 1[kept] r
         outside = side < 0
         values = gated * advantages
