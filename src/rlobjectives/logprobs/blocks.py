@@ -13,6 +13,7 @@ from typing import NamedTuple
 import torch
 
 __all__ = [
+    "SCRATCH_ELEMENTS",
     "Moments",
     "chunk_entropy",
     "chunk_entropy_grad",
@@ -24,6 +25,7 @@ __all__ = [
     "entropy_stats_",
     "finite_log_probs_",
     "row_dots",
+    "scratch_rows",
     "slice_entropy_grad",
     "slice_grads_",
     "slice_kl",
@@ -47,6 +49,15 @@ def xlogy_terms(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 #: Rows per product of :func:`row_dots`.
 ROW_DOT_BLOCK = 8
+
+#: Elements of the scratch block of :func:`slice_moments_` / :func:`entropy_logit_grads_`: a few
+#: rows (2**17 float32 values = 512 KiB) whose probabilities stay in cache while used.
+SCRATCH_ELEMENTS = 1 << 17
+
+
+def scratch_rows(width: int) -> int:
+    """Rows of the scratch block for rows of ``width`` values: ``max(1, 2**17 // width)``."""
+    return max(1, SCRATCH_ELEMENTS // max(width, 1))
 
 
 def row_dots(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:
@@ -253,8 +264,11 @@ def slice_moments_(
         maxima.append(maximum.squeeze(1))
         shifts.append(shift.squeeze(1))
         into = block if shifted is None else shifted[: block.shape[0]]
-        part = finite_log_probs_(torch.sub(block, shift, out=into))  # (c, V), s - m
+        part = torch.sub(block, shift, out=into)  # (c, V), s - m
+        # exp(-inf) before the clamp: the same 0, and a CPU exp of the most negative finite
+        # value took about three times as long (a kept set's rows are mostly -inf)
         exps = torch.exp(part, out=scratch[: part.shape[0]])  # (c, V)
+        finite_log_probs_(part)
         totals.append(exps.sum(dim=1))  # (c,)
         if entropy:  # no (c, V) product buffer
             dots.append(row_dots(exps, part))  # (c,)
@@ -306,7 +320,7 @@ def entropy_logit_grads_(
     coefficients: tuple[torch.Tensor, torch.Tensor],
     scratch: torch.Tensor,
 ) -> torch.Tensor:
-    r"""``-p (c + g (log p + H))`` in place of ``log_probs`` ``(C, V)`` (finite log-probs).
+    r"""``-p (c + g (log p + H))`` in place of ``log_probs`` ``(C, V)`` (``-inf``: banned tokens).
 
     The gradient with respect to the logits of :math:`\sum_n c_n \log p_{n y_n} + g_n H_n`,
     without its :math:`c_n \mathbb{1}[v = y_n]` term (the caller scatters it):
@@ -314,7 +328,7 @@ def entropy_logit_grads_(
     :math:`\partial \log p_y / \partial s_v = \mathbb{1}[v = y] - p_v`.
 
     Args:
-        log_probs: ``(C, V)`` finite log-probabilities (overwritten with the result).
+        log_probs: ``(C, V)`` log-probabilities, ``-inf`` allowed (overwritten with the result).
         entropy: ``(C,)`` the rows' entropies.
         coefficients: ``(c, g)``, each ``(C,)``: the upstream gradients of the log-probabilities
             of the tokens and of the entropies.
@@ -331,10 +345,11 @@ def entropy_logit_grads_(
         rows = slice(start, start + step)
         part = log_probs[rows]  # (c, V)
         probs = torch.exp(part, out=scratch[: part.shape[0]])  # (c, V)
-        # p first: a banned token's log p is the most negative finite number, which times
-        # |g| > 1 (an upstream gradient, a temperature below 1) would overflow to -inf and give
-        # 0 * inf = NaN; p (log p + H) is 0 there and bounded (|p log p| <= 1/e) elsewhere.
-        part.add_(entropies[rows]).mul_(probs).mul_(entropy_weight[rows])
+        # Then a banned token's log p made the most negative finite number (exp(-inf) = 0 came
+        # first: a CPU exp of that number took three times as long), and p first: that number
+        # times |g| > 1 (an upstream gradient, a temperature below 1) would overflow to -inf and
+        # give 0 * inf = NaN; p (log p + H) is 0 there and bounded (|p log p| <= 1/e) elsewhere.
+        finite_log_probs_(part).add_(entropies[rows]).mul_(probs).mul_(entropy_weight[rows])
         part.addcmul_(probs, row_coefficient[rows])
     return log_probs
 
@@ -349,35 +364,23 @@ def slice_stats(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     r"""Log-normaliser, entropy and :math:`\log\sum p^2` of the softmax of each row of ``scores``.
 
-    With :math:`m = \max_v s_v` (0 for a row without a finite value), :math:`Z = \sum_v
-    e^{s_v - m}`: :math:`\ell = m + \log Z`, :math:`h = \log Z - \sum_v e^{s_v - m}(s_v -
-    m) / Z` and :math:`\log\sum_v p_v^2 = \log\sum_v e^{2(s_v - m)} - 2\log Z`. A row whose
+    :func:`slice_moments_` (its formulas, a row block in cache at a time) on ``scores`` ``(C,
+    V)`` left as it is; ``torch.logsumexp`` when only the normaliser is asked for. A row whose
     values are all ``-inf`` (a vocabulary slice with no kept token) gives :math:`\ell = -\infty`,
-    :math:`h = 0` and :math:`\log\sum p^2 = -\infty`, never NaN. ``scores`` ``(C, V)`` is not
-    modified.
+    :math:`h = 0` and :math:`\log\sum p^2 = -\infty`, never NaN.
 
     Returns:
         ``(log_normalizer, entropy, log_sum_sq)``, ``(C,)`` each (None where not asked for).
     """
     if not (with_entropy or with_squares):
         return torch.logsumexp(scores, dim=1), None, None  # -inf for a row of -inf
-    maximum = scores.amax(dim=1, keepdim=True)  # (C, 1)
-    zero = torch.zeros((), dtype=scores.dtype, device=scores.device)
-    shift = torch.where(torch.isfinite(maximum), maximum, zero)  # (C, 1)
-    shifted = scores - shift  # (C, V)
-    exps = torch.exp(shifted)  # (C, V)
-    total = exps.sum(dim=1)  # (C,)
-    log_total = torch.log(total)  # (C,) -inf for an empty row
-    entropy = None
-    if with_entropy:
-        moment = xlogy_terms(exps, shifted).sum(dim=1)  # (C,) 0 * -inf = 0
-        entropy = torch.where(total > 0, log_total - moment / total, zero)
-    log_sum_sq = None
-    if with_squares:
-        empty = torch.full((), -torch.inf, dtype=scores.dtype, device=scores.device)
-        squares = torch.linalg.vecdot(exps, exps)  # (C,)
-        log_sum_sq = torch.where(total > 0, squares.log() - 2 * log_total, empty)
-    return shift.squeeze(1) + log_total, entropy, log_sum_sq
+    rows, width = scores.shape
+    scratch = scores.new_empty(min(rows, scratch_rows(width)), width)  # (c, V)
+    shifted = torch.empty_like(scratch)  # s - m, c rows at a time
+    moments = slice_moments_(
+        scores, scratch, entropy=with_entropy, squares=with_squares, shifted=shifted
+    )
+    return moments.log_normalizer, moments.entropy, moments.log_sum_sq
 
 
 def slice_log_probs_grad(
@@ -429,11 +432,9 @@ def slice_grads_(
         ``scores``, holding the ``(C, V)`` gradient.
     """
     log_normalizer, entropy = stats
-    log_probs = finite_log_probs_(scores.sub_(log_normalizer.unsqueeze(1)))  # (C, V)
-    scratch = torch.empty(
-        max(1, min(scores.shape[0], (1 << 17) // max(scores.shape[1], 1))), scores.shape[1],
-        dtype=scores.dtype, device=scores.device,
-    )  # fmt: skip
+    log_probs = scores.sub_(log_normalizer.unsqueeze(1))  # (C, V)
+    rows, width = scores.shape
+    scratch = scores.new_empty(min(rows, scratch_rows(width)), width)  # (c, V)
     grad = entropy_logit_grads_(log_probs, entropy, weights, scratch)
     return grad.scatter_add_(1, tokens.unsqueeze(1), target_grad.unsqueeze(1))
 
@@ -445,9 +446,9 @@ def slice_entropy_grad(
 
     ``scores`` ``(C, V)`` is consumed (the result is written into it); ``-inf`` entries give 0.
     """
-    log_probs = finite_log_probs_(scores.sub_(log_normalizer.unsqueeze(1)))  # (C, V)
-    probs = torch.exp(log_probs)  # (C, V)
-    log_probs.add_(entropy.unsqueeze(1))  # log p + H
+    log_probs = scores.sub_(log_normalizer.unsqueeze(1))  # (C, V)
+    probs = torch.exp(log_probs)  # (C, V), before the clamp (a faster exp of -inf)
+    finite_log_probs_(log_probs).add_(entropy.unsqueeze(1))  # log p + H
     return probs.mul_(log_probs).mul_((-grad).unsqueeze(1))
 
 

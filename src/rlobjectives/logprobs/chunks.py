@@ -28,13 +28,13 @@ import torch
 
 from .._core.chunking import Block
 from .._core.reduction import masked_fill_zero
+from .blocks import scratch_rows
 from .head import LOW_PRECISION, Head
 from .transform import apply_transform_, softcap_derivative
 
 __all__ = [
     "ChunkBuffers",
     "Grads",
-    "SCRATCH_ELEMENTS",
     "WIDEN_ELEMENTS",
     "accumulate_grads",
     "casts_product",
@@ -45,7 +45,6 @@ __all__ = [
     "leads",
     "new_buffers",
     "new_grads",
-    "scratch_rows",
     "select_rows",
     "softmax_",
     "transform_scores_",
@@ -106,16 +105,6 @@ def new_buffers(
         else None,
         derivative=torch.empty(rows, vocab, dtype=dtype, device=weight.device) if softcap else None,
     )
-
-
-#: Elements of the scratch block of :func:`entropy_stats_` / :func:`entropy_logit_grads_`: a
-#: few rows (2**17 float32 values = 512 KiB) whose probabilities stay in cache while used.
-SCRATCH_ELEMENTS = 1 << 17
-
-
-def scratch_rows(width: int) -> int:
-    """Rows of the scratch block for rows of ``width`` values: ``max(1, 2**17 // width)``."""
-    return max(1, SCRATCH_ELEMENTS // max(width, 1))
 
 
 #: Elements of the float32 slice of a bf16/fp16 weight widened at a time off CUDA (4 MiB).

@@ -28,7 +28,7 @@ import torch
 
 from .._core.chunking import Block, block_rows, run_blocks
 from .._core.reduction import masked_fill_zero
-from .blocks import entropy_logit_grads_, entropy_stats_, finite_log_probs_
+from .blocks import entropy_logit_grads_, entropy_stats_
 from .chunks import (
     ChunkBuffers,
     Grads,
@@ -111,7 +111,7 @@ def _logit_grads(
     log_probs = masked_fill_zero(target - lse, active)  # (n,)
     row_coefficient = _row_coefficient(terms, log_probs, block, factor, kept)
     entropy_weight = terms.entropy_weights[block] * factor  # (n,)
-    log_p = finite_log_probs_(scores.sub_(log_total))  # (n, V)
+    log_p = scores.sub_(log_total)  # (n, V), -inf at banned tokens
     grad_scores = entropy_logit_grads_(
         log_p, entropy, (row_coefficient, entropy_weight), scratch
     )  # -p (c + g (log p + H)) / tau

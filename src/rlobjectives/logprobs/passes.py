@@ -25,7 +25,7 @@ import torch
 
 from .._core.chunking import Block, block_rows, run_blocks
 from .._core.reduction import masked_fill_zero
-from .blocks import entropy_logit_grads_, finite_log_probs_, slice_moments_
+from .blocks import entropy_logit_grads_, slice_moments_
 from .chunks import (
     ChunkBuffers,
     Grads,
@@ -265,8 +265,8 @@ def _backward_step(
         # p from the forward's normaliser (of the whole vocabulary under a shard): -g p, (n, V)
         grad_scores = scores.sub_(log_normalizer).exp_().mul_(-g_lp.unsqueeze(1))
     else:
-        # log p, with -inf (banned tokens) made finite so that p * log p = 0 * finite = 0
-        log_p = finite_log_probs_(scores.sub_(log_normalizer))
+        # log p, -inf at banned tokens (made finite there, so that p * log p = 0 * finite = 0)
+        log_p = scores.sub_(log_normalizer)
         grad_scores = entropy_logit_grads_(  # -p (g_lp + g_H (log p + H)), (n, V)
             log_p,
             upstream.entropy_values[block],

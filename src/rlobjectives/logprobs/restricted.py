@@ -93,19 +93,19 @@ def _transformed_block(
     block: Block,
     selected: torch.Tensor | None,
     call: LogitsCall,
+    with_derivative: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """``(x, 1 - t^2)``: the chunk's transformed logits and the softcap's derivative.
 
     ``x`` a fresh ``(C, V)`` tensor of the computation dtype (unselected rows zeroed first); the
-    derivative None without a softcap.
+    derivative None without a softcap or ``with_derivative`` (a forward pass needs none).
     """
     chunk = load_block(rows, block, selected, 1.0, call.dtype)  # may alias the logits
     scores = chunk.to(call.dtype, copy=True)
     apply_transform_(scores, call.transform, block)
-    derivative = None
-    if call.transform.softcap is not None:
-        derivative = softcap_derivative(scores, call.transform, block, torch.empty_like(scores))
-    return scores, derivative
+    if call.transform.softcap is None or not with_derivative:
+        return scores, None
+    return scores, softcap_derivative(scores, call.transform, block, torch.empty_like(scores))
 
 
 def _restrict(
@@ -131,8 +131,11 @@ def _restricted_block(
     thresholds: torch.Tensor | None,
     decide: bool,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """``(x, 1 - t^2)``, the logits outside the kept set ``-inf``."""
-    chunk, derivative = _transformed_block(rows, block, selected, call)
+    """``(x, 1 - t^2)``, the logits outside the kept set ``-inf``.
+
+    ``decide``: a forward pass, which decides the kept set's rule and needs no derivative.
+    """
+    chunk, derivative = _transformed_block(rows, block, selected, call, not decide)
     return _restrict(chunk, block, call, thresholds, decide), derivative
 
 
@@ -180,7 +183,7 @@ def _log_probs_step(
     call, thresholds = state
     wanted = call.wanted
     selected = active[block] if masked else None
-    chunk, _ = _transformed_block(rows, block, selected, call)  # (C, V)
+    chunk, _ = _transformed_block(rows, block, selected, call, False)  # (C, V)
     logit_sum = chunk.sum(dim=1) if wanted.mean_logits else None  # before the kept set
     chunk = _restrict(chunk, block, call, thresholds, True)
     target = chunk.gather(1, tokens[block].unsqueeze(1)).squeeze(1)  # (C,), -inf off the set
