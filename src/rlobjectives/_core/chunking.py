@@ -24,6 +24,7 @@ import torch
 __all__ = [
     "DEFAULT_CHUNK_ELEMENTS",
     "LOGITS_BUDGET",
+    "SCRATCH_ELEMENTS",
     "Block",
     "ChunkBudget",
     "block_rows",
@@ -32,10 +33,21 @@ __all__ = [
     "resolve_chunk_size",
     "row_chunks",
     "run_blocks",
+    "scratch_rows",
 ]
 
 #: Default number of float32 elements per chunk of the logits functions (rows * V): 2**23 = 32 MiB.
 DEFAULT_CHUNK_ELEMENTS = 1 << 23
+
+#: Elements of a scratch block of a chunk (the exponentials of its normaliser and entropy): a few
+#: rows (2**17 float32 values = 512 KiB) that stay in cache while used.
+SCRATCH_ELEMENTS = 1 << 17
+
+
+def scratch_rows(width: int) -> int:
+    """Rows of the scratch block for rows of ``width`` values: ``max(1, 2**17 // width)``."""
+    return max(1, SCRATCH_ELEMENTS // max(width, 1))
+
 
 #: A block: an index into the leading dimensions, ``(slice,)`` or ``(int, slice)``.
 Block = tuple[int | slice, ...]

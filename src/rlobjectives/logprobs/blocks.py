@@ -12,8 +12,9 @@ from typing import NamedTuple
 
 import torch
 
+from .._core.chunking import scratch_rows
+
 __all__ = [
-    "SCRATCH_ELEMENTS",
     "Moments",
     "chunk_entropy",
     "chunk_entropy_grad",
@@ -25,7 +26,6 @@ __all__ = [
     "entropy_stats_",
     "finite_log_probs_",
     "row_dots",
-    "scratch_rows",
     "slice_entropy_grad",
     "slice_grads_",
     "slice_kl",
@@ -49,15 +49,6 @@ def xlogy_terms(probs: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
 
 #: Rows per product of :func:`row_dots`.
 ROW_DOT_BLOCK = 8
-
-#: Elements of the scratch block of :func:`slice_moments_` / :func:`entropy_logit_grads_`: a few
-#: rows (2**17 float32 values = 512 KiB) whose probabilities stay in cache while used.
-SCRATCH_ELEMENTS = 1 << 17
-
-
-def scratch_rows(width: int) -> int:
-    """Rows of the scratch block for rows of ``width`` values: ``max(1, 2**17 // width)``."""
-    return max(1, SCRATCH_ELEMENTS // max(width, 1))
 
 
 def row_dots(left: torch.Tensor, right: torch.Tensor) -> torch.Tensor:

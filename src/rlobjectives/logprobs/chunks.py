@@ -26,9 +26,8 @@ from typing import NamedTuple
 
 import torch
 
-from .._core.chunking import Block
+from .._core.chunking import Block, scratch_rows
 from .._core.reduction import masked_fill_zero
-from .blocks import scratch_rows
 from .head import LOW_PRECISION, Head
 from .transform import apply_transform_, softcap_derivative
 
