@@ -51,7 +51,7 @@ from .saved_logits import (
 from .statistics import Wanted
 from .transform import softcap_derivative
 from .truncation import kept_rows, restrict_
-from .vocab_parallel import combine_rows, first_argmax
+from .vocab_parallel import combine_statistics
 
 __all__ = ["Forward", "LogProbsFromHidden", "Saved", "log_probs_backward", "log_probs_forward"]
 
@@ -159,37 +159,14 @@ def log_probs_forward(
     shifted = torch.empty_like(buffers.scratch)
     state = _ForwardState(buffers, shifted, thresholds, saved, wanted)
     run_blocks(blocks, partial(_forward_step, head, mask, state), outputs)
-    values = iter(outputs)
-    target, log_normalizer = next(values), next(values)
-    entropy = next(values) if wanted.entropy else None
-    log_sum_sq = next(values) if wanted.log_sum_sq_probs else None
-    logit_sum = next(values) if wanted.mean_logits else None
-    sums = [target] if logit_sum is None else [target, logit_sum]
-    totals = combine_rows(log_normalizer, entropy, sums, head.shard, log_sum_sq)
-    log_normalizer, target = totals.log_normalizer, totals.sums[0]
+    log_normalizer, target, statistics = combine_statistics(
+        outputs, wanted, head.shard, head.weight.shape[0], head.tokens
+    )
     log_probs = target - log_normalizer
-    statistics: dict[str, torch.Tensor] = {}
-    if totals.entropy is not None:
-        statistics["entropy"] = totals.entropy
-    if totals.log_sum_sq is not None:
-        statistics["log_sum_sq_probs"] = totals.log_sum_sq
-    if logit_sum is not None:
-        statistics["mean_logits"] = totals.sums[1] / _vocabulary(head)
-    if wanted.is_top1:
-        maximum, argmax = next(values), next(values)
-        statistics["is_top1"] = first_argmax(maximum, argmax, head.shard) == head.tokens
     if mask is not None:
         log_probs = masked_fill_zero(log_probs, mask)
         statistics = {name: masked_fill_zero(value, mask) for name, value in statistics.items()}
     return Forward(log_probs, log_normalizer, statistics, thresholds, saved)
-
-
-def _vocabulary(head: Head) -> int | torch.Tensor:
-    """V of the whole vocabulary (the sum of the slices' sizes under a shard)."""
-    if head.shard is None:
-        return head.weight.shape[0]
-    sizes = head.shard.sizes
-    return sum(sizes) if isinstance(sizes, tuple) else sizes.sum()
 
 
 class _Upstream(NamedTuple):

@@ -32,7 +32,7 @@ from .functions import backward_rows, load_block, row_layout
 from .statistics import Wanted
 from .transform import LogitTransform, apply_transform_, softcap_derivative
 from .truncation import Restriction, kept_rows, restrict_
-from .vocab_parallel import Shard, combine_rows, first_argmax
+from .vocab_parallel import Shard, combine_rows, combine_statistics
 
 __all__ = [
     "LogitsCall",
@@ -179,7 +179,7 @@ def _log_probs_step(
     state: tuple[LogitsCall, torch.Tensor | None],
     block: Block,
 ) -> list[torch.Tensor]:
-    """``[lse, target, (entropy), (log_sum_sq), (logit sum), (max, argmax)]`` of the chunk."""
+    """``[target, lse, (entropy), (log_sum_sq), (logit sum), (max, argmax)]`` of the chunk."""
     call, thresholds = state
     wanted = call.wanted
     selected = active[block] if masked else None
@@ -192,7 +192,7 @@ def _log_probs_step(
     log_normalizer, entropy, log_sum_sq = slice_stats(
         chunk, with_entropy=wanted.entropy, with_squares=wanted.log_sum_sq_probs
     )
-    out = [log_normalizer, target]
+    out = [target, log_normalizer]
     out += [value for value in (entropy, log_sum_sq, logit_sum) if value is not None]
     if wanted.is_top1:
         top = chunk.max(dim=1)  # the first maximal logit
@@ -267,30 +267,20 @@ class RestrictedLogProbsFunction(torch.autograd.Function):
             _log_probs_step, rows, tokens_r, owned_r, active_r, masked, (laid, thresholds)
         )
         run_blocks(blocks, step, outputs)
-        flats = iter(output.reshape(-1) for output in outputs)
-        log_normalizer, target = next(flats), next(flats)
-        entropy = next(flats) if wanted.entropy else None
-        log_sum_sq = next(flats) if wanted.log_sum_sq_probs else None
-        logit_sum = next(flats) if wanted.mean_logits else None
-        sums = [target] if logit_sum is None else [target, logit_sum]
-        totals = combine_rows(log_normalizer, entropy, sums, restriction.shard, log_sum_sq)
-        log_normalizer = totals.log_normalizer.reshape(leading)
-        target = totals.sums[0].reshape(leading)
+        log_normalizer, target, statistics = combine_statistics(
+            (output.reshape(-1) for output in outputs), wanted, restriction.shard,
+            logits.shape[-1], tokens.reshape(-1),
+        )  # fmt: skip
+        log_normalizer, target = log_normalizer.reshape(leading), target.reshape(leading)
         log_probs = target - log_normalizer  # -inf where the token is outside the kept set
         in_set = target > -torch.inf  # no log-prob gradient for a token outside the kept set
-        others: list[torch.Tensor] = []
-        if totals.log_sum_sq is not None:
-            others.append(totals.log_sum_sq.reshape(leading))
-        if logit_sum is not None:
-            vocab = _vocabulary(logits.shape[-1], restriction.shard)
-            others.append((totals.sums[1] / vocab).reshape(leading))
-        if wanted.is_top1:
-            maximum, argmax = next(flats), next(flats)
-            first = first_argmax(maximum, argmax, restriction.shard).reshape(leading)
-            others.append(first == tokens)
-        entropy_out = (
-            log_probs.new_zeros(0) if totals.entropy is None else totals.entropy.reshape(leading)
-        )
+        others = [
+            statistics[name].reshape(leading)
+            for name in ("log_sum_sq_probs", "mean_logits", "is_top1")
+            if name in statistics
+        ]
+        entropy = statistics.get("entropy")
+        entropy_out = log_probs.new_zeros(0) if entropy is None else entropy.reshape(leading)
         ctx.save_for_backward(
             logits, local, owned if owned is not None else local.new_zeros(0, dtype=torch.bool),
             active, in_set, log_normalizer, entropy_out,
@@ -336,14 +326,6 @@ class RestrictedLogProbsFunction(torch.autograd.Function):
         step = partial(_log_probs_grad_step, rows, saved, (grad_r, grad_h_r), (laid, thresholds))
         run_blocks(blocks, step, [grad_rows])
         return grad_rows.reshape(logits.shape), None, None, None, None, None
-
-
-def _vocabulary(local: int, shard: Shard | None) -> int | torch.Tensor:
-    """V of the whole vocabulary (the sum of the slices' sizes under a shard)."""
-    if shard is None:
-        return local
-    sizes = shard.sizes
-    return sum(sizes) if isinstance(sizes, tuple) else sizes.sum()
 
 
 # ---------------------------------------------------------------------------------------------

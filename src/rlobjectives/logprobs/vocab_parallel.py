@@ -42,7 +42,7 @@ log-probabilities, and they must not import it).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, NamedTuple, Union
 
@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 
 from .._core.validation import describe, validate_choice
+from .statistics import Wanted
 
 __all__ = [
     "VocabGroup",
@@ -59,6 +60,7 @@ __all__ = [
     "Shard",
     "VocabParallel",
     "combine_rows",
+    "combine_statistics",
     "first_argmax",
     "gather_columns",
     "max_over_ranks",
@@ -346,6 +348,48 @@ def combine_rows(
         squares = torch.log(totals[index]) - 2 * log_total
         index += 1
     return RowTotals(shift + log_total, combined, list(totals[index:].unbind(0)), squares)
+
+
+def combine_statistics(
+    outputs: Iterable[torch.Tensor],
+    wanted: Wanted,
+    shard: Shard | None,
+    vocabulary: int,
+    tokens: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """A chunk loop's per-row results combined over the slices, ``(N,)`` each.
+
+    Args:
+        outputs: ``[target, lse, (entropy), (log_sum_sq), (logit sum), (max, argmax)]`` of this
+            rank's slice, those ``wanted`` asks for, in that order.
+        wanted: the statistics of the call.
+        shard: the slice; None: one process holds the whole vocabulary.
+        vocabulary: this rank's number of columns (the whole ``V`` without a shard).
+        tokens: ``(N,)`` the global ids of the targets (``is_top1``).
+
+    Returns:
+        ``(log_normalizer, target, statistics)``: the normaliser and the target logit over the
+        whole vocabulary, and the statistics asked for by name.
+    """
+    values = iter(outputs)
+    target, log_normalizer = next(values), next(values)
+    entropy = next(values) if wanted.entropy else None
+    log_sum_sq = next(values) if wanted.log_sum_sq_probs else None
+    logit_sum = next(values) if wanted.mean_logits else None
+    sums = [target] if logit_sum is None else [target, logit_sum]
+    totals = combine_rows(log_normalizer, entropy, sums, shard, log_sum_sq)
+    statistics: dict[str, torch.Tensor] = {}
+    if totals.entropy is not None:
+        statistics["entropy"] = totals.entropy
+    if totals.log_sum_sq is not None:
+        statistics["log_sum_sq_probs"] = totals.log_sum_sq
+    if logit_sum is not None:
+        whole = vocabulary if shard is None else shard.vocab_size()
+        statistics["mean_logits"] = totals.sums[1] / whole
+    if wanted.is_top1:
+        maximum, argmax = next(values), next(values)
+        statistics["is_top1"] = first_argmax(maximum, argmax, shard) == tokens
+    return totals.log_normalizer, totals.sums[0], statistics
 
 
 # ---------------------------------------------------------------------------------------------
