@@ -122,3 +122,35 @@ def test_dppo_kl_float32_decision_on_the_inputs_as_given(log_prob: float, kept: 
         surrogate=rlo.DPPO("kl", ratio_cap=None),
     )  # fmt: skip
     assert out.diagnostics.clipped_fraction == (0.0 if kept else 1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, F64])
+def test_sampled_log_probs_is_torch_where_and_keeps_no_bool(dtype: torch.dtype) -> None:
+    # sampled_log_probs(l) = where(l > -inf, l, 0): l = -1.5 -> -1.5 (grad 1); -inf, NaN -> 0
+    # (grad 0); +inf -> +inf (grad 1), the gradient of torch.where. What it keeps for the backward
+    # is an int8 selection, never a bool (a bool the compiled CPU backward stores slowly).
+    from rlobjectives.policy.surrogates.base import sampled_log_probs
+
+    values = [-1.5, -math.inf, math.nan, math.inf, 0.0]
+    log_probs = torch.tensor(values, dtype=dtype, requires_grad=True)
+    saved: list[torch.dtype] = []
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.append(tensor.dtype)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        out = sampled_log_probs(log_probs)
+    expected = torch.tensor([-1.5, 0.0, 0.0, math.inf, 0.0], dtype=dtype)
+    assert torch.equal(out.detach(), expected) and out.dtype == dtype
+    weights = torch.tensor([2.0, 3.0, 5.0, 7.0, 11.0], dtype=dtype, requires_grad=True)
+    (grad,) = torch.autograd.grad((out * weights).sum(), [log_probs], create_graph=True)
+    assert torch.equal(grad.detach(), torch.tensor([2.0, 0.0, 0.0, 7.0, 11.0], dtype=dtype))
+    assert saved == [torch.int8], saved
+    reference = torch.tensor(values, dtype=dtype, requires_grad=True)
+    kept = torch.where(reference > -math.inf, reference, 0.0)
+    (reference_grad,) = torch.autograd.grad((kept * weights.detach()).sum(), [reference])
+    assert torch.equal(grad.detach(), reference_grad)
+    # the backward is differentiable (create_graph): d sum(grad) / d weights is the selection
+    (second,) = torch.autograd.grad(grad.sum(), [weights])
+    assert torch.equal(second, torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0], dtype=dtype))
