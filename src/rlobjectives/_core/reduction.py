@@ -30,7 +30,7 @@ are raised to 1, so that an empty selection gives 0 instead of 0/0.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Literal, NamedTuple, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 import torch
 
@@ -52,6 +52,7 @@ __all__ = [
     "Reduction",
     "ReductionSpec",
     "RowWeights",
+    "above_minus_inf_or_zero",
     "clamp",
     "masked_fill_zero",
     "mean_selected",
@@ -401,6 +402,32 @@ def reduce_pieces(
 def masked_fill_zero(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``values`` where ``mask`` is True, exact zero elsewhere (NaN-proof in value and grad)."""
     return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
+
+
+def above_minus_inf_or_zero(values: torch.Tensor) -> torch.Tensor:
+    """``torch.where(values > -inf, values, 0)``: value and gradient; the backward keeps an int8."""
+    result: torch.Tensor = _AboveMinusInf.apply(values)  # type: ignore[no-untyped-call]
+    return result
+
+
+class _AboveMinusInf(torch.autograd.Function):
+    """The ``where`` above (0 with gradient 0 at ``-inf`` and NaN), its selection kept as ``int8``.
+
+    Autograd would keep the ``where``'s bool, which Inductor's CPU code stores slowly: the
+    compiled CISPO and TOPR losses took ~1.5x ``Clip()``'s with it, ~1.05x with the ``int8``.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, values: torch.Tensor) -> torch.Tensor:
+        selected = values > -torch.inf
+        ctx.save_for_backward(torch.where(selected, 1.0, 0.0).to(torch.int8))
+        return torch.where(selected, values, torch.zeros_like(values))
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (selected,) = ctx.saved_tensors
+        result: torch.Tensor = grad * selected  # grad where selected, 0 elsewhere
+        return result
 
 
 def clamp(

@@ -32,11 +32,12 @@ against the thresholds of :mod:`rlobjectives._core.decisions` (``docs/convention
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import torch
 
 from ..._core.layout import Layout
+from ..._core.reduction import above_minus_inf_or_zero
 
 __all__ = [
     "Bound",
@@ -165,30 +166,7 @@ def sampled_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
     The value forms :math:`w A \ell` (CISPO, DPPO, VESPO) would be infinite or NaN at a sampled
     token of probability 0 (:math:`\ell = -\infty`: a sample outside a recomputed kept set);
     such a token contributes nothing and stays in the reduction's denominator. The value and the
-    gradient are ``torch.where(log_probs > -inf, log_probs, 0)``'s; the selection is kept for the
-    backward as an ``int8`` (:class:`_SampledLogProbs`).
+    gradient are ``torch.where(log_probs > -inf, log_probs, 0)``'s, the selection kept for the
+    backward as an ``int8`` (:func:`~rlobjectives._core.reduction.above_minus_inf_or_zero`).
     """
-    result: torch.Tensor = _SampledLogProbs.apply(log_probs)  # type: ignore[no-untyped-call]
-    return result
-
-
-class _SampledLogProbs(torch.autograd.Function):
-    r"""``torch.where(log_probs > -inf, log_probs, 0)``, its selection saved as an ``int8``.
-
-    The same value and gradient as the ``torch.where``: the backward is ``grad`` times the
-    selection (1 where :math:`\ell > -\infty`, 0 at :math:`-\infty` and NaN). Autograd would keep
-    the bool mask, and Inductor's CPU code stores a bool slowly: the compiled CISPO and TOPR losses
-    took ~1.5x ``Clip()``'s with it, ~1.1x with this ``int8`` (``benchmarks/README.md``).
-    """
-
-    @staticmethod
-    def forward(ctx: Any, log_probs: torch.Tensor) -> torch.Tensor:
-        sampled = log_probs > -torch.inf
-        ctx.save_for_backward(torch.where(sampled, 1.0, 0.0).to(torch.int8))
-        return torch.where(sampled, log_probs, torch.zeros_like(log_probs))
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        (sampled,) = ctx.saved_tensors
-        result: torch.Tensor = grad * sampled
-        return result
+    return above_minus_inf_or_zero(log_probs)
