@@ -63,6 +63,7 @@ __all__ = [
     "reduction_counts",
     "row_weights",
     "safe_divide",
+    "select_or_zero",
     "sum_selected",
     "token_gradient_weights",
     "validate_layout_reduction",
@@ -405,29 +406,32 @@ def masked_fill_zero(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 
 def above_minus_inf_or_zero(values: torch.Tensor) -> torch.Tensor:
-    """``torch.where(values > -inf, values, 0)``: value and gradient; the backward keeps an int8."""
-    result: torch.Tensor = _AboveMinusInf.apply(values)  # type: ignore[no-untyped-call]
+    """``torch.where(values > -inf, values, 0)`` (0 with gradient 0 at ``-inf`` and NaN)."""
+    return select_or_zero(values, values > -torch.inf)
+
+
+def select_or_zero(values: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
+    """``torch.where(selected, values, 0)`` (same shapes): value and gradient; keeps an int8."""
+    result: torch.Tensor = _SelectOrZero.apply(values, selected)  # type: ignore[no-untyped-call]
     return result
 
 
-class _AboveMinusInf(torch.autograd.Function):
-    """The ``where`` above (0 with gradient 0 at ``-inf`` and NaN), its selection kept as ``int8``.
+class _SelectOrZero(torch.autograd.Function):
+    """The ``where`` of :func:`select_or_zero`, its selection kept for the backward as ``int8``.
 
     Autograd would keep the ``where``'s bool, which Inductor's CPU code stores slowly: the
     compiled CISPO and TOPR losses took ~1.5x ``Clip()``'s with it, ~1.05x with the ``int8``.
     """
 
     @staticmethod
-    def forward(ctx: Any, values: torch.Tensor) -> torch.Tensor:
-        selected = values > -torch.inf
+    def forward(ctx: Any, values: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(torch.where(selected, 1.0, 0.0).to(torch.int8))
-        return torch.where(selected, values, torch.zeros_like(values))
+        return masked_fill_zero(values, selected)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
         (selected,) = ctx.saved_tensors
-        result: torch.Tensor = grad * selected  # grad where selected, 0 elsewhere
-        return result
+        return grad * selected, None  # grad where selected, 0 elsewhere
 
 
 def clamp(

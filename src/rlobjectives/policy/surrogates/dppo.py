@@ -49,6 +49,7 @@ import torch
 
 from ..._core.decisions import ratio_above
 from ..._core.fields import check_fields
+from ..._core.reduction import select_or_zero
 from ..._core.validation import Scalar, scalar_number, validate_scalar
 from ...kl.estimators import binary_kl_gap
 from .base import PolicyTokens, Surrogate, SurrogateTerms
@@ -154,11 +155,11 @@ class DPPO(Surrogate):
         ratio = torch.exp(tokens.log_ratio)
         zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
         if self.ratio_cap is None:  # r A: gradient r A
-            values = torch.where(active, ratio, zero) * advantages
+            values = select_or_zero(ratio, active) * advantages
             weight, capped = torch.where(active, ratio.detach(), zero), None
         else:  # sg(min(r, c)) A l
             weight = torch.where(active, torch.clamp(ratio.detach(), max=self.ratio_cap), zero)
-            values = weight * advantages * torch.where(active, log_probs, zero)
+            values = weight * advantages * select_or_zero(log_probs, active)
             capped = kept & ratio_above(tokens.log_ratio.detach(), self.ratio_cap)  # the rule
         outside = mask & ~kept
         return SurrogateTerms(
