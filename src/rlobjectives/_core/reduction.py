@@ -425,7 +425,9 @@ class _SelectOrZero(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, values: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:
-        ctx.save_for_backward(torch.where(selected, 1.0, 0.0).to(torch.int8))
+        # compiled, the int8 is formed from a float (Inductor's CPU code converts a bool slowly)
+        kept = torch.where(selected, 1.0, 0.0) if torch.compiler.is_compiling() else selected
+        ctx.save_for_backward(kept.to(torch.int8))
         return masked_fill_zero(values, selected)
 
     @staticmethod
