@@ -154,3 +154,15 @@ def test_sampled_log_probs_is_torch_where_and_keeps_no_bool(dtype: torch.dtype) 
     # the backward is differentiable (create_graph): d sum(grad) / d weights is the selection
     (second,) = torch.autograd.grad(grad.sum(), [weights])
     assert torch.equal(second, torch.tensor([1.0, 0.0, 0.0, 1.0, 1.0], dtype=dtype))
+
+
+def test_sampled_log_probs_under_torch_func() -> None:
+    # torch.func.grad and vmap of the selection give torch.where's: weights where l > -inf
+    from rlobjectives.policy.surrogates.base import sampled_log_probs
+
+    log_probs = torch.tensor([[-0.5, -math.inf], [math.nan, -2.0]], dtype=F64)
+    weights = torch.tensor([[2.0, 3.0], [5.0, 7.0]], dtype=F64)
+    grad = torch.func.grad(lambda values: (sampled_log_probs(values) * weights).sum())(log_probs)
+    assert torch.equal(grad, torch.tensor([[2.0, 0.0], [0.0, 7.0]], dtype=F64))
+    rows = torch.func.vmap(sampled_log_probs)(log_probs)
+    assert torch.equal(rows, torch.tensor([[-0.5, 0.0], [0.0, -2.0]], dtype=F64))
