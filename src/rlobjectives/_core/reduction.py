@@ -52,7 +52,6 @@ __all__ = [
     "Reduction",
     "ReductionSpec",
     "RowWeights",
-    "above_minus_inf_or_zero",
     "clamp",
     "masked_fill_zero",
     "mean_selected",
@@ -403,11 +402,6 @@ def reduce_pieces(
 def masked_fill_zero(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """``values`` where ``mask`` is True, exact zero elsewhere (NaN-proof in value and grad)."""
     return torch.where(mask, values, torch.zeros((), dtype=values.dtype, device=values.device))
-
-
-def above_minus_inf_or_zero(values: torch.Tensor) -> torch.Tensor:
-    """``torch.where(values > -inf, values, 0)`` (0 with gradient 0 at ``-inf`` and NaN)."""
-    return select_or_zero(values, values > -torch.inf)
 
 
 def select_or_zero(values: torch.Tensor, selected: torch.Tensor) -> torch.Tensor:

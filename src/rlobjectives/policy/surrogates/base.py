@@ -37,7 +37,7 @@ from typing import ClassVar, NamedTuple
 import torch
 
 from ..._core.layout import Layout
-from ..._core.reduction import above_minus_inf_or_zero
+from ..._core.reduction import select_or_zero
 
 __all__ = [
     "Bound",
@@ -167,6 +167,6 @@ def sampled_log_probs(log_probs: torch.Tensor) -> torch.Tensor:
     token of probability 0 (:math:`\ell = -\infty`: a sample outside a recomputed kept set);
     such a token contributes nothing and stays in the reduction's denominator. The value and the
     gradient are ``torch.where(log_probs > -inf, log_probs, 0)``'s, the selection kept for the
-    backward as an ``int8`` (:func:`~rlobjectives._core.reduction.above_minus_inf_or_zero`).
+    backward as an ``int8`` (:func:`~rlobjectives._core.reduction.select_or_zero`).
     """
-    return above_minus_inf_or_zero(log_probs)
+    return select_or_zero(log_probs, log_probs > -torch.inf)
