@@ -44,9 +44,9 @@ DEFAULT_CHUNK_ELEMENTS = 1 << 23
 SCRATCH_ELEMENTS = 1 << 17
 
 
-def scratch_rows(width: int) -> int:
-    """Rows of the scratch block for rows of ``width`` values: ``max(1, 2**17 // width)``."""
-    return max(1, SCRATCH_ELEMENTS // max(width, 1))
+def scratch_rows(width: int, rows: int) -> int:
+    """Scratch rows for ``rows`` rows of ``width`` values: ``min(rows, max(1, 2**17 // width))``."""
+    return min(rows, max(1, SCRATCH_ELEMENTS // max(width, 1)))
 
 
 #: A block: an index into the leading dimensions, ``(slice,)`` or ``(int, slice)``.

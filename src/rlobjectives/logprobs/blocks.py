@@ -366,7 +366,7 @@ def slice_stats(
     if not (with_entropy or with_squares):
         return torch.logsumexp(scores, dim=1), None, None  # -inf for a row of -inf
     rows, width = scores.shape
-    scratch = scores.new_empty(min(rows, scratch_rows(width)), width)  # (c, V)
+    scratch = scores.new_empty(scratch_rows(width, rows), width)  # (c, V)
     shifted = torch.empty_like(scratch)  # s - m, c rows at a time
     moments = slice_moments_(
         scores, scratch, entropy=with_entropy, squares=with_squares, shifted=shifted
@@ -425,7 +425,7 @@ def slice_grads_(
     log_normalizer, entropy = stats
     log_probs = scores.sub_(log_normalizer.unsqueeze(1))  # (C, V)
     rows, width = scores.shape
-    scratch = scores.new_empty(min(rows, scratch_rows(width)), width)  # (c, V)
+    scratch = scores.new_empty(scratch_rows(width, rows), width)  # (c, V)
     grad = entropy_logit_grads_(log_probs, entropy, weights, scratch)
     return grad.scatter_add_(1, tokens.unsqueeze(1), target_grad.unsqueeze(1))
 

@@ -92,7 +92,7 @@ def new_buffers(
     if rows is None:
         rows = min(head.chunk_size, head.hidden.shape[0])
     vocab, weight, dtype = head.weight.shape[0], head.weight, head.dtype
-    scratch = min(rows, scratch_rows(vocab))
+    scratch = scratch_rows(vocab, rows)
     softcap = head.transform.softcap is not None and derivative
     return ChunkBuffers(
         scores=torch.empty(rows if scores else 0, vocab, dtype=dtype, device=weight.device),
