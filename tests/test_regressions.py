@@ -407,6 +407,25 @@ def test_fused_policy_loss_from_hidden_traces_with_fullgraph() -> None:
         torch.testing.assert_close(actual, expected)
 
 
+@pytest.mark.compile
+def test_a_surrogate_name_traces_with_fullgraph_on_the_first_call() -> None:
+    """``policy_loss(surrogate="sapo")`` built the name's object on first use with
+    ``dataclasses.fields``, which ``torch.compile(fullgraph=True)`` cannot trace: a process whose
+    first call was compiled failed (the suite passed only because an eager call came first)."""
+    program = (
+        "import torch, rlobjectives as rlo\n"
+        "x, old, a, m = torch.zeros(2, 3), torch.zeros(2, 3), torch.ones(2), torch.ones(2, 3) > 0\n"
+        "step = lambda s: rlo.policy_loss(x, old, a, m, surrogate=s).loss\n"
+        "for name in ('sapo', 'gmpo', 'probability_band'):\n"
+        "    compiled = torch.compile(step, fullgraph=True, backend='eager')\n"
+        "    assert torch.equal(compiled(name), step(name)), name\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", program], capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr[-2000:]
+
+
 def test_errors_blame_the_right_argument() -> None:
     """Errors that blame the wrong argument (``old_log_probs`` wrong → message about ``mask``;
     wrong device → message about ``advantages``) (...)."""

@@ -273,34 +273,37 @@ def validate_entropy_coef(
     return coef
 
 
-#: Each name's object with its defaults, built on first use (the objects are immutable).
-_DEFAULTS: dict[str, Surrogate] = {}
+def _name_default(cls: type[Surrogate]) -> Surrogate | str:
+    """``cls()``, or where a field has no default, the fields the object needs."""
+    missing = dataclasses.MISSING
+    fields = dataclasses.fields(cls)  # type: ignore[arg-type]
+    required = [f"{f.name}=..." for f in fields if f.default is f.default_factory is missing]
+    return f"{cls.__name__}({', '.join(required)})" if required else cls()
+
+
+#: Each name's object with its defaults (immutable), or, where a field has none (DRO's beta,
+#: TOPR's rewards), the object to pass instead. Built at import: a first call under
+#: ``torch.compile(fullgraph=True)`` cannot trace ``dataclasses.fields``.
+_DEFAULTS: dict[str, Surrogate | str] = {
+    name: _name_default(cls) for name, cls in SURROGATES.items()
+}
 
 
 def as_surrogate(surrogate: object) -> Surrogate:
     """The surrogate object of ``policy_loss(surrogate=...)``: an object, or a name's defaults.
 
     Raises:
-        ValueError: an unknown name.
+        ValueError: an unknown name, or a name whose object has a field without a default.
         TypeError: neither a name nor a surrogate object.
     """
     if isinstance(surrogate, Surrogate):
         return surrogate
     if isinstance(surrogate, str):
         validate_choice(surrogate, "surrogate", SURROGATE_NAMES)
-        if surrogate not in _DEFAULTS:
-            cls, missing = SURROGATES[surrogate], dataclasses.MISSING
-            fields = dataclasses.fields(cls)  # type: ignore[arg-type]
-            required = [
-                f"{f.name}=..." for f in fields if f.default is f.default_factory is missing
-            ]
-            if required:  # DRO's beta, TOPR's rewards: the name cannot mean defaults
-                raise ValueError(
-                    f"surrogate={surrogate!r} has no defaults: pass the object, "
-                    f"{cls.__name__}({', '.join(required)})"
-                )
-            _DEFAULTS[surrogate] = cls()
-        return _DEFAULTS[surrogate]
+        default = _DEFAULTS[surrogate]
+        if isinstance(default, str):  # the name cannot mean defaults
+            raise ValueError(f"surrogate={surrogate!r} has no defaults: pass the object, {default}")
+        return default
     classes = ", ".join(cls.__name__ for cls in SURROGATES.values())
     raise TypeError(
         f"surrogate must be one of {list(SURROGATE_NAMES)} or a surrogate object ({classes}, or "
