@@ -25,7 +25,9 @@ Variants:
 ``TOPR(rewards)``, ``REAL()`` (``group_size=8``) and ``FIPO(gamma=2 ** (-1 / 32), cap=0.2)``,
 each eager and compiled, with ``CISPO()`` and ``DPPO()`` for context (the library's
 ``sg(w) A l`` and float64 trust region), B=64 T=4096 by default; results in
-``benchmarks/results/surrogates35-<threads>thread.csv``.
+``benchmarks/results/surrogates35-<threads>thread.csv``. ``--token-advantages``: advantages
+``(B, T)`` (each token its sequence's value, contiguous) in place of ``(B, 1)``; the file's stem
+gains ``-token-advantages``.
 
 Also printed: the bytes autograd keeps for backward (``saved_tensors_hooks``) per variant, in
 ``(B, T)`` float32 tensors. Results: ``benchmarks/results/policy-formula-<threads>.csv``.
@@ -64,7 +66,9 @@ class _VerlConfig:
         return {"clip_ratio_c": 3.0}.get(key, default)
 
 
-def _inputs(batch: int, tokens: int) -> Callable[[torch.device], dict[str, torch.Tensor]]:
+def _inputs(
+    batch: int, tokens: int, per_token: bool = False
+) -> Callable[[torch.device], dict[str, torch.Tensor]]:
     def make(device: torch.device) -> dict[str, torch.Tensor]:
         generator = torch.Generator().manual_seed(0)
         old = -torch.rand(batch, tokens, generator=generator) * 3
@@ -73,12 +77,13 @@ def _inputs(batch: int, tokens: int) -> Callable[[torch.device], dict[str, torch
         mask = torch.arange(tokens).unsqueeze(0) < lengths  # prefix masks, ~70% selected
         advantages = torch.randn(batch, 1, generator=generator)
         rewards = (advantages.squeeze(-1) > 0).float()  # TOPR: the sign of the reward
+        token_advantages = advantages.expand(batch, tokens).contiguous()
         return {
             "rewards": rewards.to(device),
             "log_probs": log_probs.to(device),
             "old_log_probs": old.to(device),
-            "advantages": advantages.to(device),
-            "token_advantages": advantages.expand(batch, tokens).contiguous().to(device),
+            "advantages": (token_advantages if per_token else advantages).to(device),
+            "token_advantages": token_advantages.to(device),
             "mask": mask.to(device),
         }
 
@@ -159,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=25)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--surrogates", action="store_true", help="issue 35's, against Clip()")
+    parser.add_argument(
+        "--token-advantages", action="store_true", help="advantages (B, T), not (B, 1)"
+    )
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     shapes = [(8, 512)] if args.quick else [(64, 4096), (8, 16384)]
@@ -177,7 +185,8 @@ def main(argv: list[str] | None = None) -> int:
             for name, fn in chosen
         )
         case = harness.Case(
-            "policy_loss", f"B={batch} T={tokens}", torch.float32, _inputs(batch, tokens),
+            "policy_loss", f"B={batch} T={tokens}", torch.float32,
+            _inputs(batch, tokens, args.token_advantages),
             ("log_probs",), variants,
         )  # fmt: skip
         timings = harness.time_case(
@@ -206,6 +215,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quick and not args.shape:
         RESULTS.mkdir(exist_ok=True)
         stem = "surrogates35" if args.surrogates else "policy-formula"
+        stem += "-token-advantages" if args.token_advantages else ""
         path = RESULTS / f"{stem}-{args.threads}thread.csv"
         with path.open("w", newline="") as handle:
             handle.write(f"# {machine}\n")

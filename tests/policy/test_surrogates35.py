@@ -163,6 +163,42 @@ def test_probability_band_decides_on_the_float64_probabilities() -> None:
     assert out.loss == 0.0 and grad == 0.0
 
 
+@pytest.mark.compile
+def test_probability_band_compiled_takes_the_eager_decisions(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Compiled, the decision is the sign bit of tau - |p - p_old| by an integer shift of its
+    # float64 bits; eager, torch.signbit. Both at the edge (tau = 0 and l = l_old: tau - |0| =
+    # +0, inside; a token that moved at all is outside), at the float64 case above (outside,
+    # where float32 says inside) and with NaN at an unselected token. tau a 0-d tensor: one graph.
+    import rlobjectives._core.compiled as compiled_module
+
+    monkeypatch.setattr(compiled_module, "_COMPILED", {})
+    log_probs = t([[-0.5, -0.5, -0.019026590511202812, math.nan]], torch.float32)
+    old = t([[-0.5, -0.5000001, -0.24698390066623688, -0.5]], torch.float32)
+    mask = torch.tensor([[True, True, True, False]])
+    cases = [(0.0, [0, 1, 1]), (float(torch.tensor(0.2)), [0, 0, 1])]  # tau, outside per token
+    for tau, outside in cases:
+        results = []
+        for setting in ("0", "1"):
+            monkeypatch.setenv("RLOBJECTIVES_COMPILE", setting)
+            leaf = log_probs.clone().requires_grad_(True)
+            band = ProbabilityBand(tau=torch.tensor(tau), kappa=0.0)
+            out = rlo.policy_loss(leaf, old, t([1.0], torch.float32), mask, surrogate=band)
+            (grad,) = torch.autograd.grad(out.loss, [leaf])
+            results.append((out, grad))
+        for out, grad in results:  # kept tokens: gradient -r A / 3 = -r / 3; outside: 0
+            ratio = torch.exp(log_probs - old)[0, :3]
+            want = torch.where(torch.tensor(outside) > 0, 0.0, -ratio / 3)
+            assert_close(grad[0, :3], want)
+            assert grad[0, 3] == 0.0
+            assert_close(out.diagnostics.clipped_fraction, sum(outside) / 3)
+        (eager, _), (compiled, _) = results
+        for value, expected in zip(compiled.diagnostics, eager.diagnostics, strict=True):
+            assert_close(value, expected)
+        assert compiled_module._COMPILED.get("failed") is None  # compiled, not the fallback
+
+
 def test_probability_band_tensor_fields_and_a_learnable_kappa() -> None:
     case = random_batch(3, 6, seed=5)
     args = (case["log_probs"], case["old_log_probs"], case["advantages"], case["mask"])
