@@ -155,8 +155,8 @@ class DPPO(Surrogate):
         ratio = torch.exp(tokens.log_ratio)
         zero = torch.zeros((), dtype=ratio.dtype, device=ratio.device)
         if self.ratio_cap is None:  # r A: gradient r A
-            values = select_or_zero(ratio, active) * advantages
-            weight, capped = torch.where(active, ratio.detach(), zero), None
+            selected = select_or_zero(ratio, active)
+            values, weight, capped = selected * advantages, selected.detach(), None
         else:  # sg(min(r, c)) A l
             weight = torch.where(active, torch.clamp(ratio.detach(), max=self.ratio_cap), zero)
             values = weight * advantages * select_or_zero(log_probs, active)
