@@ -11,6 +11,7 @@ row of the option tables (``family_cases.py``, the micro-batch and packed tables
 
 from __future__ import annotations
 
+import itertools
 import math
 from typing import Any
 
@@ -170,7 +171,8 @@ def test_probability_band_compiled_takes_the_eager_decisions(
     # Compiled, the decision is the sign bit of tau - |p - p_old| by an integer shift of its
     # float64 bits; eager, torch.signbit. Both at the edge (tau = 0 and l = l_old: tau - |0| =
     # +0, inside; a token that moved at all is outside), at the float64 case above (outside,
-    # where float32 says inside) and with NaN at an unselected token. tau a 0-d tensor: one graph.
+    # where float32 says inside) and with NaN at an unselected token, with advantages per
+    # sequence and per token (the compiled decision reads them). tau a 0-d tensor: one graph.
     import rlobjectives._core.compiled as compiled_module
 
     monkeypatch.setattr(compiled_module, "_COMPILED", {})
@@ -178,13 +180,14 @@ def test_probability_band_compiled_takes_the_eager_decisions(
     old = t([[-0.5, -0.5000001, -0.24698390066623688, -0.5]], torch.float32)
     mask = torch.tensor([[True, True, True, False]])
     cases = [(0.0, [0, 1, 1]), (float(torch.tensor(0.2)), [0, 0, 1])]  # tau, outside per token
-    for tau, outside in cases:
+    layouts = [t([1.0], torch.float32), t([[1.0, 1.0, 1.0, math.nan]], torch.float32)]
+    for (tau, outside), advantages in itertools.product(cases, layouts):
         results = []
         for setting in ("0", "1"):
             monkeypatch.setenv("RLOBJECTIVES_COMPILE", setting)
             leaf = log_probs.clone().requires_grad_(True)
             band = ProbabilityBand(tau=torch.tensor(tau), kappa=0.0)
-            out = rlo.policy_loss(leaf, old, t([1.0], torch.float32), mask, surrogate=band)
+            out = rlo.policy_loss(leaf, old, advantages, mask, surrogate=band)
             (grad,) = torch.autograd.grad(out.loss, [leaf])
             results.append((out, grad))
         for out, grad in results:  # kept tokens: gradient -r A / 3 = -r / 3; outside: 0

@@ -85,24 +85,31 @@ class ProbabilityBand(Surrogate):
         r""":math:`\mathbb{1}[|p - p^{old}| \le \tau]\, rA - \kappa x^2`."""
         log_ratio, advantages = tokens.log_ratio, tokens.advantages
         compute, wide = log_ratio.dtype, torch.float64
-        # p - p_old in float64 from the log-probabilities as given (the rule of DPPO's TV)
-        moved = torch.exp(tokens.log_probs.detach().to(wide))
-        moved = moved.sub_(torch.exp(tokens.old_log_probs.to(wide)))  # (B, T)
+        # p - p_old in float64 from the log-probabilities as given (the rule of DPPO's TV), each
+        # exp in place on its own copy
+        moved = tokens.log_probs.detach().to(wide, copy=True).exp_()
+        moved = moved.sub_(tokens.old_log_probs.to(wide, copy=True).exp_())  # (B, T)
         tau = torch.as_tensor(self.tau, dtype=wide, device=moved.device).detach()
         tau = tau.to(compute).to(wide)  # tau rounded to the computation dtype
-        # The decision as a small integer, -1 outside the band and 0 inside: the sign bit of
-        # tau - |p - p_old| (the edge, +0, inside). Compiled, it is what the backward keeps: not a
-        # mask, which Inductor's CPU code stores slowly, nor the float64 work, which it would
-        # otherwise redo; and an arithmetic shift of the float64's bits, as that code converts a
-        # float64 (or its mask) to int8 element by element. tau - |.| out of place: in place it
-        # costs the compiled loss a fifth of Clip()'s time.
-        margin = tau - moved.abs_()  # (B, T)
+        # Outside the band: the sign bit of tau - |p - p_old| (the edge, +0, inside).
         if torch.compiler.is_compiling():
+            # Inductor's CPU code. The decision as an int8 (-1 outside, 0 inside) is what the
+            # backward keeps: not a mask, which that code stores slowly, nor the float64 work,
+            # which it would otherwise redo; taken by an arithmetic shift of the float64's bits,
+            # as it converts a float64 (or its mask) to int8 element by element. tau - |.| out of
+            # place: in place it costs the compiled loss a fifth of Clip()'s time.
+            margin = tau - moved.abs_()
+            # A select with equal branches, a no-op that reads the advantages: the decision is
+            # then one loop with the values over their broadcast. Read from the log-probabilities
+            # alone it is a flat loop of its own (with the log-ratio, which it shares reads with),
+            # and Inductor merges no such pair into the loop over (B, 1) advantages.
+            margin = torch.where(advantages == advantages, margin, margin)
             outside_code = (margin.view(torch.int64) >> 63).to(torch.int8)
-        else:  # eager: a bool sign bit converts faster
-            outside_code = torch.signbit(margin).to(torch.int8).neg_()
-        gated = torch.exp(log_ratio) * (outside_code + 1)  # 1[kept] r
-        outside = outside_code < 0
+            outside, kept = outside_code < 0, outside_code + 1
+        else:  # eager: a bool, tau - |.| in place
+            outside = torch.signbit(torch.sub(tau, moved.abs_(), out=moved))
+            kept = outside.logical_not()
+        gated = torch.exp(log_ratio) * kept  # 1[kept] r
         values = gated * advantages
         if isinstance(self.kappa, torch.Tensor):
             values = values - self.kappa * log_ratio.square()
