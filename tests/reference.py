@@ -425,6 +425,16 @@ def real_surrogates(
     return out
 
 
+def future_discounted_sums(values: list[float], gamma: float) -> list[float]:
+    """``F_t = sum_{s >= t} gamma^(s - t) v_s`` by the recursion ``F_t = v_t + gamma F_{t+1}``
+    (``F_T = 0``), FIPO's future log-ratio of one sequence."""
+    out, later = [0.0] * len(values), 0.0
+    for t in reversed(range(len(values))):
+        later = values[t] + gamma * later
+        out[t] = later
+    return out
+
+
 def fipo_influence(
     log_probs: Tensor,
     old_log_probs: Tensor,
@@ -447,8 +457,7 @@ def fipo_influence(
             if delta is not None and math.exp(x[s]) > delta:  # type: ignore[operator]
                 x[s] = 0.0
     influence, safety = [], []
-    for t in range(width):
-        future = sum(gamma ** (s - t) * x[s] for s in range(t, width))
+    for t, future in enumerate(future_discounted_sums(x, gamma)):
         f = math.exp(future) if future < 700 else math.inf
         if cap is not None:
             low = 1.0 if options["fipo_cap_high_only"] else 1.0 - cap  # type: ignore[operator]

@@ -14,7 +14,7 @@ a packed sequence stops at its end):
 ``high``, TRL's ``delta``), the influence weight :math:`f` a constant. Optionally
 :math:`f \in [1 - c, 1 + c]`, and ms-swift's safety clamp :math:`f \leftarrow \mathrm{clip}(f,
 0.8, 1)` where :math:`A_t < 0` and :math:`r_t > \text{threshold}`. The future sum is a
-reverse scan by doubling (log-depth, no Python loop over positions); under context parallelism
+blocked reverse cumulative sum (a doubling scan when packed or compiled); under context parallelism
 each rank's chunk takes the carry of the later ranks' chunks (one all-gather of ``(S, 2)``
 states: the first position's sum and :math:`\gamma^{\text{length}}`).
 """
