@@ -443,7 +443,7 @@ def test_long_sequences_cross_scan_blocks(
     gamma: float, lam: float, log_range: float | None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     if log_range is not None:  # force small blocks (6 tokens for 0.855, 2 for 0.5) at any gamma
-        monkeypatch.setattr(_scans, "_SCAN_LOG_RANGE", log_range)
+        monkeypatch.setattr(_scans, "BLOCK_LOG_RANGE", log_range)
     # T = 150 spans several scan blocks (block size from gamma * lam: 9 tokens for 0.03, 50 for
     # 0.5, 322 for 0.9), with masked gaps and an empty row.
     rewards, values, mask = _token_inputs(14, 3, 150)

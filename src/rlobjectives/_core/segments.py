@@ -19,7 +19,12 @@ import torch
 from .context import carry_from_later_ranks, context_gather
 from .layout import Layout, _sequence_end, _sequence_ids
 
-__all__ = ["future_discounted_sums", "segment_discounted_sum", "segment_next_selected"]
+__all__ = [
+    "BLOCK_LOG_RANGE",
+    "future_discounted_sums",
+    "segment_discounted_sum",
+    "segment_next_selected",
+]
 
 
 def segment_discounted_sum(
@@ -79,10 +84,11 @@ def segment_next_selected(
     return padded.gather(0, next_index).reshape(values.shape)
 
 
-#: The blocked scan of :func:`future_discounted_sums` rescales by ``gamma^-o`` inside a block of
+#: The blocked reverse scans (:func:`future_discounted_sums` here, GAE's and REINFORCE++'s in
+#: :mod:`rlobjectives.advantages.scans`) rescale by ``gamma^-o`` inside a block of
 #: ``34 / -log(gamma)`` positions, so that every factor lies in ``[e^-34, e^34]`` (float32 holds
 #: ``e^+-88``).
-_BLOCK_LOG_RANGE = 34.0
+BLOCK_LOG_RANGE = 34.0
 
 
 def future_discounted_sums(
@@ -144,7 +150,7 @@ def _blocked_future_sums(values: torch.Tensor, gamma: float) -> torch.Tensor:
         return values
     block = width
     if gamma < 1.0:
-        block = max(1, min(width, int(_BLOCK_LOG_RANGE / -math.log(gamma))))
+        block = max(1, min(width, int(BLOCK_LOG_RANGE / -math.log(gamma))))
     blocks = -(-width // block)
     padded = torch.nn.functional.pad(values, (0, blocks * block - width))
     padded = padded.reshape(rows, blocks, block)  # (B, C, K)

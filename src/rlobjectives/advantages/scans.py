@@ -19,7 +19,7 @@ import torch
 from .._core.context import carry_from_later_ranks, context_gather
 from .._core.layout import Layout
 from .._core.reduction import masked_fill_zero
-from .._core.segments import segment_discounted_sum, segment_next_selected
+from .._core.segments import BLOCK_LOG_RANGE, segment_discounted_sum, segment_next_selected
 from .._core.validation import Scalar, validate_scalar
 
 __all__ = [
@@ -43,11 +43,6 @@ def validate_discount(value: Scalar, name: str) -> float:
     return number
 
 
-# The blocked reverse scan rescales by discount**(-c) inside a block; blocks are sized so that
-# these factors stay below exp(_SCAN_LOG_RANGE) ~ 6e14, far from float32 over/underflow.
-_SCAN_LOG_RANGE = 34.0
-
-
 def _masked_discounted_sum(
     values: torch.Tensor, mask: torch.Tensor, discount: float
 ) -> torch.Tensor:
@@ -69,7 +64,7 @@ def _masked_discounted_sum(
         return values
     if discount == 1.0:
         return masked_fill_zero(values.flip(-1).cumsum(-1).flip(-1), mask)
-    block = max(1, min(tokens, int(_SCAN_LOG_RANGE / -math.log(discount))))
+    block = max(1, min(tokens, int(BLOCK_LOG_RANGE / -math.log(discount))))
     blocks = -(-tokens // block)
     pad = blocks * block - tokens
     values_b = torch.nn.functional.pad(values, (0, pad)).reshape(batch, blocks, block)  # (B,C,K)
@@ -124,7 +119,7 @@ def _row_scan(values: torch.Tensor, chain: torch.Tensor, discount: torch.Tensor)
 #: The blocked scan keeps its block's factors below e^34 with blocks of ``34 / -log w`` tokens;
 #: below this discount the blocks would be shorter than 8 tokens (and ``w^-1`` of a tiny
 #: ``w`` overflows), so the doubling scan runs instead.
-_BLOCKED_MIN_DISCOUNT = math.exp(-_SCAN_LOG_RANGE / 8)
+_BLOCKED_MIN_DISCOUNT = math.exp(-BLOCK_LOG_RANGE / 8)
 
 
 def _next_selected(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
